@@ -1,0 +1,19 @@
+# Two commands do all the set-up: `make train` (the main job) and `make test` (the test suite).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DATA ?= ../shared/data
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[cpu,onnx,test]'
+	touch $@
+
+.PHONY: install train test
+install: $(VENV)/.installed
+
+train: $(VENV)/.installed
+	$(VENV)/bin/meshfit train fashion-mnist-cnn --data-dir $(DATA)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q

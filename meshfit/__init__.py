@@ -1,0 +1,23 @@
+"""meshfit: train any Keras model data-parallel on every core of a TPU, GPU or CPU.
+
+`connect()` finds the devices and returns a `Strategy`; build the model in `strategy.scope()` and
+fit as usual. Keras is imported only by `connect()` (after the engine is chosen), so import
+meshfit before keras if you want meshfit to choose the Keras backend.
+"""
+
+from meshfit.errors import MeshfitError
+
+__version__ = "0.1.0"
+__all__ = ["connect", "Strategy", "EpochReport", "MeshfitError", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in ("connect", "Strategy"):
+        from meshfit import distribution
+
+        return getattr(distribution, name)
+    if name == "EpochReport":
+        from meshfit.report import EpochReport
+
+        return EpochReport
+    raise AttributeError(f"module 'meshfit' has no attribute {name!r}")

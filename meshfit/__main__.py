@@ -1,0 +1,7 @@
+"""`python -m meshfit` runs the command line."""
+
+import sys
+
+from meshfit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,86 @@
+"""Engine choice: which Keras backend runs the model.
+
+Keras fixes its backend when it is first imported, so the choice is made here, before that
+import. Multi-device and accelerator work runs on JAX; a single CPU device runs on TensorFlow when
+it is installed, because Keras/TF ran the tutorial CNNs 4-6x faster than Keras/JAX on our CPUs
+(see BENCHMARKS.md; XLA:CPU convolutions are slow).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+from meshfit.errors import MeshfitError
+
+ENGINES = ("auto", "jax", "tensorflow", "torch")
+ENGINE_ENV = "MESHFIT_ENGINE"
+_MULTI_DEVICE_ENGINES = ("jax",)
+
+
+def installed(engine: str) -> bool:
+    """True when the engine's framework can be imported."""
+    return importlib.util.find_spec(engine) is not None
+
+
+def loaded_backend() -> str | None:
+    """The backend of an already imported Keras, else None."""
+    if "keras" not in sys.modules:
+        return None
+    import keras
+
+    return keras.backend.backend()
+
+
+def choose(requested: str | None, platform: str, device_count: int) -> str:
+    """The engine to run: the requested one, or for 'auto' the fastest for these devices."""
+    requested = (requested or os.environ.get(ENGINE_ENV) or "auto").lower()
+    if requested not in ENGINES:
+        raise MeshfitError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}")
+    loaded = loaded_backend()
+    if requested == "auto":
+        if loaded:
+            return loaded
+        if os.environ.get("KERAS_BACKEND"):
+            return os.environ["KERAS_BACKEND"]
+        if platform == "cpu" and device_count == 1 and installed("tensorflow"):
+            return "tensorflow"
+        return "jax"
+    if loaded and loaded != requested:
+        raise MeshfitError(
+            f"too late to switch to engine {requested}: Keras was already imported with the "
+            f"{loaded} backend; call meshfit.connect(engine={requested!r}) before importing keras, "
+            f"or set KERAS_BACKEND={requested}"
+        )
+    if requested not in _MULTI_DEVICE_ENGINES and (device_count > 1 or platform != "cpu"):
+        raise MeshfitError(
+            f"engine {requested} runs on one CPU device in meshfit, but {device_count} {platform} "
+            f"device(s) are in use; use --engine jax"
+        )
+    if not installed(requested):
+        raise MeshfitError(f"engine {requested} is not installed; pip install {_PACKAGES[requested]}")
+    return requested
+
+
+_PACKAGES = {"jax": "jax", "tensorflow": "tensorflow-cpu", "torch": "torch"}
+
+
+def activate(engine: str):
+    """Import Keras with `engine` as its backend and return the keras module."""
+    os.environ["KERAS_BACKEND"] = engine
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
+    import keras
+
+    if keras.backend.backend() != engine:
+        raise MeshfitError(
+            f"too late to switch to engine {engine}: Keras already runs on {keras.backend.backend()}"
+        )
+    return keras
+
+
+def hint_faster_engine(engine: str, platform: str, device_count: int) -> str | None:
+    """A one-line hint when a faster engine for this machine is an install away."""
+    if engine == "jax" and platform == "cpu" and device_count == 1 and not installed("tensorflow"):
+        return "on a single CPU Keras/TensorFlow trains these CNNs 4-6x faster: pip install 'meshfit[cpu]'"
+    return None

@@ -1,0 +1,104 @@
+"""Planning from the hardware: per-core batch multiple, precision and peak FLOP/s.
+
+Peak figures are dense (no sparsity) FLOP/s per JAX device at the compute precision, from the
+vendors' data sheets. On TPU v2/v3 a JAX device is one core (half a chip); from v4 on it is a chip.
+For float32 on GPUs the peak is TF32's, which XLA uses for float32 matmuls by default; on TPUs
+float32 matmuls run as one bfloat16 pass by default, so the bfloat16 peak applies.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+from meshfit.errors import MeshfitError
+
+PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
+            "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+
+# (substring of the lower-cased device kind, per-core batch multiple, {precision: peak FLOP/s}).
+# The first matching row wins, so more specific names come first.
+_HARDWARE = (
+    ("tpu v2", 128, {"bfloat16": 22.5e12, "float32": 22.5e12}),
+    ("tpu v3", 128, {"bfloat16": 61.5e12, "float32": 61.5e12}),
+    ("tpu v4", 128, {"bfloat16": 275e12, "float32": 275e12}),
+    ("tpu v5 lite", 128, {"bfloat16": 197e12, "float32": 197e12}),
+    ("tpu v5e", 128, {"bfloat16": 197e12, "float32": 197e12}),
+    ("tpu v5", 128, {"bfloat16": 459e12, "float32": 459e12}),
+    ("tpu v6", 256, {"bfloat16": 918e12, "float32": 918e12}),
+    ("h100 pcie", 8, {"bfloat16": 756e12, "float16": 756e12, "float32": 378e12}),
+    ("h100", 8, {"bfloat16": 989e12, "float16": 989e12, "float32": 494.7e12}),
+    ("h200", 8, {"bfloat16": 989e12, "float16": 989e12, "float32": 494.7e12}),
+    ("a100", 8, {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12}),
+    ("v100", 8, {"float16": 125e12, "float32": 15.7e12}),
+    ("t4", 8, {"float16": 65e12, "float32": 8.1e12}),
+)
+
+
+def _row(platform: str, device_kind: str):
+    kind = device_kind.lower()
+    for key, multiple, peaks in _HARDWARE:
+        if key in kind:
+            return multiple, peaks
+    return {"tpu": 128, "gpu": 8}.get(platform, 1), {}
+
+
+def batch_multiple(platform: str, device_kind: str) -> int:
+    """Per-core batch multiple: 128 on TPU v2-v5 matrix units, 256 on v6e, 8 on GPUs, 1 on CPU."""
+    return _row(platform, device_kind)[0]
+
+
+def peak_flops(platform: str, device_kind: str, precision: str) -> float | None:
+    """Peak FLOP/s of one device at `precision`, or None where it is not known (CPUs)."""
+    if platform == "cpu":
+        return None
+    return _row(platform, device_kind)[1].get(precision)
+
+
+def resolve_precision(requested: str, platform: str, compute_capability: str | None = None) -> str:
+    """The compute precision: 'float32', 'bfloat16' or 'float16' ('auto' picks for the hardware)."""
+    name = _ALIASES.get(str(requested).lower(), str(requested).lower())
+    if name not in PRECISIONS:
+        raise MeshfitError(
+            f"unknown precision {requested!r}; use one of: {', '.join(PRECISIONS)}"
+        )
+    if name != "auto":
+        return name
+    if platform == "tpu":
+        return "bfloat16"
+    if platform == "gpu":
+        major = int(str(compute_capability or "8.0").split(".")[0])
+        return "bfloat16" if major >= 8 else "float16"
+    return "float32"
+
+
+def keras_policy(precision: str) -> str:
+    """The Keras dtype policy: variables stay float32, compute in `precision`."""
+    return {"float32": "float32", "bfloat16": "mixed_bfloat16", "float16": "mixed_float16"}[precision]
+
+
+def round_per_core(per_core: int, multiple: int) -> int:
+    """`per_core` rounded to the nearest multiple of the hardware multiple (at least one)."""
+    if per_core < 1:
+        raise MeshfitError(f"batch size must be at least 1, got {per_core}")
+    return max(multiple, multiple * round(per_core / multiple))
+
+
+def split_global_batch(global_batch: int, replicas: int, rounding: bool = True) -> int:
+    """The global batch, checked to split evenly across replicas (rounded up with a warning)."""
+    if global_batch < 1:
+        raise MeshfitError(f"batch size must be at least 1, got {global_batch}")
+    if global_batch % replicas == 0:
+        return global_batch
+    lower = (global_batch // replicas) * replicas
+    upper = math.ceil(global_batch / replicas) * replicas
+    if not rounding:
+        hint = f"{lower} or {upper}" if lower else f"{upper}"
+        raise MeshfitError(
+            f"global batch {global_batch} does not split evenly across {replicas} replicas; "
+            f"use a multiple of {replicas} ({hint}) or allow rounding"
+        )
+    warnings.warn(f"global batch {global_batch} rounded up to {upper} to split across {replicas} replicas",
+                  stacklevel=2)
+    return upper

@@ -1,0 +1,60 @@
+"""Recipes: a model, its data and its hyperparameters, one readable file each.
+
+Each recipe module defines `RECIPE`, a `Recipe`, and states in its docstring the expected result
+measured on named hardware. `get(name)` finds one; `names()` lists them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from meshfit.errors import MeshfitError
+
+_MODULES = {
+    "fashion-mnist-cnn": "fashion_mnist_cnn",
+    "cifar10-cnn": "cifar10_cnn",
+    "mnist-mlp-bf16": "mnist_mlp_bf16",
+    "cifar10-fast": "cifar10_fast",
+    "resnet50-synthetic": "resnet50_synthetic",
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything needed to train one model: see any recipe module for a filled-in example.
+
+    build_model(input_shape, num_classes) returns an uncompiled Keras model;
+    optimizer(steps_per_epoch, epochs) returns a Keras optimizer (schedules need the step count).
+    global_batch is the batch over all replicas; per_core_batch, when set, wins and is
+    multiplied by the replicas after rounding to the hardware multiple.
+    """
+
+    name: str
+    dataset: str
+    build_model: Callable[..., Any]
+    optimizer: Callable[[int, int], Any]
+    epochs: int
+    global_batch: int | None = None
+    per_core_batch: int | None = None
+    steps_per_epoch: int | None = None
+    precision: str = "auto"
+    loss: str = "sparse_categorical_crossentropy"
+    augment: bool = False
+    input_shape: tuple[int, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    doc: str = ""
+
+
+def names() -> list[str]:
+    """All recipe names."""
+    return list(_MODULES)
+
+
+def get(name: str) -> Recipe:
+    """The recipe called `name`; an unknown name is a MeshfitError listing the known ones."""
+    if name not in _MODULES:
+        raise MeshfitError(f"unknown recipe {name!r}; choose one of: {', '.join(_MODULES)}")
+    module = importlib.import_module(f"meshfit.recipes.{_MODULES[name]}")
+    return module.RECIPE

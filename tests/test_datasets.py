@@ -1,0 +1,385 @@
+"""Tests for meshfit.datasets on small generated files in the canonical formats."""
+
+import gzip
+import hashlib
+import io
+import os
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from meshfit import datasets
+from meshfit.datasets import IDX_FILES, load, image_folder, write_cifar_batch, write_idx
+from meshfit.errors import MeshfitError
+
+REAL_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """No real ~/.keras, cache, $MESHFIT_DATA or network: everything under tmp_path."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MESHFIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MESHFIT_OFFLINE", "1")
+    monkeypatch.delenv("MESHFIT_DATA", raising=False)
+
+
+def make_idx(folder, n_train=12, n_test=5, seed=0):
+    """Write the 4 IDX .gz files of a tiny MNIST-like dataset; return the arrays."""
+    rng = np.random.default_rng(seed)
+    arrays = [rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+              rng.integers(0, 10, n_train, dtype=np.uint8),
+              rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+              rng.integers(0, 10, n_test, dtype=np.uint8)]
+    os.makedirs(folder, exist_ok=True)
+    for name, a in zip(IDX_FILES, arrays):
+        write_idx(os.path.join(folder, name), a)
+    return arrays
+
+
+def make_cifar(folder, per_batch=4, seed=0, label_names=None):
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    out = {}
+    for name in datasets.CIFAR_FILES:
+        x = rng.integers(0, 256, (per_batch, 32, 32, 3), dtype=np.uint8)
+        y = rng.integers(0, 10, per_batch)
+        write_cifar_batch(os.path.join(folder, name), x, y, label_names)
+        out[name] = (x, y)
+    return out
+
+
+def check_mnist_like(ds, arrays, name):
+    x_train, y_train, x_test, y_test = arrays
+    assert ds.name == name
+    assert ds.x_train.shape == (len(x_train), 28, 28, 1) and ds.x_train.dtype == np.uint8
+    assert ds.y_train.dtype == np.int32 and ds.y_train.shape == (len(x_train),)
+    np.testing.assert_array_equal(ds.x_train[..., 0], x_train)
+    np.testing.assert_array_equal(ds.y_train, y_train)
+    np.testing.assert_array_equal(ds.x_test[..., 0], x_test)
+    np.testing.assert_array_equal(ds.y_test, y_test)
+    assert ds.input_shape == (28, 28, 1) and ds.num_classes == 10
+
+
+# ----------------------------------------------------------------------------- IDX
+
+def test_idx_round_trip_via_data_dir(tmp_path):
+    arrays = make_idx(tmp_path / "data" / "mnist")
+    ds = load("mnist", tmp_path / "data")
+    check_mnist_like(ds, arrays, "mnist")
+    assert ds.class_names == tuple("0123456789")
+    # data_dir may also be the dataset's own folder
+    check_mnist_like(datasets.mnist(tmp_path / "data" / "mnist"), arrays, "mnist")
+
+
+def test_fashion_via_meshfit_data_env(tmp_path, monkeypatch):
+    arrays = make_idx(tmp_path / "env" / "fashion-mnist", seed=1)
+    monkeypatch.setenv("MESHFIT_DATA", str(tmp_path / "env"))
+    for name in ("fashion_mnist", "fashion-mnist"):
+        ds = load(name)
+        check_mnist_like(ds, arrays, "fashion_mnist")
+        assert ds.class_names[0] == "T-shirt/top" and ds.class_names[9] == "Ankle boot"
+    check_mnist_like(datasets.fashion_mnist(), arrays, "fashion_mnist")
+
+
+def test_data_dir_searched_before_env_and_keras_cache(tmp_path, monkeypatch):
+    first = make_idx(tmp_path / "explicit" / "mnist", seed=1)
+    make_idx(tmp_path / "env" / "mnist", seed=2)
+    keras = make_idx(tmp_path / "home" / ".keras" / "datasets" / "mnist", seed=3)
+    monkeypatch.setenv("MESHFIT_DATA", str(tmp_path / "env"))
+    check_mnist_like(load("mnist", tmp_path / "explicit"), first, "mnist")
+    monkeypatch.delenv("MESHFIT_DATA")
+    check_mnist_like(load("mnist"), keras, "mnist")
+
+
+def test_fashion_folder_is_not_read_as_mnist(tmp_path):
+    make_idx(tmp_path / "fashion-mnist")
+    with pytest.raises(MeshfitError, match="mnist not found"):
+        load("mnist", tmp_path / "fashion-mnist")
+
+
+def test_keras_mnist_npz(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, (6, 28, 28), dtype=np.uint8), rng.integers(0, 10, 6),
+              rng.integers(0, 256, (3, 28, 28), dtype=np.uint8), rng.integers(0, 10, 3)]
+    keras_dir = tmp_path / "home" / ".keras" / "datasets"
+    keras_dir.mkdir(parents=True)
+    np.savez(keras_dir / "mnist.npz", x_train=arrays[0], y_train=arrays[1],
+             x_test=arrays[2], y_test=arrays[3])
+    check_mnist_like(load("mnist"), arrays, "mnist")
+
+
+def test_truncated_gz_names_the_file(tmp_path):
+    make_idx(tmp_path / "mnist")
+    path = tmp_path / "mnist" / "train-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:-20])
+    with pytest.raises(MeshfitError, match="train-images-idx3-ubyte.gz") as e:
+        load("mnist", tmp_path)
+    assert "delete" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_wrong_magic_number(tmp_path):
+    make_idx(tmp_path / "mnist")
+    # an image file where a label file belongs: magic 0x00000803 instead of 0x00000801
+    write_idx(tmp_path / "mnist" / "t10k-labels-idx1-ubyte.gz", np.zeros((5, 28, 28), np.uint8))
+    with pytest.raises(MeshfitError, match="t10k-labels-idx1-ubyte.gz.*wrong magic number"):
+        load("mnist", tmp_path)
+
+
+def test_short_data_and_count_mismatch(tmp_path):
+    make_idx(tmp_path / "mnist")
+    path = tmp_path / "mnist" / "train-labels-idx1-ubyte.gz"
+    raw = gzip.decompress(path.read_bytes())
+    path.write_bytes(gzip.compress(raw[:-1]))  # valid gzip, one label byte missing
+    with pytest.raises(MeshfitError, match="train-labels-idx1-ubyte.gz.*data bytes"):
+        load("mnist", tmp_path)
+    write_idx(path, np.zeros(11, np.uint8))  # complete file, but 11 labels for 12 images
+    with pytest.raises(MeshfitError, match="12 images.*11 labels"):
+        load("mnist", tmp_path)
+
+
+def test_label_out_of_range(tmp_path):
+    make_idx(tmp_path / "mnist")
+    write_idx(tmp_path / "mnist" / "t10k-labels-idx1-ubyte.gz", np.array([0, 1, 2, 3, 10]))
+    with pytest.raises(MeshfitError, match="label 10"):
+        load("mnist", tmp_path)
+
+
+def test_md5_checked_only_for_files_of_published_size(tmp_path, monkeypatch):
+    make_idx(tmp_path / "mnist")
+    path = tmp_path / "mnist" / "train-labels-idx1-ubyte.gz"
+    size = path.stat().st_size
+    # pretend this generated file's size is the published one: its MD5 must then match
+    monkeypatch.setitem(datasets.PUBLISHED, ("mnist", path.name), ("0" * 32, size))
+    with pytest.raises(MeshfitError, match="train-labels-idx1-ubyte.gz.*MD5"):
+        load("mnist", tmp_path)
+    assert load("mnist", tmp_path, verify=False).y_train.shape == (12,)
+    good = hashlib.md5(path.read_bytes()).hexdigest()
+    monkeypatch.setitem(datasets.PUBLISHED, ("mnist", path.name), (good, size))
+    assert load("mnist", tmp_path).y_train.shape == (12,)
+
+
+# ----------------------------------------------------------------------------- not found / download
+
+def test_missing_offline_names_searched_places(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHFIT_DATA", str(tmp_path / "envdata"))
+    with pytest.raises(MeshfitError) as e:
+        load("cifar10", tmp_path / "nothing")
+    msg = str(e.value)
+    assert "\n" not in msg
+    for place in (tmp_path / "nothing", tmp_path / "envdata",
+                  tmp_path / "home" / ".keras" / "datasets", tmp_path / "cache"):
+        assert str(place) in msg
+    assert "--data-dir" in msg and "MESHFIT_DATA" in msg and "MESHFIT_OFFLINE" in msg
+
+
+def test_download_false_is_refused_even_online(tmp_path, monkeypatch):
+    monkeypatch.delenv("MESHFIT_OFFLINE")
+    monkeypatch.setattr(datasets, "_download_dataset", lambda *a: pytest.fail("downloaded"))
+    with pytest.raises(MeshfitError, match="download=False"):
+        load("mnist", download=False)
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(MeshfitError, match="mnist, fashion_mnist, cifar10"):
+        load("imagenet")
+
+
+def test_download_into_cache_checks_md5(tmp_path, monkeypatch):
+    """Download from a file:// 'server' of generated files; a wrong MD5 leaves nothing behind."""
+    arrays = make_idx(tmp_path / "server")
+    monkeypatch.delenv("MESHFIT_OFFLINE")
+    monkeypatch.setitem(datasets.URLS, "mnist", (tmp_path / "server").as_uri() + "/")
+    with pytest.raises(MeshfitError, match="MD5"):  # published MD5s don't fit generated files
+        load("mnist")
+    assert not any((tmp_path / "cache" / "mnist").iterdir())  # no partial or temporary files
+    for f in IDX_FILES:
+        md5 = hashlib.md5((tmp_path / "server" / f).read_bytes()).hexdigest()
+        monkeypatch.setitem(datasets.PUBLISHED, ("mnist", f), (md5, 0))
+    check_mnist_like(load("mnist"), arrays, "mnist")
+    assert sorted(os.listdir(tmp_path / "cache" / "mnist")) == sorted(IDX_FILES)
+    monkeypatch.setenv("MESHFIT_OFFLINE", "1")  # now found in the cache without the network
+    check_mnist_like(load("mnist"), arrays, "mnist")
+
+
+def test_network_failure_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("MESHFIT_OFFLINE")
+    monkeypatch.setitem(datasets.URLS, "mnist", (tmp_path / "no-server").as_uri() + "/")
+    with pytest.raises(MeshfitError, match="downloading it from .* failed.*--data-dir"):
+        load("mnist")
+
+
+def write_tgz(path, files):
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return hashlib.md5(Path(path).read_bytes()).hexdigest()
+
+
+def test_cifar_download_extracts_tarball(tmp_path, monkeypatch):
+    batches = make_cifar(tmp_path / "src")
+    files = {f"cifar-10-batches-py/{n}": (tmp_path / "src" / n).read_bytes()
+             for n in datasets.CIFAR_FILES}
+    md5 = write_tgz(tmp_path / "c.tar.gz", files)
+    monkeypatch.delenv("MESHFIT_OFFLINE")
+    monkeypatch.setitem(datasets.URLS, "cifar10", (tmp_path / "c.tar.gz").as_uri())
+    monkeypatch.setattr(datasets, "CIFAR_TGZ_MD5", md5)
+    ds = load("cifar10")
+    np.testing.assert_array_equal(ds.x_test, batches["test_batch"][0])
+    assert sorted(os.listdir(tmp_path / "cache" / "cifar10")) == ["cifar-10-batches-py"]
+
+
+def test_cifar_download_refuses_unsafe_tar_entries(tmp_path, monkeypatch):
+    md5 = write_tgz(tmp_path / "c.tar.gz", {"../evil": b"x"})
+    monkeypatch.delenv("MESHFIT_OFFLINE")
+    monkeypatch.setitem(datasets.URLS, "cifar10", (tmp_path / "c.tar.gz").as_uri())
+    monkeypatch.setattr(datasets, "CIFAR_TGZ_MD5", md5)
+    with pytest.raises(MeshfitError, match="unsafe entry"):
+        load("cifar10")
+    assert not (tmp_path / "cache" / "evil").exists()
+
+
+# ----------------------------------------------------------------------------- CIFAR-10
+
+def test_cifar_round_trip_channel_major_to_nhwc(tmp_path):
+    folder = tmp_path / "cifar10" / "cifar-10-batches-py"
+    batches = make_cifar(folder, label_names=[f"c{i}" for i in range(10)])
+    # set one pixel through the raw channel-major layout: image 2, row 5, column 7
+    with open(folder / "data_batch_3", "rb") as f:
+        batch = pickle.load(f, encoding="bytes")
+    for channel, value in enumerate((11, 22, 33)):
+        batch[b"data"][2, channel * 1024 + 5 * 32 + 7] = value
+    with open(folder / "data_batch_3", "wb") as f:
+        pickle.dump(batch, f)
+    ds = load("cifar10", tmp_path)
+    assert ds.x_train.shape == (20, 32, 32, 3) and ds.x_test.shape == (4, 32, 32, 3)
+    assert ds.x_train[2 * 4 + 2, 5, 7].tolist() == [11, 22, 33]
+    np.testing.assert_array_equal(ds.x_train[:4], batches["data_batch_1"][0])
+    np.testing.assert_array_equal(ds.y_train[4:8], batches["data_batch_2"][1])
+    np.testing.assert_array_equal(ds.y_test, batches["test_batch"][1])
+    assert ds.y_train.dtype == np.int32 and ds.class_names == tuple(f"c{i}" for i in range(10))
+    # keras's layout (ROOT/cifar-10-batches-py) and the batch folder itself also work
+    assert load("cifar10", folder).x_train.shape == (20, 32, 32, 3)
+    assert load("cifar10", tmp_path / "cifar10").class_names[0] == "c0"
+
+
+def test_cifar_default_class_names_without_meta(tmp_path):
+    make_cifar(tmp_path / "cifar-10-batches-py")
+    ds = datasets.cifar10(tmp_path)
+    assert ds.class_names == datasets.CLASS_NAMES["cifar10"] and ds.num_classes == 10
+
+
+def test_cifar_corrupt_pickle_names_the_file(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    make_cifar(folder)
+    path = folder / "data_batch_4"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(MeshfitError, match="data_batch_4.*delete"):
+        load("cifar10", tmp_path)
+
+
+def test_cifar_pickle_with_foreign_object_is_refused(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    make_cifar(folder)
+    (folder / "test_batch").write_bytes(pickle.dumps({b"data": os.getcwd}, protocol=2))
+    with pytest.raises(MeshfitError, match="test_batch.*refusing"):
+        load("cifar10", tmp_path)
+
+
+def test_cifar_wrong_shape(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    make_cifar(folder)
+    with open(folder / "test_batch", "wb") as f:
+        pickle.dump({b"data": np.zeros((4, 100), np.uint8), b"labels": [0] * 4}, f)
+    with pytest.raises(MeshfitError, match="test_batch.*3072"):
+        load("cifar10", tmp_path)
+
+
+# ----------------------------------------------------------------------------- image_folder
+
+def write_png(path, size_wh, color, mode="RGB"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, size_wh, color).save(path)
+
+
+def make_image_folder(root):
+    colors = {"cat": (255, 0, 0), "dog": (0, 255, 0), "bird": (0, 0, 255)}
+    counts = {"cat": 5, "dog": 4, "bird": 3}
+    for cls, n in counts.items():
+        for i in range(n):
+            ext = ".PNG" if i % 2 else ".png"
+            write_png(root / cls / f"{i}{ext}", (10 + 7 * i, 20 + 3 * i), colors[cls])
+    (root / "cat" / "notes.txt").write_text("not an image")
+    write_png(root / "dog" / "grey.png", (8, 8), 128, mode="L")  # a grey image among RGB ones
+    counts["dog"] += 1
+    return colors, counts
+
+
+def test_image_folder_shapes_labels_and_split(tmp_path):
+    colors, counts = make_image_folder(tmp_path / "imgs")
+    ds = image_folder(tmp_path / "imgs", (16, 12), validation_split=0.4, seed=3)
+    assert ds.class_names == ("bird", "cat", "dog") and ds.num_classes == 3
+    assert ds.x_train.shape[1:] == (16, 12, 3) and ds.input_shape == (16, 12, 3)
+    assert ds.x_train.dtype == np.uint8 and ds.y_train.dtype == np.int32
+    # per class round(n * 0.4) go to test: bird 3 -> 1, cat 5 -> 2, dog 5 -> 2
+    assert np.bincount(ds.y_test, minlength=3).tolist() == [1, 2, 2]
+    assert np.bincount(ds.y_train, minlength=3).tolist() == [2, 3, 3]
+    assert len(ds.x_train) + len(ds.x_test) == sum(counts.values())
+    # every image is its class's solid colour (the grey dog image is 128 on all channels)
+    pairs = zip(np.concatenate([ds.x_train, ds.x_test]), np.concatenate([ds.y_train, ds.y_test]))
+    for x, y in pairs:
+        cls = ds.class_names[y]
+        assert x[0, 0].tolist() in (list(colors[cls]), [128, 128, 128])
+    again = image_folder(tmp_path / "imgs", (16, 12), validation_split=0.4, seed=3)
+    np.testing.assert_array_equal(again.y_train, ds.y_train)
+
+
+def test_image_folder_grey_and_no_split(tmp_path):
+    make_image_folder(tmp_path / "imgs")
+    ds = image_folder(tmp_path / "imgs", (8, 9), validation_split=0.0, channels=1)
+    assert ds.x_train.shape == (13, 8, 9, 1) and ds.x_test.shape == (0, 8, 9, 1)
+    assert ds.name == "imgs"
+
+
+def test_image_folder_unreadable_image_names_the_file(tmp_path):
+    make_image_folder(tmp_path / "imgs")
+    (tmp_path / "imgs" / "dog" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    with pytest.raises(MeshfitError, match="broken.jpg"):
+        image_folder(tmp_path / "imgs", (8, 8))
+
+
+def test_image_folder_errors(tmp_path):
+    with pytest.raises(MeshfitError, match="does not exist"):
+        image_folder(tmp_path / "missing", (8, 8))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MeshfitError, match="no class sub-folders"):
+        image_folder(tmp_path / "empty", (8, 8))
+    make_image_folder(tmp_path / "imgs")
+    (tmp_path / "imgs" / "fish").mkdir()
+    (tmp_path / "imgs" / "fish" / "readme.txt").write_text("no images here")
+    with pytest.raises(MeshfitError, match="fish has no images"):
+        image_folder(tmp_path / "imgs", (8, 8))
+
+
+# ----------------------------------------------------------------------------- real data
+
+@pytest.mark.skipif(not (REAL_DATA / "fashion-mnist").is_dir(),
+                    reason="../shared/data/fashion-mnist not present")
+def test_real_fashion_mnist_with_md5(tmp_path, monkeypatch):
+    ds = load("fashion_mnist", REAL_DATA)
+    assert ds.x_train.shape == (60000, 28, 28, 1) and ds.x_test.shape == (10000, 28, 28, 1)
+    assert np.bincount(ds.y_train).tolist() == [6000] * 10
+    assert np.bincount(ds.y_test).tolist() == [1000] * 10
+    # the real files have their published sizes, so their MD5s are checked: a wrong MD5 fails
+    name = "t10k-labels-idx1-ubyte.gz"
+    md5, size = datasets.PUBLISHED[("fashion_mnist", name)]
+    assert (REAL_DATA / "fashion-mnist" / name).stat().st_size == size
+    monkeypatch.setitem(datasets.PUBLISHED, ("fashion_mnist", name), ("0" * 32, size))
+    with pytest.raises(MeshfitError, match=f"{name}.*MD5"):
+        load("fashion_mnist", REAL_DATA)
