@@ -7,7 +7,7 @@ measured on named hardware. `get(name)` finds one; `names()` lists them.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from meshfit.errors import MeshfitError
@@ -25,10 +25,16 @@ _MODULES = {
 class Recipe:
     """Everything needed to train one model: see any recipe module for a filled-in example.
 
-    build_model(input_shape, num_classes) returns an uncompiled Keras model;
+    build_model(input_shape, num_classes) returns an uncompiled Keras model that takes raw
+    uint8-valued pixels (scaling lives in the model, so inference needs no preprocessing);
     optimizer(steps_per_epoch, epochs) returns a Keras optimizer (schedules need the step count).
     global_batch is the batch over all replicas; per_core_batch, when set, wins and is
     multiplied by the replicas after rounding to the hardware multiple.
+    loss: a Keras loss name, or a callable returning a loss object.
+    augment: "none", or "flip-crop" (random crop after 4-pixel padding + horizontal flip), on device.
+    prepare(model, dataset): optional, called after the model is built and before training
+    (e.g. a data-dependent first-layer initialization).
+    tta_flip: evaluate on each image and its mirror image, averaging the probabilities.
     """
 
     name: str
@@ -40,10 +46,11 @@ class Recipe:
     per_core_batch: int | None = None
     steps_per_epoch: int | None = None
     precision: str = "auto"
-    loss: str = "sparse_categorical_crossentropy"
-    augment: bool = False
+    loss: Any = "sparse_categorical_crossentropy"
+    augment: str = "none"
+    prepare: Callable[..., None] | None = None
+    tta_flip: bool = False
     input_shape: tuple[int, ...] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     doc: str = ""
 
 
