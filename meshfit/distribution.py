@@ -122,10 +122,27 @@ class Strategy:
         callbacks = list(callbacks or [])
         if batch_size is not None:
             batch_size = self.check_batch(batch_size)
+            x, y = self._trim_last_batch(x, y, batch_size)
+            if isinstance(kwargs.get("validation_data"), tuple):
+                kwargs["validation_data"] = self._trim_last_batch(*kwargs["validation_data"][:2], batch_size)
         if report and self.info.process_index == 0 and not any(isinstance(c, EpochReport) for c in callbacks):
             callbacks.append(EpochReport(batch_size=batch_size, strategy=self))
         return model.fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
                          verbose=verbose, **kwargs)
+
+
+    def _trim_last_batch(self, x, y, batch_size: int):
+        """Arrays shortened so their last partial batch splits across the replicas.
+
+        Keras would otherwise hand XLA a last batch it cannot shard and fail deep inside it.
+        """
+        n = len(x) if hasattr(x, "shape") else None
+        extra = (n % batch_size) % self.replicas if n else 0
+        if not extra:
+            return x, y
+        warnings.warn(f"dropping the last {extra} of {n} samples so the last batch splits across "
+                      f"{self.replicas} replicas", stacklevel=3)
+        return x[: n - extra], (y[: n - extra] if y is not None else None)
 
 
 def connect(require: str | None = None, simulate: int | None = None, precision: str = "auto",

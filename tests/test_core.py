@@ -140,6 +140,18 @@ def test_epoch_line_reports_throughput_and_compile_apart(strategy, capsys):
     assert "MFU n/a" in lines[0]  # CPU: no published peak, so no invented MFU
 
 
+def test_fit_trims_a_last_batch_that_cannot_split(strategy, capsys):
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 256, (1001, 28, 28, 1)).astype("uint8")
+    y = rng.integers(0, 10, 1001)
+    with strategy.scope():
+        model = fashion_mnist_cnn.build_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    with pytest.warns(UserWarning, match="dropping the last 1 of 1001 samples"):
+        strategy.fit(model, x, y, batch_size=64, epochs=1, validation_data=(x[:99], y[:99]))
+    assert len(model.history.history["val_loss"]) == 1
+
+
 def test_train_step_flops_come_from_xla(strategy):
     from meshfit.report import train_step_flops
 
