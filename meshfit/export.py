@@ -1,0 +1,279 @@
+"""`meshfit export`: a trained model as a float32 model for CPU serving, in Keras or ONNX format.
+
+A model trained in mixed precision (bfloat16 or float16 compute, float32 variables) is rebuilt
+from its config with every layer's dtype policy set to float32 and its weights copied over, so the
+exported model computes in float32 on any CPU.
+
+ONNX export is Keras' own `model.export(format="onnx")` on the TensorFlow backend (tf2onnx). The
+.keras file is backend-independent, so a model trained on JAX exports the same way; when this
+process already runs Keras on another backend the export runs in a child process with
+KERAS_BACKEND=tensorflow. Every ONNX file is checked against Keras on random images before it is
+written (max difference of probabilities <= 1e-5) and carries meshfit's metadata: class names,
+input shape and the SHA-256 of the .keras file it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from typing import Iterator
+
+import numpy as np
+
+from meshfit import inference
+from meshfit.errors import MeshfitError
+
+FORMATS = ("keras", "onnx")
+ONNX_TOLERANCE = 1e-5  # max |probability difference| allowed between ONNX Runtime and Keras
+_LOW_PRECISION = {"mixed_bfloat16", "mixed_float16", "bfloat16", "float16"}
+_ONNX_PACKAGES = ("tensorflow", "tf2onnx", "onnx", "onnxruntime")
+
+
+# ----------------------------------------------------------------------------------- Keras side
+
+def import_keras(backend: str | None = None):
+    """Keras: the one already imported, else imported now with `backend` (default: meshfit's
+    choice for one CPU device: $MESHFIT_ENGINE, $KERAS_BACKEND, else TensorFlow when installed,
+    which loads and runs a model far sooner than JAX, else JAX)."""
+    if "keras" in sys.modules:
+        import keras
+
+        return keras
+    from meshfit import engine
+
+    return engine.activate(backend or engine.choose(None, "cpu", 1))
+
+
+@contextlib.contextmanager
+def on_cpu(keras) -> Iterator[None]:
+    """Place variables and computation on the first CPU device, outside any data-parallel
+    distribution that training set (restored on exit)."""
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        # Entering a device scope when the default device is the CPU anyway would only make JAX
+        # compile every initializer again (its caches are keyed by the device scope).
+        with contextlib.nullcontext() if _default_device_is_cpu(keras) else keras.device("cpu:0"):
+            yield
+    finally:
+        keras.distribution.set_distribution(previous)
+
+
+def _default_device_is_cpu(keras) -> bool:
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.devices()[0].platform == "cpu"
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return not tf.config.list_logical_devices("GPU")
+    return False
+
+
+def load_keras_model(path: str):
+    """A .keras model loaded on the CPU, without its optimizer."""
+    keras = import_keras()
+    try:
+        with on_cpu(keras):
+            return keras.saving.load_model(path, compile=False)
+    except Exception as e:  # Keras raises many kinds for bad files (ValueError, OSError, ...)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise MeshfitError(f"cannot load Keras model {path} ({why}); "
+                           "pass a .keras file written by Keras 3") from e
+
+
+def float32_model(model):
+    """`model` computing in float32: rebuilt from its config with float32 dtype policies and its
+    weights copied, or `model` itself when no layer computes in lower precision."""
+    keras = import_keras()
+    serialized = keras.saving.serialize_keras_object(model)
+    if not _set_float32(serialized):
+        return model
+    with on_cpu(keras):
+        rebuilt = keras.saving.deserialize_keras_object(serialized)
+        rebuilt.set_weights(model.get_weights())
+    return rebuilt
+
+
+def _set_float32(config) -> bool:
+    """Set every low-precision dtype policy in a serialized Keras config to float32, in place;
+    True when one was changed."""
+    changed = False
+    if isinstance(config, dict):
+        inner = config.get("config")
+        if config.get("class_name") in ("DTypePolicy", "FloatDTypePolicy") and \
+                isinstance(inner, dict) and inner.get("name") in _LOW_PRECISION:
+            inner["name"] = "float32"
+            return True
+        for key, value in config.items():
+            if key == "dtype" and isinstance(value, str) and value in _LOW_PRECISION:
+                config[key] = "float32"
+                changed = True
+            elif _set_float32(value):
+                changed = True
+    elif isinstance(config, list):
+        for value in config:
+            if _set_float32(value):
+                changed = True
+    return changed
+
+
+# ----------------------------------------------------------------------------------- exports
+
+def export_keras(source: str | os.PathLike, out: str | None = None) -> str:
+    """Write a float32 .keras copy of a run's model without optimizer state; returns its path.
+
+    Default out: RUN/model-float32.keras, or X-float32.keras beside a bare X.keras.
+    """
+    files = _keras_source(source)
+    out = out or os.path.splitext(files.keras_path)[0] + "-float32.keras"
+    if not out.endswith(".keras"):
+        raise MeshfitError(f"--out {out} must end in .keras for --format keras")
+    _refuse_to_overwrite(files, out)
+    keras = import_keras()
+    model = float32_model(load_keras_model(files.keras_path))
+    with _atomic_path(out, ".keras") as tmp, on_cpu(keras):
+        model.save(tmp)
+    return out
+
+
+def export_onnx(source: str | os.PathLike, out: str | None = None) -> str:
+    """Write a float32 ONNX copy of a run's model, checked against Keras; returns its path.
+
+    Default out: RUN/model.onnx, or X.onnx beside a bare X.keras (where `meshfit predict` looks).
+    Runs in a child process with KERAS_BACKEND=tensorflow when Keras is already loaded on another
+    backend here.
+    """
+    files = _keras_source(source)
+    out = out or files.onnx_path
+    if not out.endswith(".onnx"):
+        raise MeshfitError(f"--out {out} must end in .onnx for --format onnx")
+    _refuse_to_overwrite(files, out)
+    missing = [m for m in _ONNX_PACKAGES if not inference._installed(m)]
+    if missing:
+        raise MeshfitError(f"ONNX export needs {', '.join(missing)}: pip install 'meshfit[onnx]'")
+    from meshfit.engine import loaded_backend
+
+    if loaded_backend() in (None, "tensorflow"):
+        _export_onnx_here(files, out)
+    else:
+        _export_onnx_in_child(files, out)
+    return out
+
+
+def _keras_source(source: str | os.PathLike) -> inference.ModelFiles:
+    files = inference.locate(source)
+    if files.keras_path is None:
+        raise MeshfitError(f"{files.source} has no .keras model to export; pass a run directory "
+                           "or a .keras file")
+    return files
+
+
+def _refuse_to_overwrite(files: inference.ModelFiles, out: str) -> None:
+    if os.path.exists(out) and os.path.samefile(out, files.keras_path):
+        raise MeshfitError(f"--out {out} is the source model itself; choose another path")
+
+
+@contextlib.contextmanager
+def _atomic_path(out: str, suffix: str) -> Iterator[str]:
+    """A temporary path beside `out` that replaces `out` only when the block succeeds, so that
+    a reader (a concurrent `meshfit predict`) never sees a half-written file."""
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".export-", suffix=suffix)
+    except OSError as e:
+        raise MeshfitError(f"cannot write {out} ({e}); choose a writable --out") from e
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _export_onnx_here(files: inference.ModelFiles, out: str) -> None:
+    """ONNX export in this process, on the TensorFlow backend."""
+    import onnx
+    import onnxruntime as ort
+
+    keras = import_keras("tensorflow")
+    model = float32_model(load_keras_model(files.keras_path))
+    shape = tuple(int(d) for d in model.input_shape[1:])
+    x = np.random.default_rng(0).integers(0, 256, (8, *shape)).astype(np.float32)
+    with on_cpu(keras):
+        expected = np.asarray(model(x, training=False))  # also marks the model as called
+    classes = int(expected.shape[-1])
+    metadata = {
+        "class_names": [str(n) for n in files.config.get("class_names") or range(classes)],
+        "input_shape": list(shape),
+        "source": os.path.basename(files.keras_path),
+        "source_sha256": inference.file_sha256(files.keras_path),
+        "recipe": files.config.get("recipe"),
+        "dataset": files.config.get("dataset"),
+    }
+    with _atomic_path(out, ".onnx") as tmp:
+        with warnings.catch_warnings(), on_cpu(keras):
+            warnings.simplefilter("ignore", FutureWarning)  # Keras' tf2onnx/numpy 2 patch
+            try:
+                model.export(tmp, format="onnx", verbose=False)
+            except Exception as e:  # tf2onnx raises many kinds for layers it cannot convert
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise MeshfitError(f"tf2onnx cannot convert {files.keras_path} ({why}); "
+                                   "use --format keras or --backend keras") from e
+        proto = onnx.load(tmp)
+        onnx.helper.set_model_props(proto, {inference.METADATA_KEY: json.dumps(metadata)})
+        onnx.save(proto, tmp)
+        session = ort.InferenceSession(tmp, providers=["CPUExecutionProvider"])
+        got = session.run(None, {session.get_inputs()[0].name: x})[0]
+        diff = float(np.abs(got - expected).max())
+        if not diff <= ONNX_TOLERANCE:
+            raise MeshfitError(f"the ONNX export of {files.keras_path} differs from Keras by "
+                               f"{diff:.2e} (> {ONNX_TOLERANCE:g}); use --format keras or "
+                               "--backend keras")
+
+
+def _export_onnx_in_child(files: inference.ModelFiles, out: str) -> None:
+    """ONNX export by `meshfit export` in a child process on the TensorFlow backend."""
+    env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    cmd = [sys.executable, "-m", "meshfit", "export", files.source, "--format", "onnx",
+           "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        errors = [line.split("meshfit: error: ", 1)[1] for line in lines
+                  if line.startswith("meshfit: error: ")]
+        why = errors[-1] if errors else (lines[-1] if lines else f"exit code {proc.returncode}")
+        raise MeshfitError(f"ONNX export of {files.source} failed: {why}")
+
+
+# ----------------------------------------------------------------------------------- CLI
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `meshfit export`."""
+    parser.add_argument("model", help="run directory or .keras file")
+    parser.add_argument("--format", choices=FORMATS, default="onnx",
+                        help="onnx (for ONNX Runtime) or keras (default: onnx)")
+    parser.add_argument("--out", metavar="PATH",
+                        help="where to write (default: beside the model, where predict looks)")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """`meshfit export`: write a float32 model for CPU serving."""
+    os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras on JAX stays on the CPU
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    export = export_onnx if args.format == "onnx" else export_keras
+    print(f"wrote {export(args.model, args.out)}")
+    return 0

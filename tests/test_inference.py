@@ -1,0 +1,244 @@
+"""CPU inference: `meshfit predict`, `meshfit export`, ONNX Runtime against Keras."""
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from meshfit import MeshfitError, export, inference
+from meshfit.recipes import cifar10_cnn, fashion_mnist_cnn, mnist_mlp_bf16
+
+CLASS_NAMES = ["plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "meshfit", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "XLA_FLAGS": ""})
+
+
+@contextlib.contextmanager
+def policy(name):
+    """Build models under dtype policy `name` on the CPU, outside any distribution."""
+    import keras
+
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    try:
+        with export.on_cpu(keras):
+            yield keras
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def randomize_batchnorm(model, seed):
+    """Non-trivial BatchNorm statistics, so that exports must carry them."""
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        if "moving_variance" in v.path:
+            v.assign(rng.uniform(0.5, 2.0, v.shape).astype("float32"))
+        elif "moving_mean" in v.path:
+            v.assign(rng.normal(0.0, 0.1, v.shape).astype("float32"))
+
+
+def make_confident(model, images):
+    """Rescale and center the last Dense layer on `images`, so that its answers are confident
+    and differ from image to image (a random CNN otherwise gives every image the same class)."""
+    import keras
+
+    features = np.asarray(keras.Model(model.inputs[0], model.layers[-3].output)(images))
+    dense = model.layers[-2]
+    kernel, _ = dense.get_weights()
+    logits = features @ kernel
+    scale = 5 / logits.std(0).mean()
+    dense.set_weights([kernel * scale, -logits.mean(0) * scale])
+
+
+def smooth_images(n, seed, size=32):
+    """n smooth random RGB images (uint8, NHWC): 4x4 random colours upsampled, bilinear."""
+    small = np.random.default_rng(seed).integers(0, 256, (n, 4, 4, 3), dtype=np.uint8)
+    return np.stack([np.asarray(Image.fromarray(s).resize((size, size), Image.Resampling.BILINEAR))
+                     for s in small])
+
+
+@pytest.fixture(scope="module")
+def cifar_run(tmp_path_factory):
+    """A run directory (model.keras + config.json) of the CIFAR-10 CNN, three PNGs and the
+    Keras probabilities for them."""
+    run = tmp_path_factory.mktemp("run")
+    with policy("float32") as keras:
+        keras.utils.set_random_seed(0)
+        model = cifar10_cnn.build_model()
+        randomize_batchnorm(model, seed=0)
+        make_confident(model, smooth_images(16, seed=1).astype("float32"))
+        model.save(run / "model.keras")
+        images = smooth_images(3, seed=2)
+        expected = np.asarray(model.predict_on_batch(images.astype("float32")))
+    (run / "config.json").write_text(json.dumps({
+        "recipe": "cifar10-cnn", "dataset": "cifar10", "class_names": CLASS_NAMES,
+        "input_shape": [32, 32, 3]}))
+    paths = []
+    for i, image in enumerate(images):
+        paths.append(str(run / f"image{i}.png"))
+        Image.fromarray(image).save(paths[-1])
+    return run, paths, expected
+
+
+def test_cli_predict_prints_the_class_keras_gives(cifar_run):
+    run, paths, expected = cifar_run
+    out = run_cli("predict", str(run), *paths, "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert len(set(expected.argmax(1))) == 3  # each image has its own answer
+    assert result["backend"] == "onnxruntime"
+    assert (run / "model.onnx").is_file()  # exported on first predict and cached
+    for row, p in zip(result["predictions"], expected):
+        assert row["label"] == CLASS_NAMES[int(np.argmax(p))]
+        np.testing.assert_allclose(row["probabilities"], p, atol=1e-5)
+        np.testing.assert_allclose([t["probability"] for t in row["top_k"]],
+                                   np.sort(p)[::-1][:3], atol=1e-5)
+
+
+def test_cli_predict_top_k_text_and_show_picture(cifar_run, tmp_path):
+    run, paths, expected = cifar_run
+    picture = tmp_path / "out.png"
+    out = run_cli("predict", str(run), *paths[:2], "--top-k", "4", "--show", str(picture))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 * (1 + 4)
+    for block, path, p in zip((lines[:5], lines[5:]), paths, expected):
+        order = np.argsort(-p)[:4]
+        assert block[0].startswith(f"{path}: {CLASS_NAMES[order[0]]} (")
+        assert [line.split()[0] for line in block[1:]] == [CLASS_NAMES[i] for i in order]
+        assert float(block[1].split()[1]) == pytest.approx(p[order[0]], abs=1e-4)
+    with Image.open(picture) as im:
+        assert im.format == "PNG"
+        pixels = np.asarray(im.convert("RGB"))
+    assert pixels.shape[0] > 100 and pixels.std() > 10  # a drawn picture, not a blank canvas
+
+
+def test_onnx_runtime_equals_keras(cifar_run):
+    run, _, _ = cifar_run
+    fast = inference.load_predictor(run, backend="onnx")
+    slow = inference.load_predictor(run, backend="keras")
+    assert (fast.backend, slow.backend) == ("onnxruntime", "keras")
+    assert fast.class_names == slow.class_names == tuple(CLASS_NAMES)
+    x = smooth_images(16, seed=3)
+    p_fast, p_slow = fast.predict(x), slow.predict(x)
+    assert p_fast.shape == (16, 10) and p_fast.dtype == np.float32
+    np.testing.assert_allclose(p_fast, p_slow, atol=1e-5)
+    assert len(set(p_fast.argmax(1))) > 1  # the images get different answers
+    np.testing.assert_allclose(fast.predict(x[0]), p_slow[:1], atol=1e-5)  # one (H, W, C) image
+
+
+def test_changed_keras_model_makes_the_onnx_copy_stale(cifar_run, tmp_path):
+    run, _, _ = cifar_run
+    inference.load_predictor(run, backend="onnx")  # the cached copy exists and is current
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    assert inference.load_predictor(copy, backend="onnx", export=False).backend == "onnxruntime"
+    with policy("float32"):
+        model = cifar10_cnn.build_model()
+        model.save(copy / "model.keras")
+    with pytest.raises(MeshfitError, match="no up-to-date ONNX copy"):
+        inference.load_predictor(copy, backend="onnx", export=False)
+
+
+def test_mixed_bfloat16_model_exports_as_float32(tmp_path):
+    source = str(tmp_path / "mlp.keras")
+    with policy("mixed_bfloat16"):
+        model = mnist_mlp_bf16.build_model()
+        assert model.layers[2].compute_dtype == "bfloat16"
+        model.save(source)
+        x = np.random.default_rng(4).integers(0, 256, (8, 28, 28, 1)).astype("float32")
+        p_bf16 = np.asarray(model.predict_on_batch(x))
+
+    path = export.export_keras(source)
+    assert path == str(tmp_path / "mlp-float32.keras")
+    loaded = export.load_keras_model(path)
+    assert {layer.dtype_policy.name for layer in loaded.layers} == {"float32"}
+    with policy("float32"):
+        p_float32 = np.asarray(loaded.predict_on_batch(x))
+    np.testing.assert_allclose(p_float32, p_bf16, atol=0.05)  # same model, more precise
+
+    assert export.export_onnx(source) == str(tmp_path / "mlp.onnx")  # child process on TF
+    onnx_predictor = inference.load_predictor(source, backend="onnx", export=False)
+    assert onnx_predictor.class_names == tuple(str(i) for i in range(10))  # bare file: indices
+    np.testing.assert_allclose(onnx_predictor.predict(x), p_float32, atol=1e-5)
+
+
+def test_bare_keras_file_reads_any_image_as_the_models_input(tmp_path):
+    source = tmp_path / "fashion.keras"
+    with policy("float32"):
+        model = fashion_mnist_cnn.build_model()
+        model.save(source)
+    picture = tmp_path / "photo.jpg"
+    rgb = np.random.default_rng(7).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    Image.fromarray(rgb).save(picture)
+    predictor = inference.load_predictor(source, backend="keras")
+    assert predictor.input_shape == (28, 28, 1)
+    assert predictor.class_names == tuple(str(i) for i in range(10))
+    x = inference.load_images([str(picture)], predictor.input_shape)
+    assert x.shape == (1, 28, 28, 1) and x.dtype == np.uint8
+    grey = np.asarray(Image.open(picture).convert("L").resize((28, 28), Image.Resampling.BILINEAR))
+    np.testing.assert_array_equal(x[0, ..., 0], grey)
+    np.testing.assert_allclose(predictor.predict_files([str(picture)]), predictor.predict(x))
+
+
+@pytest.mark.parametrize("content, message", [(b"not an image", "cannot read image"),
+                                              (None, "not found")])
+def test_cli_bad_image_is_a_one_line_error(cifar_run, tmp_path, content, message):
+    run, paths, _ = cifar_run
+    bad = tmp_path / "bad.png"
+    if content is not None:
+        bad.write_bytes(content)
+    out = run_cli("predict", str(run), paths[0], str(bad))
+    assert out.returncode == 2
+    assert out.stderr.startswith("meshfit: error: ") and out.stderr.count("\n") == 1
+    assert message in out.stderr and str(bad) in out.stderr
+    assert out.stdout == ""
+
+
+def test_cli_missing_model_is_a_clear_error(tmp_path):
+    out = run_cli("predict", str(tmp_path / "no-such-run"), "x.png")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "no-such-run not found" in out.stderr and "meshfit train" in out.stderr
+    with pytest.raises(MeshfitError, match="has no model.keras"):
+        inference.locate(tmp_path)
+    out = run_cli("export", str(tmp_path), "--format", "onnx")
+    assert out.returncode == 2 and "has no model.keras" in out.stderr
+
+
+def test_cli_export_rejects_an_out_path_of_the_wrong_kind(cifar_run):
+    run, _, _ = cifar_run
+    out = run_cli("export", str(run), "--format", "keras", "--out", str(run / "model.onnx"))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "must end in .keras" in out.stderr
+
+
+def test_without_onnxruntime_predict_falls_back_to_keras(cifar_run, monkeypatch):
+    run, paths, expected = cifar_run
+    monkeypatch.setattr(inference, "_installed", lambda module: module != "onnxruntime")
+    with pytest.warns(UserWarning, match="onnxruntime is not installed"):
+        predictor = inference.load_predictor(run)
+    assert predictor.backend == "keras"
+    np.testing.assert_allclose(predictor.predict_files(paths), expected, atol=1e-5)
+
+
+def test_impossible_conversion_names_the_file(tmp_path):
+    picture = tmp_path / "a.png"
+    Image.new("RGB", (8, 8)).save(picture)
+    with pytest.raises(MeshfitError, match=f"cannot convert {picture} to the model's 2 channels"):
+        inference.load_image(str(picture), (8, 8, 2))
+
+
+def test_benchmark_latency_reports_percentiles(cifar_run):
+    run, _, _ = cifar_run
+    stats = inference.benchmark_latency(run, n=20, warmup=2, threads=1)
+    assert stats["backend"] == "onnxruntime" and stats["n"] == 20
+    assert 0 < stats["p50_ms"] <= stats["p90_ms"]
