@@ -88,13 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
-        return (getattr(module, f"run_{args.command}", None) or module.run)(args) or 0
+        code = (getattr(module, f"run_{args.command}", None) or module.run)(args) or 0
     except MeshfitError as err:
         print(f"meshfit: error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print("meshfit: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    if code:
+        from meshfit.cluster import exit_failed
+
+        exit_failed(code)  # a failed process of a multi-host job must not wait for the others
+    return code
 
 
 if __name__ == "__main__":

@@ -101,6 +101,9 @@ def discover(simulate: int | None = None, require: str | None = None) -> DeviceI
     simulate = requested_simulation(simulate)
     if simulate is not None:
         simulate_devices(simulate)
+    from meshfit import cluster
+
+    cluster.join()  # a multi-host job must be joined before JAX starts its backends
     import jax
 
     devices = tuple(jax.devices())

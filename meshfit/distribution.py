@@ -30,7 +30,9 @@ class Strategy:
         if engine == "jax":
             import keras
 
-            self._distribution = keras.distribution.DataParallel(devices=list(info.devices))
+            # Multi-host: each process feeds its own rows of every batch (see fit), no auto-sharding.
+            self._distribution = keras.distribution.DataParallel(devices=list(info.devices),
+                                                                 auto_shard_dataset=False)
 
     platform = property(lambda self: self.info.platform, doc="'tpu', 'gpu' or 'cpu'.")
     device_kind = property(lambda self: self.info.device_kind, doc="e.g. 'TPU v4' or the CPU model.")
@@ -127,6 +129,14 @@ class Strategy:
                 kwargs["validation_data"] = self._trim_last_batch(*kwargs["validation_data"][:2], batch_size)
         if report and self.info.process_index == 0 and not any(isinstance(c, EpochReport) for c in callbacks):
             callbacks.append(EpochReport(batch_size=batch_size, strategy=self))
+        if self.hosts > 1:  # each process feeds its own rows of every global batch
+            from meshfit import cluster
+
+            x, y, batch_size, kwargs = cluster.fit_arguments(self, x, y, batch_size, kwargs)
+        if self.engine == "jax" and model.train_function is None:  # on-device k-step loop, see meshfit.loop
+            from meshfit import loop
+
+            loop.install(model, model.steps_per_execution)
         return model.fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
                          verbose=verbose, **kwargs)
 
@@ -158,6 +168,10 @@ def connect(require: str | None = None, simulate: int | None = None, precision: 
     info = devices_lib.discover(simulate=simulate, require=require)
     chosen = engine_lib.choose(engine, info.platform, info.device_count)
     engine_lib.activate(chosen)
+    if info.hosts > 1:
+        from meshfit import cluster
+
+        cluster.agree_on_seed()  # the same initial weights on every host
     strategy = Strategy(info, chosen, planning.resolve_precision(precision, info.platform,
                                                                  info.compute_capability))
     strategy.activate()

@@ -2,8 +2,14 @@
 
 Keras fixes its backend when it is first imported, so the choice is made here, before that
 import. Multi-device and accelerator work runs on JAX; a single CPU device runs on TensorFlow when
-it is installed, because Keras/TF ran the tutorial CNNs 4-6x faster than Keras/JAX on our CPUs
-(see BENCHMARKS.md; XLA:CPU convolutions are slow).
+it is installed: Keras/TF trained the tutorial CNNs 3-7x faster than Keras/JAX on our CPUs
+(XLA:CPU convolutions are slow; `meshfit bench` measures it, see BENCHMARKS.md).
+
+TensorFlow settings, measured with the tutorial CNNs on a 2-core Xeon with AVX-512/AMX (Keras
+3.15.1, TF 2.21; preliminary, busy machine): oneDNN kernels on (TF's default on x86; off was 2-4x
+slower), no XLA (`jit_compile=True` was 3-7x slower and compiled for 5-20 s; Keras' "auto" already
+turns XLA off on CPU-only machines), and TF's own thread pools (intra- and inter-op threads = cores;
+other settings were within noise), so `activate` keeps those defaults and only pins oneDNN on.
 """
 
 from __future__ import annotations
@@ -33,6 +39,13 @@ def loaded_backend() -> str | None:
     return keras.backend.backend()
 
 
+def fastest(platform: str, device_count: int) -> str:
+    """The fastest installed engine for these devices: TensorFlow on one CPU device, else JAX."""
+    if platform == "cpu" and device_count == 1 and installed("tensorflow"):
+        return "tensorflow"
+    return "jax"
+
+
 def choose(requested: str | None, platform: str, device_count: int) -> str:
     """The engine to run: the requested one, or for 'auto' the fastest for these devices."""
     requested = (requested or os.environ.get(ENGINE_ENV) or "auto").lower()
@@ -44,9 +57,7 @@ def choose(requested: str | None, platform: str, device_count: int) -> str:
             return loaded
         if os.environ.get("KERAS_BACKEND"):
             return os.environ["KERAS_BACKEND"]
-        if platform == "cpu" and device_count == 1 and installed("tensorflow"):
-            return "tensorflow"
-        return "jax"
+        return fastest(platform, device_count)
     if loaded and loaded != requested:
         raise MeshfitError(
             f"too late to switch to engine {requested}: Keras was already imported with the "
@@ -70,6 +81,8 @@ def activate(engine: str):
     """Import Keras with `engine` as its backend and return the keras module."""
     os.environ["KERAS_BACKEND"] = engine
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
+    if engine == "tensorflow":
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # oneDNN kernels: 2-4x faster CNNs on x86
     import keras
 
     if keras.backend.backend() != engine:
@@ -79,8 +92,13 @@ def activate(engine: str):
     return keras
 
 
+_hinted = False
+
+
 def hint_faster_engine(engine: str, platform: str, device_count: int) -> str | None:
-    """A one-line hint when a faster engine for this machine is an install away."""
-    if engine == "jax" and platform == "cpu" and device_count == 1 and not installed("tensorflow"):
-        return "on a single CPU Keras/TensorFlow trains these CNNs 4-6x faster: pip install 'meshfit[cpu]'"
-    return None
+    """A one-line hint, once per process, when a faster engine for this machine is an install away."""
+    global _hinted
+    if _hinted or engine != "jax" or platform != "cpu" or device_count != 1 or installed("tensorflow"):
+        return None
+    _hinted = True
+    return "on a single CPU Keras/TensorFlow trains these CNNs 3-7x faster: pip install 'meshfit[cpu]'"

@@ -38,7 +38,8 @@ def train_step_flops(model, batch_size: int) -> float | None:
         x = [spec(t, batch=True) for t in model.inputs]
         y = [jax.ShapeDtypeStruct((batch_size,) + tuple(o.shape[1:-1]), "int32") for o in model.outputs]
         data = (x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
-        cost = jax.jit(model.train_step).lower(state, data).compile().cost_analysis()
+        # The lowered (not compiled) step's cost analysis: the same count without a second compile.
+        cost = jax.jit(model.train_step).lower(state, data).cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         flops = float(cost.get("flops", 0.0))
         return flops if flops > 0 else None
@@ -85,10 +86,12 @@ class EpochReport(keras.callbacks.Callback):
         self.flops_per_step: float | None = None
         self.compile_seconds = 0.0
         self._first_step_seconds: float | None = None
+        self._compile_counted = False
 
     def on_train_begin(self, logs=None):
         self._first_step_seconds = None
         self.compile_seconds = 0.0
+        self._compile_counted = False
 
     def on_epoch_begin(self, epoch, logs=None):
         self._steps = 0
@@ -98,17 +101,19 @@ class EpochReport(keras.callbacks.Callback):
         self._progress_at = self._start
 
     def on_train_batch_begin(self, batch, logs=None):
+        # `batch` is the index of the call's first step, so the steps done so far (k per call with
+        # steps_per_execution). No on_train_batch_end: defining it makes Keras sync every step.
         now = time.perf_counter()
-        if self._first_step_seconds is None and self._steps == 1:
-            _block(self.model)  # the first step holds the compilation; time it alone
+        self._steps = batch
+        if self._first_step_seconds is None and batch >= 1:
+            _block(self.model)  # the first call (1 step, or k with steps_per_execution) holds the compilation
             now = time.perf_counter()
             self._first_step_seconds = now - self._start
             self._start = now
-            self._skipped = 1
-        self._steps += 1
+            self._skipped = self._first_steps = batch
         if now - self._progress_at > 2.0 and self.stream.isatty():
             total = self.params.get("steps") or "?"
-            print(f"\r  step {self._steps}/{total}", end="", file=self.stream, flush=True)
+            print(f"\r  step {batch}/{total}", end="", file=self.stream, flush=True)
             self._progress_at = now
 
     def on_test_begin(self, logs=None):
@@ -120,15 +125,17 @@ class EpochReport(keras.callbacks.Callback):
         if self._train_end is None:
             _block(self.model)
             self._train_end = time.perf_counter()
-        timed_steps = self._steps - self._skipped
+        timed_steps = (self.params.get("steps") or self._steps + 1) - self._skipped
         self._skipped = 0
         train_seconds = self._train_end - self._start
         step_seconds = train_seconds / max(timed_steps, 1)
         compile_seconds = 0.0
-        if self._first_step_seconds is not None and not self.compile_seconds:
-            # The first step = compilation + one ordinary step; count only the latter as training.
-            compile_seconds = self.compile_seconds = max(self._first_step_seconds - step_seconds, 0.0)
-            train_seconds += min(self._first_step_seconds, step_seconds)
+        if self._first_step_seconds is not None and not self._compile_counted:
+            self._compile_counted = True
+            # The first call = compilation + its ordinary step(s); count only the latter as training.
+            first = self._first_steps * step_seconds
+            compile_seconds = self.compile_seconds = max(self._first_step_seconds - first, 0.0)
+            train_seconds += min(self._first_step_seconds, first)
         if self.flops_per_step is None and self.batch_size:
             self.flops_per_step = train_step_flops(self.model, self.batch_size) or 0.0
         peak = self.strategy.peak_flops if self.strategy is not None else None

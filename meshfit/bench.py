@@ -1,0 +1,481 @@
+"""`meshfit bench`: train-step time per engine, precision, batch size and steps per dispatch.
+
+For every combination two models of the recipe are timed on random data of its input shape (no
+download), each in a fresh process per engine (Keras fixes its backend per process):
+  plain    raw Keras: `keras` imported with the engine as backend, `model.compile` + `model.fit`
+           (`steps_per_execution` = steps per dispatch; Keras' own `DataParallel` on several JAX
+           devices); nothing of meshfit runs in that process but the recipe's model builder;
+  meshfit  `meshfit.connect(engine=...)`, `Strategy.fit` with the per-epoch report, and with more
+           than one step per dispatch the on-device loop of `meshfit.loop`.
+Each fit runs 1 + repeats epochs of `steps` steps: the first is warm-up (compilation, reported as
+its extra time over a timed epoch), the others are timed between device synchronizations and the
+median is reported. Columns: ms/step, samples/s, MFU (XLA's FLOPs of the step / peak FLOP/s; n/a
+where the peak is unknown, as on CPUs), compile seconds, `vs plain` (samples/s / the plain row of
+the same engine, precision, batch and steps per dispatch) and `vs fastest` (samples/s / the fastest
+plain Keras row of any engine at that precision and batch: the baseline a user could get without
+meshfit). Writes bench.csv, bench.json and bench.png to --out (default runs/bench-<time>/).
+On several (simulated) CPU devices both paths finish each dispatch before the next, since XLA:CPU
+collectives can deadlock with several programs in flight on fewer cores than devices. The paths
+run one after the other, so on a busy machine their ratio moves with the load: compare figures
+taken on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from meshfit import devices as devices_lib
+from meshfit import engine as engine_lib
+from meshfit import planning, recipes
+from meshfit.errors import MeshfitError
+
+DEFAULT_RECIPE = "fashion-mnist-cnn"
+DEFAULT_REPEATS = 5
+DEFAULT_STEPS = 10  # timed steps per repeat (rounded up to a multiple of the steps per dispatch)
+BENCH_ENGINES = ("jax", "tensorflow", "torch")
+PATHS = ("plain", "meshfit")
+COLUMNS = ("recipe", "engine", "path", "precision", "batch", "steps_per_dispatch", "replicas",
+           "ms_per_step", "samples_per_s", "mfu", "compile_s", "vs_plain", "vs_fastest",
+           "flops_per_step", "auto_engine", "platform", "device_kind", "repeats", "steps_per_repeat")
+DATASET_SHAPES = {"mnist": (28, 28, 1), "fashion_mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
+_ROW, _MACHINE, _ERROR = "meshfit-bench-row ", "meshfit-bench-machine ", "meshfit-bench-error "
+
+
+# --------------------------------------------------------------------------- command line (parent)
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `meshfit bench`."""
+    parser.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE,
+                        help=f"recipe whose model is timed (default: {DEFAULT_RECIPE})")
+    parser.add_argument("--engines", help="comma-separated Keras backends (default: every installed "
+                        "one that runs on these devices: jax, tensorflow, torch)")
+    parser.add_argument("--precisions", help="comma-separated: auto, float32, bfloat16, float16 "
+                        "(default: the recipe's)")
+    parser.add_argument("--batch-sizes", help="comma-separated global batch sizes (default: the recipe's)")
+    parser.add_argument("--steps-per-dispatch", help="comma-separated train steps per dispatch "
+                        "(default: 1 on CPU, 1,8 on accelerators)")
+    parser.add_argument("--simulate-devices", type=int, metavar="N",
+                        help="run on N JAX CPU devices standing in for accelerator cores")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help=f"timed epochs per measurement; the median is reported (default: {DEFAULT_REPEATS})")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                        help=f"train steps per timed epoch (default: {DEFAULT_STEPS})")
+    parser.add_argument("--out", help="directory for bench.csv, bench.json, bench.png "
+                        "(default: runs/bench-<time>)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON, not a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`meshfit bench`: measure, print the table (or JSON) and write the files."""
+    result = bench(args.recipe, engines=_names(args.engines, "--engines"),
+                   precisions=_names(args.precisions, "--precisions"),
+                   batch_sizes=_counts(args.batch_sizes, "--batch-sizes"),
+                   steps_per_dispatch=_counts(args.steps_per_dispatch, "--steps-per-dispatch"),
+                   simulate_devices=args.simulate_devices, repeats=args.repeats, steps=args.steps,
+                   out=args.out)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_table(result))
+        print("wrote " + ", ".join(os.path.join(result["out"], f)
+                                   for f in ("bench.csv", "bench.json", "bench.png")))
+    return 0
+
+
+def bench(recipe: str = DEFAULT_RECIPE, *, engines: list[str] | None = None,
+          precisions: list[str] | None = None, batch_sizes: list[int] | None = None,
+          steps_per_dispatch: list[int] | None = None, simulate_devices: int | None = None,
+          repeats: int = DEFAULT_REPEATS, steps: int = DEFAULT_STEPS, out: str | None = None) -> dict:
+    """Run the benchmark (one process per engine and path) and write its files; returns the results.
+
+    Lists left as None take the defaults described in `meshfit bench --help`.
+    """
+    the_recipe = recipes.get(recipe)
+    for name in precisions or []:
+        planning.resolve_precision(name, "cpu")
+    for name in engines or []:
+        if name not in BENCH_ENGINES:
+            raise MeshfitError(f"unknown engine {name!r} in --engines; use any of: {', '.join(BENCH_ENGINES)}")
+    if repeats < 1 or steps < 1:
+        raise MeshfitError(f"--repeats and --steps must be at least 1, got {repeats} and {steps}")
+    if simulate_devices is not None and simulate_devices < 1:
+        raise MeshfitError(f"--simulate-devices must be at least 1, got {simulate_devices}")
+    if engines is None:
+        engines = [e for e in BENCH_ENGINES if engine_lib.installed(e)]
+        if (devices_lib.requested_simulation(simulate_devices) or 1) > 1:
+            engines = ["jax"]  # only JAX runs several devices in meshfit
+    spec = {"recipe": the_recipe.name, "precisions": precisions, "batch_sizes": batch_sizes,
+            "steps_per_dispatch": steps_per_dispatch, "simulate": simulate_devices,
+            "repeats": repeats, "steps": steps}
+    rows, machine, skipped = [], None, []
+    for engine in engines:
+        for path in PATHS:
+            found, meta, error = _run_worker({**spec, "engine": engine, "path": path})
+            if error:
+                skipped.append(f"{engine}: {error}")
+                print(f"meshfit: note: skipped engine {engine}: {error}", file=sys.stderr, flush=True)
+                break
+            rows += found
+            machine = machine or meta
+    if not rows:
+        raise MeshfitError("nothing was measured; " + "; ".join(skipped))
+    add_ratios(rows)
+    out = out or _new_out_dir()
+    result = {"recipe": the_recipe.name, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": "meshfit bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
+              "machine": machine, "skipped": skipped, "out": out,
+              "baseline": "vs_fastest = samples/s / the fastest plain-Keras row (any engine, any "
+                          "steps per dispatch) at the same precision and batch",
+              "rows": rows}
+    write_files(result, out)
+    return result
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Fill `vs_plain` and `vs_fastest` in place (see the module docstring)."""
+    plain = {_key(r): r["samples_per_s"] for r in rows if r["path"] == "plain"}
+    fastest: dict[tuple, float] = {}
+    for r in rows:
+        if r["path"] == "plain":
+            group = (r["precision"], r["batch"])
+            fastest[group] = max(fastest.get(group, 0.0), r["samples_per_s"])
+    for r in rows:
+        base = plain.get(_key(r))
+        r["vs_plain"] = r["samples_per_s"] / base if base else None
+        best = fastest.get((r["precision"], r["batch"]))
+        r["vs_fastest"] = r["samples_per_s"] / best if best else None
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return row["engine"], row["precision"], row["batch"], row["steps_per_dispatch"]
+
+
+def _names(text: str | None, flag: str) -> list[str] | None:
+    if text is None:
+        return None
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if not names:
+        raise MeshfitError(f"{flag} needs at least one value, e.g. {flag} a,b")
+    return names
+
+
+def _counts(text: str | None, flag: str) -> list[int] | None:
+    names = _names(text, flag)
+    if names is None:
+        return None
+    if not all(n.isdigit() and int(n) >= 1 for n in names):
+        raise MeshfitError(f"{flag} takes whole numbers of at least 1, comma-separated, got {text!r}")
+    return [int(n) for n in names]
+
+
+def _new_out_dir() -> str:
+    base = os.path.join("runs", f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out, n = base, 1
+    while os.path.exists(out):
+        n += 1
+        out = f"{base}-{n}"
+    return out
+
+
+def _run_worker(spec: dict) -> tuple[list[dict], dict | None, str | None]:
+    """Run one engine and path in a fresh process; relay its progress lines; parse its results."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshfit.bench", json.dumps(spec)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tail: collections.deque = collections.deque(maxlen=20)
+
+    def relay():
+        for line in proc.stderr:
+            if line.startswith(("bench: ", "meshfit: warning")):
+                print(line, end="", file=sys.stderr, flush=True)
+            elif line.strip():
+                tail.append(line.rstrip())
+
+    relayer = threading.Thread(target=relay, daemon=True)
+    relayer.start()
+    stdout = proc.stdout.read()
+    proc.wait()
+    relayer.join()
+    rows, machine, error = [], None, None
+    for line in stdout.splitlines():
+        if line.startswith(_ROW):
+            rows.append(json.loads(line[len(_ROW):]))
+        elif line.startswith(_MACHINE):
+            machine = json.loads(line[len(_MACHINE):])
+        elif line.startswith(_ERROR):
+            error = line[len(_ERROR):]
+    if proc.returncode != 0 and error is None:
+        last = tail[-1] if tail else "no output"
+        raise MeshfitError(f"the {spec['engine']} {spec['path']} benchmark process failed "
+                           f"(exit {proc.returncode}): {last}")
+    return rows, machine, error
+
+
+# --------------------------------------------------------------------------------------- output
+
+def _cell(row: dict[str, Any], column: str) -> str:
+    value = row.get(column)
+    if column == "mfu":
+        return f"{value * 100:.1f}%" if value else "n/a"
+    if value is None:
+        return "-"
+    if column in ("vs_plain", "vs_fastest"):
+        return f"{value:.2f}x"
+    if column == "samples_per_s":
+        return f"{value:,.0f}"
+    if column in ("ms_per_step", "compile_s"):
+        return f"{value:.1f}"
+    if column == "engine" and row.get("auto_engine") == value:
+        return f"{value}*"
+    return str(value)
+
+
+_TABLE = (("engine", "engine"), ("path", "path"), ("precision", "precision"), ("batch", "batch"),
+          ("steps_per_dispatch", "steps/dispatch"), ("ms_per_step", "ms/step"),
+          ("samples_per_s", "samples/s"), ("mfu", "MFU"), ("compile_s", "compile s"),
+          ("vs_plain", "vs plain"), ("vs_fastest", "vs fastest"))
+
+
+def format_table(result: dict) -> str:
+    """The results as a plain-text table with a title and the baseline stated under it."""
+    header = [title for _, title in _TABLE]
+    body = [[_cell(r, c) for c, _ in _TABLE] for r in result["rows"]]
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    lines = [_title(result), "  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+              for row in body]
+    return "\n".join(lines + _notes(result))
+
+
+def _title(result: dict) -> str:
+    m = result.get("machine") or {}
+    return (f"meshfit bench {result['recipe']} on {m.get('device_kind', '?')} "
+            f"({m.get('platform', '?')}, {m.get('devices', '?')} device(s)), {result['date']}")
+
+
+def _notes(result: dict) -> list[str]:
+    auto = (result.get("machine") or {}).get("auto_engine")
+    notes = [f"* meshfit's engine for these devices ({auto})" if auto else "",
+             result["baseline"] + "; vs_plain = samples/s / plain Keras on the same engine, "
+             "precision, batch and steps per dispatch"]
+    return [n for n in notes if n] + [f"skipped {s}" for s in result.get("skipped", [])]
+
+
+def write_files(result: dict, out: str) -> None:
+    """bench.csv (one row per measurement), bench.json (everything) and bench.png (bar chart)."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(result["rows"])
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(out, "bench.png"))
+
+
+def plot(result: dict, path: str) -> None:
+    """Horizontal bars of samples/s, one per row, labelled with the `vs fastest` ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    labels = [f"{r['engine']} {r['path']} {r['precision']} b{r['batch']} x{r['steps_per_dispatch']}"
+              for r in rows]
+    values = [r["samples_per_s"] for r in rows]
+    colors = ["#9e9e9e" if r["path"] == "plain" else "#1f77b4" for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.4 * len(rows)))
+    bars = ax.barh(range(len(rows)), values, color=colors)
+    for bar, r in zip(bars, rows):
+        ratio = f" {r['vs_fastest']:.2f}x" if r.get("vs_fastest") else ""
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, ratio, va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("training samples/s (grey: plain Keras, blue: meshfit; label: vs fastest plain)")
+    ax.set_title(_title(result), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------ measurement (worker)
+
+def default_batch(recipe: recipes.Recipe, platform: str, device_kind: str, replicas: int) -> int:
+    """The recipe's global batch on these devices, as `meshfit train` would use it."""
+    if recipe.global_batch:
+        return planning.split_global_batch(recipe.global_batch, replicas)
+    per_core = planning.round_per_core(recipe.per_core_batch or 128,
+                                       planning.batch_multiple(platform, device_kind))
+    return per_core * replicas
+
+
+def input_shape(recipe: recipes.Recipe) -> tuple[int, ...]:
+    """(height, width, channels) of the recipe's images."""
+    if recipe.input_shape:
+        return tuple(recipe.input_shape)
+    if recipe.dataset in DATASET_SHAPES:
+        return DATASET_SHAPES[recipe.dataset]
+    raise MeshfitError(f"recipe {recipe.name} names no input_shape for dataset {recipe.dataset}")
+
+
+def _recipe_loss(recipe: recipes.Recipe):
+    return recipe.loss if isinstance(recipe.loss, str) else recipe.loss()
+
+
+def _sync(model) -> None:
+    """Wait for the dispatched steps to finish (JAX runs asynchronously)."""
+    import keras
+
+    values = [v.value for v in model.trainable_variables]
+    if keras.backend.backend() == "jax":
+        import jax
+
+        jax.block_until_ready(values)
+    else:
+        keras.ops.convert_to_numpy(values[0])
+
+
+def _epoch_timer():
+    import keras
+
+    class EpochTimer(keras.callbacks.Callback):
+        """Seconds of each epoch, between device synchronizations."""
+
+        def __init__(self):
+            super().__init__()
+            self.seconds: list[float] = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            _sync(self.model)
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            _sync(self.model)
+            self.seconds.append(time.perf_counter() - self._start)
+
+    return EpochTimer()
+
+
+def _wait_each_dispatch(info) -> list:
+    """On several CPU devices, a callback finishing each dispatch, as meshfit's train function does.
+
+    XLA:CPU collectives can deadlock with several programs in flight when the machine has fewer
+    cores than (simulated) devices, so plain Keras needs the same wait to finish at all.
+    """
+    if info.platform != "cpu" or info.device_count == 1:
+        return []
+    import jax
+    import keras
+
+    return [keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: jax.block_until_ready(logs))]
+
+
+def _worker(spec: dict) -> None:
+    """Measure one engine and path for every precision, batch and steps per dispatch."""
+    engine, path = spec["engine"], spec["path"]
+    if path == "meshfit":
+        from meshfit.distribution import Strategy, connect
+
+        info = connect(simulate=spec["simulate"], engine=engine, verbose=False).info
+    else:
+        info = devices_lib.discover(simulate=spec["simulate"])
+        engine_lib.choose(engine, info.platform, info.device_count)  # the same rules as meshfit
+        os.environ["KERAS_BACKEND"] = engine
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+
+    from meshfit import loop
+    from meshfit.report import EpochReport, train_step_flops
+
+    recipe = recipes.get(spec["recipe"])
+    replicas = info.device_count if engine == "jax" else 1
+    auto_engine = engine_lib.fastest(info.platform, info.device_count)
+    machine = {"platform": info.platform, "device_kind": info.device_kind, "devices": info.device_count,
+               "simulated": info.simulated, "cpu": devices_lib.cpu_model(), "auto_engine": auto_engine,
+               "keras": keras.__version__, "python": sys.version.split()[0]}
+    print(_MACHINE + json.dumps(machine), flush=True)
+    shape = input_shape(recipe)
+    classes = len(_class_names(recipe.dataset)) or None
+    precisions = spec["precisions"] or [recipe.precision]
+    batches = [planning.split_global_batch(b, replicas) for b in spec["batch_sizes"] or []] or \
+        [default_batch(recipe, info.platform, info.device_kind, replicas)]
+    dispatches = spec["steps_per_dispatch"] or ([1] if info.platform == "cpu" else [1, 8])
+    repeats = spec["repeats"]
+    for name in precisions:
+        precision = planning.resolve_precision(name, info.platform, info.compute_capability)
+        peak = planning.peak_flops(info.platform, info.device_kind, precision)
+        peak = peak * replicas if peak else None
+        for batch in batches:
+            for k in dispatches:
+                steps = -(-spec["steps"] // k) * k
+                keras.backend.clear_session()  # (no keras.utils.set_random_seed: it would import TensorFlow)
+                strategy = None
+                if path == "meshfit":
+                    strategy = Strategy(info, engine, precision)
+                    strategy.activate()
+                else:
+                    keras.config.set_dtype_policy(planning.keras_policy(precision))
+                    if engine == "jax" and replicas > 1:
+                        keras.distribution.set_distribution(keras.distribution.DataParallel())
+                model = (recipe.build_model(shape, classes) if classes else recipe.build_model(shape))
+                model.compile(optimizer=recipe.optimizer(steps, repeats + 1), loss=_recipe_loss(recipe),
+                              metrics=["accuracy"], steps_per_execution=1 if strategy else k)
+                rng = np.random.default_rng(0)
+                x = rng.integers(0, 256, (steps * batch, *shape), dtype=np.uint8)
+                y = rng.integers(0, model.output_shape[-1], steps * batch).astype(np.int32)
+                timer = _epoch_timer()
+                fit = dict(batch_size=batch, epochs=repeats + 1, shuffle=False, verbose=0)
+                flops = None
+                if strategy is not None:
+                    loop.install(model, k)
+                    report = EpochReport(batch_size=batch, strategy=strategy, stream=io.StringIO())
+                    strategy.fit(model, x, y, callbacks=[timer, report], **fit)
+                    flops = report.flops_per_step
+                else:
+                    model.fit(x, y, callbacks=[timer] + _wait_each_dispatch(info), **fit)
+                    flops = train_step_flops(model, batch) if peak else None
+                median = statistics.median(timer.seconds[1:])
+                step_seconds = median / steps
+                row = {"recipe": recipe.name, "engine": engine, "path": path, "precision": precision,
+                       "batch": batch, "steps_per_dispatch": k, "replicas": replicas,
+                       "ms_per_step": 1000 * step_seconds, "samples_per_s": batch / step_seconds,
+                       "mfu": flops / step_seconds / peak if (flops and peak) else None,
+                       "compile_s": max(timer.seconds[0] - median, 0.0), "flops_per_step": flops or None,
+                       "auto_engine": auto_engine, "platform": info.platform,
+                       "device_kind": info.device_kind, "repeats": repeats, "steps_per_repeat": steps,
+                       "epoch_seconds": timer.seconds}
+                print(_ROW + json.dumps(row), flush=True)
+                print(f"bench: {engine} {path} {precision} batch {batch} x{k}: "
+                      f"{row['ms_per_step']:.1f} ms/step, {row['samples_per_s']:,.0f} samples/s "
+                      f"(+{row['compile_s']:.1f} s compile)", file=sys.stderr, flush=True)
+
+
+def _class_names(dataset: str) -> tuple[str, ...]:
+    from meshfit import datasets
+
+    return datasets.CLASS_NAMES.get(dataset, ())
+
+
+def _worker_main(argv: list[str]) -> int:
+    try:
+        _worker(json.loads(argv[0]))
+    except MeshfitError as err:
+        print(_ERROR + str(err), flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))

@@ -1,0 +1,340 @@
+"""Checkpoints of the full training state, and exact resume.
+
+A checkpoint is a folder RUN/checkpoints/ckpt-<global step, 8 digits>/ holding
+  state.npz   every variable as a numpy array: the model's (weights, batch-norm statistics and
+              the SeedGenerator states that drive Dropout, which Keras' own weights files leave
+              out), the optimizer's (step count, moments) and the metrics' running totals;
+  state.json  where training stands (epoch, step within it, global step, steps per epoch), the
+              seed (with the epoch and step it fixes the data order and augmentation), the metrics
+              history so far, the run's settings, and each variable's name, shape and dtype.
+It is written to a temporary folder, fsynced and renamed into place, so a crash mid-save leaves
+the previous checkpoint intact; the newest `keep` are kept.
+
+`Checkpointer` (a Keras callback) saves every N steps or seconds and at every epoch end, and after
+a SIGTERM/SIGINT (see `stop_on_signals`) saves at the next step boundary and stops training by
+raising `TrainingInterrupted`. It acts in `on_train_batch_begin`, which Keras calls synchronously
+without logs, so training pays no per-step host synchronization on JAX.
+
+This module imports Keras at the top: import it after `meshfit.connect()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+from typing import Any, Iterator
+
+import keras
+import numpy as np
+
+from meshfit.errors import MeshfitError
+
+FORMAT = 1
+STATE_ARRAYS, STATE_JSON = "state.npz", "state.json"
+_NAME = re.compile(r"^ckpt-(\d{8,})$")
+GROUPS = ("model", "optimizer", "metrics")
+
+
+class TrainingInterrupted(MeshfitError):
+    """Training stopped on a signal after saving a checkpoint; `exit_code` is 128 + the signal."""
+
+    def __init__(self, message: str, signum: int, checkpoint: str | None):
+        super().__init__(message)
+        self.signum = signum
+        self.checkpoint = checkpoint
+        self.exit_code = 128 + signum
+
+
+# ------------------------------------------------------------------------------- reading/writing
+
+def variable_groups(model) -> dict[str, list]:
+    """The model's variables, its optimizer's and its metrics', in a fixed order."""
+    optimizer = getattr(model, "optimizer", None)
+    return {"model": list(model.variables),
+            "optimizer": list(optimizer.variables) if optimizer is not None else [],
+            "metrics": list(model.metrics_variables)}
+
+
+def _sync(model) -> None:
+    """On JAX, copy the state that fit keeps outside the model back into its variables."""
+    if hasattr(model, "jax_state_sync"):
+        model.jax_state_sync()
+
+
+def _host_value(variable) -> np.ndarray:
+    """A variable's value as numpy; of a replicated multi-host array, this process's copy."""
+    value = variable.value
+    if getattr(value, "is_fully_replicated", False) and not value.is_fully_addressable:
+        value = value.addressable_data(0)
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, write) -> None:
+    """Create `path`, let `write(file)` fill it, and flush it to disk."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def checkpoint_name(global_step: int) -> str:
+    """The folder name of the checkpoint taken after `global_step` training steps."""
+    return f"ckpt-{global_step:08d}"
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[str]:
+    """Complete checkpoints in `directory`, oldest first (temporary folders are ignored)."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = _NAME.match(name)
+        path = os.path.join(directory, name)
+        if match and os.path.isfile(os.path.join(path, STATE_JSON)):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest(directory: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint in `directory`, or None."""
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
+         extra: dict[str, Any] | None = None, keep: int = 3) -> str:
+    """Write the full training state after `step` steps of epoch `epoch` (0-based); return its folder.
+
+    extra: JSON-serializable data stored with it (e.g. seed, history, run settings).
+    A checkpoint of the same global step that already exists is kept as it is.
+    """
+    directory = os.fspath(directory)
+    global_step = epoch * steps_per_epoch + step
+    final = os.path.join(directory, checkpoint_name(global_step))
+    if os.path.isfile(os.path.join(final, STATE_JSON)):
+        return final
+    os.makedirs(directory, exist_ok=True)
+    _sync(model)
+    arrays, variables = {}, {}
+    for group, values in variable_groups(model).items():
+        variables[group] = []
+        for i, v in enumerate(values):
+            value = _host_value(v)
+            arrays[f"{group}/{i:05d}"] = value
+            variables[group].append([v.path, list(value.shape), str(value.dtype)])
+    state = {"format": FORMAT, "epoch": epoch, "step": step, "global_step": global_step,
+             "steps_per_epoch": steps_per_epoch, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             **(extra or {}), "variables": variables}
+    tmp = tempfile.mkdtemp(dir=directory, prefix=".tmp-")
+    try:
+        _write_file(os.path.join(tmp, STATE_ARRAYS), lambda f: np.savez(f, **arrays))
+        _write_file(os.path.join(tmp, STATE_JSON), lambda f: f.write(json.dumps(state).encode()))
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # an incomplete leftover of the same step (no state.json)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    for name in os.listdir(directory):  # what earlier saves cut short left behind
+        path = os.path.join(directory, name)
+        incomplete = _NAME.match(name) and not os.path.isfile(os.path.join(path, STATE_JSON))
+        if name.startswith(".tmp-") or incomplete:
+            shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def read_state(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's state.json as a dict."""
+    path = os.fspath(path)
+    try:
+        with open(os.path.join(path, STATE_JSON)) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise MeshfitError(f"cannot read checkpoint {path} ({e}); resume from another checkpoint "
+                           "or start a new run") from e
+    if state.get("format") != FORMAT:
+        raise MeshfitError(f"checkpoint {path} has format {state.get('format')}, this meshfit reads "
+                           f"format {FORMAT}; resume it with the meshfit version that wrote it")
+    return state
+
+
+def read_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """A checkpoint's arrays, keyed 'model/00000', 'optimizer/00000', 'metrics/00000'..."""
+    path = os.fspath(path)
+    try:
+        with np.load(os.path.join(path, STATE_ARRAYS), allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except Exception as e:  # zipfile, numpy and OS errors of many kinds
+        raise MeshfitError(f"cannot read checkpoint {path} ({e}); resume from another checkpoint "
+                           "or start a new run") from e
+
+
+def _check_fits(path: str, group: str, saved: list, variables: list) -> None:
+    """A one-line MeshfitError unless the saved variables have the shapes of `variables`."""
+    hint = "resume with the recipe and settings that wrote it, or start a new run"
+    if len(saved) != len(variables):
+        raise MeshfitError(f"checkpoint {path} does not fit this model: it has {len(saved)} {group} "
+                           f"variables, the model has {len(variables)}; {hint}")
+    for (name, shape, _), v in zip(saved, variables):
+        if tuple(shape) != tuple(v.shape):
+            raise MeshfitError(f"checkpoint {path} does not fit this model: {group} variable {name} "
+                               f"has shape {tuple(shape)} there but {v.path} has {tuple(v.shape)} "
+                               f"here; {hint}")
+
+
+def _assign(values: list, arrays: dict[str, np.ndarray], group: str) -> None:
+    for i, v in enumerate(values):
+        v.assign(arrays[f"{group}/{i:05d}"])
+
+
+def restore(model, path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint's model and optimizer variables into a compiled `model`.
+
+    Returns the checkpoint's state (state.json) with the metrics' arrays under "metrics_values":
+    metrics variables exist only once fit has started, so `Checkpointer(resume_state=...)` puts
+    them back at the start of the resumed epoch.
+    """
+    path = os.fspath(path)
+    state, arrays = read_state(path), read_arrays(path)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    groups = variable_groups(model)
+    for group in ("model", "optimizer"):
+        _check_fits(path, group, state["variables"][group], groups[group])
+    for group in ("model", "optimizer"):
+        _assign(groups[group], arrays, group)
+    count = len(state["variables"]["metrics"])
+    state["metrics_values"] = [arrays[f"metrics/{i:05d}"] for i in range(count)]
+    return state
+
+
+# ------------------------------------------------------------------------------------ callback
+
+class Checkpointer(keras.callbacks.Callback):
+    """Saves the training state into `directory` during fit; stops cleanly on SIGTERM/SIGINT.
+
+    steps_per_epoch: the run's steps per epoch (checkpoints are numbered by global step).
+    every_steps / every_seconds: save when the global step is a multiple of every_steps, or when
+    every_seconds have passed since the last save (either, both or neither); always at epoch end
+    unless epoch_end=False. keep: how many checkpoints to keep. extra(): JSON data saved with each
+    checkpoint (seed, history, settings). resume_state: what `restore` returned, when resuming
+    mid-epoch. write: False on processes other than 0 (they sync state but write nothing).
+    """
+
+    def __init__(self, directory: str | os.PathLike, steps_per_epoch: int, *,
+                 every_steps: int | None = None, every_seconds: float | None = None,
+                 epoch_end: bool = True, keep: int = 3, extra=None,
+                 resume_state: dict[str, Any] | None = None, write: bool = True):
+        super().__init__()
+        self.directory = os.fspath(directory)
+        self.steps_per_epoch = steps_per_epoch
+        self.every_steps, self.every_seconds = every_steps, every_seconds
+        self.epoch_end, self.keep = epoch_end, keep
+        self.extra = extra or (lambda: {})
+        self.write = write
+        self.last_saved: str | None = None
+        self.stop_signal: int | None = None
+        self._resume = resume_state
+        self._epoch, self._offset = 0, 0
+        self._last_time = time.monotonic()
+
+    def request_stop(self, signum: int) -> None:
+        """Ask training to save and stop at the next step boundary (called by signal handlers)."""
+        self.stop_signal = signum
+
+    def save(self, epoch: int, step: int) -> str | None:
+        """Save now, as the state after `step` steps of epoch `epoch`."""
+        _sync(self.model)
+        self._last_time = time.monotonic()
+        if not self.write:
+            return None
+        self.last_saved = save(self.directory, self.model, epoch=epoch, step=step,
+                               steps_per_epoch=self.steps_per_epoch, extra=self.extra(),
+                               keep=self.keep)
+        return self.last_saved
+
+    def on_train_begin(self, logs=None):
+        self._last_time = time.monotonic()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch, self._offset = epoch, 0
+        if self._resume is not None and epoch == self._resume["epoch"]:
+            self._offset = self._resume["step"]
+            values = self._resume["metrics_values"]
+            if self._offset and values:  # the interrupted epoch's running totals
+                metrics = self.model.metrics_variables
+                _check_fits(self.directory, "metrics", self._resume["variables"]["metrics"], metrics)
+                for v, value in zip(metrics, values):
+                    v.assign(value)
+            self._resume = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step = self._offset + batch
+        if self.stop_signal is not None:
+            self._stop(self.save(self._epoch, step))  # at batch 0 this is an existing checkpoint
+        if not batch:
+            return
+        global_step = self._epoch * self.steps_per_epoch + step
+        if (self.every_steps and global_step % self.every_steps == 0) or \
+                (self.every_seconds and time.monotonic() - self._last_time >= self.every_seconds):
+            self.save(self._epoch, step)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.epoch_end or self.stop_signal is not None:
+            self.save(epoch + 1, 0)
+        if self.stop_signal is not None:
+            self._stop(self.last_saved)
+
+    def _stop(self, path: str | None):
+        name = signal.Signals(self.stop_signal).name
+        run = os.path.dirname(os.path.abspath(self.directory))
+        where = f"saved to {path}" if path else "state saved by process 0"
+        raise TrainingInterrupted(
+            f"training stopped by {name}, {where}; continue with: meshfit train --resume {run}",
+            self.stop_signal, path)
+
+
+@contextlib.contextmanager
+def stop_on_signals(checkpointer: Checkpointer,
+                    signums=(signal.SIGTERM, signal.SIGINT)) -> Iterator[None]:
+    """While inside, SIGTERM/SIGINT make `checkpointer` save and stop at the next step boundary.
+
+    A second signal while stopping raises KeyboardInterrupt at once. Outside the main thread
+    (where Python cannot install handlers) this does nothing.
+    """
+    def handler(signum, frame):
+        if checkpointer.stop_signal is not None:
+            raise KeyboardInterrupt
+        checkpointer.request_stop(signum)
+
+    previous = {}
+    try:
+        for signum in signums:
+            previous[signum] = signal.signal(signum, handler)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)

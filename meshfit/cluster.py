@@ -1,0 +1,394 @@
+"""Joining a multi-host job: the same program runs once per host (or per GPU) and JAX joins them.
+
+`join()` runs inside `meshfit.connect()`, before JAX starts its backends. It calls
+`jax.distributed.initialize` only when the environment describes a job of two or more processes:
+
+- `MESHFIT_COORDINATOR` (host:port of process 0), `MESHFIT_NUM_PROCESSES`, `MESHFIT_PROCESS_ID`
+  and optionally `MESHFIT_LOCAL_DEVICE_IDS` (e.g. "0" for one GPU per process), as set by
+  `meshfit launch` or by hand;
+- otherwise the environments JAX itself detects: Cloud TPU pod slices (GCE or GKE), SLURM,
+  Open MPI (`mpirun`) and Kubernetes (with `pip install jax[k8s]`).
+
+A plain single-host run finds neither and starts at once. `MESHFIT_NUM_PROCESSES=1` turns the
+detection off. Joining waits at most `MESHFIT_INIT_TIMEOUT` seconds (default 300) for all processes,
+and a process that stops sending heartbeats for `MESHFIT_HEARTBEAT_TIMEOUT` seconds (default 60)
+makes the others stop with an error, so a dead peer cannot hang the job.
+
+In the job every process passes the same global data or batches: `fit_arguments()` (used by
+`Strategy.fit`) cuts them to each process's rows, `predict()` gathers outputs that Keras' predict
+cannot, `barrier()` lines the processes up, and `outside_mesh()` lets process 0 save on its own.
+A process that fails leaves at once (`exit_failed()`), so its peers are not left waiting for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Sequence
+
+from meshfit.errors import MeshfitError
+
+COORDINATOR_ENV = "MESHFIT_COORDINATOR"
+NUM_PROCESSES_ENV = "MESHFIT_NUM_PROCESSES"
+PROCESS_ID_ENV = "MESHFIT_PROCESS_ID"
+LOCAL_DEVICE_IDS_ENV = "MESHFIT_LOCAL_DEVICE_IDS"
+INIT_TIMEOUT_ENV = "MESHFIT_INIT_TIMEOUT"
+HEARTBEAT_TIMEOUT_ENV = "MESHFIT_HEARTBEAT_TIMEOUT"
+SHUTDOWN_TIMEOUT_SECONDS = 300  # how long finished processes wait at exit for the slowest one
+
+
+@dataclass(frozen=True)
+class Job:
+    """A multi-process job as the environment describes it.
+
+    source: where it was found ("MESHFIT_* variables" or a JAX cluster name, e.g. "SlurmCluster").
+    For a detected cluster, coordinator/process_id/local_device_ids stay None: JAX fills them in.
+    """
+
+    source: str
+    num_processes: int
+    coordinator: str | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+
+
+def _int_env(name: str, environ) -> int | None:
+    value = environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise MeshfitError(f"{name}={value!r} is not a whole number; set it to e.g. 2")
+    return int(value)
+
+
+def _seconds_env(name: str, default: int, environ) -> int:
+    value = _int_env(name, environ)
+    if value is not None and value < 1:
+        raise MeshfitError(f"{name} must be at least 1 second, got {value}")
+    return default if value is None else value
+
+
+def job_from_variables(environ=os.environ) -> Job | None:
+    """The job that the MESHFIT_* variables describe; None when they describe no multi-process job."""
+    coordinator = environ.get(COORDINATOR_ENV, "").strip()
+    count = _int_env(NUM_PROCESSES_ENV, environ)
+    process_id = _int_env(PROCESS_ID_ENV, environ)
+    if not coordinator:
+        if count is not None and count > 1:
+            raise MeshfitError(f"{NUM_PROCESSES_ENV}={count} but {COORDINATOR_ENV} is not set; "
+                               f"set it to host:port of process 0 on every process")
+        return None
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise MeshfitError(f"{COORDINATOR_ENV}={coordinator!r} is not host:port; "
+                           "set it to process 0's address and a free port, e.g. 10.0.0.1:1234")
+    if count is None or process_id is None:
+        missing = NUM_PROCESSES_ENV if count is None else PROCESS_ID_ENV
+        raise MeshfitError(f"{COORDINATOR_ENV} is set but {missing} is not; set "
+                           f"{NUM_PROCESSES_ENV} (processes in the job) and {PROCESS_ID_ENV} "
+                           f"(0 .. {NUM_PROCESSES_ENV}-1) on every process")
+    if count < 1 or process_id >= count:
+        raise MeshfitError(f"{PROCESS_ID_ENV}={process_id} is not below {NUM_PROCESSES_ENV}={count}; "
+                           f"number the processes 0 .. {max(count, 1) - 1}")
+    ids = environ.get(LOCAL_DEVICE_IDS_ENV, "").strip()
+    try:
+        local_ids = tuple(int(i) for i in ids.split(",")) if ids else None
+    except ValueError:
+        raise MeshfitError(f"{LOCAL_DEVICE_IDS_ENV}={ids!r} is not a comma-separated list of "
+                           "device numbers; set it to e.g. 0 or 0,1") from None
+    if count == 1:
+        return None
+    return Job("MESHFIT_* variables", count, coordinator, process_id, local_ids)
+
+
+def detected_cluster() -> Job | None:
+    """A job of two or more processes found by JAX's own cluster detectors, else None.
+
+    Uses the detectors `jax.distributed.initialize()` uses (Cloud TPU, SLURM, Open MPI,
+    Kubernetes), skipping opt-in ones (mpi4py). Importing JAX starts no backend.
+    """
+    try:
+        from jax._src import clusters  # the detectors behind jax.distributed.initialize()
+    except ImportError:
+        return None
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method:
+            continue
+        try:
+            with warnings.catch_warnings():  # e.g. "Kubernetes detected but `kubernetes` missing"
+                warnings.simplefilter("ignore")
+                if not env.is_env_present():
+                    continue
+                count = int(env.get_process_count())
+        except Exception as e:  # a half-configured environment: say so, run on this host
+            warnings.warn(f"found a {env.__name__} environment but could not read it ({e}); "
+                          f"running as one process (set {COORDINATOR_ENV} etc. to join a job)")
+            continue
+        if count > 1:
+            return Job(env.__name__, count)
+    return None
+
+
+def describe_job(environ=os.environ) -> Job | None:
+    """The multi-process job this process belongs to, or None for a single-process run."""
+    if _int_env(NUM_PROCESSES_ENV, environ) == 1:
+        return None
+    return job_from_variables(environ) or detected_cluster()
+
+
+def join(environ=os.environ) -> Job | None:
+    """Join the job the environment describes (before JAX's backends start); None if there is none."""
+    import jax
+
+    from meshfit.devices import jax_started
+
+    if jax.distributed.is_initialized():
+        return None  # the program joined the job itself
+    job = describe_job(environ)
+    if job is None:
+        return None
+    if jax_started():
+        raise MeshfitError(f"cannot join the {job.num_processes}-process job ({job.source}): JAX "
+                           "already started; call meshfit.connect() before anything else uses JAX")
+    init_timeout = _seconds_env(INIT_TIMEOUT_ENV, 300, environ)
+    if job.coordinator and job.process_id != 0 and not _reachable(job.coordinator, init_timeout):
+        raise MeshfitError(
+            f"cannot reach the coordinator {job.coordinator} within {init_timeout} s (this is process "
+            f"{job.process_id} of {job.num_processes}); start process 0 with the same "
+            f"{COORDINATOR_ENV}, check the address and firewall, or raise {INIT_TIMEOUT_ENV}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU hosts
+    explicit = job.coordinator is not None  # else JAX reads the detected cluster's settings
+    try:
+        jax.distributed.initialize(
+            coordinator_address=job.coordinator, num_processes=job.num_processes if explicit else None,
+            process_id=job.process_id,
+            local_device_ids=list(job.local_device_ids) if job.local_device_ids else None,
+            initialization_timeout=init_timeout,
+            heartbeat_timeout_seconds=_seconds_env(HEARTBEAT_TIMEOUT_ENV, 60, environ),
+            shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        where = f" at {job.coordinator}" if explicit else ""
+        raise MeshfitError(
+            f"could not join the {job.num_processes}-process job ({job.source}){where}: {reason}; "
+            f"start every process with the same coordinator and process count") from None
+    sys.excepthook = functools.partial(_exit_after_traceback, sys.excepthook)
+    return job
+
+
+def _reachable(address: str, timeout: float) -> bool:
+    """True once a TCP connection to host:port succeeds, False after `timeout` seconds of trying.
+
+    JAX aborts the whole process when it cannot reach the coordinator; this check comes first so
+    that a wrong address or a missing process 0 is a one-line error instead.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def exit_failed(code: int) -> None:
+    """End this process at once with `code` if it is part of a multi-process job, else return.
+
+    At a normal exit JAX waits (up to SHUTDOWN_TIMEOUT_SECONDS) until every process reaches its
+    exit; a failed process must not, since the others may be waiting for it in a collective and
+    both would hang. Leaving at once lets a launcher, or JAX's heartbeat check, stop the others.
+    """
+    if "jax" not in sys.modules:
+        return
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _exit_after_traceback(previous_hook, kind, value, traceback) -> None:
+    previous_hook(kind, value, traceback)
+    exit_failed(1)
+
+
+def agree_on_seed() -> int:
+    """Give Keras the same random seed on every process (process 0's), so weights start equal.
+
+    Keeps a seed already set on process 0; otherwise process 0 draws one. Call after `join()`.
+    """
+    import keras
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from keras.src.utils import rng_utils  # Keras has no public getter for the global seed
+
+    seed = rng_utils.get_random_seed()
+    if seed is None:
+        seed = int(np.random.default_rng().integers(0, 2**31 - 1))
+    seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))
+    keras.utils.set_random_seed(seed)
+    return seed
+
+
+def local_rows(samples: int, global_batch: int, devices: Sequence[Any], process_index: int):
+    """Indices of the rows this process feeds: its devices' slices of every global batch.
+
+    Global batch k is rows [k*B, (k+1)*B); device i of the data-parallel mesh takes slice i of B/D
+    rows, and a process feeds the slices of its own devices, in mesh order (the order
+    `jax.make_array_from_process_local_data` places them in). So all processes together feed
+    exactly the batches one process would. A last partial batch is split the same way when it
+    divides by the D devices; otherwise it is dropped with a warning.
+    """
+    import numpy as np
+
+    mine = [i for i, d in enumerate(devices) if d.process_index == process_index]
+    if global_batch % len(devices):
+        raise MeshfitError(f"global batch {global_batch} does not split across {len(devices)} "
+                           f"devices; use a multiple of {len(devices)}")
+    full = samples // global_batch * global_batch
+    rows = np.arange(full).reshape(-1, len(devices), global_batch // len(devices))[:, mine].ravel()
+    tail = samples - full
+    if tail % len(devices):
+        warnings.warn(f"the last {tail} samples are left out: a batch of {tail} does not split "
+                      f"across {len(devices)} devices on {len({d.process_index for d in devices})} hosts")
+    elif tail:
+        rows = np.concatenate([rows, full + np.arange(tail).reshape(len(devices), -1)[mine].ravel()])
+    return rows
+
+
+def local_batch(batch: Any, devices: Sequence[Any], process_index: int) -> Any:
+    """This process's part of one global batch (a pytree of arrays): what Keras' multi-process input takes.
+
+    A cross-host jax.Array (e.g. made on the devices by meshfit.pipeline) becomes its host-local
+    part without a copy; a host array (the same on every process) is cut to this process's rows.
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    def part(array):
+        if isinstance(array, jax.Array) and not array.is_fully_addressable:
+            sharding = array.sharding
+            return multihost_utils.global_array_to_host_local_array(array, sharding.mesh, sharding.spec)
+        array = np.asarray(array)
+        return array[local_rows(len(array), len(array), devices, process_index)]
+
+    return jax.tree.map(part, batch)
+
+
+def fit_arguments(strategy, x, y, batch_size: int | None, kwargs: dict[str, Any]):
+    """`Strategy.fit`'s (x, y, batch_size, kwargs) cut to this process's share of every global batch.
+
+    Arrays with a global batch_size: each process keeps its rows of every batch and fits with its
+    per-process batch. An iterator of global batches (e.g. meshfit.pipeline's, with
+    steps_per_epoch): each batch is cut as it comes. validation_data arrays are cut like x and y.
+    """
+    devices, index = strategy.info.devices, strategy.info.process_index
+    kwargs = dict(kwargs)
+    if batch_size is None:
+        if y is not None or hasattr(x, "shape"):
+            raise MeshfitError("on several hosts Strategy.fit takes arrays with batch_size (the global "
+                               "batch), or an iterator of global batches with steps_per_epoch")
+        return (local_batch(b, devices, index) for b in x), None, None, kwargs
+    (x, y, weights), local = share([x, y, kwargs.get("sample_weight")], batch_size, devices, index)
+    if weights is not None:
+        kwargs["sample_weight"] = weights
+    if kwargs.get("validation_data") is not None:
+        validation_batch = kwargs.get("validation_batch_size") or batch_size
+        kwargs["validation_data"], local_validation = share(
+            list(kwargs["validation_data"]), validation_batch, devices, index)
+        kwargs["validation_data"] = tuple(kwargs["validation_data"])
+        if kwargs.get("validation_batch_size"):
+            kwargs["validation_batch_size"] = local_validation
+    return x, y, local, kwargs
+
+
+def share(arrays: Sequence[Any], global_batch: int, devices: Sequence[Any], process_index: int):
+    """(this process's rows of each array, per-process batch size); None entries stay None."""
+    import numpy as np
+
+    samples = len(next(a for a in arrays if a is not None))
+    rows = local_rows(samples, global_batch, devices, process_index)
+    mine = sum(d.process_index == process_index for d in devices)
+    per_process = global_batch // len(devices) * mine
+    return [None if a is None else np.asarray(a)[rows] for a in arrays], per_process
+
+
+def multi_process() -> bool:
+    """True in a process that joined a job of two or more processes."""
+    if "jax" not in sys.modules:
+        return False
+    import jax
+
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of the job reaches the barrier `name` (no-op in a single process)."""
+    if multi_process():
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def predict(model, batches: Iterable[Any]):
+    """Model outputs for every global batch of `batches`, gathered on every process (numpy).
+
+    Keras' `model.predict` cannot collect outputs that live on several hosts, so this runs the
+    model's inference call jitted on each global batch (a cross-host jax.Array, or a host array
+    that is the same on every process; `(x,)` tuples are unwrapped) and gathers each result.
+    """
+    import jax
+    import keras
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if hasattr(model, "jax_state_sync"):
+        model.jax_state_sync()  # variables hold the newest values (fit keeps them apart)
+    distribution = keras.distribution.distribution()
+
+    def to_global(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x
+        x = np.asarray(x)
+        layout = distribution.get_data_layout(x.shape).backend_layout
+        return jax.make_array_from_callback(x.shape, layout, lambda index: x[index])
+
+    call = jax.jit(lambda trainable, other, x: model.stateless_call(trainable, other, x)[0])
+    trainable = [v.value for v in model.trainable_variables]
+    other = [v.value for v in model.non_trainable_variables]
+    outputs = []
+    for batch in batches:
+        x = batch[0] if isinstance(batch, tuple) and len(batch) == 1 else batch
+        result = call(trainable, other, jax.tree.map(to_global, x))
+        outputs.append(multihost_utils.process_allgather(result, tiled=True))
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
+
+
+@contextlib.contextmanager
+def outside_mesh() -> Iterator[None]:
+    """Run host-local Keras work (saving, CPU inference) on one process without the global mesh.
+
+    Under the multi-host distribution, Keras creates new variables (e.g. `model.save` builds a
+    throw-away optimizer) as cross-host arrays, which waits for every process and hangs when only
+    process 0 saves. Inside this block no distribution is set.
+    """
+    import keras
+
+    active = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(active)

@@ -1,0 +1,101 @@
+"""`meshfit bench`: end to end in small settings, its ratios and its errors."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from meshfit import bench
+
+ONE_CPU = {"XLA_FLAGS": "", "KERAS_BACKEND": None, "MESHFIT_ENGINE": None, "MESHFIT_SIMULATE_DEVICES": None}
+TINY = ["--batch-sizes", "8", "--repeats", "2", "--steps", "2"]
+
+
+def run_cli(*args, env=None, timeout=400):
+    merged = {**os.environ}
+    for key, value in (env or {}).items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return subprocess.run([sys.executable, "-m", "meshfit", *args], capture_output=True, text=True,
+                          timeout=timeout, env=merged)
+
+
+def test_bench_times_every_engine_path_and_dispatch_and_writes_csv_json_png(tmp_path):
+    out = tmp_path / "bench"
+    result = run_cli("bench", "mnist-mlp-bf16", "--engines", "jax,tensorflow",
+                     "--steps-per-dispatch", "1,2", *TINY, "--out", str(out), env=ONE_CPU)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "vs fastest" in result.stdout and "fastest plain-Keras row" in result.stdout
+    assert "bench: jax meshfit bfloat16 batch 8 x2:" in result.stderr  # progress, relayed live
+
+    with open(out / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == list(bench.COLUMNS)
+    combos = {(r["engine"], r["path"], r["steps_per_dispatch"]) for r in rows}
+    assert combos == {(e, p, k) for e in ("jax", "tensorflow") for p in ("plain", "meshfit") for k in ("1", "2")}
+    for r in rows:
+        assert r["precision"] == "bfloat16" and r["batch"] == "8" and r["mfu"] == ""  # CPU: no MFU
+        assert float(r["ms_per_step"]) > 0 and float(r["compile_s"]) >= 0
+        assert float(r["samples_per_s"]) == pytest.approx(8 / (float(r["ms_per_step"]) / 1000))
+        assert float(r["vs_fastest"]) <= 1.0 or r["path"] == "meshfit"
+        if r["path"] == "plain":
+            assert float(r["vs_plain"]) == 1.0
+    assert max(float(r["vs_fastest"]) for r in rows if r["path"] == "plain") == 1.0
+
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["recipe"] == "mnist-mlp-bf16" and len(saved["rows"]) == 8
+    assert saved["machine"]["platform"] == "cpu" and saved["machine"]["devices"] == 1
+    assert all(len(r["epoch_seconds"]) == 3 for r in saved["rows"])  # warm-up + 2 repeats
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_cifar10_cnn_runs_and_prints_json(tmp_path):
+    result = run_cli("bench", "cifar10-cnn", "--engines", "tensorflow", "--batch-sizes", "4",
+                     "--repeats", "1", "--steps", "1", "--out", str(tmp_path), "--json", env=ONE_CPU)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [(r["engine"], r["path"]) for r in data["rows"]] == [("tensorflow", "plain"), ("tensorflow", "meshfit")]
+    assert data["rows"][1]["auto_engine"] == "tensorflow"  # meshfit's own choice on one CPU
+    assert os.path.isfile(tmp_path / "bench.csv") and os.path.isfile(tmp_path / "bench.png")
+
+
+def test_bench_engine_that_cannot_run_the_devices_is_one_line_error(tmp_path):
+    result = run_cli("bench", "--engines", "tensorflow", "--simulate-devices", "8", *TINY,
+                     "--out", str(tmp_path), env=ONE_CPU, timeout=120)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("meshfit: error")]
+    assert len(lines) == 1 and "runs on one CPU device" in lines[0] and "--engine jax" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-sizes", "0"], "--batch-sizes takes whole numbers"),
+    (["--engines", "mxnet"], "unknown engine 'mxnet'"),
+    (["--precisions", "fp8x"], "unknown precision 'fp8x'"),
+    (["no-such-recipe"], "unknown recipe 'no-such-recipe'"),
+])
+def test_bench_bad_flags_are_one_line_errors(args, message):
+    result = run_cli("bench", *args, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr
+
+
+def test_ratios_compare_with_plain_and_with_the_fastest_plain_engine():
+    def row(engine, path, sps, k=1):
+        return {"engine": engine, "path": path, "precision": "float32", "batch": 256,
+                "steps_per_dispatch": k, "samples_per_s": sps, "auto_engine": "tensorflow"}
+
+    rows = [row("jax", "plain", 200.0), row("jax", "meshfit", 196.0), row("tensorflow", "plain", 1000.0),
+            row("tensorflow", "meshfit", 1200.0), row("jax", "meshfit", 300.0, k=8)]
+    bench.add_ratios(rows)
+    assert [r["vs_plain"] for r in rows] == [1.0, 0.98, 1.0, 1.2, None]  # no plain x8 row measured
+    assert [r["vs_fastest"] for r in rows] == [0.2, 0.196, 1.0, 1.2, 0.3]
+    result = {"recipe": "r", "date": "d", "machine": {"auto_engine": "tensorflow"}, "rows": rows,
+              "baseline": "stated baseline", "skipped": []}
+    table = bench.format_table(result)
+    assert "tensorflow*" in table and "stated baseline" in table and "1.20x" in table

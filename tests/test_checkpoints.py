@@ -1,0 +1,294 @@
+"""Checkpoints and exact resume: killed, interrupted and resumed runs on small generated data."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import meshfit
+from meshfit import datasets
+from meshfit.errors import MeshfitError
+
+N_TRAIN, N_TEST, BATCH = 128, 37, 16  # 8 steps per epoch
+STEPS = N_TRAIN // BATCH
+
+
+def write_idx_dataset(root, folder, seed=0):
+    """A tiny MNIST-like dataset (canonical IDX files) under root/folder/."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(os.path.join(root, folder), exist_ok=True)
+    labels = [rng.integers(0, 10, n, dtype=np.uint8) for n in (N_TRAIN, N_TEST)]
+    images = [np.clip(rng.normal(20 * y[:, None, None], 40, (len(y), 28, 28)), 0, 255).astype(np.uint8)
+              for y in labels]
+    for name, array in zip(datasets.IDX_FILES, (images[0], labels[0], images[1], labels[1])):
+        datasets.write_idx(os.path.join(root, folder, name), array)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("data"))
+    write_idx_dataset(root, "fashion-mnist")
+    write_idx_dataset(root, "mnist", seed=1)
+    return root
+
+
+@pytest.fixture
+def strategy():
+    return meshfit.connect(simulate=8, engine="jax", verbose=False)
+
+
+def tf_env(tmp_path, **extra):
+    """A single-CPU subprocess on the default engine (tensorflow), offline, with its own HOME."""
+    env = {**os.environ, "MESHFIT_OFFLINE": "1", "HOME": str(tmp_path), "XLA_FLAGS": ""}
+    env.pop("KERAS_BACKEND", None)
+    return {**env, **extra}
+
+
+def meshfit_cli(*args, env, timeout=300):
+    return subprocess.run([sys.executable, "-m", "meshfit", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def newest_state(run):
+    from meshfit import checkpoints
+
+    return checkpoints.read_state(checkpoints.latest(os.path.join(run, "checkpoints")))
+
+
+def final_arrays(run):
+    """The arrays of a finished run's last checkpoint (model, optimizer and metrics variables)."""
+    path = os.path.join(run, "checkpoints", f"ckpt-{2 * STEPS:08d}", "state.npz")
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def assert_identical(run_a, run_b):
+    a, b = final_arrays(run_a), final_arrays(run_b)
+    assert sorted(a) == sorted(b)
+    different = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not different, f"arrays differ: {different}"
+    history_a = json.loads(open(os.path.join(run_a, "history.json")).read())
+    history_b = json.loads(open(os.path.join(run_b, "history.json")).read())
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):  # the interrupted epoch's too
+        assert [r[key] for r in history_a] == [r[key] for r in history_b], key
+
+
+# Runs `meshfit.training.train` and sends itself `signal` at (epoch, batch) of training.
+SIGNAL_AT = textwrap.dedent("""
+    import os, signal, sys
+    import keras
+    from meshfit.training import train
+
+    class SignalAt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if (self.epoch, batch) == (int(sys.argv[3]), int(sys.argv[4])):
+                os.kill(os.getpid(), getattr(signal, sys.argv[5]))
+
+    train(data_dir=sys.argv[1], out=sys.argv[2], epochs=2, batch_size=16, checkpoint_every="3",
+          callbacks=[SignalAt()], verbose=False)
+""")
+
+
+def test_sigkill_mid_epoch_then_resume_ends_with_identical_weights(data_dir, tmp_path):
+    env = tf_env(tmp_path, KERAS_BACKEND="tensorflow")  # the snippet imports keras itself
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    out = meshfit_cli("train", "--data-dir", data_dir, "--out", whole, "--epochs", "2",
+                      "--batch-size", str(BATCH), "--checkpoint-every", "3", env=tf_env(tmp_path))
+    assert out.returncode == 0, out.stderr
+    run = subprocess.run([sys.executable, "-c", SIGNAL_AT, data_dir, killed, "1", "4", "SIGKILL"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    state = newest_state(killed)
+    assert (state["epoch"], state["step"]) == (1, 4)  # newer than the start of epoch 2
+    assert not os.path.exists(os.path.join(killed, "model.keras"))
+    out = meshfit_cli("train", "--resume", killed, env=tf_env(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "resuming" in out.stdout and "epoch 2 step 4" in out.stdout
+    assert_identical(whole, killed)
+    config = json.loads(open(os.path.join(killed, "config.json")).read())
+    assert config["resumed"][0]["checkpoint"] == "ckpt-00000012"
+
+
+@pytest.fixture(scope="module")
+def finished_run(data_dir, tmp_path_factory):
+    """A 2-epoch mnist-mlp-bf16 run on 8 replicas, checkpointed at each epoch end.
+
+    Its Dropout makes exact resume depend on the checkpointed SeedGenerator state.
+    """
+    from meshfit.training import train
+
+    run = str(tmp_path_factory.mktemp("runs") / "run")
+    train("mnist-mlp-bf16", out=run, **jax_settings(data_dir))
+    return run
+
+
+def jax_settings(data_dir):
+    return dict(data_dir=data_dir, epochs=2, batch_size=BATCH, engine="jax", simulate_devices=8,
+                checkpoint_every="epoch", verbose=False)
+
+
+def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(finished_run, data_dir, tmp_path):
+    import keras
+
+    from meshfit.checkpoints import TrainingInterrupted
+    from meshfit.training import train
+
+    class SigtermAt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 2):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    stopped = str(tmp_path / "stopped")
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TrainingInterrupted, match=f"meshfit train --resume {stopped}") as info:
+        train("mnist-mlp-bf16", out=stopped, callbacks=[SigtermAt()], **jax_settings(data_dir))
+    assert info.value.exit_code == 143
+    state = newest_state(stopped)
+    assert (state["epoch"], state["step"]) == (1, 3)  # the step in flight finished, then it stopped
+    assert len(state["history"]) == 1  # the first epoch's record
+    assert any("seed_generator" in name for name, _, _ in state["variables"]["model"])
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back
+    metrics = train(resume=stopped, verbose=False)
+    assert metrics["resumed"] and metrics["epochs"] == 2
+    assert_identical(finished_run, stopped)
+
+
+def test_cli_sigterm_exits_143_with_a_resume_hint_then_resume_finishes(data_dir, tmp_path):
+    run = str(tmp_path / "run")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "meshfit", "train", "--data-dir", data_dir, "--out", run,
+         "--epochs", "1000", "--batch-size", str(BATCH), "--checkpoint-every", "off"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tf_env(tmp_path))
+    try:
+        for line in process.stdout:
+            if line.startswith("epoch 1/1000"):
+                break
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 143, stderr
+    messages = [l for l in stderr.splitlines() if l.startswith("meshfit")]
+    assert len(messages) == 1 and "Traceback" not in stderr
+    assert "stopped by SIGTERM" in messages[0] and f"meshfit train --resume {run}" in messages[0]
+    state = newest_state(run)  # "off" writes no checkpoint but the one taken on the signal
+    assert state["epoch"] * STEPS + state["step"] >= STEPS
+    out = meshfit_cli("train", "--resume", run, "--epochs", str(state["epoch"] + 1),
+                      env=tf_env(tmp_path))
+    assert out.returncode == 0, out.stderr
+    history = json.loads(open(os.path.join(run, "history.json")).read())
+    assert [r["epoch"] for r in history] == list(range(1, state["epoch"] + 2))
+
+
+def small_model(strategy, recipe="fashion-mnist-cnn"):
+    import keras
+
+    from meshfit import recipes
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = recipes.get(recipe).build_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_interrupted_write_leaves_the_previous_checkpoint(strategy, tmp_path, monkeypatch):
+    import keras
+
+    from meshfit import checkpoints
+
+    model = small_model(strategy)
+    directory = tmp_path / "checkpoints"
+    first = checkpoints.save(directory, model, epoch=0, step=1, steps_per_epoch=10)
+    saved_kernel = keras.ops.convert_to_numpy(model.trainable_variables[0])
+    model.trainable_variables[0].assign(np.zeros(model.trainable_variables[0].shape))
+
+    def crash(file, **arrays):  # half a file, then the process "dies"
+        file.write(b"PK\x03\x04 partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoints.np, "savez", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.save(directory, model, epoch=0, step=2, steps_per_epoch=10)
+    monkeypatch.undo()
+    # A crash that left debris behind: a temporary folder and a folder without state.json.
+    (directory / ".tmp-leftover").mkdir()
+    (directory / "ckpt-00000003").mkdir()
+    assert checkpoints.latest(directory) == first
+    assert sorted(os.listdir(directory)) == [".tmp-leftover", "ckpt-00000001", "ckpt-00000003"]
+    state = checkpoints.restore(model, first)
+    assert (state["epoch"], state["step"]) == (0, 1)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(model.trainable_variables[0]), saved_kernel)
+    checkpoints.save(directory, model, epoch=0, step=4, steps_per_epoch=10)  # clears the debris
+    assert sorted(os.listdir(directory)) == ["ckpt-00000001", "ckpt-00000004"]
+
+
+def test_keeps_the_newest_checkpoints(strategy, tmp_path):
+    from meshfit import checkpoints
+
+    model = small_model(strategy)
+    for step in range(1, 6):
+        checkpoints.save(tmp_path, model, epoch=0, step=step, steps_per_epoch=10, keep=2)
+    assert [os.path.basename(p) for p in checkpoints.list_checkpoints(tmp_path)] == \
+        ["ckpt-00000004", "ckpt-00000005"]
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(strategy, tmp_path):
+    from meshfit import checkpoints
+
+    path = checkpoints.save(tmp_path, small_model(strategy, "mnist-mlp-bf16"), epoch=0, step=1,
+                            steps_per_epoch=10)
+    with pytest.raises(MeshfitError, match="does not fit this model") as info:
+        checkpoints.restore(small_model(strategy), path)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"recipe": "cifar10-cnn"}, "trained with recipe mnist-mlp-bf16, not cifar10-cnn"),
+    ({"batch_size": 32}, "trained with global batch 16, not 32"),
+    ({"seed": 7}, "trained with seed 0, not 7"),
+    ({"precision": "float32"}, "trained in bfloat16, not float32"),
+])
+def test_resume_with_other_settings_is_a_clear_error(finished_run, change, message):
+    from meshfit.training import train
+
+    with pytest.raises(MeshfitError, match=message) as info:
+        train(resume=finished_run, **change)
+    assert "\n" not in str(info.value)
+
+
+def test_resume_of_a_folder_without_a_run_is_a_clear_error(tmp_path):
+    from meshfit.training import train
+
+    with pytest.raises(MeshfitError, match="has no config.json"):
+        train(resume=str(tmp_path))
+
+
+def test_resume_on_fewer_replicas_continues_the_same_run(finished_run, tmp_path):
+    """Epoch 2 of an 8-replica run redone on 4: same batches, so nearly the same weights."""
+    import shutil
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(finished_run, copy)
+    shutil.rmtree(os.path.join(copy, "checkpoints", f"ckpt-{2 * STEPS:08d}"))  # back to epoch 1's end
+    out = meshfit_cli("train", "--resume", copy, "--simulate-devices", "4",
+                      env={**os.environ, "MESHFIT_OFFLINE": "1", "XLA_FLAGS": ""})
+    assert out.returncode == 0, out.stderr
+    assert "epoch 2 step 0" in out.stdout and "began on 8 replica(s)" in out.stdout
+    assert json.loads(open(os.path.join(copy, "metrics.json")).read())["replicas"] == 4
+    original, resumed = final_arrays(finished_run), final_arrays(copy)
+    for key in original:
+        if key.startswith("model/"):
+            np.testing.assert_allclose(resumed[key], original[key], rtol=1e-3, atol=1e-4, err_msg=key)

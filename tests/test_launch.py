@@ -1,0 +1,260 @@
+"""Multi-host: joining a job, each process feeding its rows, and `meshfit launch`.
+
+The slow tests run real 2-process x 4-device jobs on JAX's distributed runtime (gloo collectives
+between CPU processes) on small generated Fashion-MNIST files, and compare them with one process
+of 8 simulated devices.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from meshfit import cluster, datasets, launch
+from meshfit.errors import MeshfitError
+
+TRAIN = ["fashion-mnist-cnn", "--batch-size", "64", "--seed", "0"]
+EPOCHS = 2
+JOB_TIMEOUT = 300  # seconds; a job that hangs fails the test instead of the CI run
+
+
+def run_meshfit(*args, env=None, timeout=JOB_TIMEOUT):
+    return subprocess.run([sys.executable, "-m", "meshfit", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def launch_args(*command, processes=2, devices=4):
+    return ["launch", "--processes", str(processes), "--devices-per-process", str(devices),
+            "--timeout", str(JOB_TIMEOUT), "--", *command]
+
+
+def model_weights(path):
+    import keras
+
+    return keras.saving.load_model(path, compile=False).get_weights()
+
+
+def assert_same_weights(a, b):
+    assert len(a) == len(b) and any(np.abs(w).sum() > 0 for w in a)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """Small Fashion-MNIST files: 256 training images (4 steps of 64), 64 test images."""
+    root = tmp_path_factory.mktemp("data")
+    folder = root / "fashion-mnist"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 256), ("t10k", 64)):
+        labels = rng.integers(0, 10, n)
+        images = rng.integers(0, 60, (n, 28, 28)) + (labels * 20)[:, None, None]  # learnable
+        datasets.write_idx(folder / f"{prefix}-images-idx3-ubyte.gz", images.astype("uint8"))
+        datasets.write_idx(folder / f"{prefix}-labels-idx1-ubyte.gz", labels.astype("uint8"))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def single_process_run(data_dir, tmp_path_factory):
+    """`meshfit train` for EPOCHS epochs in one process with 8 simulated devices: the reference."""
+    run = str(tmp_path_factory.mktemp("single") / "run")
+    out = run_meshfit("train", *TRAIN, "--epochs", str(EPOCHS), "--data-dir", data_dir, "--out", run,
+                      "--simulate-devices", "8")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run
+
+
+# ----------------------------------------------------------------------------- the job's settings
+
+def test_no_job_without_variables(monkeypatch):
+    for name in (cluster.COORDINATOR_ENV, cluster.NUM_PROCESSES_ENV, cluster.PROCESS_ID_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert cluster.describe_job() is None
+
+
+def test_variables_describe_a_job():
+    job = cluster.job_from_variables({"MESHFIT_COORDINATOR": "10.0.0.1:1234", "MESHFIT_NUM_PROCESSES": "4",
+                                      "MESHFIT_PROCESS_ID": "3", "MESHFIT_LOCAL_DEVICE_IDS": "0,1"})
+    assert job == cluster.Job("MESHFIT_* variables", 4, "10.0.0.1:1234", 3, (0, 1))
+    assert cluster.describe_job({"MESHFIT_NUM_PROCESSES": "1"}) is None
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"MESHFIT_COORDINATOR": "10.0.0.1"}, "is not host:port"),
+    ({"MESHFIT_COORDINATOR": "h:1", "MESHFIT_NUM_PROCESSES": "2"}, "MESHFIT_PROCESS_ID is not"),
+    ({"MESHFIT_COORDINATOR": "h:1", "MESHFIT_NUM_PROCESSES": "2", "MESHFIT_PROCESS_ID": "2"}, "not below"),
+    ({"MESHFIT_NUM_PROCESSES": "2"}, "MESHFIT_COORDINATOR is not set"),
+    ({"MESHFIT_COORDINATOR": "h:1", "MESHFIT_NUM_PROCESSES": "two", "MESHFIT_PROCESS_ID": "0"}, "not a whole"),
+])
+def test_bad_variables_are_one_line_errors(environ, message):
+    with pytest.raises(MeshfitError, match=message):
+        cluster.job_from_variables(environ)
+
+
+def test_slurm_job_is_detected_only_with_several_tasks(monkeypatch):
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "0"}
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert cluster.detected_cluster() is None  # one task: a plain run, nothing to wait for
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert cluster.detected_cluster() == cluster.Job("SlurmCluster", 2)
+
+
+def test_each_process_feeds_its_devices_rows():
+    devices = [SimpleNamespace(process_index=p) for p in (0, 0, 1, 1)]
+    # 2 global batches of 8 rows, 2 rows per device, plus a last batch of 4 (1 row per device).
+    np.testing.assert_array_equal(cluster.local_rows(20, 8, devices, 1), [4, 5, 6, 7, 12, 13, 14, 15, 18, 19])
+    interleaved = [SimpleNamespace(process_index=p) for p in (0, 1, 0, 1)]
+    np.testing.assert_array_equal(cluster.local_rows(8, 8, interleaved, 0), [0, 1, 4, 5])
+    (x, y), local_batch = cluster.share([np.arange(16), None], 8, devices, 0)
+    assert local_batch == 4 and y is None
+    np.testing.assert_array_equal(x, [0, 1, 2, 3, 8, 9, 10, 11])
+    with pytest.warns(UserWarning, match="last 3 samples are left out"):
+        assert len(cluster.local_rows(11, 8, devices, 0)) == 4
+
+
+def test_unreachable_coordinator_is_a_bounded_one_line_error():
+    start = time.monotonic()
+    out = run_meshfit("info", env={"MESHFIT_COORDINATOR": "127.0.0.1:9", "MESHFIT_NUM_PROCESSES": "2",
+                                   "MESHFIT_PROCESS_ID": "1", "MESHFIT_INIT_TIMEOUT": "2"}, timeout=120)
+    assert out.returncode == 2 and time.monotonic() - start < 100
+    assert out.stderr.strip().count("\n") == 0
+    assert "cannot reach the coordinator 127.0.0.1:9 within 2 s (this is process 1 of 2)" in out.stderr
+
+
+# ---------------------------------------------------------------------------------- the launcher
+
+def test_command_line_runs_meshfit_with_this_python():
+    assert launch.command_line(["--", "meshfit", "train"]) == [sys.executable, "-m", "meshfit", "train"]
+    assert launch.command_line(["python", "x.py"]) == ["python", "x.py"]
+    with pytest.raises(MeshfitError, match="no command to launch"):
+        launch.command_line(["--"])
+    env = launch.process_environment(1, 2, 1234, 4, base={"MESHFIT_LOCAL_DEVICE_IDS": "0"})
+    assert env["MESHFIT_COORDINATOR"] == "127.0.0.1:1234" and env["MESHFIT_PROCESS_ID"] == "1"
+    assert env["MESHFIT_NUM_PROCESSES"] == "2" and env["MESHFIT_SIMULATE_DEVICES"] == "4"
+    assert "MESHFIT_LOCAL_DEVICE_IDS" not in env
+
+
+def test_launch_prefixes_lines_with_the_process_index():
+    out = run_meshfit("launch", "--processes", "2", "--", sys.executable, "-c",
+                      "import os; print('hello from', os.environ['MESHFIT_PROCESS_ID'], "
+                      "os.environ['MESHFIT_NUM_PROCESSES'])", timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(l for l in out.stdout.splitlines()) == ["[0] hello from 0 2", "[1] hello from 1 2"]
+
+
+FAIL_ONE = ("import os, sys, time; i = int(os.environ['MESHFIT_PROCESS_ID']); print('process', i, flush=True);"
+            " time.sleep(0.5) if i == 1 else time.sleep(60); sys.exit(3)")
+
+
+def test_a_failed_process_stops_the_others_and_is_named():
+    start = time.monotonic()
+    out = run_meshfit("launch", "--processes", "3", "--show", "first", "--", sys.executable, "-c", FAIL_ONE,
+                      timeout=60)
+    assert time.monotonic() - start < 40  # not the 60 s the others would sleep
+    assert out.returncode == 3
+    assert out.stderr.strip().splitlines()[-1] == \
+        "meshfit: error: process 1 of 3 failed with exit code 3; stopped the other 2 process(es)"
+    assert out.stdout.splitlines() == ["process 0"]  # --show first: process 0 only, unprefixed
+    assert "[1] process 1" in out.stderr  # and the failed process's last lines
+
+
+def test_launch_timeout_stops_everything():
+    out = run_meshfit("launch", "--processes", "2", "--timeout", "1", "--", sys.executable, "-c",
+                      "import time; time.sleep(60)", timeout=60)
+    assert out.returncode == 124
+    assert "ran past --timeout 1 s; stopped all 2 processes" in out.stderr
+
+
+# ------------------------------------------------------------------------------- real 2-host jobs
+
+WEIGHTS_SCRIPT = """
+import sys
+import keras
+import numpy as np
+from meshfit import training
+
+class SaveEveryCopy(keras.callbacks.Callback):
+    '''Each process saves every local device's copy of every weight.'''
+    def on_train_end(self, logs=None):
+        import jax
+        copies = {f"{i}-device{s.device.id}": np.asarray(s.data)
+                  for i, v in enumerate(self.model.weights) for s in v.value.addressable_shards}
+        np.savez(f"{sys.argv[3]}/weights-{jax.process_index()}.npz", **copies)
+
+training.train("fashion-mnist-cnn", epochs=int(sys.argv[4]), batch_size=64, seed=0,
+               data_dir=sys.argv[1], out=sys.argv[2], callbacks=[SaveEveryCopy()])
+"""
+
+
+def test_two_processes_train_the_same_model_as_one(data_dir, single_process_run, tmp_path):
+    script = tmp_path / "train_and_save.py"
+    script.write_text(WEIGHTS_SCRIPT)
+    run = str(tmp_path / "run")
+    out = run_meshfit(*launch_args(sys.executable, str(script), data_dir, run, str(tmp_path), str(EPOCHS)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert re.search(r"^\[0\] +hosts +2 \(this is process 0\)$", out.stdout, re.M)  # the discovery report
+    assert re.search(r"^\[0\] +devices per host +4$", out.stdout, re.M)
+    assert re.search(r"^\[0\] +replicas +8$", out.stdout, re.M)
+    assert sum(l.startswith("[0] epoch ") for l in lines) == EPOCHS
+    assert not any(l.startswith("[1] epoch ") for l in lines)  # only process 0 reports
+    assert_same_weights(model_weights(os.path.join(run, "model.keras")),
+                        model_weights(os.path.join(single_process_run, "model.keras")))
+    saved = [np.load(tmp_path / f"weights-{p}.npz") for p in (0, 1)]
+    for i in range(len(model_weights(os.path.join(run, "model.keras")))):
+        copies = [f[k] for f in saved for k in f.files if k.startswith(f"{i}-")]
+        assert len(copies) == 8  # 4 devices on each of the 2 processes
+        for copy in copies[1:]:  # one model: every device on every host holds the same weights
+            np.testing.assert_array_equal(copy, copies[0])
+
+
+def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_process_run, tmp_path):
+    run = str(tmp_path / "run")
+    first_checkpoint = os.path.join(run, "checkpoints", "ckpt-00000004")  # after epoch 1 (4 steps)
+    command = [sys.executable, "-m", "meshfit", *launch_args(
+        "meshfit", "train", *TRAIN, "--epochs", "50", "--data-dir", data_dir, "--out", run,
+        "--checkpoint-every", "epoch")]
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr: list[str] = []
+    reader = threading.Thread(target=lambda: stderr.extend(job.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while not os.path.isdir(first_checkpoint) and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert job.poll() is None, "".join(stderr)[-3000:]
+        pids = re.search(r"pids (\d+) (\d+)", "".join(stderr)).groups()
+        os.kill(int(pids[1]), signal.SIGKILL)  # process 1 dies mid-run
+        killed = time.monotonic()
+        job.wait(timeout=120)
+        stopped_after = time.monotonic() - killed
+    finally:
+        if job.poll() is None:
+            job.kill()
+    reader.join(timeout=10)
+    assert stopped_after < launch.GRACE_SECONDS + 30
+    assert job.returncode != 0
+    assert "meshfit: error: process 1 of 2 failed with SIGKILL (exit code -9)" in "".join(stderr)
+
+    from meshfit import checkpoints
+
+    newest = checkpoints.latest(os.path.join(run, "checkpoints"))
+    assert newest is not None and checkpoints.read_state(newest)["epoch"] in (1, 2)
+    assert checkpoints.read_arrays(newest)  # the last checkpoint is complete and readable
+
+    out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(EPOCHS)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[0] resuming" in out.stdout
+    assert_same_weights(model_weights(os.path.join(run, "model.keras")),
+                        model_weights(os.path.join(single_process_run, "model.keras")))
