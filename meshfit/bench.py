@@ -38,6 +38,7 @@ from typing import Any
 from meshfit import devices as devices_lib
 from meshfit import engine as engine_lib
 from meshfit import planning, recipes
+from meshfit.training import timestamped_dir
 from meshfit.errors import MeshfitError
 
 DEFAULT_RECIPE = "fashion-mnist-cnn"
@@ -131,7 +132,7 @@ def bench(recipe: str = DEFAULT_RECIPE, *, engines: list[str] | None = None,
     if not rows:
         raise MeshfitError("nothing was measured; " + "; ".join(skipped))
     add_ratios(rows)
-    out = out or _new_out_dir()
+    out = out or timestamped_dir("bench")
     result = {"recipe": the_recipe.name, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": "meshfit bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
               "machine": machine, "skipped": skipped, "out": out,
@@ -177,15 +178,6 @@ def _counts(text: str | None, flag: str) -> list[int] | None:
     if not all(n.isdigit() and int(n) >= 1 for n in names):
         raise MeshfitError(f"{flag} takes whole numbers of at least 1, comma-separated, got {text!r}")
     return [int(n) for n in names]
-
-
-def _new_out_dir() -> str:
-    base = os.path.join("runs", f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    out, n = base, 1
-    while os.path.exists(out):
-        n += 1
-        out = f"{base}-{n}"
-    return out
 
 
 def _run_worker(spec: dict) -> tuple[list[dict], dict | None, str | None]:

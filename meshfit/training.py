@@ -136,12 +136,17 @@ def _new_run_dir(out: str | None, recipe: str) -> str:
             raise MeshfitError(f"{out} already holds a run; continue it with --resume {out} or "
                                "choose another --out")
         return out
-    base = os.path.join("runs", f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
-    run, n = base, 1
-    while os.path.exists(run):
+    return timestamped_dir(recipe)
+
+
+def timestamped_dir(name: str) -> str:
+    """A new directory path runs/<name>-<YYYYmmdd-HHMMSS>, with a suffix if that exists."""
+    base = os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    path, n = base, 1
+    while os.path.exists(path):
         n += 1
-        run = f"{base}-{n}"
-    return run
+        path = f"{base}-{n}"
+    return path
 
 
 def _resume_config(run: str, recipe: str | None, batch_size: int | None, seed: int | None,

@@ -7,22 +7,16 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ONE_CPU, environment
 
 from meshfit import bench
 
-ONE_CPU = {"XLA_FLAGS": "", "KERAS_BACKEND": None, "MESHFIT_ENGINE": None, "MESHFIT_SIMULATE_DEVICES": None}
 TINY = ["--batch-sizes", "8", "--repeats", "2", "--steps", "2"]
 
 
 def run_cli(*args, env=None, timeout=400):
-    merged = {**os.environ}
-    for key, value in (env or {}).items():
-        if value is None:
-            merged.pop(key, None)
-        else:
-            merged[key] = value
     return subprocess.run([sys.executable, "-m", "meshfit", *args], capture_output=True, text=True,
-                          timeout=timeout, env=merged)
+                          timeout=timeout, env=environment(env))
 
 
 def test_bench_times_every_engine_path_and_dispatch_and_writes_csv_json_png(tmp_path):

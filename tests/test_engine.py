@@ -10,24 +10,17 @@ import textwrap
 
 import numpy as np
 import pytest
+from helpers import ONE_CPU, environment
 
 import meshfit
 from meshfit import engine, loop
 from meshfit.distribution import Strategy
 
-ONE_CPU = {"XLA_FLAGS": "", "KERAS_BACKEND": None, "MESHFIT_ENGINE": None, "MESHFIT_SIMULATE_DEVICES": None}
-
 
 def run_python(args, env=None, timeout=240):
     """Start `python args...` with `env` applied over ours (None removes a variable)."""
-    merged = {**os.environ}
-    for key, value in (env or {}).items():
-        if value is None:
-            merged.pop(key, None)
-        else:
-            merged[key] = value
     return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=merged)
+                            text=True, env=environment(env))
 
 
 def finish(proc, timeout=240):

@@ -235,3 +235,28 @@ def test_batch_that_does_not_split_is_a_one_line_error(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
     assert "global batch 100 does not split evenly across 8 replicas" in out.stderr
+
+
+def test_image_folder_of_pngs_trains_on_eight_devices(tmp_path):
+    """A user's own folder of PNGs (one sub-folder per class) trains through meshfit."""
+    from meshfit import pipeline
+    from meshfit.recipes import fashion_mnist_cnn
+
+    rng = np.random.default_rng(0)
+    for label, name in enumerate(["dark", "light"]):
+        os.makedirs(tmp_path / "pets" / name)
+        for i in range(40):
+            base = 60 + 130 * label
+            pixels = np.clip(base + rng.normal(0, 25, (20 + i % 5, 18, 3)), 0, 255).astype("uint8")
+            Image.fromarray(pixels).save(tmp_path / "pets" / name / f"{i}.png")
+    data = datasets.image_folder(tmp_path / "pets", (16, 16), validation_split=0.25, seed=0)
+    assert data.class_names == ("dark", "light") and data.x_train.shape[1:] == (16, 16, 3)
+
+    strategy = meshfit.connect(simulate=8, engine="jax", verbose=False)
+    with strategy.scope():
+        model = fashion_mnist_cnn.build_model(data.input_shape, data.num_classes)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    strategy.fit(model, data.x_train, data.y_train, batch_size=16, epochs=8, report=False)
+    probabilities = pipeline.predict(model, data.x_test, batch=16)  # 20 images: padded for 8 devices
+    accuracy = float((probabilities.argmax(1) == data.y_test).mean())
+    assert accuracy >= 0.9, accuracy
