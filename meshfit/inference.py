@@ -223,6 +223,11 @@ def _current_session(files: ModelFiles, threads: int | None = None):
 
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only
+    # Single images: all graph fusions, one operator at a time, its work spread over the cores
+    # (measured on the CIFAR-10 CNN, 2 cores: 0.48 ms p50 vs 0.53 ms with ONNX Runtime's defaults).
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.inter_op_num_threads = 1
     if threads is not None:
         options.intra_op_num_threads = threads
     try:
