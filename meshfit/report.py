@@ -110,7 +110,7 @@ class EpochReport(keras.callbacks.Callback):
             now = time.perf_counter()
             self._first_step_seconds = now - self._start
             self._start = now
-            self._skipped = self._first_steps = batch
+            self._skipped = batch
         if now - self._progress_at > 2.0 and self.stream.isatty():
             total = self.params.get("steps") or "?"
             print(f"\r  step {batch}/{total}", end="", file=self.stream, flush=True)
@@ -126,16 +126,16 @@ class EpochReport(keras.callbacks.Callback):
             _block(self.model)
             self._train_end = time.perf_counter()
         timed_steps = (self.params.get("steps") or self._steps + 1) - self._skipped
-        self._skipped = 0
         train_seconds = self._train_end - self._start
         step_seconds = train_seconds / max(timed_steps, 1)
         compile_seconds = 0.0
         if self._first_step_seconds is not None and not self._compile_counted:
             self._compile_counted = True
             # The first call = compilation + its ordinary step(s); count only the latter as training.
-            first = self._first_steps * step_seconds
+            first = self._skipped * step_seconds
             compile_seconds = self.compile_seconds = max(self._first_step_seconds - first, 0.0)
             train_seconds += min(self._first_step_seconds, first)
+        self._skipped = 0
         if self.flops_per_step is None and self.batch_size:
             self.flops_per_step = train_step_flops(self.model, self.batch_size) or 0.0
         peak = self.strategy.peak_flops if self.strategy is not None else None

@@ -25,6 +25,20 @@ def run_cli(*args, env=None, timeout=120):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def random_images(n, seed):
+    """n random 28x28 grey images and labels of 10 classes."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (n, 28, 28, 1)).astype("uint8"), rng.integers(0, 10, n)
+
+
+def compiled_cnn(strategy, metrics=()):
+    """The tutorial Fashion-MNIST CNN, built and compiled in `strategy`'s scope."""
+    with strategy.scope():
+        model = fashion_mnist_cnn.build_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=list(metrics))
+    return model
+
+
 def train_weights(strategy, x, y, batch, steps):
     import keras
 
@@ -126,12 +140,8 @@ def test_peak_flops_known_for_accelerators_and_not_cpus():
 
 
 def test_epoch_line_reports_throughput_and_compile_apart(strategy, capsys):
-    rng = np.random.default_rng(1)
-    x = rng.integers(0, 256, (512, 28, 28, 1)).astype("uint8")
-    y = rng.integers(0, 10, 512)
-    with strategy.scope():
-        model = fashion_mnist_cnn.build_model()
-        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    x, y = random_images(512, seed=1)
+    model = compiled_cnn(strategy, metrics=["accuracy"])
     strategy.fit(model, x, y, batch_size=64, epochs=2, validation_data=(x[:128], y[:128]))
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("epoch ")]
     assert len(lines) == 2
@@ -141,12 +151,8 @@ def test_epoch_line_reports_throughput_and_compile_apart(strategy, capsys):
 
 
 def test_fit_trims_a_last_batch_that_cannot_split(strategy, capsys):
-    rng = np.random.default_rng(2)
-    x = rng.integers(0, 256, (1001, 28, 28, 1)).astype("uint8")
-    y = rng.integers(0, 10, 1001)
-    with strategy.scope():
-        model = fashion_mnist_cnn.build_model()
-        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    x, y = random_images(1001, seed=2)
+    model = compiled_cnn(strategy)
     with pytest.warns(UserWarning, match="dropping the last 1 of 1001 samples"):
         strategy.fit(model, x, y, batch_size=64, epochs=1, validation_data=(x[:99], y[:99]))
     assert len(model.history.history["val_loss"]) == 1
@@ -155,10 +161,7 @@ def test_fit_trims_a_last_batch_that_cannot_split(strategy, capsys):
 def test_train_step_flops_come_from_xla(strategy):
     from meshfit.report import train_step_flops
 
-    with strategy.scope():
-        model = fashion_mnist_cnn.build_model()
-        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-    flops = train_step_flops(model, 64)
+    flops = train_step_flops(compiled_cnn(strategy), 64)
     # Conv 26*26*64*9*2 FLOPs forward per image; backward roughly doubles it twice.
     forward_conv = 26 * 26 * 64 * 9 * 2 * 64
     assert 2 * forward_conv < flops < 10 * forward_conv
