@@ -16,8 +16,9 @@ plain Keras row of any engine at that precision and batch: the baseline a user c
 meshfit). Writes bench.csv, bench.json and bench.png to --out (default runs/bench-<time>/).
 On several (simulated) CPU devices both paths finish each dispatch before the next, since XLA:CPU
 collectives can deadlock with several programs in flight on fewer cores than devices. The paths
-run one after the other, so on a busy machine their ratio moves with the load: compare figures
-taken on a quiet one.
+run one after the other, so a change in the machine's load between them moves their ratio:
+`--rounds R` runs every engine and path R times, alternating (plain, meshfit, plain, ...), and
+reports for each row the median samples/s over the rounds (`rounds_samples_per_s` lists them).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ BENCH_ENGINES = ("jax", "tensorflow", "torch")
 PATHS = ("plain", "meshfit")
 COLUMNS = ("recipe", "engine", "path", "precision", "batch", "steps_per_dispatch", "replicas",
            "ms_per_step", "samples_per_s", "mfu", "compile_s", "vs_plain", "vs_fastest",
-           "flops_per_step", "auto_engine", "platform", "device_kind", "repeats", "steps_per_repeat")
+           "flops_per_step", "auto_engine", "platform", "device_kind", "repeats", "steps_per_repeat",
+           "rounds")
 DATASET_SHAPES = {"mnist": (28, 28, 1), "fashion_mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
 _ROW, _MACHINE, _ERROR = "meshfit-bench-row ", "meshfit-bench-machine ", "meshfit-bench-error "
 
@@ -70,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run on N JAX CPU devices standing in for accelerator cores")
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                         help=f"timed epochs per measurement; the median is reported (default: {DEFAULT_REPEATS})")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every engine and path this many times, alternating, and report "
+                             "the median (default: 1)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                         help=f"train steps per timed epoch (default: {DEFAULT_STEPS})")
     parser.add_argument("--out", help="directory for bench.csv, bench.json, bench.png "
@@ -84,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                    batch_sizes=_counts(args.batch_sizes, "--batch-sizes"),
                    steps_per_dispatch=_counts(args.steps_per_dispatch, "--steps-per-dispatch"),
                    simulate_devices=args.simulate_devices, repeats=args.repeats, steps=args.steps,
-                   out=args.out)
+                   rounds=args.rounds, out=args.out)
     if args.json:
         print(json.dumps(result))
     else:
@@ -97,8 +102,10 @@ def run(args: argparse.Namespace) -> int:
 def bench(recipe: str = DEFAULT_RECIPE, *, engines: list[str] | None = None,
           precisions: list[str] | None = None, batch_sizes: list[int] | None = None,
           steps_per_dispatch: list[int] | None = None, simulate_devices: int | None = None,
-          repeats: int = DEFAULT_REPEATS, steps: int = DEFAULT_STEPS, out: str | None = None) -> dict:
-    """Run the benchmark (one process per engine and path) and write its files; returns the results.
+          repeats: int = DEFAULT_REPEATS, steps: int = DEFAULT_STEPS, rounds: int = 1,
+          out: str | None = None) -> dict:
+    """Run the benchmark (one process per engine, path and round) and write its files; returns
+    the results.
 
     Lists left as None take the defaults described in `meshfit bench --help`.
     """
@@ -108,8 +115,9 @@ def bench(recipe: str = DEFAULT_RECIPE, *, engines: list[str] | None = None,
     for name in engines or []:
         if name not in BENCH_ENGINES:
             raise MeshfitError(f"unknown engine {name!r} in --engines; use any of: {', '.join(BENCH_ENGINES)}")
-    if repeats < 1 or steps < 1:
-        raise MeshfitError(f"--repeats and --steps must be at least 1, got {repeats} and {steps}")
+    if repeats < 1 or steps < 1 or rounds < 1:
+        raise MeshfitError(f"--repeats, --steps and --rounds must be at least 1, got {repeats}, "
+                           f"{steps} and {rounds}")
     if simulate_devices is not None and simulate_devices < 1:
         raise MeshfitError(f"--simulate-devices must be at least 1, got {simulate_devices}")
     if engines is None:
@@ -120,15 +128,20 @@ def bench(recipe: str = DEFAULT_RECIPE, *, engines: list[str] | None = None,
             "steps_per_dispatch": steps_per_dispatch, "simulate": simulate_devices,
             "repeats": repeats, "steps": steps}
     rows, machine, skipped = [], None, []
-    for engine in engines:
-        for path in PATHS:
-            found, meta, error = _run_worker({**spec, "engine": engine, "path": path})
-            if error:
-                skipped.append(f"{engine}: {error}")
-                print(f"meshfit: note: skipped engine {engine}: {error}", file=sys.stderr, flush=True)
-                break
-            rows += found
-            machine = machine or meta
+    for _ in range(rounds):
+        for engine in engines:
+            if any(note.startswith(f"{engine}: ") for note in skipped):
+                continue
+            for path in PATHS:
+                found, meta, error = _run_worker({**spec, "engine": engine, "path": path})
+                if error:
+                    skipped.append(f"{engine}: {error}")
+                    print(f"meshfit: note: skipped engine {engine}: {error}", file=sys.stderr,
+                          flush=True)
+                    break
+                rows += found
+                machine = machine or meta
+    rows = median_over_rounds(rows)
     if not rows:
         raise MeshfitError("nothing was measured; " + "; ".join(skipped))
     add_ratios(rows)
@@ -141,6 +154,22 @@ def bench(recipe: str = DEFAULT_RECIPE, *, engines: list[str] | None = None,
               "rows": rows}
     write_files(result, out)
     return result
+
+
+def median_over_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (engine, path, precision, batch, steps per dispatch): the round with the median
+    samples/s (the lower middle one for an even count), with every round's samples/s attached."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(_key(row) + (row["path"],), []).append(row)
+    merged = []
+    for group in groups.values():
+        ranked = sorted(group, key=lambda r: r["samples_per_s"])
+        row = dict(ranked[(len(ranked) - 1) // 2])
+        row["rounds"] = len(group)
+        row["rounds_samples_per_s"] = [r["samples_per_s"] for r in group]
+        merged.append(row)
+    return merged
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -260,6 +289,9 @@ def _notes(result: dict) -> list[str]:
     notes = [f"* meshfit's engine for these devices ({auto})" if auto else "",
              result["baseline"] + "; vs_plain = samples/s / plain Keras on the same engine, "
              "precision, batch and steps per dispatch"]
+    rounds = max((r.get("rounds") or 1 for r in result["rows"]), default=1)
+    if rounds > 1:
+        notes.append(f"each row: the median of {rounds} rounds, paths alternating")
     return [n for n in notes if n] + [f"skipped {s}" for s in result.get("skipped", [])]
 
 

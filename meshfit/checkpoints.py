@@ -234,7 +234,8 @@ class Checkpointer(keras.callbacks.Callback):
     """Saves the training state into `directory` during fit; stops cleanly on SIGTERM/SIGINT.
 
     steps_per_epoch: the run's steps per epoch (checkpoints are numbered by global step).
-    every_steps / every_seconds: save when the global step is a multiple of every_steps, or when
+    every_steps / every_seconds: save when the global step reaches a multiple of every_steps (the
+    first dispatch boundary at or past it, with several steps per dispatch), or when
     every_seconds have passed since the last save (either, both or neither); always at epoch end
     unless epoch_end=False. keep: how many checkpoints to keep. extra(): JSON data saved with each
     checkpoint (seed, history, settings). resume_state: what `restore` returned, when resuming
@@ -255,7 +256,7 @@ class Checkpointer(keras.callbacks.Callback):
         self.last_saved: str | None = None
         self.stop_signal: int | None = None
         self._resume = resume_state
-        self._epoch, self._offset = 0, 0
+        self._epoch, self._offset, self._global_step = 0, 0, 0
         self._last_time = time.monotonic()
 
     def request_stop(self, signum: int) -> None:
@@ -292,10 +293,12 @@ class Checkpointer(keras.callbacks.Callback):
         step = self._offset + batch
         if self.stop_signal is not None:
             self._stop(self.save(self._epoch, step))  # at batch 0 this is an existing checkpoint
+        global_step = self._epoch * self.steps_per_epoch + step
+        previous, self._global_step = self._global_step, global_step
         if not batch:
             return
-        global_step = self._epoch * self.steps_per_epoch + step
-        if (self.every_steps and global_step % self.every_steps == 0) or \
+        # With k steps per dispatch the step advances by k: save when it passes a multiple.
+        if (self.every_steps and global_step // self.every_steps > previous // self.every_steps) or \
                 (self.every_seconds and time.monotonic() - self._last_time >= self.every_seconds):
             self.save(self._epoch, step)
 

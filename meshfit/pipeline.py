@@ -3,10 +3,13 @@
 Training: epoch e visits the samples in the order of a random permutation drawn from (seed, e)
 with `jax.random` (threefry, so the order is the same on every platform, engine and replica
 count), in `steps_per_epoch` global batches; the last partial batch is dropped, so every step has
-the same shape and splits evenly across the replicas. `flip-crop` augmentation (reflect-pad by 4
-pixels, random crop back to the image size, random left-right flip) draws its randomness from
-(seed, epoch, step). Batch (e, s) is therefore a pure function of (seed, e, s): an iterator can
-start at any step of any epoch, which is what exact resume needs.
+the same shape and splits evenly across the replicas. `flip-crop` augmentation reflect-pads each
+image (4 pixels by default), crops it back to its size at a random offset drawn from (seed, epoch,
+step), and mirrors it left-right: at random (flips="random", also from (seed, epoch, step)), or
+every other epoch (flips="alternate": each sample has a fixed random bit drawn from (seed, sample
+index) and is mirrored in the epochs where that bit differs from the epoch's parity, so over any
+two epochs it is seen both ways). Batch (e, s) is therefore a pure function of (seed, e, s): an
+iterator can start at any step of any epoch, which is what exact resume needs.
 
 On the JAX engine the images are put on the devices once, sharded along the batch axis with the
 strategy's Keras data layout; the permutation, the gather of each batch and the augmentation run
@@ -28,9 +31,10 @@ import numpy as np
 from meshfit.errors import MeshfitError
 
 AUGMENTATIONS = ("none", "flip-crop")
-CROP_PADDING = 4  # pixels of reflect padding around each image before the random crop
+FLIPS = ("random", "alternate")
+CROP_PADDING = 4  # default pixels of reflect padding around each image before the random crop
 DEVICE_MEMORY_FRACTION = 0.25  # at most this share of a device's memory holds its data shard
-_ORDER_STREAM, _AUGMENT_STREAM = 0, 1  # independent random streams derived from the seed
+_ORDER_STREAM, _AUGMENT_STREAM, _FLIP_STREAM = 0, 1, 2  # independent random streams from the seed
 
 
 def _key(seed: int, *path):
@@ -50,13 +54,22 @@ def _permutation(seed: int, epoch, n: int):
     return jax.random.permutation(_key(seed, _ORDER_STREAM, epoch), n).astype("int32")
 
 
-def _flip_crop_parameters(seed: int, epoch, step, batch: int, padding: int):
-    """Per-image crop offsets (0..2*padding, rows and columns) and flips for (seed, epoch, step)."""
+def _flip_crop_parameters(seed: int, epoch, step, indices, padding: int, flips: str):
+    """Per-image crop offsets (0..2*padding, rows and columns) and flips for batch (epoch, step).
+
+    indices: the batch's sample indices (used by flips="alternate").
+    """
     import jax
 
+    batch = indices.shape[0]
     offsets_key, flip_key = jax.random.split(_key(seed, _AUGMENT_STREAM, epoch, step))
     offsets = jax.random.randint(offsets_key, (2, batch), 0, 2 * padding + 1, dtype="int32")
-    return offsets[0], offsets[1], jax.random.bernoulli(flip_key, 0.5, (batch,))
+    if flips == "alternate":
+        bits = jax.vmap(lambda i: jax.random.bernoulli(_key(seed, _FLIP_STREAM, i)))(indices)
+        mirrored = bits != (epoch % 2 == 1)
+    else:
+        mirrored = jax.random.bernoulli(flip_key, 0.5, (batch,))
+    return offsets[0], offsets[1], mirrored
 
 
 def _flip_crop_on_device(images, rows, cols, flips, padding: int):
@@ -134,15 +147,23 @@ class TrainBatches:
 
     x: uint8 images (N, H, W, C); y: labels (N,). global_batch: samples per step over all
     replicas. steps_per_epoch: defaults to N // global_batch (at most that many). augment: "none"
-    or "flip-crop". on_device: None picks the devices on the JAX engine when the data fits.
+    or "flip-crop", with crop_padding pixels (translations up to that many) and flips "random" or
+    "alternate" (see the module docstring). on_device: None picks the devices on the JAX engine
+    when the data fits.
     """
 
     def __init__(self, x: np.ndarray, y: np.ndarray, global_batch: int, seed: int = 0,
                  steps_per_epoch: int | None = None, augment: str = "none",
-                 on_device: bool | None = None):
+                 on_device: bool | None = None, crop_padding: int = CROP_PADDING,
+                 flips: str = "random"):
         if augment not in AUGMENTATIONS:
             raise MeshfitError(f"unknown augmentation {augment!r}; use one of: "
                                f"{', '.join(AUGMENTATIONS)}")
+        if flips not in FLIPS:
+            raise MeshfitError(f"unknown flips {flips!r}; use one of: {', '.join(FLIPS)}")
+        if augment == "flip-crop" and not 0 <= crop_padding < min(x.shape[1:3]):
+            raise MeshfitError(f"crop padding {crop_padding} does not fit {x.shape[1]}x{x.shape[2]} "
+                               f"images; use 0 to {min(x.shape[1:3]) - 1} pixels")
         if len(x) != len(y):
             raise MeshfitError(f"{len(x)} images but {len(y)} labels; give one label per image")
         if global_batch > len(x):
@@ -157,7 +178,7 @@ class TrainBatches:
         self.global_batch = global_batch
         self.seed = int(seed)
         self.steps_per_epoch = steps_per_epoch or full_steps
-        self.augment = augment
+        self.augment, self.crop_padding, self.flips = augment, int(crop_padding), flips
         self.num_samples = len(x)
         if on_device is None:
             on_device = _on_jax() and _fits_on_devices(x.nbytes, _batch_sharding(x.shape))
@@ -211,7 +232,8 @@ class TrainBatches:
         import jax
         import jax.numpy as jnp
 
-        batch, seed, augment = self.global_batch, self.seed, self.augment
+        batch, augment = self.global_batch, self.augment
+        parameters = self._parameters()
         shardings = (_batch_sharding((batch,) + self.x.shape[1:]),
                      _batch_sharding((batch,) + self.y.shape[1:]))
 
@@ -219,26 +241,30 @@ class TrainBatches:
             indices = jax.lax.dynamic_slice_in_dim(order, step * batch, batch)
             images, labels = jnp.take(x, indices, axis=0), jnp.take(y, indices, axis=0)
             if augment == "flip-crop":
-                rows, cols, flips = _flip_crop_parameters(seed, epoch, step, batch, CROP_PADDING)
-                images = _flip_crop_on_device(images, rows, cols, flips, CROP_PADDING)
+                rows, cols, flips = parameters(epoch, step, indices)
+                images = _flip_crop_on_device(images, rows, cols, flips, self.crop_padding)
             return images, labels
 
         return jax.jit(gather, out_shardings=shardings)
+
+    def _parameters(self):
+        """`fn(epoch, step, indices)`: the batch's crop offsets and flips (jax, traceable)."""
+        return functools.partial(_flip_crop_parameters, self.seed, padding=self.crop_padding,
+                                 flips=self.flips)
 
     @functools.cached_property
     def _augment_parameters(self):
         import jax
 
-        return jax.jit(functools.partial(_flip_crop_parameters, self.seed, batch=self.global_batch,
-                                         padding=CROP_PADDING))
+        return jax.jit(self._parameters())
 
     def _host_batch(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
         start = step * self.global_batch
         indices = self._cached_order(epoch)[start:start + self.global_batch]
         images, labels = self.x[indices], self.y[indices]
         if self.augment == "flip-crop":
-            rows, cols, flips = (np.asarray(a) for a in self._augment_parameters(epoch, step))
-            images = flip_crop_numpy(images, rows, cols, flips)
+            rows, cols, flips = (np.asarray(a) for a in self._augment_parameters(epoch, step, indices))
+            images = flip_crop_numpy(images, rows, cols, flips, self.crop_padding)
         return images, labels
 
 

@@ -125,7 +125,8 @@ class EpochReport(keras.callbacks.Callback):
         if self._train_end is None:
             _block(self.model)
             self._train_end = time.perf_counter()
-        timed_steps = (self.params.get("steps") or self._steps + 1) - self._skipped
+        steps = self.params.get("steps") or self._steps + 1
+        timed_steps = steps - self._skipped
         train_seconds = self._train_end - self._start
         step_seconds = train_seconds / max(timed_steps, 1)
         compile_seconds = 0.0
@@ -141,6 +142,7 @@ class EpochReport(keras.callbacks.Callback):
         peak = self.strategy.peak_flops if self.strategy is not None else None
         stats = {
             "epoch": epoch + 1,
+            "steps": steps,
             "train_seconds": train_seconds,
             "ms_per_step": 1000 * step_seconds,
             "samples_per_second": (self.batch_size / step_seconds) if self.batch_size else None,

@@ -35,6 +35,7 @@ from meshfit.errors import MeshfitError
 
 DEFAULT_RECIPE = "fashion-mnist-cnn"
 DEFAULT_CHECKPOINT_EVERY = "60s"
+AUTO_STEPS_PER_DISPATCH = 32  # on accelerators: at most this many steps per dispatch, 2+ per epoch
 CONFIG, HISTORY, METRICS = "config.json", "history.json", "metrics.json"
 MODEL, CURVES = "model.keras", "curves.png"
 CHECKPOINTS = "checkpoints"
@@ -203,10 +204,6 @@ class _History:
 
     def __init__(self, records: list[dict[str, Any]], report, global_batch: int):
         self.records, self.report, self.global_batch = records, report, global_batch
-        self.steps = 0
-
-    def count_step(self, batch, logs):
-        self.steps = batch + 1
 
     def __call__(self, epoch, logs):
         stats = self.report.epochs[-1] if self.report.epochs else {}
@@ -214,7 +211,7 @@ class _History:
         record.update({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
         record.update({k: stats.get(k) for k in ("train_seconds", "compile_seconds", "ms_per_step",
                                                   "samples_per_second", "mfu")})
-        record["samples"] = self.steps * self.global_batch
+        record["samples"] = stats.get("steps", 0) * self.global_batch
         self.records.append(record)
 
 
@@ -225,8 +222,22 @@ def _global_batch(strategy, recipe: recipes.Recipe, batch_size: int | None, roun
     return strategy.global_batch(recipe.per_core_batch or 128, rounding=rounding)
 
 
+def choose_steps_per_dispatch(strategy, steps_per_epoch: int, wanted: int | None = None) -> int:
+    """Train steps per dispatch: `wanted` (or, by default, up to 32 on a GPU or TPU and 1 on a
+    CPU), lowered to divide the epoch's steps so that no dispatch runs into the next epoch."""
+    from meshfit import loop
+
+    if wanted is None:
+        if strategy.platform == "cpu" or strategy.engine != "jax":
+            return 1
+        wanted = min(AUTO_STEPS_PER_DISPATCH, max(steps_per_epoch // 2, 1))  # 2+ calls: compile apart
+    if not isinstance(wanted, int) or wanted < 1:
+        raise MeshfitError(f"--steps-per-dispatch must be a whole number of at least 1, got {wanted!r}")
+    return loop.dividing_steps(steps_per_epoch, wanted)
+
+
 def _build(strategy, recipe: recipes.Recipe, dataset, global_batch: int, steps: int, epochs: int,
-           seed: int):
+           seed: int, dispatch_steps: int = 1):
     """Seeded model (built, prepared, compiled) and the train/test batches, on the strategy."""
     import keras
 
@@ -240,14 +251,16 @@ def _build(strategy, recipe: recipes.Recipe, dataset, global_batch: int, steps: 
         tf.config.experimental.enable_op_determinism()  # bit-identical resume on TensorFlow
     with strategy.scope():
         batches = pipeline.TrainBatches(dataset.x_train, dataset.y_train, global_batch, seed,
-                                        steps, recipe.augment)
+                                        steps, recipe.augment, crop_padding=recipe.crop_padding,
+                                        flips=recipe.flips)
         test_batches = pipeline.EvalBatches(dataset.x_test, global_batch)
         model = recipe.build_model(tuple(recipe.input_shape or dataset.input_shape),
                                    dataset.num_classes)
         if recipe.prepare is not None:
             recipe.prepare(model, dataset)
         loss = _recipe_loss(recipe)
-        model.compile(optimizer=recipe.optimizer(steps, epochs), loss=loss, metrics=["accuracy"])
+        model.compile(optimizer=recipe.optimizer(steps, epochs), loss=loss, metrics=["accuracy"],
+                      steps_per_execution=dispatch_steps)
     return model, batches, test_batches, loss
 
 
@@ -272,16 +285,21 @@ def _fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[i
          epochs: int) -> None:
     """Fit from (epoch, step) `start` to the end: the rest of a cut epoch first, then whole ones.
 
+    The rest of a cut epoch runs with steps per dispatch dividing its step count.
     SIGTERM/SIGINT make the checkpointer save and raise TrainingInterrupted.
     """
-    from meshfit import checkpoints
+    from meshfit import checkpoints, loop
 
     epoch, step = start
-    steps = batches.steps_per_epoch
+    steps, dispatch = batches.steps_per_epoch, model.steps_per_execution
     with checkpoints.stop_on_signals(checkpointer):
         if step and epoch < epochs:
+            if (steps - step) % dispatch:
+                loop.install(model, loop.dividing_steps(steps - step, dispatch))
             strategy.fit(model, batches.iterate(epoch, step), epochs=epoch + 1, initial_epoch=epoch,
                          steps_per_epoch=steps - step, shuffle=False, callbacks=callbacks)
+            if model.steps_per_execution != dispatch:
+                loop.install(model, dispatch)
             epoch += 1
         if epoch < epochs:
             strategy.fit(model, batches.iterate(epoch), epochs=epochs, initial_epoch=epoch,
@@ -307,7 +325,8 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
           seed: int | None = None, simulate_devices: int | None = None, engine: str | None = None,
           require: str | None = None, resume: str | None = None,
           checkpoint_every: str | int | None = None, keep_checkpoints: int = 3,
-          batch_rounding: bool = True, callbacks: list | None = None, verbose: bool = True,
+          steps_per_dispatch: int | None = None, batch_rounding: bool = True,
+          callbacks: list | None = None, verbose: bool = True,
           command: str | None = None) -> dict[str, Any]:
     """Train `recipe` (default fashion-mnist-cnn), write its run directory, return its metrics.
 
@@ -321,8 +340,9 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
       it, so only floating-point summation order differs from the original run. --epochs may
       extend a finished run.
     checkpoint_every: "200" (steps), "60s"/"5m" (time, default 60 s), "epoch" or "off".
-    keep_checkpoints: how many checkpoints to keep. batch_rounding: False makes a global batch
-      that does not split across the replicas an error instead of rounding it up.
+    keep_checkpoints: how many checkpoints to keep. steps_per_dispatch: train steps per call into
+      the devices (default: see choose_steps_per_dispatch). batch_rounding: False makes a global
+      batch that does not split across the replicas an error instead of rounding it up.
     callbacks: extra Keras callbacks for fit. command: the command line to record.
     Raises TrainingInterrupted (a MeshfitError; exit_code 143 or 130) after SIGTERM/SIGINT,
     once the state is saved.
@@ -360,8 +380,9 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
     dataset = datasets.load(the_recipe.dataset, data_dir)
     full_steps = len(dataset.x_train) // global_batch
     steps = min(the_recipe.steps_per_epoch or full_steps, full_steps) or None
+    dispatch = choose_steps_per_dispatch(strategy, steps or 1, steps_per_dispatch)
     model, batches, test_batches, loss = _build(strategy, the_recipe, dataset, global_batch, steps,
-                                                epochs, seed)
+                                                epochs, seed, dispatch)
     steps = batches.steps_per_epoch
 
     import keras
@@ -378,12 +399,13 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
         "class_names": list(dataset.class_names),
         "input_shape": list(the_recipe.input_shape or dataset.input_shape),
         "num_classes": dataset.num_classes, "epochs": epochs, "steps_per_epoch": steps,
-        "global_batch": global_batch, "seed": seed, "precision": strategy.precision,
-        "engine": strategy.engine, "replicas": strategy.replicas, "platform": strategy.platform,
-        "device_kind": strategy.device_kind,
+        "global_batch": global_batch, "steps_per_dispatch": dispatch, "seed": seed,
+        "precision": strategy.precision, "engine": strategy.engine, "replicas": strategy.replicas,
+        "platform": strategy.platform, "device_kind": strategy.device_kind,
         "simulated_devices": strategy.info.devices_per_host if strategy.info.simulated else None,
         "data_dir": os.path.abspath(data_dir) if data_dir else None,
-        "augment": the_recipe.augment, "tta_flip": the_recipe.tta_flip,
+        "augment": the_recipe.augment, "crop_padding": the_recipe.crop_padding,
+        "flips": the_recipe.flips, "tta_flip": the_recipe.tta_flip,
         "checkpoint_every": str(checkpoint_every or DEFAULT_CHECKPOINT_EVERY),
         "meshfit_version": __version__, "keras_version": keras.__version__, "command": command,
     }
@@ -395,7 +417,8 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
             config["epochs"] = epochs
             config.setdefault("resumed", []).append({
                 "command": command, "at": now, "checkpoint": os.path.basename(resume_state["path"]),
-                "engine": strategy.engine, "replicas": strategy.replicas})
+                "engine": strategy.engine, "replicas": strategy.replicas,
+                "steps_per_dispatch": dispatch})
         os.makedirs(run, exist_ok=True)
         _write_json(os.path.join(run, CONFIG), config)
     if verbose and chief and resume_state:
@@ -406,8 +429,9 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
         print(f"resuming {run} from {os.path.basename(resume_state['path'])}: epoch "
               f"{resume_state['epoch'] + 1} step {resume_state['step']}{note}", flush=True)
     if verbose and chief:
+        per_dispatch = f", {dispatch} steps per dispatch" if dispatch > 1 else ""
         print(f"training {the_recipe.name}: {epochs} epoch(s) x {steps} steps of {global_batch} "
-              f"images (global batch), seed {seed}; run directory {run}", flush=True)
+              f"images (global batch){per_dispatch}, seed {seed}; run directory {run}", flush=True)
 
     report = EpochReport(batch_size=global_batch, strategy=strategy,
                          stream=None if chief else io.StringIO())
@@ -420,8 +444,7 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
         keras.callbacks.LambdaCallback(on_epoch_end=_EpochEnd(
             model, test_batches, dataset.y_test, loss, the_recipe.tta_flip, report)),
         report,
-        keras.callbacks.LambdaCallback(on_train_batch_begin=recorder.count_step,
-                                       on_epoch_end=recorder),
+        keras.callbacks.LambdaCallback(on_epoch_end=recorder),
         checkpointer, *(callbacks or [])]
     start = (resume_state["epoch"], resume_state["step"]) if resume_state else (0, 0)
     _fit(strategy, model, batches, fit_callbacks, checkpointer, start, epochs)
@@ -439,7 +462,8 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
         "samples_per_second": (sum(r.get("samples") or 0 for r in history) / train_seconds
                                if train_seconds else None),
         "recipe": the_recipe.name, "epochs": epochs, "steps_per_epoch": steps,
-        "global_batch": global_batch, "seed": seed, "platform": strategy.platform,
+        "global_batch": global_batch, "steps_per_dispatch": dispatch, "seed": seed,
+        "platform": strategy.platform,
         "device_kind": strategy.device_kind, "replicas": strategy.replicas,
         "precision": strategy.precision, "engine": strategy.engine,
         "resumed": resume is not None, "run_dir": run,
@@ -519,6 +543,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "epoch ends are always saved unless 'off'")
     parser.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
                         help="keep the newest K checkpoints (default: 3)")
+    parser.add_argument("--steps-per-dispatch", type=int, metavar="K",
+                        help="train steps per call into the devices, one compiled loop (default: "
+                             f"up to {AUTO_STEPS_PER_DISPATCH} on a GPU or TPU, 1 on a CPU)")
     parser.add_argument("--no-batch-rounding", action="store_true",
                         help="fail instead of rounding a batch that does not split across replicas")
     add_device_arguments(parser)
@@ -534,6 +561,7 @@ def run_train(args: argparse.Namespace) -> int:
                         require=args.require, resume=args.resume,
                         checkpoint_every=args.checkpoint_every,
                         keep_checkpoints=args.keep_checkpoints,
+                        steps_per_dispatch=args.steps_per_dispatch,
                         batch_rounding=not args.no_batch_rounding, verbose=True, command=command)
     except MeshfitError as err:
         if not hasattr(err, "exit_code"):  # only TrainingInterrupted has its own exit code

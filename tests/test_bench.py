@@ -48,12 +48,15 @@ def test_bench_times_every_engine_path_and_dispatch_and_writes_csv_json_png(tmp_
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bench_cifar10_cnn_runs_and_prints_json(tmp_path):
+def test_bench_cifar10_cnn_runs_two_rounds_and_prints_json(tmp_path):
     result = run_cli("bench", "cifar10-cnn", "--engines", "tensorflow", "--batch-sizes", "4",
-                     "--repeats", "1", "--steps", "1", "--out", str(tmp_path), "--json", env=ONE_CPU)
+                     "--repeats", "1", "--steps", "1", "--rounds", "2", "--out", str(tmp_path),
+                     "--json", env=ONE_CPU)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("bench: tensorflow plain float32 batch 4 x1:") == 2
     data = json.loads(result.stdout.strip().splitlines()[-1])
     assert [(r["engine"], r["path"]) for r in data["rows"]] == [("tensorflow", "plain"), ("tensorflow", "meshfit")]
+    assert all(r["rounds"] == 2 and len(r["rounds_samples_per_s"]) == 2 for r in data["rows"])
     assert data["rows"][1]["auto_engine"] == "tensorflow"  # meshfit's own choice on one CPU
     assert os.path.isfile(tmp_path / "bench.csv") and os.path.isfile(tmp_path / "bench.png")
 
@@ -70,6 +73,7 @@ def test_bench_engine_that_cannot_run_the_devices_is_one_line_error(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--batch-sizes", "0"], "--batch-sizes takes whole numbers"),
     (["--engines", "mxnet"], "unknown engine 'mxnet'"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
     (["--precisions", "fp8x"], "unknown precision 'fp8x'"),
     (["no-such-recipe"], "unknown recipe 'no-such-recipe'"),
 ])
@@ -77,6 +81,22 @@ def test_bench_bad_flags_are_one_line_errors(args, message):
     result = run_cli("bench", *args, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and message in result.stderr
+
+
+def test_median_over_rounds_keeps_one_row_per_measurement():
+    def row(path, sps, k=1):
+        return {"engine": "tensorflow", "path": path, "precision": "float32", "batch": 256,
+                "steps_per_dispatch": k, "samples_per_s": sps, "ms_per_step": 256e3 / sps}
+
+    rounds = [row("plain", 900.0), row("meshfit", 500.0), row("plain", 1000.0),
+              row("meshfit", 1100.0), row("plain", 400.0), row("meshfit", 1050.0), row("plain", 7.0, k=8)]
+    merged = {(r["path"], r["steps_per_dispatch"]): r for r in bench.median_over_rounds(rounds)}
+    assert sorted(merged) == [("meshfit", 1), ("plain", 1), ("plain", 8)]
+    assert merged["plain", 1]["samples_per_s"] == 900.0 and merged["plain", 1]["rounds"] == 3
+    assert merged["meshfit", 1]["samples_per_s"] == 1050.0
+    assert merged["meshfit", 1]["ms_per_step"] == pytest.approx(256e3 / 1050.0)  # from the same round
+    assert merged["meshfit", 1]["rounds_samples_per_s"] == [500.0, 1100.0, 1050.0]
+    assert merged["plain", 8]["rounds"] == 1
 
 
 def test_ratios_compare_with_plain_and_with_the_fastest_plain_engine():

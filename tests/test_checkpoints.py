@@ -292,3 +292,34 @@ def test_resume_on_fewer_replicas_continues_the_same_run(finished_run, tmp_path)
     for key in original:
         if key.startswith("model/"):
             np.testing.assert_allclose(resumed[key], original[key], rtol=1e-3, atol=1e-4, err_msg=key)
+
+
+def test_steps_per_dispatch_train_the_same_run_and_resume_mid_dispatch(finished_run, data_dir,
+                                                                       tmp_path):
+    """4 steps per dispatch: the same weights as 1, checkpoints at dispatch boundaries; resumed
+    with 8 per dispatch, the rest of the cut epoch (4 steps) runs as one dispatch of 4."""
+    import shutil
+
+    from meshfit.training import train
+
+    run = str(tmp_path / "k4")
+    settings = {**jax_settings(data_dir), "checkpoint_every": "3"}
+    metrics = train("mnist-mlp-bf16", out=run, steps_per_dispatch=4, **settings)
+    assert metrics["steps_per_dispatch"] == 4
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == [
+        "ckpt-00000008", "ckpt-00000012", "ckpt-00000016"]  # step 12 is the first past 9
+    history = json.loads(open(os.path.join(run, "history.json")).read())
+    assert [r["samples"] for r in history] == [N_TRAIN, N_TRAIN]
+
+    def assert_close(run_b):
+        a, b = final_arrays(finished_run), final_arrays(run_b)
+        for key in a:
+            if key.startswith("model/"):
+                np.testing.assert_allclose(b[key], a[key], rtol=1e-3, atol=1e-4, err_msg=key)
+
+    assert_close(run)
+    shutil.rmtree(os.path.join(run, "checkpoints", "ckpt-00000016"))  # back to epoch 2, step 4
+    metrics = train(resume=run, steps_per_dispatch=8, verbose=False)
+    assert metrics["resumed"] and metrics["steps_per_dispatch"] == 8
+    assert_close(run)
+    assert train(resume=run, epochs=3, steps_per_dispatch=3, verbose=False)["steps_per_dispatch"] == 2

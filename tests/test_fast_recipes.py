@@ -59,6 +59,7 @@ def test_recipes_are_registered_with_their_hooks():
     assert (fast.dataset, fast.global_batch, fast.augment) == ("cifar10", 1024, "flip-crop")
     assert fast.tta_flip and fast.prepare is cifar10_fast.prepare and callable(fast.loss)
     assert fast.precision == "bfloat16" and "not yet measured" in fast.doc
+    assert (fast.crop_padding, fast.flips) == (2, "alternate")
     resnet = recipes.get("resnet50-synthetic")
     assert (resnet.dataset, resnet.input_shape, resnet.per_core_batch) == ("synthetic", (224, 224, 3), 256)
 

@@ -95,14 +95,16 @@ def test_start_mid_epoch_equals_the_tail_of_a_full_epoch(strategy):
         np.testing.assert_array_equal(np.asarray(ya), np.asarray(yb))
 
 
-def test_device_batches_are_sharded_and_equal_to_host_batches(strategy):
+@pytest.mark.parametrize("padding, flips", [(4, "random"), (2, "alternate")])
+def test_device_batches_are_sharded_and_equal_to_host_batches(strategy, padding, flips):
     from meshfit import pipeline
 
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (50, 12, 12, 3), dtype=np.uint8)
     y = np.arange(50, dtype=np.int32)
-    device = pipeline.TrainBatches(x, y, 16, seed=2, augment="flip-crop", on_device=True)
-    host = pipeline.TrainBatches(x, y, 16, seed=2, augment="flip-crop", on_device=False)
+    settings = dict(seed=2, augment="flip-crop", crop_padding=padding, flips=flips)
+    device = pipeline.TrainBatches(x, y, 16, on_device=True, **settings)
+    host = pipeline.TrainBatches(x, y, 16, on_device=False, **settings)
     images, labels = device.batch(1, 2)
     assert {s.data.shape[0] for s in images.addressable_shards} == {2}  # 16 over 8 devices
     host_images, host_labels = host.batch(1, 2)
@@ -110,12 +112,47 @@ def test_device_batches_are_sharded_and_equal_to_host_batches(strategy):
     np.testing.assert_array_equal(np.asarray(labels), host_labels)
     # Every augmented image is a 12x12 crop of its reflect-padded original, maybe mirrored.
     changed = 0
+    size = 2 * padding + 1
     for image, label in zip(host_images, host_labels):
-        padded = np.pad(x[label], ((4, 4), (4, 4), (0, 0)), mode="reflect")
-        crops = [padded[r:r + 12, c:c + 12] for r in range(9) for c in range(9)]
+        padded = np.pad(x[label], ((padding, padding), (padding, padding), (0, 0)), mode="reflect")
+        crops = [padded[r:r + 12, c:c + 12] for r in range(size) for c in range(size)]
         assert any(np.array_equal(image, c) or np.array_equal(image, c[:, ::-1]) for c in crops)
         changed += not np.array_equal(image, x[label])
     assert changed > 8  # the augmentation really moves and flips images
+
+
+def test_alternate_flips_mirror_each_image_every_other_epoch():
+    from meshfit import pipeline
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 256, (40, 6, 6, 1), dtype=np.uint8)
+    y = np.arange(40, dtype=np.int32)
+    batches = pipeline.TrainBatches(x, y, 8, seed=5, augment="flip-crop", crop_padding=0,
+                                    flips="alternate", on_device=False)
+
+    def mirrored(epoch):
+        state = {}
+        for step in range(len(batches)):
+            images, labels = batches.batch(epoch, step)
+            for image, label in zip(images, labels):
+                assert np.array_equal(image, x[label]) or np.array_equal(image, x[label][:, ::-1])
+                state[int(label)] = not np.array_equal(image, x[label])
+        return np.array([state[i] for i in range(40)])
+
+    epochs = [mirrored(e) for e in range(3)]
+    assert 10 < epochs[0].sum() < 30  # about half of the images start mirrored
+    np.testing.assert_array_equal(epochs[1], ~epochs[0])
+    np.testing.assert_array_equal(epochs[2], epochs[0])
+
+
+def test_bad_augmentation_settings_are_clear_errors():
+    from meshfit.pipeline import TrainBatches
+
+    x, y = np.zeros((16, 8, 8, 3), np.uint8), np.zeros(16, np.int32)
+    with pytest.raises(MeshfitError, match="unknown flips 'sometimes'"):
+        TrainBatches(x, y, 8, augment="flip-crop", flips="sometimes", on_device=False)
+    with pytest.raises(MeshfitError, match="crop padding 8 does not fit 8x8 images"):
+        TrainBatches(x, y, 8, augment="flip-crop", crop_padding=8, on_device=False)
 
 
 @pytest.mark.parametrize("on_device", [True, False])

@@ -31,7 +31,9 @@ class Recipe:
     global_batch is the batch over all replicas; per_core_batch, when set, wins and is
     multiplied by the replicas after rounding to the hardware multiple.
     loss: a Keras loss name, or a callable returning a loss object.
-    augment: "none", or "flip-crop" (random crop after 4-pixel padding + horizontal flip), on device.
+    augment: "none", or "flip-crop" (random crop after crop_padding pixels of reflect padding,
+    i.e. translations up to that many pixels, and horizontal flips, on the device); flips:
+    "random", or "alternate" (each image mirrored every other epoch; see meshfit.pipeline).
     prepare(model, dataset): optional, called after the model is built and before training
     (e.g. a data-dependent first-layer initialization).
     tta_flip: evaluate on each image and its mirror image, averaging the probabilities.
@@ -48,6 +50,8 @@ class Recipe:
     precision: str = "auto"
     loss: Any = "sparse_categorical_crossentropy"
     augment: str = "none"
+    crop_padding: int = 4
+    flips: str = "random"
     prepare: Callable[..., None] | None = None
     tta_flip: bool = False
     input_shape: tuple[int, ...] | None = None
