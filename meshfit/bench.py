@@ -127,14 +127,13 @@ def bench(recipe: str = DEFAULT_RECIPE, *, engines: list[str] | None = None,
     spec = {"recipe": the_recipe.name, "precisions": precisions, "batch_sizes": batch_sizes,
             "steps_per_dispatch": steps_per_dispatch, "simulate": simulate_devices,
             "repeats": repeats, "steps": steps}
-    rows, machine, skipped = [], None, []
+    rows, machine, skipped, unable = [], None, [], set()
     for _ in range(rounds):
-        for engine in engines:
-            if any(note.startswith(f"{engine}: ") for note in skipped):
-                continue
+        for engine in (e for e in engines if e not in unable):
             for path in PATHS:
                 found, meta, error = _run_worker({**spec, "engine": engine, "path": path})
                 if error:
+                    unable.add(engine)
                     skipped.append(f"{engine}: {error}")
                     print(f"meshfit: note: skipped engine {engine}: {error}", file=sys.stderr,
                           flush=True)

@@ -231,9 +231,7 @@ def choose_steps_per_dispatch(strategy, steps_per_epoch: int, wanted: int | None
         if strategy.platform == "cpu" or strategy.engine != "jax":
             return 1
         wanted = min(AUTO_STEPS_PER_DISPATCH, max(steps_per_epoch // 2, 1))  # 2+ calls: compile apart
-    if not isinstance(wanted, int) or wanted < 1:
-        raise MeshfitError(f"--steps-per-dispatch must be a whole number of at least 1, got {wanted!r}")
-    return loop.dividing_steps(steps_per_epoch, wanted)
+    return loop.dividing_steps(steps_per_epoch, wanted)  # checks `wanted` too
 
 
 def _build(strategy, recipe: recipes.Recipe, dataset, global_batch: int, steps: int, epochs: int,

@@ -297,3 +297,17 @@ def test_image_folder_of_pngs_trains_on_eight_devices(tmp_path):
     probabilities = pipeline.predict(model, data.x_test, batch=16)  # 20 images: padded for 8 devices
     accuracy = float((probabilities.argmax(1) == data.y_test).mean())
     assert accuracy >= 0.9, accuracy
+
+
+def test_steps_per_dispatch_divide_the_epoch_and_default_by_platform():
+    from types import SimpleNamespace
+
+    from meshfit.training import choose_steps_per_dispatch
+
+    gpu, cpu = SimpleNamespace(platform="gpu", engine="jax"), SimpleNamespace(platform="cpu", engine="jax")
+    assert choose_steps_per_dispatch(gpu, 48) == 24  # 2 calls per epoch, so compile is timed apart
+    assert choose_steps_per_dispatch(gpu, 390) == 30  # at most 32, dividing 390
+    assert choose_steps_per_dispatch(cpu, 48) == 1
+    assert choose_steps_per_dispatch(cpu, 48, 5) == 4
+    with pytest.raises(MeshfitError, match="steps per dispatch must be a whole number of at least 1"):
+        choose_steps_per_dispatch(gpu, 48, 0)
