@@ -85,6 +85,61 @@ def test_faster_engine_hint_names_the_install_command_once(monkeypatch):
     assert engine.hint_faster_engine("jax", "cpu", 1) is None  # already installed
 
 
+BIAS_GRADIENT_SCRIPT = textwrap.dedent("""
+    import json
+    import numpy as np
+    import meshfit
+    from meshfit import engine
+
+    import tensorflow as tf
+    from tensorflow.python.framework import ops
+
+    stock = ops._gradient_registry.lookup("BiasAdd")
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(6, 9, 9, 2)).astype("float32"))
+    kernel = tf.Variable(rng.normal(size=(3, 3, 2, 5)).astype("float32"))
+    bias = tf.Variable(rng.normal(size=(5,)).astype("float32"))
+    dense = tf.Variable(rng.normal(size=(5, 3)).astype("float32"))
+    dense_bias = tf.Variable(rng.normal(size=(3,)).astype("float32"))
+    variables = [kernel, bias, dense, dense_bias]
+
+    def gradients(dtype):
+        # conv + bias (NHWC, rank 4), max-pool, then dense + bias (rank 2), in a traced function
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                h = tf.nn.bias_add(tf.nn.conv2d(tf.cast(x, dtype), tf.cast(kernel, dtype), 1, "VALID"),
+                                   tf.cast(bias, dtype))
+                h = tf.reduce_max(tf.nn.max_pool2d(h, 2, 2, "VALID"), axis=[1, 2])
+                out = tf.nn.bias_add(tf.matmul(h, tf.cast(dense, dtype)), tf.cast(dense_bias, dtype))
+                loss = tf.reduce_sum(tf.cast(out, "float32") ** 2)
+            return tape.gradient(loss, variables)
+        return [g.numpy() for g in step()]
+
+    before = {d: gradients(d) for d in ("float32", "bfloat16")}
+    meshfit.connect(engine="tensorflow", verbose=False)
+    installed = ops._gradient_registry.lookup("BiasAdd") is engine._conv_bias_gradient
+    engine.install_conv_bias_gradient()  # a second install keeps TF's own as the fallback
+    after = {d: gradients(d) for d in ("float32", "bfloat16")}
+    print(json.dumps({
+        "installed": installed, "fallback_is_stock": engine._tensorflow_bias_gradient is stock,
+        "float32": max(float(np.max(np.abs(a - b))) for a, b in zip(before["float32"], after["float32"])),
+        "bfloat16": max(float(np.max(np.abs(a - b))) for a, b in zip(before["bfloat16"], after["bfloat16"])),
+        "bias_gradient_size": float(np.max(np.abs(after["float32"][1]))),
+    }))
+""")
+
+
+def test_tensorflow_engine_sums_conv_bias_gradients_apart_with_the_same_result():
+    code, out, err = finish(run_python(["-c", BIAS_GRADIENT_SCRIPT], ONE_CPU))
+    assert code == 0, err[-2000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["installed"] and result["fallback_is_stock"]
+    assert result["bias_gradient_size"] > 1  # a real gradient, not zeros
+    assert result["float32"] < 1e-3, result
+    assert result["bfloat16"] == 0, result  # bfloat16 keeps TF's own (fused) gradient
+
+
 ACCURACY_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
