@@ -7,7 +7,7 @@ pixels the tutorial's Adam 1e-3 reached only 87.97% in this budget (seed 0, Kera
 3e-3 reached 89.40%.
 Tutorial: 88.48% validation accuracy on a TPU v2-8.
 Measured on a 2-vCPU Intel Xeon (AMX), Keras on TensorFlow, 2026-11-22 (BENCHMARKS.md):
-  89.40% test accuracy; 35.9 s of training in float32 (median of 3; target < 30 s not met),
+  89.35% test accuracy; 34.6 s of training in float32 (median of 3; target < 30 s not met),
   26.2 s with --precision bfloat16 (89.39%).
 """
 

@@ -1,0 +1,85 @@
+"""Same-process A/B of TensorFlow's fused conv bias gradient against meshfit's split one.
+
+Two copies of a recipe's model train in one process, fed by meshfit's input path: one traced with
+TF's own BiasAdd gradient (which oneDNN fuses with the conv's filter gradient), one with
+`meshfit.engine._conv_bias_gradient`. Their epochs alternate, so a change in the machine's speed
+hits both. Each epoch is timed from the end of its first step to the end of its last, which leaves
+out the pauses Keras/TF take around each `fit` call; it prints wall and CPU milliseconds per step
+for each and the median per-round ratio.
+
+    python benchmarks/conv_bias_gradient.py [--recipe fashion-mnist-cnn] [--precision float32]
+        [--rounds 5] [--steps 60]
+
+Result on a 2-vCPU Xeon (AMX), 2026-11-22: see BENCHMARKS.md ("Tutorial recipes" notes).
+"""
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+import meshfit
+from meshfit import bench, engine, pipeline, recipes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="fashion-mnist-cnn")
+    parser.add_argument("--precision", default="float32")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60, help="steps per timed epoch (at least 2)")
+    args = parser.parse_args()
+
+    strategy = meshfit.connect(engine="tensorflow", precision=args.precision, verbose=False)
+    import keras
+    from tensorflow.python.framework import ops
+
+    recipe = recipes.get(args.recipe)
+    batch = recipe.global_batch or recipe.per_core_batch
+    shape = bench.input_shape(recipe)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (args.steps * batch, *shape), dtype=np.uint8)
+    y = rng.integers(0, 10, args.steps * batch).astype(np.int32)
+    gradients = {"tensorflow": engine._tensorflow_bias_gradient, "meshfit": engine._conv_bias_gradient}
+    entry = ops._gradient_registry._registry["BiasAdd"]
+    models = {}
+    for name, gradient in gradients.items():
+        entry["type"] = gradient  # read when the train step is traced, in the warm-up fit below
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = recipe.build_model(shape, 10)
+            model.compile(optimizer=recipe.optimizer(args.steps, args.rounds + 1),
+                          loss=bench._recipe_loss(recipe))
+        batches = pipeline.TrainBatches(x, y, batch, seed=0)
+        model.fit(batches.iterate(0), steps_per_epoch=args.steps, epochs=1, verbose=0)
+        models[name] = (model, batches)
+    entry["type"] = engine._conv_bias_gradient
+
+    class StepClock(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.times = []
+
+        def on_train_batch_end(self, batch, logs=None):  # (makes Keras finish each step)
+            self.times.append((time.perf_counter(), time.process_time()))
+
+    wall = {name: [] for name in models}
+    cpu = {name: [] for name in models}
+    clock = StepClock()
+    for r in range(args.rounds):
+        for name, (model, batches) in models.items():
+            model.fit(batches.iterate(r + 1), steps_per_epoch=args.steps, epochs=1, verbose=0,
+                      callbacks=[clock])
+            (first_wall, first_cpu), (last_wall, last_cpu) = clock.times[0], clock.times[-1]
+            wall[name].append(1000 * (last_wall - first_wall) / (args.steps - 1))
+            cpu[name].append(1000 * (last_cpu - first_cpu) / (args.steps - 1))
+    for name in models:
+        print(f"{name:>10} gradient: wall ms/step {' '.join(f'{v:.1f}' for v in wall[name])}; "
+              f"CPU ms/step median {statistics.median(cpu[name]):.1f}")
+    ratios = [a / b for a, b in zip(wall["tensorflow"], wall["meshfit"])]
+    print(f"{args.recipe} {args.precision} batch {batch}: tensorflow/meshfit time per step, "
+          f"median of {args.rounds} rounds: {statistics.median(ratios):.3f}x")
+
+
+if __name__ == "__main__":
+    main()
