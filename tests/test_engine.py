@@ -114,7 +114,8 @@ BIAS_GRADIENT_SCRIPT = textwrap.dedent("""
                 out = tf.nn.bias_add(tf.matmul(h, tf.cast(dense, dtype)), tf.cast(dense_bias, dtype))
                 loss = tf.reduce_sum(tf.cast(out, "float32") ** 2)
             return tape.gradient(loss, variables)
-        return [g.numpy() for g in step()]
+        ops_used = [op.type for op in step.get_concrete_function().graph.get_operations()]
+        return [g.numpy() for g in step()], ops_used.count("BiasAddGrad")
 
     before = {d: gradients(d) for d in ("float32", "bfloat16")}
     meshfit.connect(engine="tensorflow", verbose=False)
@@ -123,9 +124,11 @@ BIAS_GRADIENT_SCRIPT = textwrap.dedent("""
     after = {d: gradients(d) for d in ("float32", "bfloat16")}
     print(json.dumps({
         "installed": installed, "fallback_is_stock": engine._tensorflow_bias_gradient is stock,
-        "float32": max(float(np.max(np.abs(a - b))) for a, b in zip(before["float32"], after["float32"])),
-        "bfloat16": max(float(np.max(np.abs(a - b))) for a, b in zip(before["bfloat16"], after["bfloat16"])),
-        "bias_gradient_size": float(np.max(np.abs(after["float32"][1]))),
+        "bias_add_grads": {f"{when} {d}": grads[d][1] for when, grads in (("before", before), ("after", after))
+                           for d in grads},
+        "float32": max(float(np.max(np.abs(a - b))) for a, b in zip(before["float32"][0], after["float32"][0])),
+        "bfloat16": max(float(np.max(np.abs(a - b))) for a, b in zip(before["bfloat16"][0], after["bfloat16"][0])),
+        "bias_gradient_size": float(np.max(np.abs(after["float32"][0][1]))),
     }))
 """)
 
@@ -135,6 +138,9 @@ def test_tensorflow_engine_sums_conv_bias_gradients_apart_with_the_same_result()
     assert code == 0, err[-2000:]
     result = json.loads(out.strip().splitlines()[-1])
     assert result["installed"] and result["fallback_is_stock"]
+    # TF's BiasAddGrad for the conv and the dense layer; after: only the dense one's in float32
+    assert result["bias_add_grads"] == {"before float32": 2, "before bfloat16": 2,
+                                        "after float32": 1, "after bfloat16": 2}, result
     assert result["bias_gradient_size"] > 1  # a real gradient, not zeros
     assert result["float32"] < 1e-3, result
     assert result["bfloat16"] == 0, result  # bfloat16 keeps TF's own (fused) gradient
