@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import meshfit
-from meshfit import bench, engine, pipeline, recipes
+from meshfit import bench, engine, pipeline, recipes, training
 
 
 def main() -> None:
@@ -50,7 +50,7 @@ def main() -> None:
         with strategy.scope():
             model = recipe.build_model(shape, 10)
             model.compile(optimizer=recipe.optimizer(args.steps, args.rounds + 1),
-                          loss=bench._recipe_loss(recipe))
+                          loss=training.recipe_loss(recipe))
         batches = pipeline.TrainBatches(x, y, batch, seed=0)
         model.fit(batches.iterate(0), steps_per_epoch=args.steps, epochs=1, verbose=0)
         models[name] = (model, batches)

@@ -39,7 +39,7 @@ from typing import Any
 from meshfit import devices as devices_lib
 from meshfit import engine as engine_lib
 from meshfit import planning, recipes
-from meshfit.training import timestamped_dir
+from meshfit.training import recipe_loss, timestamped_dir
 from meshfit.errors import MeshfitError
 
 DEFAULT_RECIPE = "fashion-mnist-cnn"
@@ -352,10 +352,6 @@ def input_shape(recipe: recipes.Recipe) -> tuple[int, ...]:
     raise MeshfitError(f"recipe {recipe.name} names no input_shape for dataset {recipe.dataset}")
 
 
-def _recipe_loss(recipe: recipes.Recipe):
-    return recipe.loss if isinstance(recipe.loss, str) else recipe.loss()
-
-
 def _sync(model) -> None:
     """Wait for the dispatched steps to finish (JAX runs asynchronously)."""
     import keras
@@ -453,7 +449,7 @@ def _worker(spec: dict) -> None:
                     if engine == "jax" and replicas > 1:
                         keras.distribution.set_distribution(keras.distribution.DataParallel())
                 model = (recipe.build_model(shape, classes) if classes else recipe.build_model(shape))
-                model.compile(optimizer=recipe.optimizer(steps, repeats + 1), loss=_recipe_loss(recipe),
+                model.compile(optimizer=recipe.optimizer(steps, repeats + 1), loss=recipe_loss(recipe),
                               metrics=["accuracy"], steps_per_execution=1 if strategy else k)
                 rng = np.random.default_rng(0)
                 x = rng.integers(0, 256, (steps * batch, *shape), dtype=np.uint8)

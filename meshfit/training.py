@@ -84,7 +84,7 @@ def _write_json(path: str, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _recipe_loss(recipe: recipes.Recipe):
+def recipe_loss(recipe: recipes.Recipe):
     """The recipe's loss: a Keras loss name or object as given, else the result of calling it."""
     import keras
 
@@ -256,7 +256,7 @@ def _build(strategy, recipe: recipes.Recipe, dataset, global_batch: int, steps: 
                                    dataset.num_classes)
         if recipe.prepare is not None:
             recipe.prepare(model, dataset)
-        loss = _recipe_loss(recipe)
+        loss = recipe_loss(recipe)
         model.compile(optimizer=recipe.optimizer(steps, epochs), loss=loss, metrics=["accuracy"],
                       steps_per_execution=dispatch_steps)
     return model, batches, test_batches, loss
@@ -515,7 +515,7 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices
     with strategy.scope():
         model = keras.saving.load_model(model_path, compile=False)
         batches = pipeline.EvalBatches(dataset.x_test, batch)
-        scores = evaluate_model(model, batches, dataset.y_test, _recipe_loss(recipe), recipe.tta_flip)
+        scores = evaluate_model(model, batches, dataset.y_test, recipe_loss(recipe), recipe.tta_flip)
     return {**scores, "samples": len(dataset.x_test), "recipe": recipe.name, "model": model_path,
             "engine": strategy.engine, "replicas": strategy.replicas, "platform": strategy.platform}
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from meshfit.errors import MeshfitError
+from meshfit.pipeline import CROP_PADDING
 
 _MODULES = {
     "fashion-mnist-cnn": "fashion_mnist_cnn",
@@ -50,7 +51,7 @@ class Recipe:
     precision: str = "auto"
     loss: Any = "sparse_categorical_crossentropy"
     augment: str = "none"
-    crop_padding: int = 4
+    crop_padding: int = CROP_PADDING
     flips: str = "random"
     prepare: Callable[..., None] | None = None
     tta_flip: bool = False
