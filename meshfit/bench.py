@@ -5,8 +5,9 @@ download), each in a fresh process per engine (Keras fixes its backend per proce
   plain    raw Keras: `keras` imported with the engine as backend, `model.compile` + `model.fit`
            (`steps_per_execution` = steps per dispatch; Keras' own `DataParallel` on several JAX
            devices); nothing of meshfit runs in that process but the recipe's model builder;
-  meshfit  `meshfit.connect(engine=...)`, `Strategy.fit` with the per-epoch report, and with more
-           than one step per dispatch the on-device loop of `meshfit.loop`.
+  meshfit  `meshfit.connect(engine=...)`, `Strategy.fit` with the per-epoch report, on TensorFlow
+           its cache-sized micro-batches (`meshfit.microbatch`, shown in the micro-batches column),
+           and with more than one step per dispatch the on-device loop of `meshfit.loop`.
 Each fit runs 1 + repeats epochs of `steps` steps: the first is warm-up (compilation, reported as
 its extra time over a timed epoch), the others are timed between device synchronizations and the
 median is reported. Columns: ms/step, samples/s, MFU (XLA's FLOPs of the step / peak FLOP/s; n/a
@@ -47,8 +48,8 @@ DEFAULT_REPEATS = 5
 DEFAULT_STEPS = 10  # timed steps per repeat (rounded up to a multiple of the steps per dispatch)
 BENCH_ENGINES = ("jax", "tensorflow", "torch")
 PATHS = ("plain", "meshfit")
-COLUMNS = ("recipe", "engine", "path", "precision", "batch", "steps_per_dispatch", "replicas",
-           "ms_per_step", "samples_per_s", "mfu", "compile_s", "vs_plain", "vs_fastest",
+COLUMNS = ("recipe", "engine", "path", "precision", "batch", "steps_per_dispatch", "micro_batches",
+           "replicas", "ms_per_step", "samples_per_s", "mfu", "compile_s", "vs_plain", "vs_fastest",
            "flops_per_step", "auto_engine", "platform", "device_kind", "repeats", "steps_per_repeat",
            "rounds")
 DATASET_SHAPES = {"mnist": (28, 28, 1), "fashion_mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
@@ -261,7 +262,8 @@ def _cell(row: dict[str, Any], column: str) -> str:
 
 
 _TABLE = (("engine", "engine"), ("path", "path"), ("precision", "precision"), ("batch", "batch"),
-          ("steps_per_dispatch", "steps/dispatch"), ("ms_per_step", "ms/step"),
+          ("steps_per_dispatch", "steps/dispatch"), ("micro_batches", "micro-batches"),
+          ("ms_per_step", "ms/step"),
           ("samples_per_s", "samples/s"), ("mfu", "MFU"), ("compile_s", "compile s"),
           ("vs_plain", "vs plain"), ("vs_fastest", "vs fastest"))
 
@@ -415,7 +417,7 @@ def _worker(spec: dict) -> None:
     import keras
     import numpy as np
 
-    from meshfit import loop
+    from meshfit import loop, microbatch
     from meshfit.report import EpochReport, train_step_flops
 
     recipe = recipes.get(spec["recipe"])
@@ -456,19 +458,21 @@ def _worker(spec: dict) -> None:
                 y = rng.integers(0, model.output_shape[-1], steps * batch).astype(np.int32)
                 timer = _epoch_timer()
                 fit = dict(batch_size=batch, epochs=repeats + 1, shuffle=False, verbose=0)
-                flops = None
+                flops, slices = None, 1
                 if strategy is not None:
                     loop.install(model, k)
                     report = EpochReport(batch_size=batch, strategy=strategy, stream=io.StringIO())
                     strategy.fit(model, x, y, callbacks=[timer, report], **fit)
                     flops = report.flops_per_step
+                    slices = microbatch.installed(model)
                 else:
                     model.fit(x, y, callbacks=[timer] + _wait_each_dispatch(info), **fit)
                     flops = train_step_flops(model, batch) if peak else None
                 median = statistics.median(timer.seconds[1:])
                 step_seconds = median / steps
                 row = {"recipe": recipe.name, "engine": engine, "path": path, "precision": precision,
-                       "batch": batch, "steps_per_dispatch": k, "replicas": replicas,
+                       "batch": batch, "steps_per_dispatch": k, "micro_batches": slices,
+                       "replicas": replicas,
                        "ms_per_step": 1000 * step_seconds, "samples_per_s": batch / step_seconds,
                        "mfu": flops / step_seconds / peak if (flops and peak) else None,
                        "compile_s": max(timer.seconds[0] - median, 0.0), "flops_per_step": flops or None,

@@ -117,15 +117,36 @@ class Strategy:
         ]
         return "meshfit connected\n" + "\n".join(f"  {k:<17}{v}" for k, v in rows)
 
+    def micro_batches(self, model, batch_size: int | None, requested: int | str = "auto") -> int:
+        """Slices per batch for `model`'s train step (see meshfit.microbatch).
+
+        'auto': cache-sized slices on the TensorFlow engine when the batch size is known, else 1.
+        """
+        from meshfit import microbatch
+
+        if requested == "auto":
+            return microbatch.plan(model, batch_size) if self.engine == "tensorflow" and batch_size else 1
+        slices = microbatch.check(model, requested)
+        if slices > 1 and self.engine != "tensorflow":
+            raise MeshfitError(f"micro-batches run on the TensorFlow engine (one CPU), not on "
+                               f"{self.engine}; use micro_batches=1")
+        return slices
+
     def fit(self, model, x=None, y=None, *, batch_size: int | None = None, epochs: int = 1,
-            callbacks: list | None = None, verbose: int = 0, report: bool = True, **kwargs):
-        """`model.fit` with the batch checked against the replicas and the per-epoch report on."""
+            callbacks: list | None = None, verbose: int = 0, report: bool = True,
+            micro_batches: int | str = "auto", **kwargs):
+        """`model.fit` with the batch checked against the replicas and the per-epoch report on.
+
+        micro_batches: slices each batch's gradient is summed over ('auto': cache-sized on a CPU;
+        1: whole batches); with slices, every batch needs at least that many samples.
+        """
         from meshfit.report import EpochReport
 
         callbacks = list(callbacks or [])
+        slices = self.micro_batches(model, batch_size, micro_batches)
         if batch_size is not None:
             batch_size = self.check_batch(batch_size)
-            x, y = self._trim_last_batch(x, y, batch_size)
+            x, y = self._trim_last_batch(x, y, batch_size, slices)
             if isinstance(kwargs.get("validation_data"), tuple):
                 kwargs["validation_data"] = self._trim_last_batch(*kwargs["validation_data"][:2], batch_size)
         if report and self.info.process_index == 0 and not any(isinstance(c, EpochReport) for c in callbacks):
@@ -138,21 +159,28 @@ class Strategy:
             from meshfit import loop
 
             loop.install(model, model.steps_per_execution)
+        if self.engine == "tensorflow":
+            from meshfit import microbatch
+
+            if microbatch.installed(model) != slices:
+                microbatch.install(model, slices)
         return model.fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
                          verbose=verbose, **kwargs)
 
-
-    def _trim_last_batch(self, x, y, batch_size: int):
-        """Arrays shortened so their last partial batch splits across the replicas.
+    def _trim_last_batch(self, x, y, batch_size: int, slices: int = 1):
+        """Arrays shortened so their last partial batch splits across the replicas (and has at
+        least `slices` samples, one per micro-batch).
 
         Keras would otherwise hand XLA a last batch it cannot shard and fail deep inside it.
         """
         n = len(x) if hasattr(x, "shape") else None
-        extra = (n % batch_size) % self.replicas if n else 0
+        rest = n % batch_size if n else 0
+        extra = rest if rest < slices else rest % self.replicas
         if not extra:
             return x, y
-        warnings.warn(f"dropping the last {extra} of {n} samples so the last batch splits across "
-                      f"{self.replicas} replicas", stacklevel=3)
+        into = f"{slices} micro-batches" if rest < slices else f"{self.replicas} replicas"
+        warnings.warn(f"dropping the last {extra} of {n} samples so the last batch splits into "
+                      f"{into}", stacklevel=3)
         return x[: n - extra], (y[: n - extra] if y is not None else None)
 
 

@@ -280,7 +280,7 @@ def _restore(model, run: str, steps: int, labels: np.ndarray) -> dict[str, Any]:
 
 
 def _fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[int, int],
-         epochs: int) -> None:
+         epochs: int, micro_batches: int = 1) -> None:
     """Fit from (epoch, step) `start` to the end: the rest of a cut epoch first, then whole ones.
 
     The rest of a cut epoch runs with steps per dispatch dividing its step count.
@@ -295,13 +295,15 @@ def _fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[i
             if (steps - step) % dispatch:
                 loop.install(model, loop.dividing_steps(steps - step, dispatch))
             strategy.fit(model, batches.iterate(epoch, step), epochs=epoch + 1, initial_epoch=epoch,
-                         steps_per_epoch=steps - step, shuffle=False, callbacks=callbacks)
+                         steps_per_epoch=steps - step, shuffle=False, callbacks=callbacks,
+                         micro_batches=micro_batches)
             if model.steps_per_execution != dispatch:
                 loop.install(model, dispatch)
             epoch += 1
         if epoch < epochs:
             strategy.fit(model, batches.iterate(epoch), epochs=epochs, initial_epoch=epoch,
-                         steps_per_epoch=steps, shuffle=False, callbacks=callbacks)
+                         steps_per_epoch=steps, shuffle=False, callbacks=callbacks,
+                         micro_batches=micro_batches)
 
 
 def _write_results(run: str, model, history: list, metrics: dict[str, Any]) -> None:
@@ -323,8 +325,8 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
           seed: int | None = None, simulate_devices: int | None = None, engine: str | None = None,
           require: str | None = None, resume: str | None = None,
           checkpoint_every: str | int | None = None, keep_checkpoints: int = 3,
-          steps_per_dispatch: int | None = None, batch_rounding: bool = True,
-          callbacks: list | None = None, verbose: bool = True,
+          steps_per_dispatch: int | None = None, micro_batches: int | str | None = None,
+          batch_rounding: bool = True, callbacks: list | None = None, verbose: bool = True,
           command: str | None = None) -> dict[str, Any]:
     """Train `recipe` (default fashion-mnist-cnn), write its run directory, return its metrics.
 
@@ -339,7 +341,9 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
       extend a finished run.
     checkpoint_every: "200" (steps), "60s"/"5m" (time, default 60 s), "epoch" or "off".
     keep_checkpoints: how many checkpoints to keep. steps_per_dispatch: train steps per call into
-      the devices (default: see choose_steps_per_dispatch). batch_rounding: False makes a global
+      the devices (default: see choose_steps_per_dispatch). micro_batches: slices of each batch
+      whose gradients are summed, for cache locality on a CPU (default 'auto', see
+      meshfit.microbatch; 1 = whole batches). batch_rounding: False makes a global
       batch that does not split across the replicas an error instead of rounding it up.
     callbacks: extra Keras callbacks for fit. command: the command line to record.
     Raises TrainingInterrupted (a MeshfitError; exit_code 143 or 130) after SIGTERM/SIGINT,
@@ -368,6 +372,10 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
     if epochs < 1:
         raise MeshfitError(f"--epochs must be at least 1, got {epochs}")
     every_steps, every_seconds, at_epoch_end = parse_every(checkpoint_every)
+    if micro_batches not in (None, "auto"):
+        from meshfit import microbatch
+
+        microbatch.check(None, micro_batches)
 
     from meshfit.distribution import connect
 
@@ -382,6 +390,10 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
     model, batches, test_batches, loss = _build(strategy, the_recipe, dataset, global_batch, steps,
                                                 epochs, seed, dispatch)
     steps = batches.steps_per_epoch
+    if micro_batches is None:  # a resumed run keeps its slices where it can (same rounding)
+        resumed = (config or {}).get("micro_batches")
+        micro_batches = resumed if resumed and strategy.engine == "tensorflow" else "auto"
+    slices = strategy.micro_batches(model, global_batch, micro_batches)
 
     import keras
 
@@ -397,8 +409,9 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
         "class_names": list(dataset.class_names),
         "input_shape": list(the_recipe.input_shape or dataset.input_shape),
         "num_classes": dataset.num_classes, "epochs": epochs, "steps_per_epoch": steps,
-        "global_batch": global_batch, "steps_per_dispatch": dispatch, "seed": seed,
-        "precision": strategy.precision, "engine": strategy.engine, "replicas": strategy.replicas,
+        "global_batch": global_batch, "steps_per_dispatch": dispatch, "micro_batches": slices,
+        "seed": seed, "precision": strategy.precision, "engine": strategy.engine,
+        "replicas": strategy.replicas,
         "platform": strategy.platform, "device_kind": strategy.device_kind,
         "simulated_devices": strategy.info.devices_per_host if strategy.info.simulated else None,
         "data_dir": os.path.abspath(data_dir) if data_dir else None,
@@ -416,7 +429,7 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
             config.setdefault("resumed", []).append({
                 "command": command, "at": now, "checkpoint": os.path.basename(resume_state["path"]),
                 "engine": strategy.engine, "replicas": strategy.replicas,
-                "steps_per_dispatch": dispatch})
+                "steps_per_dispatch": dispatch, "micro_batches": slices})
         os.makedirs(run, exist_ok=True)
         _write_json(os.path.join(run, CONFIG), config)
     if verbose and chief and resume_state:
@@ -428,6 +441,8 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
               f"{resume_state['epoch'] + 1} step {resume_state['step']}{note}", flush=True)
     if verbose and chief:
         per_dispatch = f", {dispatch} steps per dispatch" if dispatch > 1 else ""
+        if slices > 1:
+            per_dispatch += f", gradients summed over {slices} cache-sized micro-batches"
         print(f"training {the_recipe.name}: {epochs} epoch(s) x {steps} steps of {global_batch} "
               f"images (global batch){per_dispatch}, seed {seed}; run directory {run}", flush=True)
 
@@ -445,7 +460,7 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
         keras.callbacks.LambdaCallback(on_epoch_end=recorder),
         checkpointer, *(callbacks or [])]
     start = (resume_state["epoch"], resume_state["step"]) if resume_state else (0, 0)
-    _fit(strategy, model, batches, fit_callbacks, checkpointer, start, epochs)
+    _fit(strategy, model, batches, fit_callbacks, checkpointer, start, epochs, slices)
 
     final = history[-1] if history else {}
     if final.get("epoch") == epochs and "val_accuracy" in final:  # the last epoch's evaluation
@@ -460,8 +475,8 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
         "samples_per_second": (sum(r.get("samples") or 0 for r in history) / train_seconds
                                if train_seconds else None),
         "recipe": the_recipe.name, "epochs": epochs, "steps_per_epoch": steps,
-        "global_batch": global_batch, "steps_per_dispatch": dispatch, "seed": seed,
-        "platform": strategy.platform,
+        "global_batch": global_batch, "steps_per_dispatch": dispatch, "micro_batches": slices,
+        "seed": seed, "platform": strategy.platform,
         "device_kind": strategy.device_kind, "replicas": strategy.replicas,
         "precision": strategy.precision, "engine": strategy.engine,
         "resumed": resume is not None, "run_dir": run,
@@ -544,6 +559,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps-per-dispatch", type=int, metavar="K",
                         help="train steps per call into the devices, one compiled loop (default: "
                              f"up to {AUTO_STEPS_PER_DISPATCH} on a GPU or TPU, 1 on a CPU)")
+    parser.add_argument("--micro-batches", type=int, metavar="K",
+                        help="sum each batch's gradient over K slices, for cache locality on a CPU "
+                             "(default: cache-sized on the TensorFlow engine; 1 = whole batches)")
     parser.add_argument("--no-batch-rounding", action="store_true",
                         help="fail instead of rounding a batch that does not split across replicas")
     add_device_arguments(parser)
@@ -560,6 +578,7 @@ def run_train(args: argparse.Namespace) -> int:
                         checkpoint_every=args.checkpoint_every,
                         keep_checkpoints=args.keep_checkpoints,
                         steps_per_dispatch=args.steps_per_dispatch,
+                        micro_batches=args.micro_batches,
                         batch_rounding=not args.no_batch_rounding, verbose=True, command=command)
     except MeshfitError as err:
         if not hasattr(err, "exit_code"):  # only TrainingInterrupted has its own exit code

@@ -93,17 +93,20 @@ SIGNAL_AT = textwrap.dedent("""
                 os.kill(os.getpid(), getattr(signal, sys.argv[5]))
 
     train(data_dir=sys.argv[1], out=sys.argv[2], epochs=2, batch_size=16, checkpoint_every="3",
-          callbacks=[SignalAt()], verbose=False)
+          micro_batches=int(sys.argv[6]) if len(sys.argv) > 6 else None, callbacks=[SignalAt()],
+          verbose=False)
 """)
 
 
 def test_sigkill_mid_epoch_then_resume_ends_with_identical_weights(data_dir, tmp_path):
+    """On TensorFlow, with each batch's gradient summed over 2 micro-batches (kept on resume)."""
     env = tf_env(tmp_path, KERAS_BACKEND="tensorflow")  # the snippet imports keras itself
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
     out = meshfit_cli("train", "--data-dir", data_dir, "--out", whole, "--epochs", "2",
-                      "--batch-size", str(BATCH), "--checkpoint-every", "3", env=tf_env(tmp_path))
+                      "--batch-size", str(BATCH), "--checkpoint-every", "3", "--micro-batches", "2",
+                      env=tf_env(tmp_path))
     assert out.returncode == 0, out.stderr
-    run = subprocess.run([sys.executable, "-c", SIGNAL_AT, data_dir, killed, "1", "4", "SIGKILL"],
+    run = subprocess.run([sys.executable, "-c", SIGNAL_AT, data_dir, killed, "1", "4", "SIGKILL", "2"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == -signal.SIGKILL, run.stderr
     state = newest_state(killed)
@@ -112,9 +115,10 @@ def test_sigkill_mid_epoch_then_resume_ends_with_identical_weights(data_dir, tmp
     out = meshfit_cli("train", "--resume", killed, env=tf_env(tmp_path))
     assert out.returncode == 0, out.stderr
     assert "resuming" in out.stdout and "epoch 2 step 4" in out.stdout
+    assert "2 cache-sized micro-batches" in out.stdout
     assert_identical(whole, killed)
     config = json.loads(open(os.path.join(killed, "config.json")).read())
-    assert config["resumed"][0]["checkpoint"] == "ckpt-00000012"
+    assert config["resumed"][0]["checkpoint"] == "ckpt-00000012" and config["micro_batches"] == 2
 
 
 @pytest.fixture(scope="module")

@@ -206,7 +206,7 @@ def cli_run(data_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     run = tmp / "run"
     out = run_cli("train", "--data-dir", data_dir, "--out", str(run), "--epochs", "2",
-                  "--batch-size", "32", "--json", env=cli_env(tmp, "tensorflow"))
+                  "--batch-size", "32", "--micro-batches", "2", "--json", env=cli_env(tmp, "tensorflow"))
     assert out.returncode == 0, out.stderr
     return run, out
 
@@ -222,9 +222,12 @@ def test_train_writes_the_run_directory(cli_run):
                 "epochs"):
         assert metrics[key] is not None, key
     assert metrics["engine"] == "tensorflow" and metrics["replicas"] == 1 and metrics["epochs"] == 2
+    assert metrics["micro_batches"] == 2  # each batch of 32 trained as two slices of 16
+    assert "gradients summed over 2 cache-sized micro-batches" in out.stdout
     assert 0.0 <= metrics["test_accuracy"] <= 1.0
     config = json.loads((run / "config.json").read_text())
     assert config["recipe"] == "fashion-mnist-cnn" and config["global_batch"] == 32
+    assert config["micro_batches"] == 2
     assert config["steps_per_epoch"] == N_TRAIN // 32 and config["seed"] == 0
     assert config["class_names"][0] == "T-shirt/top" and config["input_shape"] == [28, 28, 1]
     assert config["command"].startswith("meshfit train")
@@ -272,6 +275,13 @@ def test_batch_that_does_not_split_is_a_one_line_error(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
     assert "global batch 100 does not split evenly across 8 replicas" in out.stderr
+
+
+def test_bad_micro_batch_count_is_a_one_line_error(tmp_path):
+    out = run_cli("train", "--micro-batches", "0", env=cli_env(tmp_path), timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    assert "micro-batches must be a whole number of at least 1" in out.stderr
 
 
 def test_image_folder_of_pngs_trains_on_eight_devices(tmp_path):

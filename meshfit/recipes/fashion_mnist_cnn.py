@@ -7,8 +7,9 @@ pixels the tutorial's Adam 1e-3 reached only 87.97% in this budget (seed 0, Kera
 3e-3 reached 89.40%.
 Tutorial: 88.48% validation accuracy on a TPU v2-8.
 Measured on a 2-vCPU Intel Xeon (AMX), Keras on TensorFlow, 2026-11-22 (BENCHMARKS.md):
-  89.35% test accuracy; 34.6 s of training in float32 (median of 3; target < 30 s not met),
-  26.2 s with --precision bfloat16 (89.39%).
+  89.40% test accuracy; 22.3 s of training in float32 (median of 3; target < 30 s), with each
+  batch's gradient summed over 20 cache-sized micro-batches of 50 (meshfit.microbatch); 31.4 s
+  with --micro-batches 1 (whole batches, 89.35%); 26.2 s with --precision bfloat16 (89.39%).
 """
 
 from meshfit.recipes import Recipe

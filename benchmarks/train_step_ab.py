@@ -1,16 +1,20 @@
-"""Same-process A/B of TensorFlow's fused conv bias gradient against meshfit's split one.
+"""Same-process A/B of two ways to run one recipe's TensorFlow train step on the CPU.
 
-Two copies of a recipe's model train in one process, fed by meshfit's input path: one traced with
-TF's own BiasAdd gradient (which oneDNN fuses with the conv's filter gradient), one with
-`meshfit.engine._conv_bias_gradient`. Their epochs alternate, so a change in the machine's speed
-hits both. Each epoch is timed from the end of its first step to the end of its last, which leaves
-out the pauses Keras/TF take around each `fit` call; it prints wall and CPU milliseconds per step
-for each and the median per-round ratio.
+  --compare bias-gradient   TF's conv bias gradient (which oneDNN fuses with the conv's filter
+                            gradient) against meshfit's split one (`meshfit.engine`);
+  --compare micro-batches   whole batches against meshfit's cache-sized micro-batches
+                            (`meshfit.microbatch`; both with meshfit's bias gradient).
 
-    python benchmarks/conv_bias_gradient.py [--recipe fashion-mnist-cnn] [--precision float32]
-        [--rounds 5] [--steps 60]
+Two copies of the recipe's model train in one process on the same random data, fed by meshfit's
+input path. Their epochs alternate, so a change in the machine's speed hits both. Each epoch is
+timed from the end of its first step to the end of its last, which leaves out the pauses Keras/TF
+take around each `fit` call; it prints wall and CPU milliseconds per step for each and the median
+per-round ratio (A's time / B's time).
 
-Result on a 2-vCPU Xeon (AMX), 2026-11-22: see BENCHMARKS.md ("Tutorial recipes" notes).
+    python benchmarks/train_step_ab.py --compare micro-batches [--recipe fashion-mnist-cnn]
+        [--precision float32] [--rounds 5] [--steps 60]
+
+Results on a 2-vCPU Xeon (AMX), 2026-11-22: BENCHMARKS.md ("Tutorial recipes" notes).
 """
 
 import argparse
@@ -20,11 +24,12 @@ import time
 import numpy as np
 
 import meshfit
-from meshfit import bench, engine, pipeline, recipes, training
+from meshfit import bench, engine, microbatch, pipeline, recipes, training
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", choices=("bias-gradient", "micro-batches"), default="bias-gradient")
     parser.add_argument("--recipe", default="fashion-mnist-cnn")
     parser.add_argument("--precision", default="float32")
     parser.add_argument("--rounds", type=int, default=5)
@@ -41,19 +46,26 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (args.steps * batch, *shape), dtype=np.uint8)
     y = rng.integers(0, 10, args.steps * batch).astype(np.int32)
-    gradients = {"tensorflow": engine._tensorflow_bias_gradient, "meshfit": engine._conv_bias_gradient}
     entry = ops._gradient_registry._registry["BiasAdd"]
+    if args.compare == "bias-gradient":  # (gradient, slices) of A and B
+        variants = {"tensorflow gradient": (engine._tensorflow_bias_gradient, 1),
+                    "meshfit gradient": (engine._conv_bias_gradient, 1)}
+    else:
+        variants = {"whole batches": (engine._conv_bias_gradient, 1),
+                    "micro-batches": (engine._conv_bias_gradient, None)}
     models = {}
-    for name, gradient in gradients.items():
+    for name, (gradient, slices) in variants.items():
         entry["type"] = gradient  # read when the train step is traced, in the warm-up fit below
         keras.utils.set_random_seed(0)
         with strategy.scope():
             model = recipe.build_model(shape, 10)
             model.compile(optimizer=recipe.optimizer(args.steps, args.rounds + 1),
-                          loss=training.recipe_loss(recipe))
+                          loss=training.recipe_loss(recipe), metrics=["accuracy"])
+        slices = microbatch.plan(model, batch) if slices is None else slices
+        microbatch.install(model, slices)
         batches = pipeline.TrainBatches(x, y, batch, seed=0)
         model.fit(batches.iterate(0), steps_per_epoch=args.steps, epochs=1, verbose=0)
-        models[name] = (model, batches)
+        models[f"{name} ({slices} x {batch // slices})"] = (model, batches)
     entry["type"] = engine._conv_bias_gradient
 
     class StepClock(keras.callbacks.Callback):
@@ -74,10 +86,11 @@ def main() -> None:
             wall[name].append(1000 * (last_wall - first_wall) / (args.steps - 1))
             cpu[name].append(1000 * (last_cpu - first_cpu) / (args.steps - 1))
     for name in models:
-        print(f"{name:>10} gradient: wall ms/step {' '.join(f'{v:.1f}' for v in wall[name])}; "
+        print(f"{name:>28}: wall ms/step {' '.join(f'{v:.1f}' for v in wall[name])}; "
               f"CPU ms/step median {statistics.median(cpu[name]):.1f}")
-    ratios = [a / b for a, b in zip(wall["tensorflow"], wall["meshfit"])]
-    print(f"{args.recipe} {args.precision} batch {batch}: tensorflow/meshfit time per step, "
+    a, b = models
+    ratios = [ta / tb for ta, tb in zip(wall[a], wall[b])]
+    print(f"{args.recipe} {args.precision} batch {batch}: time per step, {a} / {b}, "
           f"median of {args.rounds} rounds: {statistics.median(ratios):.3f}x")
 
 
