@@ -4,12 +4,13 @@ On a CPU a train step over a large batch is bound by memory traffic, not arithme
 1000 the tutorial Fashion-MNIST CNN's conv output is 173 MB, and every op around it (bias, pool,
 ReLU and their gradients) streams it through DRAM. Cut into 20 slices of 50, whose largest
 activation (8.7 MB) stays in cache, the step ran 1.59x and the whole tutorial run 1.35x as fast
-on a 2-vCPU Xeon (BENCHMARKS.md). Each slice's
-loss is weighted by its share of the batch, so the summed gradient is the whole batch's gradient
-(up to float rounding) and the optimizer still takes one step per batch: the run is the same run.
+on a 2-vCPU Xeon (BENCHMARKS.md). Each slice's loss is weighted by its share of the batch, so the
+summed gradient is the whole batch's gradient (up to float rounding) and the optimizer still takes
+one step per batch: the run is the same run.
 
 Models with layers that mix samples inside a batch (batch normalization) keep whole batches,
-because slicing would change what those layers compute. So do models with their own train_step.
+because slicing would change what those layers compute. So do models with their own train_step,
+and, by default (see plan), models computing in 16-bit floats.
 """
 
 from __future__ import annotations
@@ -58,8 +59,7 @@ def plan(model, batch: int, budget_bytes: int = ACTIVATION_BUDGET_BYTES) -> int:
     samples (8.7 and 17.3 MB conv outputs) ran about equally fast, 250 (43 MB) about 1.3x and
     whole batches of 1000 about 1.5x slower.
     """
-    if (batch_coupled_layers(model) or not _default_train_step(model)
-            or model.dtype_policy.compute_dtype != "float32"):
+    if _must_train_whole(model) or model.dtype_policy.compute_dtype != "float32":
         return 1
     per_sample = activation_bytes_per_sample(model)
     if not per_sample or batch * per_sample <= budget_bytes:
@@ -70,20 +70,24 @@ def plan(model, batch: int, budget_bytes: int = ACTIVATION_BUDGET_BYTES) -> int:
 
 
 def check(model, slices: int) -> int:
-    """`slices` checked: a positive int, and 1 for models whose layers mix samples in a batch
+    """`slices` checked: a positive int, and 1 for models that must train on whole batches
     (model None: the number alone)."""
     if not isinstance(slices, int) or isinstance(slices, bool) or slices < 1:
         raise MeshfitError(f"micro-batches must be a whole number of at least 1 or 'auto', got {slices!r}")
-    if model is None:
-        return slices
-    coupled = batch_coupled_layers(model)
-    if slices > 1 and coupled:
-        raise MeshfitError(f"micro-batches would change what {coupled[0]} computes (it normalizes "
-                           "over the whole batch); use micro_batches=1")
-    if slices > 1 and not _default_train_step(model):
-        raise MeshfitError(f"{type(model).__name__} has its own train_step, which meshfit cannot "
-                           "slice; use micro_batches=1")
+    reason = _must_train_whole(model) if model is not None and slices > 1 else None
+    if reason:
+        raise MeshfitError(f"{reason}; use micro_batches=1")
     return slices
+
+
+def _must_train_whole(model) -> str | None:
+    """Why the model cannot be trained in slices of its batches, or None when it can."""
+    coupled = batch_coupled_layers(model)
+    if coupled:
+        return f"micro-batches would change what {coupled[0]} computes (it normalizes over the whole batch)"
+    if not _default_train_step(model):
+        return f"{type(model).__name__} has its own train_step, which meshfit cannot slice"
+    return None
 
 
 def install(model, slices: int) -> None:
