@@ -6,9 +6,9 @@ Dense(512, relu) -> Dropout .5 -> Dense(10, softmax). Adam 1e-3.
 Batch: 128 per core, so 1024 on a TPU v2-8 as in the tutorial (`--batch-size 1024` gives the
 tutorial's global batch on any machine). Pixels are scaled to [0, 1] inside the model.
 Tutorial: 90.06% train / 80.79% test after 50 epochs, ~6 s/epoch (~300 s) on a TPU v2-8.
-Measured on a 2-vCPU Intel Xeon (AMX), Keras on TensorFlow, float32, batch 128, 2026-11-22
-(BENCHMARKS.md): 82.21% test / 92.63% train after 50 epochs in 2,893 s of training (1 run);
-80.8% first reached after epoch 24 (1,254 s). On one H100/H200: not yet measured.
+Measured on a 2-vCPU Intel Xeon (AMX), Keras on TensorFlow, float32, batch 128: 82.21% test
+accuracy after 50 epochs, 2,893 s of training (1 run). On one H100/H200: target 80.8% in <= 15 s
+(not yet measured on a GPU; command in BENCHMARKS.md).
 """
 
 from meshfit.recipes import Recipe

@@ -1,15 +1,12 @@
 """fashion-mnist-cnn: tutorial 1's CNN on Fashion-MNIST, its exact model and budget.
 
 Model: Conv2D(64, 3x3) -> MaxPool(2) -> ReLU -> Flatten -> Dense(10) -> softmax.
-Budget: 5 epochs x 60 steps of 1000 images (global batch), as the tutorial; Adam at 3e-3.
-Pixels are scaled to [0, 1] (the tutorial fed raw 0-255 values, which trains worse). With scaled
-pixels the tutorial's Adam 1e-3 reached only 87.97% in this budget (seed 0, Keras/TF on a CPU);
-3e-3 reached 89.40%.
-Tutorial: 88.48% validation accuracy on a TPU v2-8.
-Measured on a 2-vCPU Intel Xeon (AMX), Keras on TensorFlow, 2026-11-22 (BENCHMARKS.md):
-  89.40% test accuracy; 22.3 s of training in float32 (median of 3; target < 30 s), with each
-  batch's gradient summed over 20 cache-sized micro-batches of 50 (meshfit.microbatch); 31.4 s
-  with --micro-batches 1 (whole batches, 89.35%); 26.2 s with --precision bfloat16 (89.39%).
+Budget: 5 epochs x 60 steps of 1000 images (global batch), as the tutorial; Adam at 3e-3 (the
+tutorial's 1e-3 reached only 87.97% in this budget once pixels are scaled).
+Pixels are scaled to [0, 1] inside the model (the tutorial fed raw 0-255 values, which trains
+worse). Tutorial: 88.48% validation accuracy on a TPU v2-8. Target: >= 88.5% in < 30 s.
+Measured on a 2-vCPU Intel Xeon (AMX), Keras on TensorFlow, float32: 89.40% test accuracy in
+22.3 s of training (median of 3). Commands, dates and other runs: BENCHMARKS.md.
 """
 
 from meshfit.recipes import Recipe

@@ -3,7 +3,9 @@
 Model: Flatten -> Dense(512, relu) -> Dropout .2 -> Dense(10) -> softmax (float32 output).
 Precision: mixed bfloat16 (bfloat16 compute, float32 variables) on every platform.
 Budget: Adam 1e-3, global batch 128, 10 epochs. Pixels scaled to [0, 1] inside the model.
-Target: >= 98% test accuracy. Measured: see BENCHMARKS.md (`meshfit train mnist-mlp-bf16`).
+Target: >= 98% test accuracy.
+Measured on a 2-vCPU Intel Xeon (AMX), Keras on TensorFlow: 98.12% test accuracy in 26.9 s of
+training (1 run). Command and date: BENCHMARKS.md.
 """
 
 from meshfit.recipes import Recipe

@@ -10,8 +10,7 @@ width, `model.output_shape[-1]` (1000 here: `build_model` defaults to NUM_CLASSE
 Training: SGD with momentum 0.9 at learning rate 0.1, per-core batch 256, mixed bfloat16, no
 schedule (the labels are random: this recipe measures speed, not accuracy); 1 epoch of 100 steps.
 Use: `meshfit bench resnet50-synthetic` (train-step time, samples/s and MFU).
-Expected result on named hardware (measured figures only):
-  NVIDIA A100 / H100 GPU, TPU: not yet measured.
+Target: >= 5,000 img/s on one H100 (not yet measured on a GPU or TPU; command in BENCHMARKS.md).
 """
 
 from meshfit.recipes import Recipe
