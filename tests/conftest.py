@@ -1,4 +1,8 @@
-"""Tests run on 8 simulated JAX CPU devices with the JAX engine unless a test says otherwise."""
+"""Tests run on 8 simulated JAX CPU devices with the JAX engine unless a test says otherwise.
+
+The fixtures shared by the test files are here; the plain helpers they import are in helpers.py.
+Tests marked `slow` take more than about 20 s each on a 2-core CPU: `pytest -m "not slow"` skips them.
+"""
 
 import os
 
@@ -6,3 +10,23 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest  # noqa: E402 (the environment above must come first)
+from helpers import connect_eight_devices, write_idx_dataset  # noqa: E402
+
+
+@pytest.fixture
+def strategy():
+    """The 8 simulated devices, made the active Keras distribution and precision again for each
+    test (a test may leave another one active); cheap, as JAX starts only once."""
+    return connect_eight_devices()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A folder with tiny generated fashion-mnist/ and mnist/ datasets (helpers.N_TRAIN training
+    and helpers.N_TEST test images each) in their canonical IDX files."""
+    root = tmp_path_factory.mktemp("data")
+    write_idx_dataset(root / "fashion-mnist")
+    write_idx_dataset(root / "mnist", seed=1)
+    return str(root)

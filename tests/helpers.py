@@ -1,9 +1,20 @@
-"""Shared test helpers: environments for meshfit subprocesses."""
+"""Shared test helpers: meshfit subprocesses and their environments, generated data, small models.
+
+Fixtures are in conftest.py; these are the plain functions and constants the test files import.
+"""
 
 import os
+import subprocess
+import sys
+
+import numpy as np
 
 # A plain single-CPU process: no simulated devices, and meshfit chooses the engine.
 ONE_CPU = {"XLA_FLAGS": "", "KERAS_BACKEND": None, "MESHFIT_ENGINE": None, "MESHFIT_SIMULATE_DEVICES": None}
+
+# The size of the generated datasets of write_idx_dataset (and of conftest's data_dir).
+# 37 test images: not a multiple of any batch used in the tests.
+N_TRAIN, N_TEST = 128, 37
 
 
 def environment(changes=None) -> dict:
@@ -15,3 +26,63 @@ def environment(changes=None) -> dict:
         else:
             merged[key] = value
     return merged
+
+
+def cli_env(home, engine=None) -> dict:
+    """Changes for a meshfit subprocess: no downloads, no real ~/.keras, cache or $MESHFIT_DATA
+    (all under `home`); with engine="tensorflow", one CPU device and meshfit's own choice of
+    engine, which is tensorflow on a single CPU. Apply with environment() or run_meshfit(env=)."""
+    changes = {"MESHFIT_OFFLINE": "1", "HOME": str(home), "MESHFIT_CACHE": os.path.join(home, "cache"),
+               "MESHFIT_DATA": None}
+    if engine == "tensorflow":
+        changes.update({"KERAS_BACKEND": None, "XLA_FLAGS": ""})
+    return changes
+
+
+def run_meshfit(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """`python -m meshfit args...` with `env` changes applied over this process's environment
+    (see environment()); its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "meshfit", *args], capture_output=True, text=True,
+                          timeout=timeout, env=environment(env))
+
+
+def connect_eight_devices():
+    """meshfit on the tests' 8 simulated JAX CPU devices (fast once JAX has started)."""
+    import meshfit
+
+    return meshfit.connect(simulate=8, engine="jax", verbose=False)
+
+
+def write_idx_dataset(folder, n_train=N_TRAIN, n_test=N_TEST, seed=0):
+    """A tiny MNIST-like dataset in its 4 canonical IDX .gz files under `folder`.
+
+    The images' brightness depends on their class, so a trained model does better than chance.
+    Returns the arrays written: x_train, y_train, x_test, y_test (uint8, images 28x28).
+    """
+    from meshfit import datasets
+
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    labels = [rng.integers(0, 10, n, dtype=np.uint8) for n in (n_train, n_test)]
+    images = [np.clip(rng.normal(20 * y[:, None, None], 40, (len(y), 28, 28)), 0, 255).astype(np.uint8)
+              for y in labels]
+    arrays = (images[0], labels[0], images[1], labels[1])
+    for name, array in zip(datasets.IDX_FILES, arrays):
+        datasets.write_idx(os.path.join(folder, name), array)
+    return arrays
+
+
+def random_images(n, seed):
+    """n random 28x28 grey images and labels of 10 classes."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (n, 28, 28, 1)).astype("uint8"), rng.integers(0, 10, n)
+
+
+def compiled_cnn(strategy, metrics=()):
+    """The tutorial Fashion-MNIST CNN, built and compiled in `strategy`'s scope."""
+    from meshfit.recipes import fashion_mnist_cnn
+
+    with strategy.scope():
+        model = fashion_mnist_cnn.build_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=list(metrics))
+    return model

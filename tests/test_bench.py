@@ -3,26 +3,22 @@
 import csv
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from helpers import ONE_CPU, environment
+from helpers import ONE_CPU, run_meshfit
 
 from meshfit import bench
 
 TINY = ["--batch-sizes", "8", "--repeats", "2", "--steps", "2"]
+BENCH_TIMEOUT = 400  # seconds
 
 
-def run_cli(*args, env=None, timeout=400):
-    return subprocess.run([sys.executable, "-m", "meshfit", *args], capture_output=True, text=True,
-                          timeout=timeout, env=environment(env))
-
-
+@pytest.mark.slow
 def test_bench_times_every_engine_path_and_dispatch_and_writes_csv_json_png(tmp_path):
     out = tmp_path / "bench"
-    result = run_cli("bench", "mnist-mlp-bf16", "--engines", "jax,tensorflow",
-                     "--steps-per-dispatch", "1,2", *TINY, "--out", str(out), env=ONE_CPU)
+    result = run_meshfit("bench", "mnist-mlp-bf16", "--engines", "jax,tensorflow",
+                         "--steps-per-dispatch", "1,2", *TINY, "--out", str(out), env=ONE_CPU,
+                         timeout=BENCH_TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "vs fastest" in result.stdout and "fastest plain-Keras row" in result.stdout
     assert "bench: jax meshfit bfloat16 batch 8 x2:" in result.stderr  # progress, relayed live
@@ -48,10 +44,11 @@ def test_bench_times_every_engine_path_and_dispatch_and_writes_csv_json_png(tmp_
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_cifar10_cnn_runs_two_rounds_and_prints_json(tmp_path):
-    result = run_cli("bench", "cifar10-cnn", "--engines", "tensorflow", "--batch-sizes", "4",
-                     "--repeats", "1", "--steps", "1", "--rounds", "2", "--out", str(tmp_path),
-                     "--json", env=ONE_CPU)
+    result = run_meshfit("bench", "cifar10-cnn", "--engines", "tensorflow", "--batch-sizes", "4",
+                         "--repeats", "1", "--steps", "1", "--rounds", "2", "--out", str(tmp_path),
+                         "--json", env=ONE_CPU, timeout=BENCH_TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("bench: tensorflow plain float32 batch 4 x1:") == 2
     data = json.loads(result.stdout.strip().splitlines()[-1])
@@ -62,8 +59,8 @@ def test_bench_cifar10_cnn_runs_two_rounds_and_prints_json(tmp_path):
 
 
 def test_bench_engine_that_cannot_run_the_devices_is_one_line_error(tmp_path):
-    result = run_cli("bench", "--engines", "tensorflow", "--simulate-devices", "8", *TINY,
-                     "--out", str(tmp_path), env=ONE_CPU, timeout=120)
+    result = run_meshfit("bench", "--engines", "tensorflow", "--simulate-devices", "8", *TINY,
+                         "--out", str(tmp_path), env=ONE_CPU, timeout=120)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("meshfit: error")]
     assert len(lines) == 1 and "runs on one CPU device" in lines[0] and "--engine jax" in lines[0]
@@ -78,7 +75,7 @@ def test_bench_engine_that_cannot_run_the_devices_is_one_line_error(tmp_path):
     (["no-such-recipe"], "unknown recipe 'no-such-recipe'"),
 ])
 def test_bench_bad_flags_are_one_line_errors(args, message):
-    result = run_cli("bench", *args, timeout=60)
+    result = run_meshfit("bench", *args, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and message in result.stderr
 

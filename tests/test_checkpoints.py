@@ -9,49 +9,13 @@ import textwrap
 
 import numpy as np
 import pytest
+from helpers import N_TRAIN, cli_env, environment, run_meshfit
 
-import meshfit
-from meshfit import datasets
 from meshfit.errors import MeshfitError
 
-N_TRAIN, N_TEST, BATCH = 128, 37, 16  # 8 steps per epoch
+# conftest's data_dir: N_TRAIN images in fashion-mnist/ and mnist/
+BATCH = 16  # 8 steps per epoch
 STEPS = N_TRAIN // BATCH
-
-
-def write_idx_dataset(root, folder, seed=0):
-    """A tiny MNIST-like dataset (canonical IDX files) under root/folder/."""
-    rng = np.random.default_rng(seed)
-    os.makedirs(os.path.join(root, folder), exist_ok=True)
-    labels = [rng.integers(0, 10, n, dtype=np.uint8) for n in (N_TRAIN, N_TEST)]
-    images = [np.clip(rng.normal(20 * y[:, None, None], 40, (len(y), 28, 28)), 0, 255).astype(np.uint8)
-              for y in labels]
-    for name, array in zip(datasets.IDX_FILES, (images[0], labels[0], images[1], labels[1])):
-        datasets.write_idx(os.path.join(root, folder, name), array)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("data"))
-    write_idx_dataset(root, "fashion-mnist")
-    write_idx_dataset(root, "mnist", seed=1)
-    return root
-
-
-@pytest.fixture
-def strategy():
-    return meshfit.connect(simulate=8, engine="jax", verbose=False)
-
-
-def tf_env(tmp_path, **extra):
-    """A single-CPU subprocess on the default engine (tensorflow), offline, with its own HOME."""
-    env = {**os.environ, "MESHFIT_OFFLINE": "1", "HOME": str(tmp_path), "XLA_FLAGS": ""}
-    env.pop("KERAS_BACKEND", None)
-    return {**env, **extra}
-
-
-def meshfit_cli(*args, env, timeout=300):
-    return subprocess.run([sys.executable, "-m", "meshfit", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def newest_state(run):
@@ -98,13 +62,15 @@ SIGNAL_AT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_ends_with_identical_weights(data_dir, tmp_path):
     """On TensorFlow, with each batch's gradient summed over 2 micro-batches (kept on resume)."""
-    env = tf_env(tmp_path, KERAS_BACKEND="tensorflow")  # the snippet imports keras itself
+    tf_env = cli_env(tmp_path, "tensorflow")
+    env = environment({**tf_env, "KERAS_BACKEND": "tensorflow"})  # the snippet imports keras itself
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
-    out = meshfit_cli("train", "--data-dir", data_dir, "--out", whole, "--epochs", "2",
+    out = run_meshfit("train", "--data-dir", data_dir, "--out", whole, "--epochs", "2",
                       "--batch-size", str(BATCH), "--checkpoint-every", "3", "--micro-batches", "2",
-                      env=tf_env(tmp_path))
+                      env=tf_env)
     assert out.returncode == 0, out.stderr
     run = subprocess.run([sys.executable, "-c", SIGNAL_AT, data_dir, killed, "1", "4", "SIGKILL", "2"],
                          capture_output=True, text=True, timeout=300, env=env)
@@ -112,7 +78,7 @@ def test_sigkill_mid_epoch_then_resume_ends_with_identical_weights(data_dir, tmp
     state = newest_state(killed)
     assert (state["epoch"], state["step"]) == (1, 4)  # newer than the start of epoch 2
     assert not os.path.exists(os.path.join(killed, "model.keras"))
-    out = meshfit_cli("train", "--resume", killed, env=tf_env(tmp_path))
+    out = run_meshfit("train", "--resume", killed, env=tf_env)
     assert out.returncode == 0, out.stderr
     assert "resuming" in out.stdout and "epoch 2 step 4" in out.stdout
     assert "2 cache-sized micro-batches" in out.stdout
@@ -139,6 +105,7 @@ def jax_settings(data_dir):
                 checkpoint_every="epoch", verbose=False)
 
 
+@pytest.mark.slow  # with finished_run
 def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(finished_run, data_dir, tmp_path):
     import keras
 
@@ -168,12 +135,14 @@ def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(finished_ru
     assert_identical(finished_run, stopped)
 
 
+@pytest.mark.slow
 def test_cli_sigterm_exits_143_with_a_resume_hint_then_resume_finishes(data_dir, tmp_path):
+    tf_env = cli_env(tmp_path, "tensorflow")
     run = str(tmp_path / "run")
     process = subprocess.Popen(
         [sys.executable, "-m", "meshfit", "train", "--data-dir", data_dir, "--out", run,
          "--epochs", "1000", "--batch-size", str(BATCH), "--checkpoint-every", "off"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=tf_env(tmp_path))
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(tf_env))
     try:
         for line in process.stdout:
             if line.startswith("epoch 1/1000"):
@@ -188,8 +157,7 @@ def test_cli_sigterm_exits_143_with_a_resume_hint_then_resume_finishes(data_dir,
     assert "stopped by SIGTERM" in messages[0] and f"meshfit train --resume {run}" in messages[0]
     state = newest_state(run)  # "off" writes no checkpoint but the one taken on the signal
     assert state["epoch"] * STEPS + state["step"] >= STEPS
-    out = meshfit_cli("train", "--resume", run, "--epochs", str(state["epoch"] + 1),
-                      env=tf_env(tmp_path))
+    out = run_meshfit("train", "--resume", run, "--epochs", str(state["epoch"] + 1), env=tf_env)
     assert out.returncode == 0, out.stderr
     history = json.loads(open(os.path.join(run, "history.json")).read())
     assert [r["epoch"] for r in history] == list(range(1, state["epoch"] + 2))
@@ -280,6 +248,7 @@ def test_resume_of_a_folder_without_a_run_is_a_clear_error(tmp_path):
         train(resume=str(tmp_path))
 
 
+@pytest.mark.slow  # with finished_run
 def test_resume_on_fewer_replicas_continues_the_same_run(finished_run, tmp_path):
     """Epoch 2 of an 8-replica run redone on 4: same batches, so nearly the same weights."""
     import shutil
@@ -287,8 +256,8 @@ def test_resume_on_fewer_replicas_continues_the_same_run(finished_run, tmp_path)
     copy = str(tmp_path / "copy")
     shutil.copytree(finished_run, copy)
     shutil.rmtree(os.path.join(copy, "checkpoints", f"ckpt-{2 * STEPS:08d}"))  # back to epoch 1's end
-    out = meshfit_cli("train", "--resume", copy, "--simulate-devices", "4",
-                      env={**os.environ, "MESHFIT_OFFLINE": "1", "XLA_FLAGS": ""})
+    out = run_meshfit("train", "--resume", copy, "--simulate-devices", "4",
+                      env={"MESHFIT_OFFLINE": "1", "XLA_FLAGS": ""})
     assert out.returncode == 0, out.stderr
     assert "epoch 2 step 0" in out.stdout and "began on 8 replica(s)" in out.stdout
     assert json.loads(open(os.path.join(copy, "metrics.json")).read())["replicas"] == 4
@@ -298,6 +267,7 @@ def test_resume_on_fewer_replicas_continues_the_same_run(finished_run, tmp_path)
             np.testing.assert_allclose(resumed[key], original[key], rtol=1e-3, atol=1e-4, err_msg=key)
 
 
+@pytest.mark.slow  # with finished_run
 def test_steps_per_dispatch_train_the_same_run_and_resume_mid_dispatch(finished_run, data_dir,
                                                                        tmp_path):
     """4 steps per dispatch: the same weights as 1, checkpoints at dispatch boundaries; resumed

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import write_idx_dataset
 from PIL import Image
 
 from meshfit import datasets
@@ -28,17 +29,7 @@ def isolated(tmp_path, monkeypatch):
     monkeypatch.delenv("MESHFIT_DATA", raising=False)
 
 
-def make_idx(folder, n_train=12, n_test=5, seed=0):
-    """Write the 4 IDX .gz files of a tiny MNIST-like dataset; return the arrays."""
-    rng = np.random.default_rng(seed)
-    arrays = [rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
-              rng.integers(0, 10, n_train, dtype=np.uint8),
-              rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
-              rng.integers(0, 10, n_test, dtype=np.uint8)]
-    os.makedirs(folder, exist_ok=True)
-    for name, a in zip(IDX_FILES, arrays):
-        write_idx(os.path.join(folder, name), a)
-    return arrays
+TINY = {"n_train": 12, "n_test": 5}  # the IDX datasets' sizes (the error messages below count them)
 
 
 def make_cifar(folder, per_batch=4, seed=0, label_names=None):
@@ -68,7 +59,7 @@ def check_mnist_like(ds, arrays, name):
 # ----------------------------------------------------------------------------- IDX
 
 def test_idx_round_trip_via_data_dir(tmp_path):
-    arrays = make_idx(tmp_path / "data" / "mnist")
+    arrays = write_idx_dataset(tmp_path / "data" / "mnist", **TINY)
     ds = load("mnist", tmp_path / "data")
     check_mnist_like(ds, arrays, "mnist")
     assert ds.class_names == tuple("0123456789")
@@ -77,7 +68,7 @@ def test_idx_round_trip_via_data_dir(tmp_path):
 
 
 def test_fashion_via_meshfit_data_env(tmp_path, monkeypatch):
-    arrays = make_idx(tmp_path / "env" / "fashion-mnist", seed=1)
+    arrays = write_idx_dataset(tmp_path / "env" / "fashion-mnist", **TINY, seed=1)
     monkeypatch.setenv("MESHFIT_DATA", str(tmp_path / "env"))
     for name in ("fashion_mnist", "fashion-mnist"):
         ds = load(name)
@@ -87,9 +78,9 @@ def test_fashion_via_meshfit_data_env(tmp_path, monkeypatch):
 
 
 def test_data_dir_searched_before_env_and_keras_cache(tmp_path, monkeypatch):
-    first = make_idx(tmp_path / "explicit" / "mnist", seed=1)
-    make_idx(tmp_path / "env" / "mnist", seed=2)
-    keras = make_idx(tmp_path / "home" / ".keras" / "datasets" / "mnist", seed=3)
+    first = write_idx_dataset(tmp_path / "explicit" / "mnist", **TINY, seed=1)
+    write_idx_dataset(tmp_path / "env" / "mnist", **TINY, seed=2)
+    keras = write_idx_dataset(tmp_path / "home" / ".keras" / "datasets" / "mnist", **TINY, seed=3)
     monkeypatch.setenv("MESHFIT_DATA", str(tmp_path / "env"))
     check_mnist_like(load("mnist", tmp_path / "explicit"), first, "mnist")
     monkeypatch.delenv("MESHFIT_DATA")
@@ -97,7 +88,7 @@ def test_data_dir_searched_before_env_and_keras_cache(tmp_path, monkeypatch):
 
 
 def test_fashion_folder_is_not_read_as_mnist(tmp_path):
-    make_idx(tmp_path / "fashion-mnist")
+    write_idx_dataset(tmp_path / "fashion-mnist", **TINY)
     with pytest.raises(MeshfitError, match="mnist not found"):
         load("mnist", tmp_path / "fashion-mnist")
 
@@ -114,7 +105,7 @@ def test_keras_mnist_npz(tmp_path):
 
 
 def test_truncated_gz_names_the_file(tmp_path):
-    make_idx(tmp_path / "mnist")
+    write_idx_dataset(tmp_path / "mnist", **TINY)
     path = tmp_path / "mnist" / "train-images-idx3-ubyte.gz"
     path.write_bytes(path.read_bytes()[:-20])
     with pytest.raises(MeshfitError, match="train-images-idx3-ubyte.gz") as e:
@@ -123,7 +114,7 @@ def test_truncated_gz_names_the_file(tmp_path):
 
 
 def test_wrong_magic_number(tmp_path):
-    make_idx(tmp_path / "mnist")
+    write_idx_dataset(tmp_path / "mnist", **TINY)
     # an image file where a label file belongs: magic 0x00000803 instead of 0x00000801
     write_idx(tmp_path / "mnist" / "t10k-labels-idx1-ubyte.gz", np.zeros((5, 28, 28), np.uint8))
     with pytest.raises(MeshfitError, match="t10k-labels-idx1-ubyte.gz.*wrong magic number"):
@@ -131,7 +122,7 @@ def test_wrong_magic_number(tmp_path):
 
 
 def test_short_data_and_count_mismatch(tmp_path):
-    make_idx(tmp_path / "mnist")
+    write_idx_dataset(tmp_path / "mnist", **TINY)
     path = tmp_path / "mnist" / "train-labels-idx1-ubyte.gz"
     raw = gzip.decompress(path.read_bytes())
     path.write_bytes(gzip.compress(raw[:-1]))  # valid gzip, one label byte missing
@@ -143,14 +134,14 @@ def test_short_data_and_count_mismatch(tmp_path):
 
 
 def test_label_out_of_range(tmp_path):
-    make_idx(tmp_path / "mnist")
+    write_idx_dataset(tmp_path / "mnist", **TINY)
     write_idx(tmp_path / "mnist" / "t10k-labels-idx1-ubyte.gz", np.array([0, 1, 2, 3, 10]))
     with pytest.raises(MeshfitError, match="label 10"):
         load("mnist", tmp_path)
 
 
 def test_md5_checked_only_for_files_of_published_size(tmp_path, monkeypatch):
-    make_idx(tmp_path / "mnist")
+    write_idx_dataset(tmp_path / "mnist", **TINY)
     path = tmp_path / "mnist" / "train-labels-idx1-ubyte.gz"
     size = path.stat().st_size
     # pretend this generated file's size is the published one: its MD5 must then match
@@ -191,7 +182,7 @@ def test_unknown_name_lists_valid_names():
 
 def test_download_into_cache_checks_md5(tmp_path, monkeypatch):
     """Download from a file:// 'server' of generated files; a wrong MD5 leaves nothing behind."""
-    arrays = make_idx(tmp_path / "server")
+    arrays = write_idx_dataset(tmp_path / "server", **TINY)
     monkeypatch.delenv("MESHFIT_OFFLINE")
     monkeypatch.setitem(datasets.URLS, "mnist", (tmp_path / "server").as_uri() + "/")
     with pytest.raises(MeshfitError, match="MD5"):  # published MD5s don't fit generated files

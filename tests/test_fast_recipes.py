@@ -5,19 +5,14 @@ import json
 
 import numpy as np
 import pytest
+from helpers import connect_eight_devices
 
-import meshfit
 from meshfit import recipes
 from meshfit.datasets import Dataset
 from meshfit.distribution import Strategy
 from meshfit.recipes import cifar10_fast, resnet50_synthetic
 
 SMALL_WIDTHS = (16, 32, 32)
-
-
-@pytest.fixture(scope="module")
-def strategy():
-    return meshfit.connect(simulate=8, engine="jax", verbose=False)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +26,9 @@ def images():
 
 
 @pytest.fixture(scope="module")
-def prepared(strategy, images):
+def prepared(images):
     """A small-width cifar10-fast model in mixed bfloat16, whitening set from `images`."""
+    strategy = connect_eight_devices()  # conftest's strategy fixture is made for each test
     mixed = Strategy(strategy.info, "jax", "bfloat16")
     try:
         with mixed.scope():
@@ -58,7 +54,7 @@ def test_recipes_are_registered_with_their_hooks():
     fast = recipes.get("cifar10-fast")
     assert (fast.dataset, fast.global_batch, fast.augment) == ("cifar10", 1024, "flip-crop")
     assert fast.tta_flip and fast.prepare is cifar10_fast.prepare and callable(fast.loss)
-    assert fast.precision == "bfloat16" and "not yet measured" in fast.doc
+    assert fast.precision == "bfloat16" and "BENCHMARKS.md" in fast.doc
     assert (fast.crop_padding, fast.flips) == (2, "alternate")
     resnet = recipes.get("resnet50-synthetic")
     assert (resnet.dataset, resnet.input_shape, resnet.per_core_batch) == ("synthetic", (224, 224, 3), 256)
@@ -178,10 +174,11 @@ def test_train_step_flops_for_full_cifar10_fast_in_bfloat16(strategy):
     assert 2 * forward < flops < 6 * forward
 
 
+@pytest.mark.slow
 def test_resnet50_small_input_counts_flops_and_trains_one_step(strategy):
     from meshfit.report import train_step_flops
 
-    # One device: the step needs no data parallelism (test_core covers it) and compiles faster.
+    # One device: the step needs no data parallelism (test_distribution covers it) and compiles faster.
     one = Strategy(dataclasses.replace(strategy.info, devices=strategy.info.devices[:1], devices_per_host=1),
                    "jax", "float32")
     try:

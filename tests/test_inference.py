@@ -2,24 +2,18 @@
 
 import contextlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from helpers import run_meshfit
 from PIL import Image
 
 from meshfit import MeshfitError, export, inference
 from meshfit.recipes import cifar10_cnn, fashion_mnist_cnn, mnist_mlp_bf16
 
 CLASS_NAMES = ["plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
-
-
-def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "meshfit", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "XLA_FLAGS": ""})
+ONE_DEVICE = {"XLA_FLAGS": ""}  # the CLI on one CPU device, not the tests' 8 simulated ones
 
 
 @contextlib.contextmanager
@@ -91,7 +85,7 @@ def cifar_run(tmp_path_factory):
 
 def test_cli_predict_prints_the_class_keras_gives(cifar_run):
     run, paths, expected = cifar_run
-    out = run_cli("predict", str(run), *paths, "--json")
+    out = run_meshfit("predict", str(run), *paths, "--json", env=ONE_DEVICE)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert len(set(expected.argmax(1))) == 3  # each image has its own answer
@@ -107,7 +101,8 @@ def test_cli_predict_prints_the_class_keras_gives(cifar_run):
 def test_cli_predict_top_k_text_and_show_picture(cifar_run, tmp_path):
     run, paths, expected = cifar_run
     picture = tmp_path / "out.png"
-    out = run_cli("predict", str(run), *paths[:2], "--top-k", "4", "--show", str(picture))
+    out = run_meshfit("predict", str(run), *paths[:2], "--top-k", "4", "--show", str(picture),
+                      env=ONE_DEVICE)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 2 * (1 + 4)
@@ -197,7 +192,7 @@ def test_cli_bad_image_is_a_one_line_error(cifar_run, tmp_path, content, message
     bad = tmp_path / "bad.png"
     if content is not None:
         bad.write_bytes(content)
-    out = run_cli("predict", str(run), paths[0], str(bad))
+    out = run_meshfit("predict", str(run), paths[0], str(bad), env=ONE_DEVICE)
     assert out.returncode == 2
     assert out.stderr.startswith("meshfit: error: ") and out.stderr.count("\n") == 1
     assert message in out.stderr and str(bad) in out.stderr
@@ -205,18 +200,19 @@ def test_cli_bad_image_is_a_one_line_error(cifar_run, tmp_path, content, message
 
 
 def test_cli_missing_model_is_a_clear_error(tmp_path):
-    out = run_cli("predict", str(tmp_path / "no-such-run"), "x.png")
+    out = run_meshfit("predict", str(tmp_path / "no-such-run"), "x.png", env=ONE_DEVICE)
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "no-such-run not found" in out.stderr and "meshfit train" in out.stderr
     with pytest.raises(MeshfitError, match="has no model.keras"):
         inference.locate(tmp_path)
-    out = run_cli("export", str(tmp_path), "--format", "onnx")
+    out = run_meshfit("export", str(tmp_path), "--format", "onnx", env=ONE_DEVICE)
     assert out.returncode == 2 and "has no model.keras" in out.stderr
 
 
 def test_cli_export_rejects_an_out_path_of_the_wrong_kind(cifar_run):
     run, _, _ = cifar_run
-    out = run_cli("export", str(run), "--format", "keras", "--out", str(run / "model.onnx"))
+    out = run_meshfit("export", str(run), "--format", "keras", "--out", str(run / "model.onnx"),
+                      env=ONE_DEVICE)
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "must end in .keras" in out.stderr
 

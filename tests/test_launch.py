@@ -16,18 +16,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from helpers import run_meshfit, write_idx_dataset
 
-from meshfit import cluster, datasets, launch
+from meshfit import cluster, launch
 from meshfit.errors import MeshfitError
 
 TRAIN = ["fashion-mnist-cnn", "--batch-size", "64", "--seed", "0"]
 EPOCHS = 2
 JOB_TIMEOUT = 300  # seconds; a job that hangs fails the test instead of the CI run
-
-
-def run_meshfit(*args, env=None, timeout=JOB_TIMEOUT):
-    return subprocess.run([sys.executable, "-m", "meshfit", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def launch_args(*command, processes=2, devices=4):
@@ -49,16 +45,10 @@ def assert_same_weights(a, b):
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """Small Fashion-MNIST files: 256 training images (4 steps of 64), 64 test images."""
+    """Small Fashion-MNIST files: 256 training images (4 steps of 64), 64 test images (instead of
+    conftest's smaller data_dir)."""
     root = tmp_path_factory.mktemp("data")
-    folder = root / "fashion-mnist"
-    folder.mkdir()
-    rng = np.random.default_rng(0)
-    for prefix, n in (("train", 256), ("t10k", 64)):
-        labels = rng.integers(0, 10, n)
-        images = rng.integers(0, 60, (n, 28, 28)) + (labels * 20)[:, None, None]  # learnable
-        datasets.write_idx(folder / f"{prefix}-images-idx3-ubyte.gz", images.astype("uint8"))
-        datasets.write_idx(folder / f"{prefix}-labels-idx1-ubyte.gz", labels.astype("uint8"))
+    write_idx_dataset(root / "fashion-mnist", n_train=256, n_test=64)
     return str(root)
 
 
@@ -67,7 +57,7 @@ def single_process_run(data_dir, tmp_path_factory):
     """`meshfit train` for EPOCHS epochs in one process with 8 simulated devices: the reference."""
     run = str(tmp_path_factory.mktemp("single") / "run")
     out = run_meshfit("train", *TRAIN, "--epochs", str(EPOCHS), "--data-dir", data_dir, "--out", run,
-                      "--simulate-devices", "8")
+                      "--simulate-devices", "8", timeout=JOB_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     return run
 
@@ -197,11 +187,13 @@ training.train("fashion-mnist-cnn", epochs=int(sys.argv[4]), batch_size=64, seed
 """
 
 
+@pytest.mark.slow
 def test_two_processes_train_the_same_model_as_one(data_dir, single_process_run, tmp_path):
     script = tmp_path / "train_and_save.py"
     script.write_text(WEIGHTS_SCRIPT)
     run = str(tmp_path / "run")
-    out = run_meshfit(*launch_args(sys.executable, str(script), data_dir, run, str(tmp_path), str(EPOCHS)))
+    out = run_meshfit(*launch_args(sys.executable, str(script), data_dir, run, str(tmp_path), str(EPOCHS)),
+                      timeout=JOB_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert re.search(r"^\[0\] +hosts +2 \(this is process 0\)$", out.stdout, re.M)  # the discovery report
@@ -219,6 +211,7 @@ def test_two_processes_train_the_same_model_as_one(data_dir, single_process_run,
             np.testing.assert_array_equal(copy, copies[0])
 
 
+@pytest.mark.slow
 def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_process_run, tmp_path):
     run = str(tmp_path / "run")
     first_checkpoint = os.path.join(run, "checkpoints", "ckpt-00000004")  # after epoch 1 (4 steps)
@@ -253,7 +246,8 @@ def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_pro
     assert newest is not None and checkpoints.read_state(newest)["epoch"] in (1, 2)
     assert checkpoints.read_arrays(newest)  # the last checkpoint is complete and readable
 
-    out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(EPOCHS)))
+    out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(EPOCHS)),
+                      timeout=JOB_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[0] resuming" in out.stdout
     assert_same_weights(model_weights(os.path.join(run, "model.keras")),

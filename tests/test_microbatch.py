@@ -10,14 +10,8 @@ import numpy as np
 import pytest
 from helpers import ONE_CPU, environment
 
-import meshfit
 from meshfit import microbatch, recipes
 from meshfit.errors import MeshfitError
-
-
-@pytest.fixture(scope="module")
-def strategy():
-    return meshfit.connect(simulate=8, engine="jax", verbose=False)
 
 
 def test_plan_slices_the_fashion_cnn_batch_to_fit_the_cache(strategy):
