@@ -1,9 +1,9 @@
 """Same-process A/B of two ways to run one recipe's TensorFlow train step on the CPU.
 
   --compare bias-gradient   TF's conv bias gradient (which oneDNN fuses with the conv's filter
-                            gradient) against meshfit's split one (`meshfit.engine`);
+                            gradient) against meshfit's split one (`meshfit.tf_bias_gradient`);
   --compare micro-batches   whole batches against meshfit's cache-sized micro-batches
-                            (`meshfit.microbatch`; both with meshfit's bias gradient).
+                            (`meshfit.tf_microbatch`; both with meshfit's bias gradient).
 
 Two copies of the recipe's model train in one process on the same random data, fed by meshfit's
 input path. Their epochs alternate, so a change in the machine's speed hits both. Each epoch is
@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import meshfit
-from meshfit import bench, engine, microbatch, pipeline, recipes, training
+from meshfit import bench, pipeline, recipes, tf_bias_gradient, tf_microbatch, training
 
 
 def main() -> None:
@@ -48,11 +48,11 @@ def main() -> None:
     y = rng.integers(0, 10, args.steps * batch).astype(np.int32)
     entry = ops._gradient_registry._registry["BiasAdd"]
     if args.compare == "bias-gradient":  # (gradient, slices) of A and B
-        variants = {"tensorflow gradient": (engine._tensorflow_bias_gradient, 1),
-                    "meshfit gradient": (engine._conv_bias_gradient, 1)}
+        variants = {"tensorflow gradient": (tf_bias_gradient.tensorflow_bias_gradient, 1),
+                    "meshfit gradient": (tf_bias_gradient.conv_bias_gradient, 1)}
     else:
-        variants = {"whole batches": (engine._conv_bias_gradient, 1),
-                    "micro-batches": (engine._conv_bias_gradient, None)}
+        variants = {"whole batches": (tf_bias_gradient.conv_bias_gradient, 1),
+                    "micro-batches": (tf_bias_gradient.conv_bias_gradient, None)}
     models = {}
     for name, (gradient, slices) in variants.items():
         entry["type"] = gradient  # read when the train step is traced, in the warm-up fit below
@@ -61,12 +61,12 @@ def main() -> None:
             model = recipe.build_model(shape, 10)
             model.compile(optimizer=recipe.optimizer(args.steps, args.rounds + 1),
                           loss=training.recipe_loss(recipe), metrics=["accuracy"])
-        slices = microbatch.plan(model, batch) if slices is None else slices
-        microbatch.install(model, slices)
+        slices = tf_microbatch.plan(model, batch) if slices is None else slices
+        tf_microbatch.install(model, slices)
         batches = pipeline.TrainBatches(x, y, batch, seed=0)
         model.fit(batches.iterate(0), steps_per_epoch=args.steps, epochs=1, verbose=0)
         models[f"{name} ({slices} x {batch // slices})"] = (model, batches)
-    entry["type"] = engine._conv_bias_gradient
+    entry["type"] = tf_bias_gradient.conv_bias_gradient
 
     class StepClock(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):

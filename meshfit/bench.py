@@ -6,8 +6,8 @@ download), each in a fresh process per engine (Keras fixes its backend per proce
            (`steps_per_execution` = steps per dispatch; Keras' own `DataParallel` on several JAX
            devices); nothing of meshfit runs in that process but the recipe's model builder;
   meshfit  `meshfit.connect(engine=...)`, `Strategy.fit` with the per-epoch report, on TensorFlow
-           its cache-sized micro-batches (`meshfit.microbatch`, shown in the micro-batches column),
-           and with more than one step per dispatch the on-device loop of `meshfit.loop`.
+           its cache-sized micro-batches (`meshfit.tf_microbatch`, shown in the micro-batches column),
+           and with more than one step per dispatch the on-device loop of `meshfit.jax_loop`.
 Each fit runs 1 + repeats epochs of `steps` steps: the first is warm-up (compilation, reported as
 its extra time over a timed epoch), the others are timed between device synchronizations and the
 median is reported. Columns: ms/step, samples/s, MFU (XLA's FLOPs of the step / peak FLOP/s; n/a
@@ -46,7 +46,7 @@ from meshfit.errors import MeshfitError
 DEFAULT_RECIPE = "fashion-mnist-cnn"
 DEFAULT_REPEATS = 5
 DEFAULT_STEPS = 10  # timed steps per repeat (rounded up to a multiple of the steps per dispatch)
-BENCH_ENGINES = ("jax", "tensorflow", "torch")
+BENCH_ENGINES = ("jax", "tensorflow")
 PATHS = ("plain", "meshfit")
 COLUMNS = ("recipe", "engine", "path", "precision", "batch", "steps_per_dispatch", "micro_batches",
            "replicas", "ms_per_step", "samples_per_s", "mfu", "compile_s", "vs_plain", "vs_fastest",
@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE,
                         help=f"recipe whose model is timed (default: {DEFAULT_RECIPE})")
     parser.add_argument("--engines", help="comma-separated Keras backends (default: every installed "
-                        "one that runs on these devices: jax, tensorflow, torch)")
+                        "one that runs on these devices: jax, tensorflow)")
     parser.add_argument("--precisions", help="comma-separated: auto, float32, bfloat16, float16 "
                         "(default: the recipe's)")
     parser.add_argument("--batch-sizes", help="comma-separated global batch sizes (default: the recipe's)")
@@ -417,7 +417,7 @@ def _worker(spec: dict) -> None:
     import keras
     import numpy as np
 
-    from meshfit import loop, microbatch
+    from meshfit import jax_loop, tf_microbatch
     from meshfit.report import EpochReport, train_step_flops
 
     recipe = recipes.get(spec["recipe"])
@@ -460,11 +460,11 @@ def _worker(spec: dict) -> None:
                 fit = dict(batch_size=batch, epochs=repeats + 1, shuffle=False, verbose=0)
                 flops, slices = None, 1
                 if strategy is not None:
-                    loop.install(model, k)
+                    jax_loop.install(model, k)
                     report = EpochReport(batch_size=batch, strategy=strategy, stream=io.StringIO())
                     strategy.fit(model, x, y, callbacks=[timer, report], **fit)
                     flops = report.flops_per_step
-                    slices = microbatch.installed(model)
+                    slices = tf_microbatch.installed(model)
                 else:
                     model.fit(x, y, callbacks=[timer] + _wait_each_dispatch(info), **fit)
                     flops = train_step_flops(model, batch) if peak else None

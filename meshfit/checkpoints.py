@@ -38,7 +38,6 @@ from meshfit.errors import MeshfitError
 FORMAT = 1
 STATE_ARRAYS, STATE_JSON = "state.npz", "state.json"
 _NAME = re.compile(r"^ckpt-(\d{8,})$")
-GROUPS = ("model", "optimizer", "metrics")
 
 
 class TrainingInterrupted(MeshfitError):

@@ -33,7 +33,7 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="auto",
                         help="auto, float32, bfloat16 or float16 (default: auto)")
     parser.add_argument("--engine", default=None,
-                        help="Keras backend: auto, jax, tensorflow or torch (default: auto)")
+                        help="Keras backend: auto, jax or tensorflow (default: auto)")
     parser.add_argument("--require", choices=("tpu", "gpu", "cpu"),
                         help="fail unless this platform is present")
 

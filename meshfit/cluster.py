@@ -32,14 +32,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 
+from meshfit import env
 from meshfit.errors import MeshfitError
 
-COORDINATOR_ENV = "MESHFIT_COORDINATOR"
-NUM_PROCESSES_ENV = "MESHFIT_NUM_PROCESSES"
-PROCESS_ID_ENV = "MESHFIT_PROCESS_ID"
-LOCAL_DEVICE_IDS_ENV = "MESHFIT_LOCAL_DEVICE_IDS"
-INIT_TIMEOUT_ENV = "MESHFIT_INIT_TIMEOUT"
-HEARTBEAT_TIMEOUT_ENV = "MESHFIT_HEARTBEAT_TIMEOUT"
 SHUTDOWN_TIMEOUT_SECONDS = 300  # how long finished processes wait at exit for the slowest one
 
 
@@ -58,17 +53,8 @@ class Job:
     local_device_ids: tuple[int, ...] | None = None
 
 
-def _int_env(name: str, environ) -> int | None:
-    value = environ.get(name, "").strip()
-    if not value:
-        return None
-    if not value.isdigit():
-        raise MeshfitError(f"{name}={value!r} is not a whole number; set it to e.g. 2")
-    return int(value)
-
-
 def _seconds_env(name: str, default: int, environ) -> int:
-    value = _int_env(name, environ)
+    value = env.read_int(name, environ)
     if value is not None and value < 1:
         raise MeshfitError(f"{name} must be at least 1 second, got {value}")
     return default if value is None else value
@@ -76,31 +62,31 @@ def _seconds_env(name: str, default: int, environ) -> int:
 
 def job_from_variables(environ=os.environ) -> Job | None:
     """The job that the MESHFIT_* variables describe; None when they describe no multi-process job."""
-    coordinator = environ.get(COORDINATOR_ENV, "").strip()
-    count = _int_env(NUM_PROCESSES_ENV, environ)
-    process_id = _int_env(PROCESS_ID_ENV, environ)
+    coordinator = environ.get(env.COORDINATOR, "").strip()
+    count = env.read_int(env.NUM_PROCESSES, environ)
+    process_id = env.read_int(env.PROCESS_ID, environ)
     if not coordinator:
         if count is not None and count > 1:
-            raise MeshfitError(f"{NUM_PROCESSES_ENV}={count} but {COORDINATOR_ENV} is not set; "
+            raise MeshfitError(f"{env.NUM_PROCESSES}={count} but {env.COORDINATOR} is not set; "
                                f"set it to host:port of process 0 on every process")
         return None
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit():
-        raise MeshfitError(f"{COORDINATOR_ENV}={coordinator!r} is not host:port; "
+        raise MeshfitError(f"{env.COORDINATOR}={coordinator!r} is not host:port; "
                            "set it to process 0's address and a free port, e.g. 10.0.0.1:1234")
     if count is None or process_id is None:
-        missing = NUM_PROCESSES_ENV if count is None else PROCESS_ID_ENV
-        raise MeshfitError(f"{COORDINATOR_ENV} is set but {missing} is not; set "
-                           f"{NUM_PROCESSES_ENV} (processes in the job) and {PROCESS_ID_ENV} "
-                           f"(0 .. {NUM_PROCESSES_ENV}-1) on every process")
+        missing = env.NUM_PROCESSES if count is None else env.PROCESS_ID
+        raise MeshfitError(f"{env.COORDINATOR} is set but {missing} is not; set "
+                           f"{env.NUM_PROCESSES} (processes in the job) and {env.PROCESS_ID} "
+                           f"(0 .. {env.NUM_PROCESSES}-1) on every process")
     if count < 1 or process_id >= count:
-        raise MeshfitError(f"{PROCESS_ID_ENV}={process_id} is not below {NUM_PROCESSES_ENV}={count}; "
+        raise MeshfitError(f"{env.PROCESS_ID}={process_id} is not below {env.NUM_PROCESSES}={count}; "
                            f"number the processes 0 .. {max(count, 1) - 1}")
-    ids = environ.get(LOCAL_DEVICE_IDS_ENV, "").strip()
+    ids = environ.get(env.LOCAL_DEVICE_IDS, "").strip()
     try:
         local_ids = tuple(int(i) for i in ids.split(",")) if ids else None
     except ValueError:
-        raise MeshfitError(f"{LOCAL_DEVICE_IDS_ENV}={ids!r} is not a comma-separated list of "
+        raise MeshfitError(f"{env.LOCAL_DEVICE_IDS}={ids!r} is not a comma-separated list of "
                            "device numbers; set it to e.g. 0 or 0,1") from None
     if count == 1:
         return None
@@ -117,36 +103,43 @@ def detected_cluster() -> Job | None:
         from jax._src import clusters  # the detectors behind jax.distributed.initialize()
     except ImportError:
         return None
-    for env in clusters.ClusterEnv._cluster_types:
-        if env.opt_in_only_method:
+    for kind in clusters.ClusterEnv._cluster_types:
+        if kind.opt_in_only_method:
             continue
         try:
             with warnings.catch_warnings():  # e.g. "Kubernetes detected but `kubernetes` missing"
                 warnings.simplefilter("ignore")
-                if not env.is_env_present():
+                if not kind.is_env_present():
                     continue
-                count = int(env.get_process_count())
+                count = int(kind.get_process_count())
         except Exception as e:  # a half-configured environment: say so, run on this host
-            warnings.warn(f"found a {env.__name__} environment but could not read it ({e}); "
-                          f"running as one process (set {COORDINATOR_ENV} etc. to join a job)")
+            warnings.warn(f"found a {kind.__name__} environment but could not read it ({e}); "
+                          f"running as one process (set {env.COORDINATOR} etc. to join a job)")
             continue
         if count > 1:
-            return Job(env.__name__, count)
+            return Job(kind.__name__, count)
     return None
 
 
 def describe_job(environ=os.environ) -> Job | None:
     """The multi-process job this process belongs to, or None for a single-process run."""
-    if _int_env(NUM_PROCESSES_ENV, environ) == 1:
+    if env.read_int(env.NUM_PROCESSES, environ) == 1:
         return None
     return job_from_variables(environ) or detected_cluster()
+
+
+def jax_started() -> bool:
+    """True once JAX has created its backends (device count and platform are then fixed)."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
 
 
 def join(environ=os.environ) -> Job | None:
     """Join the job the environment describes (before JAX's backends start); None if there is none."""
     import jax
-
-    from meshfit.devices import jax_started
 
     if jax.distributed.is_initialized():
         return None  # the program joined the job itself
@@ -156,12 +149,12 @@ def join(environ=os.environ) -> Job | None:
     if jax_started():
         raise MeshfitError(f"cannot join the {job.num_processes}-process job ({job.source}): JAX "
                            "already started; call meshfit.connect() before anything else uses JAX")
-    init_timeout = _seconds_env(INIT_TIMEOUT_ENV, 300, environ)
+    init_timeout = _seconds_env(env.INIT_TIMEOUT, 300, environ)
     if job.coordinator and job.process_id != 0 and not _reachable(job.coordinator, init_timeout):
         raise MeshfitError(
             f"cannot reach the coordinator {job.coordinator} within {init_timeout} s (this is process "
             f"{job.process_id} of {job.num_processes}); start process 0 with the same "
-            f"{COORDINATOR_ENV}, check the address and firewall, or raise {INIT_TIMEOUT_ENV}")
+            f"{env.COORDINATOR}, check the address and firewall, or raise {env.INIT_TIMEOUT}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU hosts
     explicit = job.coordinator is not None  # else JAX reads the detected cluster's settings
     try:
@@ -170,7 +163,7 @@ def join(environ=os.environ) -> Job | None:
             process_id=job.process_id,
             local_device_ids=list(job.local_device_ids) if job.local_device_ids else None,
             initialization_timeout=init_timeout,
-            heartbeat_timeout_seconds=_seconds_env(HEARTBEAT_TIMEOUT_ENV, 60, environ),
+            heartbeat_timeout_seconds=_seconds_env(env.HEARTBEAT_TIMEOUT, 60, environ),
             shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS)
     except Exception as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]

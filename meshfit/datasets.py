@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from meshfit import env
 from meshfit.errors import MeshfitError
 
 NAMES = ("mnist", "fashion_mnist", "cifar10")
@@ -136,7 +137,7 @@ def load(name: str, data_dir: str | os.PathLike | None = None, download: bool = 
         found = _find(key, root)
         if found:
             return _read(key, found, verify)
-    offline = os.environ.get("MESHFIT_OFFLINE", "").strip().lower() not in ("", "0", "false", "no")
+    offline = env.is_set(env.OFFLINE)
     places = "; ".join(f"{label} ({root})" for label, root in roots)
     folder = FOLDERS[key] + ("/" + CIFAR_DIR if key == "cifar10" else "")
     hint = (f"put the files in DIR/{folder}/ (canonical layout) and pass --data-dir DIR "
@@ -245,15 +246,15 @@ def _search_roots(data_dir) -> list[tuple[str, str]]:
     roots = []
     if data_dir is not None:
         roots.append(("data_dir", os.path.abspath(os.fspath(data_dir))))
-    if os.environ.get("MESHFIT_DATA"):
-        roots.append(("$MESHFIT_DATA", os.path.abspath(os.environ["MESHFIT_DATA"])))
+    if os.environ.get(env.DATA):
+        roots.append(("$MESHFIT_DATA", os.path.abspath(os.environ[env.DATA])))
     roots.append(("~/.keras/datasets", os.path.expanduser("~/.keras/datasets")))
     roots.append(("download cache", _cache_root()))
     return roots
 
 
 def _cache_root() -> str:
-    return os.path.abspath(os.environ.get("MESHFIT_CACHE")
+    return os.path.abspath(os.environ.get(env.CACHE)
                            or os.path.expanduser("~/.cache/meshfit/datasets"))
 
 

@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshfit import cluster, env
 from meshfit.errors import MeshfitError
 
-SIMULATE_ENV = "MESHFIT_SIMULATE_DEVICES"
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -37,17 +37,6 @@ class DeviceInfo:
         return self.devices_per_host * self.hosts
 
 
-def jax_started() -> bool:
-    """True once JAX has created its backends (device count and platform are then fixed)."""
-    import sys
-
-    if "jax" not in sys.modules:
-        return False
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
-
-
 def simulate_devices(count: int) -> None:
     """Make JAX show `count` CPU devices standing in for accelerator cores.
 
@@ -56,7 +45,7 @@ def simulate_devices(count: int) -> None:
     """
     if count < 1:
         raise MeshfitError(f"--simulate-devices must be at least 1, got {count}")
-    if jax_started():
+    if cluster.jax_started():
         import jax
 
         have = jax.devices()
@@ -64,7 +53,7 @@ def simulate_devices(count: int) -> None:
             return
         raise MeshfitError(
             f"cannot simulate {count} devices: JAX already started with {len(have)} "
-            f"{have[0].platform} device(s); set {SIMULATE_ENV}={count} before starting Python, "
+            f"{have[0].platform} device(s); set {env.SIMULATE_DEVICES}={count} before starting Python, "
             f"or call meshfit.connect(simulate={count}) before anything else uses JAX"
         )
     flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
@@ -76,12 +65,7 @@ def requested_simulation(simulate: int | None) -> int | None:
     """The simulated device count asked for by argument, else by $MESHFIT_SIMULATE_DEVICES."""
     if simulate is not None:
         return simulate
-    value = os.environ.get(SIMULATE_ENV, "").strip()
-    if not value:
-        return None
-    if not value.isdigit():
-        raise MeshfitError(f"{SIMULATE_ENV}={value!r} is not a whole number; set it to e.g. 8")
-    return int(value)
+    return env.read_int(env.SIMULATE_DEVICES, example=8)
 
 
 def cpu_model() -> str:
@@ -101,8 +85,6 @@ def discover(simulate: int | None = None, require: str | None = None) -> DeviceI
     simulate = requested_simulation(simulate)
     if simulate is not None:
         simulate_devices(simulate)
-    from meshfit import cluster
-
     cluster.join()  # a multi-host job must be joined before JAX starts its backends
     import jax
 

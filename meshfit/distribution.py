@@ -118,15 +118,15 @@ class Strategy:
         return "meshfit connected\n" + "\n".join(f"  {k:<17}{v}" for k, v in rows)
 
     def micro_batches(self, model, batch_size: int | None, requested: int | str = "auto") -> int:
-        """Slices per batch for `model`'s train step (see meshfit.microbatch).
+        """Slices per batch for `model`'s train step (see meshfit.tf_microbatch).
 
         'auto': cache-sized slices on the TensorFlow engine when the batch size is known, else 1.
         """
-        from meshfit import microbatch
+        from meshfit import tf_microbatch
 
         if requested == "auto":
-            return microbatch.plan(model, batch_size) if self.engine == "tensorflow" and batch_size else 1
-        slices = microbatch.check(model, requested)
+            return tf_microbatch.plan(model, batch_size) if self.engine == "tensorflow" and batch_size else 1
+        slices = tf_microbatch.check(model, requested)
         if slices > 1 and self.engine != "tensorflow":
             raise MeshfitError(f"micro-batches run on the TensorFlow engine (one CPU), not on "
                                f"{self.engine}; use micro_batches=1")
@@ -155,15 +155,15 @@ class Strategy:
             from meshfit import cluster
 
             x, y, batch_size, kwargs = cluster.fit_arguments(self, x, y, batch_size, kwargs)
-        if self.engine == "jax" and model.train_function is None:  # on-device k-step loop, see meshfit.loop
-            from meshfit import loop
+        if self.engine == "jax" and model.train_function is None:  # on-device k-step loop, see meshfit.jax_loop
+            from meshfit import jax_loop
 
-            loop.install(model, model.steps_per_execution)
+            jax_loop.install(model, model.steps_per_execution)
         if self.engine == "tensorflow":
-            from meshfit import microbatch
+            from meshfit import tf_microbatch
 
-            if microbatch.installed(model) != slices:
-                microbatch.install(model, slices)
+            if tf_microbatch.installed(model) != slices:
+                tf_microbatch.install(model, slices)
         return model.fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
                          verbose=verbose, **kwargs)
 
@@ -191,7 +191,7 @@ def connect(require: str | None = None, simulate: int | None = None, precision: 
     require: 'tpu' or 'gpu' to fail unless that platform is present.
     simulate: run on this many JAX CPU devices (also $MESHFIT_SIMULATE_DEVICES).
     precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32).
-    engine: 'auto', 'jax', 'tensorflow' or 'torch' (also $MESHFIT_ENGINE).
+    engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
     """
     planning.resolve_precision(precision, "cpu")  # reject unknown names before any slow work
     info = devices_lib.discover(simulate=simulate, require=require)

@@ -11,7 +11,7 @@ slower), no XLA (`jit_compile=True` was 3-7x slower and compiled for 5-20 s; Ker
 turns XLA off on CPU-only machines), and TF's own thread pools (intra- and inter-op threads = cores;
 other settings were within noise), so `activate` keeps those defaults and only pins oneDNN on.
 It also computes the bias gradient of convolutions apart from their filter gradient (see
-`_conv_bias_gradient`).
+meshfit.tf_bias_gradient).
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ import importlib.util
 import os
 import sys
 
+from meshfit import env
 from meshfit.errors import MeshfitError
 
-ENGINES = ("auto", "jax", "tensorflow", "torch")
-ENGINE_ENV = "MESHFIT_ENGINE"
+ENGINES = ("auto", "jax", "tensorflow")
 _MULTI_DEVICE_ENGINES = ("jax",)
 
 
-def installed(engine: str) -> bool:
-    """True when the engine's framework can be imported."""
-    return importlib.util.find_spec(engine) is not None
+def installed(module: str) -> bool:
+    """True when the module (an engine's framework, onnxruntime, ...) can be imported."""
+    return importlib.util.find_spec(module) is not None
 
 
 def loaded_backend() -> str | None:
@@ -50,7 +50,7 @@ def fastest(platform: str, device_count: int) -> str:
 
 def choose(requested: str | None, platform: str, device_count: int) -> str:
     """The engine to run: the requested one, or for 'auto' the fastest for these devices."""
-    requested = (requested or os.environ.get(ENGINE_ENV) or "auto").lower()
+    requested = (requested or os.environ.get(env.ENGINE) or "auto").lower()
     if requested not in ENGINES:
         raise MeshfitError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}")
     loaded = loaded_backend()
@@ -76,7 +76,7 @@ def choose(requested: str | None, platform: str, device_count: int) -> str:
     return requested
 
 
-_PACKAGES = {"jax": "jax", "tensorflow": "tensorflow-cpu", "torch": "torch"}
+_PACKAGES = {"jax": "jax", "tensorflow": "tensorflow-cpu"}
 
 
 def activate(engine: str):
@@ -92,49 +92,10 @@ def activate(engine: str):
             f"too late to switch to engine {engine}: Keras already runs on {keras.backend.backend()}"
         )
     if engine == "tensorflow":
-        install_conv_bias_gradient()
+        from meshfit import tf_bias_gradient
+
+        tf_bias_gradient.install()
     return keras
-
-
-def _conv_bias_gradient(op, grad):
-    """BiasAdd's gradient; for float32 NHWC conv outputs, the bias part summed as a matrix product.
-
-    TF's BiasAdd gradient (BiasAddGrad) is fused by oneDNN with the conv's filter gradient into one
-    kernel that is slow in float32 for few input channels: 40.6 ms of the 104 ms tutorial
-    Fashion-MNIST step, against 22.8 ms for the filter gradient alone plus 12.0 ms for this product
-    (TF profiler, batch 1000, 2-vCPU Xeon, 2026-11-22). The sum is the same. In bfloat16 the fused
-    kernel is faster than the split (143 vs 155 CPU ms per step), so bfloat16, Dense (rank 2) and
-    NCHW tensors keep TF's gradient.
-    """
-    import tensorflow as tf
-
-    data_format = op.get_attr("data_format")
-    if (grad.dtype != tf.float32 or grad.shape.rank is None or grad.shape.rank < 3
-            or data_format not in (b"NHWC", "NHWC")):
-        return _tensorflow_bias_gradient(op, grad)
-    rows = tf.reshape(grad, [-1, tf.shape(grad)[-1]])
-    ones = tf.ones([1, tf.shape(rows)[0]], dtype=grad.dtype)
-    return grad, tf.reshape(tf.matmul(ones, rows), [-1])
-
-
-_tensorflow_bias_gradient = None
-
-
-def install_conv_bias_gradient() -> None:
-    """Make `_conv_bias_gradient` TensorFlow's gradient of BiasAdd in this process (idempotent).
-
-    TF has no public way to replace a registered gradient, so this sets its registry entry; a TF
-    whose registry looks different keeps its own gradient (slower, same result).
-    """
-    global _tensorflow_bias_gradient
-    from tensorflow.python.framework import ops
-
-    entry = getattr(ops._gradient_registry, "_registry", {}).get("BiasAdd")
-    if not isinstance(entry, dict) or not callable(entry.get("type")):
-        return
-    if entry["type"] is not _conv_bias_gradient:
-        _tensorflow_bias_gradient = entry["type"]
-        entry["type"] = _conv_bias_gradient
 
 
 _hinted = False

@@ -20,18 +20,19 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import warnings
 from typing import Iterator
 
 import numpy as np
 
-from meshfit import inference
+from meshfit import rundir
+from meshfit.engine import installed, loaded_backend
 from meshfit.errors import MeshfitError
 
 FORMATS = ("keras", "onnx")
 ONNX_TOLERANCE = 1e-5  # max |probability difference| allowed between ONNX Runtime and Keras
 _LOW_PRECISION = {"mixed_bfloat16", "mixed_float16", "bfloat16", "float16"}
+METADATA_KEY = "meshfit"  # ONNX metadata entry: JSON with class_names, input_shape, source_sha256
 _ONNX_PACKAGES = ("tensorflow", "tf2onnx", "onnx", "onnxruntime")
 
 
@@ -140,7 +141,7 @@ def export_keras(source: str | os.PathLike, out: str | None = None) -> str:
     _refuse_to_overwrite(files, out)
     keras = import_keras()
     model = float32_model(load_keras_model(files.keras_path))
-    with _atomic_path(out, ".keras") as tmp, on_cpu(keras):
+    with rundir.atomic_path(out, ".keras") as tmp, on_cpu(keras):
         model.save(tmp)
     return out
 
@@ -157,11 +158,9 @@ def export_onnx(source: str | os.PathLike, out: str | None = None) -> str:
     if not out.endswith(".onnx"):
         raise MeshfitError(f"--out {out} must end in .onnx for --format onnx")
     _refuse_to_overwrite(files, out)
-    missing = [m for m in _ONNX_PACKAGES if not inference._installed(m)]
+    missing = [m for m in _ONNX_PACKAGES if not installed(m)]
     if missing:
         raise MeshfitError(f"ONNX export needs {', '.join(missing)}: pip install 'meshfit[onnx]'")
-    from meshfit.engine import loaded_backend
-
     if loaded_backend() in (None, "tensorflow"):
         _export_onnx_here(files, out)
     else:
@@ -169,42 +168,20 @@ def export_onnx(source: str | os.PathLike, out: str | None = None) -> str:
     return out
 
 
-def _keras_source(source: str | os.PathLike) -> inference.ModelFiles:
-    files = inference.locate(source)
+def _keras_source(source: str | os.PathLike) -> rundir.ModelFiles:
+    files = rundir.locate_model(source)
     if files.keras_path is None:
         raise MeshfitError(f"{files.source} has no .keras model to export; pass a run directory "
                            "or a .keras file")
     return files
 
 
-def _refuse_to_overwrite(files: inference.ModelFiles, out: str) -> None:
+def _refuse_to_overwrite(files: rundir.ModelFiles, out: str) -> None:
     if os.path.exists(out) and os.path.samefile(out, files.keras_path):
         raise MeshfitError(f"--out {out} is the source model itself; choose another path")
 
 
-@contextlib.contextmanager
-def _atomic_path(out: str, suffix: str) -> Iterator[str]:
-    """A temporary path beside `out` that replaces `out` only when the block succeeds, so that
-    a reader (a concurrent `meshfit predict`) never sees a half-written file."""
-    folder = os.path.dirname(os.path.abspath(out))
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".export-", suffix=suffix)
-    except OSError as e:
-        raise MeshfitError(f"cannot write {out} ({e}); choose a writable --out") from e
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def _export_onnx_here(files: inference.ModelFiles, out: str) -> None:
+def _export_onnx_here(files: rundir.ModelFiles, out: str) -> None:
     """ONNX export in this process, on the TensorFlow backend."""
     import onnx
     import onnxruntime as ort
@@ -220,11 +197,11 @@ def _export_onnx_here(files: inference.ModelFiles, out: str) -> None:
         "class_names": [str(n) for n in files.config.get("class_names") or range(classes)],
         "input_shape": list(shape),
         "source": os.path.basename(files.keras_path),
-        "source_sha256": inference.file_sha256(files.keras_path),
+        "source_sha256": rundir.file_sha256(files.keras_path),
         "recipe": files.config.get("recipe"),
         "dataset": files.config.get("dataset"),
     }
-    with _atomic_path(out, ".onnx") as tmp:
+    with rundir.atomic_path(out, ".onnx") as tmp:
         with warnings.catch_warnings(), on_cpu(keras):
             warnings.simplefilter("ignore", FutureWarning)  # Keras' tf2onnx/numpy 2 patch
             try:
@@ -234,7 +211,7 @@ def _export_onnx_here(files: inference.ModelFiles, out: str) -> None:
                 raise MeshfitError(f"tf2onnx cannot convert {files.keras_path} ({why}); "
                                    "use --format keras or --backend keras") from e
         proto = onnx.load(tmp)
-        onnx.helper.set_model_props(proto, {inference.METADATA_KEY: json.dumps(metadata)})
+        onnx.helper.set_model_props(proto, {METADATA_KEY: json.dumps(metadata)})
         onnx.save(proto, tmp)
         session = ort.InferenceSession(tmp, providers=["CPUExecutionProvider"])
         got = session.run(None, {session.get_inputs()[0].name: x})[0]
@@ -245,7 +222,7 @@ def _export_onnx_here(files: inference.ModelFiles, out: str) -> None:
                                "--backend keras")
 
 
-def _export_onnx_in_child(files: inference.ModelFiles, out: str) -> None:
+def _export_onnx_in_child(files: rundir.ModelFiles, out: str) -> None:
     """ONNX export by `meshfit export` in a child process on the TensorFlow backend."""
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
     cmd = [sys.executable, "-m", "meshfit", "export", files.source, "--format", "onnx",

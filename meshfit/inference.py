@@ -15,8 +15,6 @@ copy cannot be written, the model runs on Keras (same probabilities, slower star
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.util
 import json
 import os
 import sys
@@ -28,70 +26,15 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from PIL import Image
 
+from meshfit import export as export_lib
+from meshfit import rundir
+from meshfit.engine import installed
 from meshfit.errors import MeshfitError
+from meshfit.rundir import ModelFiles
 
 BACKENDS = ("auto", "onnx", "keras")
-METADATA_KEY = "meshfit"  # ONNX metadata entry: JSON with class_names, input_shape, source_sha256
 KERAS_BATCH = 256  # images per Keras call in the fallback
 _IMAGE_MODES = {1: "L", 3: "RGB"}
-
-
-# ----------------------------------------------------------------------------------- model files
-
-@dataclass(frozen=True)
-class ModelFiles:
-    """Where a model's files are: the .keras source (if any), its ONNX copy and its config."""
-
-    source: str
-    keras_path: str | None
-    onnx_path: str
-    config: dict = field(default_factory=dict)
-
-
-def locate(path: str | os.PathLike) -> ModelFiles:
-    """Resolve a run directory, a .keras file or an .onnx file to its model files."""
-    path = os.fspath(path)
-    hint = "pass a run directory written by `meshfit train`, a .keras file or an .onnx file"
-    if not os.path.exists(path):
-        raise MeshfitError(f"model {path} not found; {hint}")
-    if os.path.isdir(path):
-        keras_path = os.path.join(path, "model.keras")
-        onnx_path = os.path.join(path, "model.onnx")
-        if not os.path.isfile(keras_path) and not os.path.isfile(onnx_path):
-            raise MeshfitError(f"{path} has no model.keras (nor model.onnx); {hint}")
-        return ModelFiles(path, keras_path if os.path.isfile(keras_path) else None, onnx_path,
-                          read_config(os.path.join(path, "config.json")))
-    stem, ext = os.path.splitext(path)
-    if ext.lower() == ".keras":
-        beside = os.path.join(os.path.dirname(path), "config.json")
-        config = read_config(beside) if os.path.basename(path) == "model.keras" else {}
-        return ModelFiles(path, path, stem + ".onnx", config)
-    if ext.lower() == ".onnx":
-        return ModelFiles(path, None, path, {})
-    raise MeshfitError(f"{path} is not a .keras or .onnx model file; {hint}")
-
-
-def read_config(path: str) -> dict:
-    """A run's config.json as a dict ({} when there is none)."""
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise MeshfitError(f"cannot read {path} ({e}); fix it or delete it") from e
-    if not isinstance(config, dict):
-        raise MeshfitError(f"{path} is not a JSON object; fix it or delete it")
-    return config
-
-
-def file_sha256(path: str) -> str:
-    """SHA-256 of a file's bytes, hex."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------- images
@@ -164,8 +107,8 @@ def load_predictor(path: str | os.PathLike, backend: str = "auto", export: bool 
     """
     if backend not in BACKENDS:
         raise MeshfitError(f"unknown backend {backend!r}; use one of: {', '.join(BACKENDS)}")
-    files = locate(path)
-    if backend == "keras" or (backend == "auto" and not _installed("onnxruntime")):
+    files = rundir.locate_model(path)
+    if backend == "keras" or (backend == "auto" and not installed("onnxruntime")):
         if backend == "auto":
             warnings.warn("onnxruntime is not installed, predicting with Keras (slow start); "
                           "pip install onnxruntime", stacklevel=2)
@@ -174,8 +117,6 @@ def load_predictor(path: str | os.PathLike, backend: str = "auto", export: bool 
     if session is None and export and files.keras_path:
         why = _cannot_export(files)
         if why is None:
-            from meshfit import export as export_lib
-
             print(f"meshfit: exporting {files.keras_path} to {files.onnx_path} for fast CPU "
                   "inference (once)", file=sys.stderr, flush=True)
             try:
@@ -199,13 +140,9 @@ def load_predictor(path: str | os.PathLike, backend: str = "auto", export: bool 
     return _keras_predictor(files)
 
 
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
 def _cannot_export(files: ModelFiles) -> str | None:
     """Why the ONNX copy cannot be written here, or None when it can."""
-    missing = [m for m in ("tensorflow", "tf2onnx", "onnx") if not _installed(m)]
+    missing = [m for m in ("tensorflow", "tf2onnx", "onnx") if not installed(m)]
     if missing:
         return f"{', '.join(missing)} not installed (pip install 'meshfit[onnx]')"
     folder = os.path.dirname(os.path.abspath(files.onnx_path))
@@ -239,14 +176,14 @@ def _current_session(files: ModelFiles, threads: int | None = None):
         raise MeshfitError(f"cannot load ONNX model {files.onnx_path} ({why}); "
                            "export it again with `meshfit export`") from e
     if files.keras_path:
-        if onnx_metadata(session).get("source_sha256") != file_sha256(files.keras_path):
+        if onnx_metadata(session).get("source_sha256") != rundir.file_sha256(files.keras_path):
             return None  # exported from an older model.keras
     return session
 
 
 def onnx_metadata(session) -> dict:
     """meshfit's metadata written into an ONNX model at export ({} for other ONNX files)."""
-    raw = session.get_modelmeta().custom_metadata_map.get(METADATA_KEY)
+    raw = session.get_modelmeta().custom_metadata_map.get(export_lib.METADATA_KEY)
     try:
         return json.loads(raw) if raw else {}
     except ValueError:
@@ -274,8 +211,6 @@ def _keras_predictor(files: ModelFiles) -> Predictor:
     if files.keras_path is None:
         raise MeshfitError(f"{files.source} has no .keras model for the Keras backend; "
                            "use --backend onnx")
-    from meshfit import export as export_lib
-
     keras = export_lib.import_keras()
     model = export_lib.float32_model(export_lib.load_keras_model(files.keras_path))
     shape = files.config.get("input_shape") or model.input_shape[1:]

@@ -24,8 +24,7 @@ import threading
 import time
 from typing import IO, Sequence
 
-from meshfit import cluster
-from meshfit.devices import SIMULATE_ENV
+from meshfit import env
 from meshfit.errors import MeshfitError
 
 GRACE_SECONDS = 10.0  # between SIGTERM and SIGKILL when stopping the other processes
@@ -56,17 +55,17 @@ def command_line(command: Sequence[str]) -> list[str]:
 def process_environment(index: int, processes: int, port: int, devices_per_process: int,
                         base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of process `index`: the job's MESHFIT_* variables over `base`."""
-    env = dict(os.environ if base is None else base)
-    env.pop(cluster.LOCAL_DEVICE_IDS_ENV, None)
-    env.update({
-        cluster.COORDINATOR_ENV: f"127.0.0.1:{port}",
-        cluster.NUM_PROCESSES_ENV: str(processes),
-        cluster.PROCESS_ID_ENV: str(index),
-        SIMULATE_ENV: str(devices_per_process),
+    variables = dict(os.environ if base is None else base)
+    variables.pop(env.LOCAL_DEVICE_IDS, None)
+    variables.update({
+        env.COORDINATOR: f"127.0.0.1:{port}",
+        env.NUM_PROCESSES: str(processes),
+        env.PROCESS_ID: str(index),
+        env.SIMULATE_DEVICES: str(devices_per_process),
         "PYTHONUNBUFFERED": "1",  # lines arrive as they are printed
     })
-    env.setdefault(cluster.INIT_TIMEOUT_ENV, str(INIT_TIMEOUT_SECONDS))
-    return env
+    variables.setdefault(env.INIT_TIMEOUT, str(INIT_TIMEOUT_SECONDS))
+    return variables
 
 
 def describe_exit(code: int) -> str:

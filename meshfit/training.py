@@ -225,13 +225,13 @@ def _global_batch(strategy, recipe: recipes.Recipe, batch_size: int | None, roun
 def choose_steps_per_dispatch(strategy, steps_per_epoch: int, wanted: int | None = None) -> int:
     """Train steps per dispatch: `wanted` (or, by default, up to 32 on a GPU or TPU and 1 on a
     CPU), lowered to divide the epoch's steps so that no dispatch runs into the next epoch."""
-    from meshfit import loop
+    from meshfit import jax_loop
 
     if wanted is None:
         if strategy.platform == "cpu" or strategy.engine != "jax":
             return 1
         wanted = min(AUTO_STEPS_PER_DISPATCH, max(steps_per_epoch // 2, 1))  # 2+ calls: compile apart
-    return loop.dividing_steps(steps_per_epoch, wanted)  # checks `wanted` too
+    return jax_loop.dividing_steps(steps_per_epoch, wanted)  # checks `wanted` too
 
 
 def _build(strategy, recipe: recipes.Recipe, dataset, global_batch: int, steps: int, epochs: int,
@@ -286,19 +286,19 @@ def _fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[i
     The rest of a cut epoch runs with steps per dispatch dividing its step count.
     SIGTERM/SIGINT make the checkpointer save and raise TrainingInterrupted.
     """
-    from meshfit import checkpoints, loop
+    from meshfit import checkpoints, jax_loop
 
     epoch, step = start
     steps, dispatch = batches.steps_per_epoch, model.steps_per_execution
     with checkpoints.stop_on_signals(checkpointer):
         if step and epoch < epochs:
             if (steps - step) % dispatch:
-                loop.install(model, loop.dividing_steps(steps - step, dispatch))
+                jax_loop.install(model, jax_loop.dividing_steps(steps - step, dispatch))
             strategy.fit(model, batches.iterate(epoch, step), epochs=epoch + 1, initial_epoch=epoch,
                          steps_per_epoch=steps - step, shuffle=False, callbacks=callbacks,
                          micro_batches=micro_batches)
             if model.steps_per_execution != dispatch:
-                loop.install(model, dispatch)
+                jax_loop.install(model, dispatch)
             epoch += 1
         if epoch < epochs:
             strategy.fit(model, batches.iterate(epoch), epochs=epochs, initial_epoch=epoch,
@@ -343,7 +343,7 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
     keep_checkpoints: how many checkpoints to keep. steps_per_dispatch: train steps per call into
       the devices (default: see choose_steps_per_dispatch). micro_batches: slices of each batch
       whose gradients are summed, for cache locality on a CPU (default 'auto', see
-      meshfit.microbatch; 1 = whole batches). batch_rounding: False makes a global
+      meshfit.tf_microbatch; 1 = whole batches). batch_rounding: False makes a global
       batch that does not split across the replicas an error instead of rounding it up.
     callbacks: extra Keras callbacks for fit. command: the command line to record.
     Raises TrainingInterrupted (a MeshfitError; exit_code 143 or 130) after SIGTERM/SIGINT,
@@ -373,9 +373,9 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
         raise MeshfitError(f"--epochs must be at least 1, got {epochs}")
     every_steps, every_seconds, at_epoch_end = parse_every(checkpoint_every)
     if micro_batches not in (None, "auto"):
-        from meshfit import microbatch
+        from meshfit import tf_microbatch
 
-        microbatch.check(None, micro_batches)
+        tf_microbatch.check(None, micro_batches)
 
     from meshfit.distribution import connect
 

@@ -84,7 +84,7 @@ BIAS_GRADIENT_SCRIPT = textwrap.dedent("""
     import json
     import numpy as np
     import meshfit
-    from meshfit import engine
+    from meshfit import tf_bias_gradient
 
     import tensorflow as tf
     from tensorflow.python.framework import ops
@@ -114,11 +114,11 @@ BIAS_GRADIENT_SCRIPT = textwrap.dedent("""
 
     before = {d: gradients(d) for d in ("float32", "bfloat16")}
     meshfit.connect(engine="tensorflow", verbose=False)
-    installed = ops._gradient_registry.lookup("BiasAdd") is engine._conv_bias_gradient
-    engine.install_conv_bias_gradient()  # a second install keeps TF's own as the fallback
+    installed = ops._gradient_registry.lookup("BiasAdd") is tf_bias_gradient.conv_bias_gradient
+    tf_bias_gradient.install()  # a second install keeps TF's own as the fallback
     after = {d: gradients(d) for d in ("float32", "bfloat16")}
     print(json.dumps({
-        "installed": installed, "fallback_is_stock": engine._tensorflow_bias_gradient is stock,
+        "installed": installed, "fallback_is_stock": tf_bias_gradient.tensorflow_bias_gradient is stock,
         "bias_add_grads": {f"{when} {d}": grads[d][1] for when, grads in (("before", before), ("after", after))
                            for d in grads},
         "float32": max(float(np.max(np.abs(a - b))) for a, b in zip(before["float32"][0], after["float32"][0])),

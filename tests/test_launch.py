@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from helpers import run_meshfit, write_idx_dataset
 
-from meshfit import cluster, launch
+from meshfit import cluster, env, launch
 from meshfit.errors import MeshfitError
 
 TRAIN = ["fashion-mnist-cnn", "--batch-size", "64", "--seed", "0"]
@@ -65,7 +65,7 @@ def single_process_run(data_dir, tmp_path_factory):
 # ----------------------------------------------------------------------------- the job's settings
 
 def test_no_job_without_variables(monkeypatch):
-    for name in (cluster.COORDINATOR_ENV, cluster.NUM_PROCESSES_ENV, cluster.PROCESS_ID_ENV):
+    for name in (env.COORDINATOR, env.NUM_PROCESSES, env.PROCESS_ID):
         monkeypatch.delenv(name, raising=False)
     assert cluster.describe_job() is None
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 from meshfit.errors import MeshfitError
 from meshfit.pipeline import CROP_PADDING
 
+DEFAULT = "fashion-mnist-cnn"  # what `meshfit train` and `meshfit bench` run without a name
 _MODULES = {
     "fashion-mnist-cnn": "fashion_mnist_cnn",
     "cifar10-cnn": "cifar10_cnn",
@@ -57,6 +58,14 @@ class Recipe:
     tta_flip: bool = False
     input_shape: tuple[int, ...] | None = None
     doc: str = ""
+
+    def make_loss(self) -> Any:
+        """The loss to compile with: a Keras loss name or object as given, else loss()'s result."""
+        import keras
+
+        if isinstance(self.loss, (str, keras.losses.Loss)):
+            return self.loss
+        return self.loss()
 
 
 def names() -> list[str]:

@@ -1,4 +1,4 @@
-"""The on-device multi-step loop (meshfit.loop): k steps in one dispatch, trained like Keras."""
+"""The on-device multi-step loop (meshfit.jax_loop): k steps in one dispatch, trained like Keras."""
 
 import dataclasses
 import io
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import meshfit
-from meshfit import loop
+from meshfit import jax_loop
 from meshfit.distribution import Strategy
 
 
@@ -45,10 +45,10 @@ def test_k_steps_in_one_dispatch_equal_k_keras_steps(strategy):
 
     model = small_model(strategy)
     batches = [(x[i * 16:(i + 1) * 16], y[i * 16:(i + 1) * 16]) for i in range(4)]
-    state = loop.training_state(model, batches[0])
-    run = loop.make_multi_step(model, 4, jax.tree.map(lambda a: a.sharding, state))
+    state = jax_loop.training_state(model, batches[0])
+    run = jax_loop.make_multi_step(model, 4, jax.tree.map(lambda a: a.sharding, state))
     logs, state = run(state, batches)
-    loop.set_training_state(model, state)
+    jax_loop.set_training_state(model, state)
     assert state[0][0].sharding.is_fully_replicated and len(state[0][0].sharding.device_set) == 8
     assert float(logs["loss"]) > 0
     moved = [np.abs(a - b).max() for a, b in zip(weights(keras_model), weights(small_model(strategy)))]
@@ -64,10 +64,10 @@ def test_installed_loop_trains_like_keras_fit_and_the_report_counts_steps(strate
     plain = small_model(strategy)
     plain_history = plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
     model = small_model(strategy)
-    loop.install(model, 4)
+    jax_loop.install(model, 4)
     report = EpochReport(strategy=strategy, stream=io.StringIO())  # no batch size: no FLOP count to compile
     history = strategy.fit(model, x, y, batch_size=16, epochs=2, shuffle=False, callbacks=[report]).history
-    assert isinstance(model.train_function, loop._TrainFunction)
+    assert isinstance(model.train_function, jax_loop._TrainFunction)
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(history[key], plain_history[key], rtol=1e-5)
     for a, b in zip(weights(plain), weights(model)):
@@ -85,7 +85,7 @@ def test_strategy_fit_runs_the_compiled_steps_per_execution_on_device_compiling_
         x, y = data(32)
         one.fit(model, x, y, batch_size=16, epochs=2, report=False)  # 2 steps per epoch
         function = model.train_function
-        assert isinstance(function, loop._TrainFunction) and function.steps == steps_per_execution
+        assert isinstance(function, jax_loop._TrainFunction) and function.steps == steps_per_execution
         compiled = function._single if steps_per_execution == 1 else function._multi
         assert compiled._cache_size() == 1  # Keras' own step compiles 2-3 times here (1 device)
     finally:
@@ -93,9 +93,9 @@ def test_strategy_fit_runs_the_compiled_steps_per_execution_on_device_compiling_
 
 
 def test_steps_per_dispatch_are_checked_and_fitted_to_the_epoch():
-    assert loop.dividing_steps(60, 8) == 6
-    assert loop.dividing_steps(64, 8) == 8
-    assert loop.dividing_steps(7, 8) == 7
-    assert loop.dividing_steps(13, 8) == 1
+    assert jax_loop.dividing_steps(60, 8) == 6
+    assert jax_loop.dividing_steps(64, 8) == 8
+    assert jax_loop.dividing_steps(7, 8) == 7
+    assert jax_loop.dividing_steps(13, 8) == 1
     with pytest.raises(meshfit.MeshfitError, match="at least 1"):
-        loop.dividing_steps(60, 0)
+        jax_loop.dividing_steps(60, 0)

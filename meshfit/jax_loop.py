@@ -12,7 +12,7 @@ installs it on JAX with the compiled `steps_per_execution`, so with meshfit this
     model.compile(..., steps_per_execution=8)    # inside strategy.scope()
     strategy.fit(model, x, y, batch_size=1024, epochs=5)
 
-With plain `model.fit`, call `meshfit.loop.install(model, steps=8)` after `compile`. Callbacks'
+With plain `model.fit`, call `meshfit.jax_loop.install(model, steps=8)` after `compile`. Callbacks'
 batch hooks then run every k steps (as with Keras' `steps_per_execution`). JAX engine only for
 the compiled loop; on TensorFlow `install` sets Keras' own `steps_per_execution`, which is
 already an in-graph loop there. The k batches come from Keras' iterator (already on the devices

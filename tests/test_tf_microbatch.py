@@ -1,4 +1,4 @@
-"""Cache-sized micro-batches on the TensorFlow engine (meshfit.microbatch)."""
+"""Cache-sized micro-batches on the TensorFlow engine (meshfit.tf_microbatch)."""
 
 import json
 import subprocess
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import ONE_CPU, environment
 
-from meshfit import microbatch, recipes
+from meshfit import recipes, tf_microbatch
 from meshfit.errors import MeshfitError
 
 
@@ -18,43 +18,43 @@ def test_plan_slices_the_fashion_cnn_batch_to_fit_the_cache(strategy):
     with strategy.scope():
         model = recipes.get("fashion-mnist-cnn").build_model((28, 28, 1), 10)
     per_sample = 26 * 26 * 64 * 4  # the conv output, float32
-    assert microbatch.activation_bytes_per_sample(model) == per_sample
-    slices = microbatch.plan(model, 1000)
+    assert tf_microbatch.activation_bytes_per_sample(model) == per_sample
+    slices = tf_microbatch.plan(model, 1000)
     assert slices == 20  # the fewest equal slices of at most 16 MiB: 50 samples, 8.7 MB
-    assert 1000 // slices * per_sample <= microbatch.ACTIVATION_BUDGET_BYTES
-    assert 1000 // 10 * per_sample > microbatch.ACTIVATION_BUDGET_BYTES  # fewer would not fit
-    assert microbatch.plan(model, 32) == 1  # small batches fit whole
-    assert microbatch.plan(model, 64, budget_bytes=1) == 2  # never below MIN_SLICE samples
-    assert microbatch.plan(model, 61, budget_bytes=1) == 1  # no equal slices of 32 or more
+    assert 1000 // slices * per_sample <= tf_microbatch.ACTIVATION_BUDGET_BYTES
+    assert 1000 // 10 * per_sample > tf_microbatch.ACTIVATION_BUDGET_BYTES  # fewer would not fit
+    assert tf_microbatch.plan(model, 32) == 1  # small batches fit whole
+    assert tf_microbatch.plan(model, 64, budget_bytes=1) == 2  # never below MIN_SLICE samples
+    assert tf_microbatch.plan(model, 61, budget_bytes=1) == 1  # no equal slices of 32 or more
 
 
 def test_plan_keeps_whole_batches_where_slicing_would_change_the_model(strategy):
     with strategy.scope():
         cifar = recipes.get("cifar10-cnn").build_model((32, 32, 3), 10)  # batch normalization
         mlp = recipes.get("mnist-mlp-bf16").build_model((28, 28, 1), 10)
-    assert microbatch.batch_coupled_layers(cifar)
-    assert microbatch.plan(cifar, 4096) == 1
+    assert tf_microbatch.batch_coupled_layers(cifar)
+    assert tf_microbatch.plan(cifar, 4096) == 1
     with pytest.raises(MeshfitError, match="use micro_batches=1"):
-        microbatch.check(cifar, 2)
-    assert microbatch.plan(mlp, 128) == 1  # 2 KB per sample: the batch fits the cache whole
+        tf_microbatch.check(cifar, 2)
+    assert tf_microbatch.plan(mlp, 128) == 1  # 2 KB per sample: the batch fits the cache whole
     with strategy.scope():
         keras.config.set_dtype_policy("mixed_bfloat16")
         try:
             half = recipes.get("fashion-mnist-cnn").build_model((28, 28, 1), 10)
         finally:
             keras.config.set_dtype_policy("float32")
-    assert microbatch.plan(half, 1000) == 1  # bfloat16 ran faster in whole batches
+    assert tf_microbatch.plan(half, 1000) == 1  # bfloat16 ran faster in whole batches
 
     class OwnStep(keras.Sequential):
         def train_step(self, data):
             return {}
 
     own = OwnStep([keras.Input((28, 28, 1)), keras.layers.Conv2D(64, 3)])
-    assert microbatch.plan(own, 1000) == 1
+    assert tf_microbatch.plan(own, 1000) == 1
     with pytest.raises(MeshfitError, match="own train_step"):
-        microbatch.check(own, 4)
+        tf_microbatch.check(own, 4)
     with pytest.raises(MeshfitError, match="at least 1 or 'auto'"):
-        microbatch.check(own, 0)
+        tf_microbatch.check(own, 0)
 
 
 def test_micro_batches_are_for_the_tensorflow_engine(strategy):
@@ -69,7 +69,7 @@ SAME_STEP_SCRIPT = textwrap.dedent("""
     import json, warnings
     import numpy as np
     import meshfit
-    from meshfit import microbatch
+    from meshfit import tf_microbatch
 
     strategy = meshfit.connect(engine="tensorflow", verbose=False)
     import keras
@@ -109,7 +109,7 @@ SAME_STEP_SCRIPT = textwrap.dedent("""
         runs[slices] = {"weights": [w.numpy().tolist() for w in model.trainable_weights],
                         "change": float(np.abs(model.trainable_weights[0].numpy() - initial).max()),
                         "history": history.history, "seen": float(probe.seen.numpy()),
-                        "installed": microbatch.installed(model),
+                        "installed": tf_microbatch.installed(model),
                         "warnings": [str(w.message) for w in caught]}
     print(json.dumps(runs))
 """)

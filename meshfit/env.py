@@ -1,0 +1,48 @@
+"""The MESHFIT_* environment variables: every name in one place, and how their values are read.
+
+  MESHFIT_ENGINE             Keras backend: auto, jax or tensorflow (like --engine)
+  MESHFIT_SIMULATE_DEVICES   run on N JAX CPU devices standing in for accelerator cores
+  MESHFIT_DATA               a folder searched for datasets (after --data-dir)
+  MESHFIT_CACHE              where datasets are downloaded (default ~/.cache/meshfit/datasets)
+  MESHFIT_OFFLINE            1: never download
+  MESHFIT_COORDINATOR        host:port of process 0 of a multi-host job
+  MESHFIT_NUM_PROCESSES      processes in the job (1 turns cluster detection off)
+  MESHFIT_PROCESS_ID         this process's index, 0 .. MESHFIT_NUM_PROCESSES-1
+  MESHFIT_LOCAL_DEVICE_IDS   the local devices this process uses, e.g. "0"
+  MESHFIT_INIT_TIMEOUT       seconds to wait for every process to join (default 300)
+  MESHFIT_HEARTBEAT_TIMEOUT  seconds of silence after which a process counts as dead (default 60)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from meshfit.errors import MeshfitError
+
+ENGINE = "MESHFIT_ENGINE"
+SIMULATE_DEVICES = "MESHFIT_SIMULATE_DEVICES"
+DATA = "MESHFIT_DATA"
+CACHE = "MESHFIT_CACHE"
+OFFLINE = "MESHFIT_OFFLINE"
+COORDINATOR = "MESHFIT_COORDINATOR"
+NUM_PROCESSES = "MESHFIT_NUM_PROCESSES"
+PROCESS_ID = "MESHFIT_PROCESS_ID"
+LOCAL_DEVICE_IDS = "MESHFIT_LOCAL_DEVICE_IDS"
+INIT_TIMEOUT = "MESHFIT_INIT_TIMEOUT"
+HEARTBEAT_TIMEOUT = "MESHFIT_HEARTBEAT_TIMEOUT"
+
+
+def read_int(name: str, environ: Mapping[str, str] = os.environ, example: int = 2) -> int | None:
+    """The whole number in $name, None when unset or empty; anything else is a MeshfitError."""
+    value = environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise MeshfitError(f"{name}={value!r} is not a whole number; set it to e.g. {example}")
+    return int(value)
+
+
+def is_set(name: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """True when $name holds a true value (not empty, 0, false or no)."""
+    return environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
