@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import meshfit
-from meshfit import bench, pipeline, recipes, tf_bias_gradient, tf_microbatch, training
+from meshfit import bench, pipeline, recipes, tf_bias_gradient, tf_microbatch
 
 
 def main() -> None:
@@ -60,7 +60,7 @@ def main() -> None:
         with strategy.scope():
             model = recipe.build_model(shape, 10)
             model.compile(optimizer=recipe.optimizer(args.steps, args.rounds + 1),
-                          loss=training.recipe_loss(recipe), metrics=["accuracy"])
+                          loss=recipe.make_loss(), metrics=["accuracy"])
         slices = tf_microbatch.plan(model, batch) if slices is None else slices
         tf_microbatch.install(model, slices)
         batches = pipeline.TrainBatches(x, y, batch, seed=0)

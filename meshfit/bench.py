@@ -24,7 +24,6 @@ reports for each row the median samples/s over the rounds (`rounds_samples_per_s
 
 from __future__ import annotations
 
-import argparse
 import collections
 import csv
 import io
@@ -39,11 +38,9 @@ from typing import Any
 
 from meshfit import devices as devices_lib
 from meshfit import engine as engine_lib
-from meshfit import planning, recipes
-from meshfit.training import recipe_loss, timestamped_dir
+from meshfit import planning, recipes, rundir
 from meshfit.errors import MeshfitError
 
-DEFAULT_RECIPE = "fashion-mnist-cnn"
 DEFAULT_REPEATS = 5
 DEFAULT_STEPS = 10  # timed steps per repeat (rounded up to a multiple of the steps per dispatch)
 BENCH_ENGINES = ("jax", "tensorflow")
@@ -56,51 +53,7 @@ DATASET_SHAPES = {"mnist": (28, 28, 1), "fashion_mnist": (28, 28, 1), "cifar10":
 _ROW, _MACHINE, _ERROR = "meshfit-bench-row ", "meshfit-bench-machine ", "meshfit-bench-error "
 
 
-# --------------------------------------------------------------------------- command line (parent)
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `meshfit bench`."""
-    parser.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE,
-                        help=f"recipe whose model is timed (default: {DEFAULT_RECIPE})")
-    parser.add_argument("--engines", help="comma-separated Keras backends (default: every installed "
-                        "one that runs on these devices: jax, tensorflow)")
-    parser.add_argument("--precisions", help="comma-separated: auto, float32, bfloat16, float16 "
-                        "(default: the recipe's)")
-    parser.add_argument("--batch-sizes", help="comma-separated global batch sizes (default: the recipe's)")
-    parser.add_argument("--steps-per-dispatch", help="comma-separated train steps per dispatch "
-                        "(default: 1 on CPU, 1,8 on accelerators)")
-    parser.add_argument("--simulate-devices", type=int, metavar="N",
-                        help="run on N JAX CPU devices standing in for accelerator cores")
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                        help=f"timed epochs per measurement; the median is reported (default: {DEFAULT_REPEATS})")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run every engine and path this many times, alternating, and report "
-                             "the median (default: 1)")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                        help=f"train steps per timed epoch (default: {DEFAULT_STEPS})")
-    parser.add_argument("--out", help="directory for bench.csv, bench.json, bench.png "
-                        "(default: runs/bench-<time>)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON, not a table")
-
-
-def run(args: argparse.Namespace) -> int:
-    """`meshfit bench`: measure, print the table (or JSON) and write the files."""
-    result = bench(args.recipe, engines=_names(args.engines, "--engines"),
-                   precisions=_names(args.precisions, "--precisions"),
-                   batch_sizes=_counts(args.batch_sizes, "--batch-sizes"),
-                   steps_per_dispatch=_counts(args.steps_per_dispatch, "--steps-per-dispatch"),
-                   simulate_devices=args.simulate_devices, repeats=args.repeats, steps=args.steps,
-                   rounds=args.rounds, out=args.out)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(format_table(result))
-        print("wrote " + ", ".join(os.path.join(result["out"], f)
-                                   for f in ("bench.csv", "bench.json", "bench.png")))
-    return 0
-
-
-def bench(recipe: str = DEFAULT_RECIPE, *, engines: list[str] | None = None,
+def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
           precisions: list[str] | None = None, batch_sizes: list[int] | None = None,
           steps_per_dispatch: list[int] | None = None, simulate_devices: int | None = None,
           repeats: int = DEFAULT_REPEATS, steps: int = DEFAULT_STEPS, rounds: int = 1,
@@ -145,7 +98,7 @@ def bench(recipe: str = DEFAULT_RECIPE, *, engines: list[str] | None = None,
     if not rows:
         raise MeshfitError("nothing was measured; " + "; ".join(skipped))
     add_ratios(rows)
-    out = out or timestamped_dir("bench")
+    out = out or rundir.timestamped("bench")
     result = {"recipe": the_recipe.name, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": "meshfit bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
               "machine": machine, "skipped": skipped, "out": out,
@@ -189,24 +142,6 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 def _key(row: dict[str, Any]) -> tuple:
     return row["engine"], row["precision"], row["batch"], row["steps_per_dispatch"]
-
-
-def _names(text: str | None, flag: str) -> list[str] | None:
-    if text is None:
-        return None
-    names = [t.strip().lower() for t in text.split(",") if t.strip()]
-    if not names:
-        raise MeshfitError(f"{flag} needs at least one value, e.g. {flag} a,b")
-    return names
-
-
-def _counts(text: str | None, flag: str) -> list[int] | None:
-    names = _names(text, flag)
-    if names is None:
-        return None
-    if not all(n.isdigit() and int(n) >= 1 for n in names):
-        raise MeshfitError(f"{flag} takes whole numbers of at least 1, comma-separated, got {text!r}")
-    return [int(n) for n in names]
 
 
 def _run_worker(spec: dict) -> tuple[list[dict], dict | None, str | None]:
@@ -338,11 +273,8 @@ def plot(result: dict, path: str) -> None:
 
 def default_batch(recipe: recipes.Recipe, platform: str, device_kind: str, replicas: int) -> int:
     """The recipe's global batch on these devices, as `meshfit train` would use it."""
-    if recipe.global_batch:
-        return planning.split_global_batch(recipe.global_batch, replicas)
-    per_core = planning.round_per_core(recipe.per_core_batch or 128,
-                                       planning.batch_multiple(platform, device_kind))
-    return per_core * replicas
+    return planning.plan_global_batch(replicas, platform, device_kind, global_batch=recipe.global_batch,
+                                      per_core_batch=recipe.per_core_batch)
 
 
 def input_shape(recipe: recipes.Recipe) -> tuple[int, ...]:
@@ -354,21 +286,10 @@ def input_shape(recipe: recipes.Recipe) -> tuple[int, ...]:
     raise MeshfitError(f"recipe {recipe.name} names no input_shape for dataset {recipe.dataset}")
 
 
-def _sync(model) -> None:
-    """Wait for the dispatched steps to finish (JAX runs asynchronously)."""
-    import keras
-
-    values = [v.value for v in model.trainable_variables]
-    if keras.backend.backend() == "jax":
-        import jax
-
-        jax.block_until_ready(values)
-    else:
-        keras.ops.convert_to_numpy(values[0])
-
-
 def _epoch_timer():
     import keras
+
+    from meshfit.report import wait_for_device
 
     class EpochTimer(keras.callbacks.Callback):
         """Seconds of each epoch, between device synchronizations."""
@@ -378,11 +299,11 @@ def _epoch_timer():
             self.seconds: list[float] = []
 
         def on_epoch_begin(self, epoch, logs=None):
-            _sync(self.model)
+            wait_for_device(self.model)
             self._start = time.perf_counter()
 
         def on_epoch_end(self, epoch, logs=None):
-            _sync(self.model)
+            wait_for_device(self.model)
             self.seconds.append(time.perf_counter() - self._start)
 
     return EpochTimer()
@@ -451,7 +372,7 @@ def _worker(spec: dict) -> None:
                     if engine == "jax" and replicas > 1:
                         keras.distribution.set_distribution(keras.distribution.DataParallel())
                 model = (recipe.build_model(shape, classes) if classes else recipe.build_model(shape))
-                model.compile(optimizer=recipe.optimizer(steps, repeats + 1), loss=recipe_loss(recipe),
+                model.compile(optimizer=recipe.optimizer(steps, repeats + 1), loss=recipe.make_loss(),
                               metrics=["accuracy"], steps_per_execution=1 if strategy else k)
                 rng = np.random.default_rng(0)
                 x = rng.integers(0, 256, (steps * batch, *shape), dtype=np.uint8)

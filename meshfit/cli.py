@@ -1,76 +1,330 @@
 """The `meshfit` command line: `meshfit COMMAND ...`, also `python -m meshfit`.
 
-Each command lives in the module of its concept, which provides `add_arguments(parser)` and
-`run(args) -> int`; only the chosen command's module is imported, so start-up stays fast and
-Keras is imported after the engine is chosen.
+Every command has `add_<command>_arguments(parser)` and `run_<command>(args) -> int` here, and
+every flag is defined once; the work itself is done by the library module of its concept. Library
+modules never import this one. Heavy modules (Keras, JAX) are imported only inside the chosen
+command, so start-up stays fast and Keras is imported after the engine is chosen.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import os
+import shlex
 import sys
 import warnings
+from typing import Callable
 
 from meshfit.errors import MeshfitError
 
 COMMANDS = {
-    "info": ("meshfit.cli", "print the devices found, engine, precision and batch multiple"),
-    "train": ("meshfit.training", "train a recipe and write a run directory"),
-    "eval": ("meshfit.training", "evaluate a trained model on its test set"),
-    "predict": ("meshfit.inference", "classify image files on the CPU"),
-    "export": ("meshfit.export", "export a trained model for CPU serving (keras or onnx)"),
-    "bench": ("meshfit.bench", "time the train step per engine, precision and batch size"),
-    "launch": ("meshfit.launch", "start N local processes of a multi-host job"),
+    "info": "print the devices found, engine, precision and batch multiple",
+    "train": "train a recipe and write a run directory",
+    "eval": "evaluate a trained model on its test set",
+    "predict": "classify image files on the CPU",
+    "export": "export a trained model for CPU serving (keras or onnx)",
+    "bench": "time the train step per engine, precision and batch size",
+    "launch": "start N local processes of a multi-host job",
 }
 
 
-def add_device_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags every command that connects to devices takes."""
+# ------------------------------------------------------------------------------- shared flags
+
+def add_device_arguments(parser: argparse.ArgumentParser, precision: bool = True) -> None:
+    """The flags of commands that connect to devices."""
     parser.add_argument("--simulate-devices", type=int, metavar="N",
                         help="run on N JAX CPU devices standing in for accelerator cores")
-    parser.add_argument("--precision", default="auto",
-                        help="auto, float32, bfloat16 or float16 (default: auto)")
+    if precision:
+        parser.add_argument("--precision", default="auto",
+                            help="auto, float32, bfloat16 or float16 (default: auto)")
     parser.add_argument("--engine", default=None,
                         help="Keras backend: auto, jax or tensorflow (default: auto)")
     parser.add_argument("--require", choices=("tpu", "gpu", "cpu"),
                         help="fail unless this platform is present")
 
 
-def connect_from_args(args: argparse.Namespace, verbose: bool = True):
-    """`meshfit.connect` with the device flags of `args`."""
+def add_json_argument(parser: argparse.ArgumentParser, what: str = "the results") -> None:
+    parser.add_argument("--json", action="store_true", help=f"print {what} as JSON")
+
+
+def comma_names(text: str | None, flag: str) -> list[str] | None:
+    """A comma-separated flag value as lower-case names; None when the flag was not given."""
+    if text is None:
+        return None
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    if not names:
+        raise MeshfitError(f"{flag} needs at least one value, e.g. {flag} a,b")
+    return names
+
+
+def comma_counts(text: str | None, flag: str) -> list[int] | None:
+    """A comma-separated flag value as whole numbers >= 1; None when the flag was not given."""
+    names = comma_names(text, flag)
+    if names is None:
+        return None
+    if not all(n.isdigit() and int(n) >= 1 for n in names):
+        raise MeshfitError(f"{flag} takes whole numbers of at least 1, comma-separated, got {text!r}")
+    return [int(n) for n in names]
+
+
+# --------------------------------------------------------------------------------------- info
+
+def add_info_arguments(parser: argparse.ArgumentParser) -> None:
+    add_device_arguments(parser)
+    add_json_argument(parser, "the report")
+
+
+def run_info(args: argparse.Namespace) -> int:
+    """The discovery report."""
     from meshfit.distribution import connect
 
-    return connect(require=args.require, simulate=args.simulate_devices,
-                   precision=args.precision, engine=args.engine, verbose=verbose)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `meshfit info`."""
-    add_device_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-
-
-def run(args: argparse.Namespace) -> int:
-    """`meshfit info`: the discovery report."""
-    strategy = connect_from_args(args, verbose=not args.json)
+    strategy = connect(require=args.require, simulate=args.simulate_devices,
+                       precision=args.precision, engine=args.engine, verbose=not args.json)
     if args.json:
         print(json.dumps(strategy.describe()))
     return 0
 
 
+# -------------------------------------------------------------------------------------- train
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    from meshfit import planning, recipes, spec
+
+    parser.add_argument("recipe", nargs="?", metavar="RECIPE",
+                        help=f"one of: {', '.join(recipes.names())} (default: {recipes.DEFAULT})")
+    parser.add_argument("--epochs", type=int, metavar="N", help="epochs (default: the recipe's)")
+    parser.add_argument("--batch-size", type=int, metavar="GLOBAL",
+                        help="global batch over all replicas (default: the recipe's)")
+    parser.add_argument("--data-dir", metavar="DIR", help="where the dataset is (see meshfit.datasets)")
+    parser.add_argument("--out", metavar="DIR", help="the run directory (default: runs/<recipe>-<time>)")
+    parser.add_argument("--seed", type=int, metavar="S", help="random seed (default: 0)")
+    parser.add_argument("--json", action="store_true", help="print metrics.json as the last line")
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
+    parser.add_argument("--checkpoint-every", metavar="EVERY",
+                        help="steps (200), time (60s, 5m), 'epoch' or 'off' (default: "
+                             f"{spec.DEFAULT_CHECKPOINT_EVERY}); epoch ends are always saved unless 'off'")
+    parser.add_argument("--keep-checkpoints", type=int, metavar="K",
+                        help=f"keep the newest K checkpoints (default: {spec.DEFAULT_KEEP_CHECKPOINTS})")
+    parser.add_argument("--steps-per-dispatch", type=int, metavar="K",
+                        help="train steps per call into the devices, one compiled loop (default: "
+                             f"up to {planning.AUTO_STEPS_PER_DISPATCH} on a GPU or TPU, 1 on a CPU)")
+    parser.add_argument("--micro-batches", type=int, metavar="K",
+                        help="sum each batch's gradient over K slices, for cache locality on a CPU "
+                             "(default: cache-sized on the TensorFlow engine; 1 = whole batches)")
+    parser.add_argument("--no-batch-rounding", action="store_true",
+                        help="fail instead of rounding a batch that does not split across replicas")
+    add_device_arguments(parser)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Train; a stop by SIGTERM/SIGINT (state saved) exits with its own code and one line."""
+    from meshfit.training import train
+
+    command = shlex.join(["meshfit", *sys.argv[1:]])
+    try:
+        metrics = train(args.recipe, epochs=args.epochs, batch_size=args.batch_size,
+                        precision=args.precision, data_dir=args.data_dir, out=args.out,
+                        seed=args.seed, simulate_devices=args.simulate_devices, engine=args.engine,
+                        require=args.require, resume=args.resume,
+                        checkpoint_every=args.checkpoint_every,
+                        keep_checkpoints=args.keep_checkpoints,
+                        steps_per_dispatch=args.steps_per_dispatch,
+                        micro_batches=args.micro_batches,
+                        batch_rounding=not args.no_batch_rounding, verbose=True, command=command)
+    except MeshfitError as err:
+        if not hasattr(err, "exit_code"):  # only TrainingInterrupted has its own exit code
+            raise
+        print(f"meshfit: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    if args.json:
+        print(json.dumps(metrics), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------------------- eval
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="RUN_DIR_OR_MODEL",
+                        help="a run directory written by meshfit train, or its model.keras")
+    parser.add_argument("--data-dir", metavar="DIR", help="where the dataset is (default: the run's)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON, last line")
+    add_device_arguments(parser, precision=False)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from meshfit.training import evaluate
+
+    result = evaluate(args.model, args.data_dir, simulate_devices=args.simulate_devices,
+                      engine=args.engine, require=args.require, verbose=not args.json)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    else:
+        print(f"test accuracy {result['test_accuracy']:.4f}  test loss {result['test_loss']:.4f}"
+              f"  ({result['samples']} images)")
+    return 0
+
+
+# ------------------------------------------------------------------------------------ predict
+
+def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="run directory, .keras or .onnx file")
+    parser.add_argument("images", nargs="*", metavar="IMAGE", help="PNG or JPEG files")
+    parser.add_argument("--top-k", type=int, default=3, metavar="K",
+                        help="classes to list per image (default: 3)")
+    parser.add_argument("--show", metavar="OUT.png",
+                        help="write a picture of the images with their probabilities")
+    add_json_argument(parser)
+    parser.add_argument("--backend", choices=("auto", "onnx", "keras"), default="auto",
+                        help="auto (ONNX Runtime when possible), onnx or keras (default: auto)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="ONNX Runtime threads per operation (default: one per core)")
+    parser.add_argument("--benchmark", type=int, metavar="N",
+                        help="time N single-image predictions in this process; print p50/p90 ms")
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    """Classify image files on the CPU."""
+    os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras fallback on JAX stays on the CPU
+    from meshfit import inference
+
+    if args.top_k < 1:
+        raise MeshfitError(f"--top-k must be at least 1, got {args.top_k}")
+    if args.threads is not None and args.threads < 1:
+        raise MeshfitError(f"--threads must be at least 1, got {args.threads}")
+    if args.benchmark is not None:
+        stats = inference.benchmark_latency(args.model, n=args.benchmark, backend=args.backend,
+                                            threads=args.threads)
+        print(json.dumps(stats) if args.json else
+              f"{args.model} on {stats['backend']}: p50 {stats['p50_ms']:.3f} ms, "
+              f"p90 {stats['p90_ms']:.3f} ms per image ({stats['n']} runs, batch 1)")
+        if not args.images:
+            return 0
+    if not args.images:
+        raise MeshfitError("no images given; usage: meshfit predict MODEL IMAGE...")
+    predictor = inference.load_predictor(args.model, backend=args.backend, threads=args.threads)
+    images = inference.load_images(args.images, predictor.input_shape)
+    rows = inference.results(args.images, predictor.predict(images), predictor.class_names,
+                             min(args.top_k, len(predictor.class_names)))
+    if args.show:
+        inference.save_figure(args.show, images, rows)
+    if args.json:
+        print(json.dumps({"model": args.model, "backend": predictor.backend, "predictions": rows}))
+    else:
+        print(inference.format_results(rows))
+    return 0
+
+
+# ------------------------------------------------------------------------------------- export
+
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="run directory or .keras file")
+    parser.add_argument("--format", choices=("keras", "onnx"), default="onnx",
+                        help="onnx (for ONNX Runtime) or keras (default: onnx)")
+    parser.add_argument("--out", metavar="PATH",
+                        help="where to write (default: beside the model, where predict looks)")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Write a float32 model for CPU serving."""
+    os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras on JAX stays on the CPU
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from meshfit import export
+
+    write = export.export_onnx if args.format == "onnx" else export.export_keras
+    print(f"wrote {write(args.model, args.out)}")
+    return 0
+
+
+# -------------------------------------------------------------------------------------- bench
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from meshfit import bench, recipes
+
+    parser.add_argument("recipe", nargs="?", default=recipes.DEFAULT,
+                        help=f"recipe whose model is timed (default: {recipes.DEFAULT})")
+    parser.add_argument("--engines", help="comma-separated Keras backends (default: every installed "
+                        "one that runs on these devices: jax, tensorflow)")
+    parser.add_argument("--precisions", help="comma-separated: auto, float32, bfloat16, float16 "
+                        "(default: the recipe's)")
+    parser.add_argument("--batch-sizes", help="comma-separated global batch sizes (default: the recipe's)")
+    parser.add_argument("--steps-per-dispatch", help="comma-separated train steps per dispatch "
+                        "(default: 1 on CPU, 1,8 on accelerators)")
+    parser.add_argument("--simulate-devices", type=int, metavar="N",
+                        help="run on N JAX CPU devices standing in for accelerator cores")
+    parser.add_argument("--repeats", type=int, default=bench.DEFAULT_REPEATS,
+                        help="timed epochs per measurement; the median is reported "
+                             f"(default: {bench.DEFAULT_REPEATS})")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every engine and path this many times, alternating, and report "
+                             "the median (default: 1)")
+    parser.add_argument("--steps", type=int, default=bench.DEFAULT_STEPS,
+                        help=f"train steps per timed epoch (default: {bench.DEFAULT_STEPS})")
+    parser.add_argument("--out", help="directory for bench.csv, bench.json, bench.png "
+                        "(default: runs/bench-<time>)")
+    add_json_argument(parser, "the results (not a table)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Measure, print the table (or JSON) and write the files."""
+    from meshfit import bench
+
+    result = bench.bench(args.recipe, engines=comma_names(args.engines, "--engines"),
+                         precisions=comma_names(args.precisions, "--precisions"),
+                         batch_sizes=comma_counts(args.batch_sizes, "--batch-sizes"),
+                         steps_per_dispatch=comma_counts(args.steps_per_dispatch, "--steps-per-dispatch"),
+                         simulate_devices=args.simulate_devices, repeats=args.repeats,
+                         steps=args.steps, rounds=args.rounds, out=args.out)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(bench.format_table(result))
+        print("wrote " + ", ".join(os.path.join(result["out"], f)
+                                   for f in ("bench.csv", "bench.json", "bench.png")))
+    return 0
+
+
+# ------------------------------------------------------------------------------------- launch
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--processes", type=int, required=True, metavar="N", help="processes to start")
+    parser.add_argument("--devices-per-process", type=int, default=1, metavar="M",
+                        help="simulated CPU devices per process (default: 1)")
+    parser.add_argument("--port", type=int, metavar="P",
+                        help="coordinator port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--show", choices=("all", "first"), default="all",
+                        help="all: every process's lines, prefixed [i]; first: process 0's, "
+                             "and a failed process's last lines (default: all)")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="stop the job after this many seconds (default: no limit)")
+    parser.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                        help="the command each process runs; a leading `meshfit` runs this meshfit")
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    from meshfit.launch import launch
+
+    return launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
+                  show=args.show, timeout=args.timeout)
+
+
+# --------------------------------------------------------------------------------------- main
+
 def _parser(command: str | None) -> argparse.ArgumentParser:
+    """The parser; only the chosen command's arguments are added (each may import its module)."""
     parser = argparse.ArgumentParser(
         prog="meshfit",
         description="Train any Keras model on every core of a TPU, GPU or CPU; infer on the CPU.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
+    for name, help_text in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
-            mod = importlib.import_module(module)
-            (getattr(mod, f"add_{name}_arguments", None) or mod.add_arguments)(cmd)
+            _function("add", name)(cmd)
     return parser
+
+
+def _function(kind: str, command: str) -> Callable:
+    return globals()[f"{kind}_{command}_arguments" if kind == "add" else f"run_{command}"]
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -86,9 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         _parser(None).print_help()
         return 1
     warnings.formatwarning = _one_line_warning
-    module = importlib.import_module(COMMANDS[args.command][0])
     try:
-        code = (getattr(module, f"run_{args.command}", None) or module.run)(args) or 0
+        code = _function("run", args.command)(args) or 0
     except MeshfitError as err:
         print(f"meshfit: error: {err}", file=sys.stderr)
         code = 2

@@ -16,13 +16,12 @@ makes the others stop with an error, so a dead peer cannot hang the job.
 
 In the job every process passes the same global data or batches: `fit_arguments()` (used by
 `Strategy.fit`) cuts them to each process's rows, `predict()` gathers outputs that Keras' predict
-cannot, `barrier()` lines the processes up, and `outside_mesh()` lets process 0 save on its own.
+cannot, `barrier()` lines the processes up.
 A process that fails leaves at once (`exit_failed()`), so its peers are not left waiting for it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import socket
@@ -30,7 +29,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 from meshfit import env
 from meshfit.errors import MeshfitError
@@ -367,21 +366,3 @@ def predict(model, batches: Iterable[Any]):
         result = call(trainable, other, jax.tree.map(to_global, x))
         outputs.append(multihost_utils.process_allgather(result, tiled=True))
     return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
-
-
-@contextlib.contextmanager
-def outside_mesh() -> Iterator[None]:
-    """Run host-local Keras work (saving, CPU inference) on one process without the global mesh.
-
-    Under the multi-host distribution, Keras creates new variables (e.g. `model.save` builds a
-    throw-away optimizer) as cross-host arrays, which waits for every process and hangs when only
-    process 0 saves. Inside this block no distribution is set.
-    """
-    import keras
-
-    active = keras.distribution.distribution()
-    keras.distribution.set_distribution(None)
-    try:
-        yield
-    finally:
-        keras.distribution.set_distribution(active)

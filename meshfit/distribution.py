@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
 from typing import Any, Iterator
 
 from meshfit import devices as devices_lib
 from meshfit import engine as engine_lib
 from meshfit import planning
-from meshfit.errors import MeshfitError
 
 
 class Strategy:
@@ -60,22 +58,23 @@ class Strategy:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator["Strategy"]:
-        """Create and compile models inside this scope to replicate them on every device."""
+        """Create and compile models inside this scope to replicate them on every device; the
+        Keras distribution and dtype policy in force before are restored on exit."""
+        import keras
+
+        policy, distribution = keras.config.dtype_policy(), keras.distribution.distribution()
         self.activate()
-        yield self
+        try:
+            yield self
+        finally:
+            keras.config.set_dtype_policy(policy)
+            if self.engine == "jax":
+                keras.distribution.set_distribution(distribution)
 
     def global_batch(self, per_core: int, rounding: bool = True) -> int:
         """Global batch for `per_core` samples per core, rounded to the hardware multiple."""
-        rounded = planning.round_per_core(per_core, self.per_core_multiple)
-        if rounded != per_core:
-            if not rounding:
-                raise MeshfitError(
-                    f"per-core batch {per_core} is not a multiple of {self.per_core_multiple} "
-                    f"on {self.device_kind}; use {rounded} or allow rounding"
-                )
-            warnings.warn(f"per-core batch {per_core} rounded to {rounded}, a multiple of "
-                          f"{self.per_core_multiple} on {self.device_kind}", stacklevel=2)
-        return rounded * self.replicas
+        return planning.plan_global_batch(self.replicas, self.platform, self.device_kind,
+                                          per_core_batch=per_core, rounding=rounding)
 
     def check_batch(self, global_batch: int, rounding: bool = True) -> int:
         """`global_batch` checked to split evenly across the replicas (rounded up if allowed)."""
@@ -99,38 +98,10 @@ class Strategy:
         }
 
     def report(self) -> str:
-        """The discovery report as text, like the tutorials' TPU log but for any platform."""
-        d = self.describe()
-        sim = " (simulated on the CPU)" if d["simulated"] else ""
-        mixed = ", float32 variables" if self.precision != "float32" else ""
-        peak = f"{d['peak_flops'] / 1e12:.1f} TFLOP/s" if d["peak_flops"] else "n/a"
-        rows = [
-            ("platform", f"{self.platform}{sim}"),
-            ("device kind", self.device_kind),
-            ("hosts", f"{self.hosts} (this is process {d['process_index']})"),
-            ("devices per host", d["devices_per_host"]),
-            ("replicas", self.replicas),
-            ("engine", f"keras on {self.engine}"),
-            ("precision", f"{self.precision} ({d['keras_policy']}{mixed})"),
-            ("per-core batch", f"multiple of {self.per_core_multiple}"),
-            ("peak", peak),
-        ]
-        return "meshfit connected\n" + "\n".join(f"  {k:<17}{v}" for k, v in rows)
+        """The discovery report as text (see meshfit.report.discovery_text)."""
+        from meshfit.report import discovery_text
 
-    def micro_batches(self, model, batch_size: int | None, requested: int | str = "auto") -> int:
-        """Slices per batch for `model`'s train step (see meshfit.tf_microbatch).
-
-        'auto': cache-sized slices on the TensorFlow engine when the batch size is known, else 1.
-        """
-        from meshfit import tf_microbatch
-
-        if requested == "auto":
-            return tf_microbatch.plan(model, batch_size) if self.engine == "tensorflow" and batch_size else 1
-        slices = tf_microbatch.check(model, requested)
-        if slices > 1 and self.engine != "tensorflow":
-            raise MeshfitError(f"micro-batches run on the TensorFlow engine (one CPU), not on "
-                               f"{self.engine}; use micro_batches=1")
-        return slices
+        return discovery_text(self.describe())
 
     def fit(self, model, x=None, y=None, *, batch_size: int | None = None, epochs: int = 1,
             callbacks: list | None = None, verbose: int = 0, report: bool = True,
@@ -140,48 +111,50 @@ class Strategy:
         micro_batches: slices each batch's gradient is summed over ('auto': cache-sized on a CPU;
         1: whole batches); with slices, every batch needs at least that many samples.
         """
+        from meshfit import pipeline, tf_microbatch
         from meshfit.report import EpochReport
 
         callbacks = list(callbacks or [])
-        slices = self.micro_batches(model, batch_size, micro_batches)
+        slices = tf_microbatch.choose(model, batch_size, micro_batches, self.engine)
         if batch_size is not None:
             batch_size = self.check_batch(batch_size)
-            x, y = self._trim_last_batch(x, y, batch_size, slices)
+            x, y = pipeline.trim_last_batch(x, y, batch_size, self.replicas, slices)
             if isinstance(kwargs.get("validation_data"), tuple):
-                kwargs["validation_data"] = self._trim_last_batch(*kwargs["validation_data"][:2], batch_size)
+                kwargs["validation_data"] = pipeline.trim_last_batch(
+                    *kwargs["validation_data"][:2], batch_size, self.replicas)
         if report and self.info.process_index == 0 and not any(isinstance(c, EpochReport) for c in callbacks):
             callbacks.append(EpochReport(batch_size=batch_size, strategy=self))
         if self.hosts > 1:  # each process feeds its own rows of every global batch
             from meshfit import cluster
 
             x, y, batch_size, kwargs = cluster.fit_arguments(self, x, y, batch_size, kwargs)
-        if self.engine == "jax" and model.train_function is None:  # on-device k-step loop, see meshfit.jax_loop
+        if self.engine == "jax" and model.train_function is None:  # on-device k-step loop
             from meshfit import jax_loop
 
             jax_loop.install(model, model.steps_per_execution)
-        if self.engine == "tensorflow":
-            from meshfit import tf_microbatch
+        if self.engine == "tensorflow" and tf_microbatch.installed(model) != slices:
+            tf_microbatch.install(model, slices)
+        with self.scope():
+            return model.fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
+                             verbose=verbose, **kwargs)
 
-            if tf_microbatch.installed(model) != slices:
-                tf_microbatch.install(model, slices)
-        return model.fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
-                         verbose=verbose, **kwargs)
 
-    def _trim_last_batch(self, x, y, batch_size: int, slices: int = 1):
-        """Arrays shortened so their last partial batch splits across the replicas (and has at
-        least `slices` samples, one per micro-batch).
+@contextlib.contextmanager
+def without_distribution() -> Iterator[None]:
+    """No Keras distribution inside the block (the previous one is restored on exit).
 
-        Keras would otherwise hand XLA a last batch it cannot shard and fail deep inside it.
-        """
-        n = len(x) if hasattr(x, "shape") else None
-        rest = n % batch_size if n else 0
-        extra = rest if rest < slices else rest % self.replicas
-        if not extra:
-            return x, y
-        into = f"{slices} micro-batches" if rest < slices else f"{self.replicas} replicas"
-        warnings.warn(f"dropping the last {extra} of {n} samples so the last batch splits into "
-                      f"{into}", stacklevel=3)
-        return x[: n - extra], (y[: n - extra] if y is not None else None)
+    For host-local Keras work on one process: saving a model under the multi-host mesh would
+    create cross-host variables and wait for processes that are not saving; CPU inference and
+    export want plain single-device variables.
+    """
+    import keras
+
+    active = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(active)
 
 
 def connect(require: str | None = None, simulate: int | None = None, precision: str = "auto",
@@ -193,7 +166,7 @@ def connect(require: str | None = None, simulate: int | None = None, precision: 
     precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32).
     engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
     """
-    planning.resolve_precision(precision, "cpu")  # reject unknown names before any slow work
+    planning.check_precision(precision)  # reject unknown names before any slow work
     info = devices_lib.discover(simulate=simulate, require=require)
     chosen = engine_lib.choose(engine, info.platform, info.device_count)
     engine_lib.activate(chosen)

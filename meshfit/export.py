@@ -14,7 +14,6 @@ input shape and the SHA-256 of the .keras file it came from.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -55,15 +54,13 @@ def import_keras(backend: str | None = None):
 def on_cpu(keras) -> Iterator[None]:
     """Place variables and computation on the first CPU device, outside any data-parallel
     distribution that training set (restored on exit)."""
-    previous = keras.distribution.distribution()
-    keras.distribution.set_distribution(None)
-    try:
-        # Entering a device scope when the default device is the CPU anyway would only make JAX
-        # compile every initializer again (its caches are keyed by the device scope).
-        with contextlib.nullcontext() if _default_device_is_cpu(keras) else keras.device("cpu:0"):
-            yield
-    finally:
-        keras.distribution.set_distribution(previous)
+    from meshfit.distribution import without_distribution
+
+    # Entering a device scope when the default device is the CPU anyway would only make JAX
+    # compile every initializer again (its caches are keyed by the device scope).
+    with without_distribution(), \
+            contextlib.nullcontext() if _default_device_is_cpu(keras) else keras.device("cpu:0"):
+        yield
 
 
 def _default_device_is_cpu(keras) -> bool:
@@ -234,23 +231,3 @@ def _export_onnx_in_child(files: rundir.ModelFiles, out: str) -> None:
                   if line.startswith("meshfit: error: ")]
         why = errors[-1] if errors else (lines[-1] if lines else f"exit code {proc.returncode}")
         raise MeshfitError(f"ONNX export of {files.source} failed: {why}")
-
-
-# ----------------------------------------------------------------------------------- CLI
-
-def add_export_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `meshfit export`."""
-    parser.add_argument("model", help="run directory or .keras file")
-    parser.add_argument("--format", choices=FORMATS, default="onnx",
-                        help="onnx (for ONNX Runtime) or keras (default: onnx)")
-    parser.add_argument("--out", metavar="PATH",
-                        help="where to write (default: beside the model, where predict looks)")
-
-
-def run_export(args: argparse.Namespace) -> int:
-    """`meshfit export`: write a float32 model for CPU serving."""
-    os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras on JAX stays on the CPU
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    export = export_onnx if args.format == "onnx" else export_keras
-    print(f"wrote {export(args.model, args.out)}")
-    return 0

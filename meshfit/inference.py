@@ -14,7 +14,6 @@ copy cannot be written, the model runs on Keras (same probabilities, slower star
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -315,52 +314,3 @@ def benchmark_latency(path: str | os.PathLike, n: int = 1000, batch: int = 1,
     p50, p90 = np.percentile(times * 1e3, [50, 90])
     return {"p50_ms": float(p50), "p90_ms": float(p90), "mean_ms": float(times.mean() * 1e3),
             "n": n, "batch": batch, "backend": predictor.backend, "threads": threads}
-
-
-# ----------------------------------------------------------------------------------- CLI
-
-def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `meshfit predict`."""
-    parser.add_argument("model", help="run directory, .keras or .onnx file")
-    parser.add_argument("images", nargs="*", metavar="IMAGE", help="PNG or JPEG files")
-    parser.add_argument("--top-k", type=int, default=3, metavar="K",
-                        help="classes to list per image (default: 3)")
-    parser.add_argument("--show", metavar="OUT.png",
-                        help="write a picture of the images with their probabilities")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--backend", choices=BACKENDS, default="auto",
-                        help="auto (ONNX Runtime when possible), onnx or keras (default: auto)")
-    parser.add_argument("--threads", type=int, metavar="N",
-                        help="ONNX Runtime threads per operation (default: one per core)")
-    parser.add_argument("--benchmark", type=int, metavar="N",
-                        help="time N single-image predictions in this process; print p50/p90 ms")
-
-
-def run_predict(args: argparse.Namespace) -> int:
-    """`meshfit predict`: classify image files on the CPU."""
-    os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras fallback on JAX stays on the CPU
-    if args.top_k < 1:
-        raise MeshfitError(f"--top-k must be at least 1, got {args.top_k}")
-    if args.threads is not None and args.threads < 1:
-        raise MeshfitError(f"--threads must be at least 1, got {args.threads}")
-    if args.benchmark is not None:
-        stats = benchmark_latency(args.model, n=args.benchmark, backend=args.backend,
-                                  threads=args.threads)
-        print(json.dumps(stats) if args.json else
-              f"{args.model} on {stats['backend']}: p50 {stats['p50_ms']:.3f} ms, "
-              f"p90 {stats['p90_ms']:.3f} ms per image ({stats['n']} runs, batch 1)")
-        if not args.images:
-            return 0
-    if not args.images:
-        raise MeshfitError("no images given; usage: meshfit predict MODEL IMAGE...")
-    predictor = load_predictor(args.model, backend=args.backend, threads=args.threads)
-    images = load_images(args.images, predictor.input_shape)
-    rows = results(args.images, predictor.predict(images), predictor.class_names,
-                   min(args.top_k, len(predictor.class_names)))
-    if args.show:
-        save_figure(args.show, images, rows)
-    if args.json:
-        print(json.dumps({"model": args.model, "backend": predictor.backend, "predictions": rows}))
-    else:
-        print(format_results(rows))
-    return 0

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from meshfit.planning import check_steps_per_dispatch
+
 
 def make_multi_step(model, steps: int, state_shardings: Any = None) -> Callable:
     """A jitted `fn(state, batches) -> (logs, state)` that runs `steps` train steps in one program.
@@ -39,7 +41,7 @@ def make_multi_step(model, steps: int, state_shardings: Any = None) -> Callable:
     import jax
     import jax.numpy as jnp
 
-    _check_steps(steps)
+    check_steps_per_dispatch(steps)
 
     def run(state, batches):
         if len(batches) != steps:
@@ -84,7 +86,7 @@ def install(model, steps: int = 1) -> None:
 
     On JAX the compiled on-device loop becomes the model's `train_function`; epochs whose step
     count is not a multiple of `steps`, or a last batch of another size, finish with ordinary
-    single steps. Choose `steps` dividing the epoch's steps (see `dividing_steps`): like Keras'
+    single steps. Choose `steps` dividing the epoch's steps (see `meshfit.planning.dividing_steps`): like Keras'
     `steps_per_execution`, a call takes up to `steps` batches from the iterator.
     With steps=1 it is Keras' step, except that the state is kept on its devices' shardings: on one
     device Keras' `DataParallel` leaves fresh variables uncommitted, and its jitted step then
@@ -93,17 +95,11 @@ def install(model, steps: int = 1) -> None:
     """
     import keras
 
-    _check_steps(steps)
+    check_steps_per_dispatch(steps)
     model.steps_per_execution = steps
     model.train_function = None
     if keras.backend.backend() == "jax":
         model.train_function = _TrainFunction(model, steps)
-
-
-def dividing_steps(steps_per_epoch: int, wanted: int) -> int:
-    """The largest steps per dispatch <= `wanted` that divides `steps_per_epoch` (at least 1)."""
-    _check_steps(wanted)
-    return max(k for k in range(1, min(wanted, max(steps_per_epoch, 1)) + 1) if steps_per_epoch % k == 0)
 
 
 class _TrainFunction:
@@ -175,10 +171,3 @@ def _keep_batch_sharded(stacked):
     return jax.tree.map(
         lambda t: jax.lax.with_sharding_constraint(t, NamedSharding(mesh, spec)) if t.ndim >= 2 else t,
         stacked)
-
-
-def _check_steps(steps: int) -> None:
-    from meshfit.errors import MeshfitError
-
-    if not isinstance(steps, int) or steps < 1:
-        raise MeshfitError(f"steps per dispatch must be a whole number of at least 1, got {steps!r}")

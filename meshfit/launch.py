@@ -12,7 +12,6 @@ real multi-host job run the same command on every host instead (see README).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import queue
@@ -203,27 +202,3 @@ def _finish(processes: list[_Process]) -> None:
     for p in processes:
         for pump in p.pumps:
             pump.join(timeout=5)
-
-
-# ------------------------------------------------------------------------------------------ CLI
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of `meshfit launch`."""
-    parser.add_argument("--processes", type=int, required=True, metavar="N", help="processes to start")
-    parser.add_argument("--devices-per-process", type=int, default=1, metavar="M",
-                        help="simulated CPU devices per process (default: 1)")
-    parser.add_argument("--port", type=int, metavar="P",
-                        help="coordinator port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--show", choices=("all", "first"), default="all",
-                        help="all: every process's lines, prefixed [i]; first: process 0's, "
-                             "and a failed process's last lines (default: all)")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS",
-                        help="stop the job after this many seconds (default: no limit)")
-    parser.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                        help="the command each process runs; a leading `meshfit` runs this meshfit")
-
-
-def run(args: argparse.Namespace) -> int:
-    """`meshfit launch`."""
-    return launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
-                  show=args.show, timeout=args.timeout)

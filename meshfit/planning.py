@@ -1,4 +1,4 @@
-"""Planning from the hardware: per-core batch multiple, precision and peak FLOP/s.
+"""Planning from the hardware: the batch, precision, steps per dispatch and peak FLOP/s.
 
 Peak figures are dense (no sparsity) FLOP/s per JAX device at the compute precision, from the
 vendors' data sheets. On TPU v2/v3 a JAX device is one core (half a chip); from v4 on it is a chip.
@@ -14,6 +14,8 @@ import warnings
 from meshfit.errors import MeshfitError
 
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_PER_CORE_BATCH = 128  # the tutorials' per-core batch: one pass of a 128x128 matrix unit
+AUTO_STEPS_PER_DISPATCH = 32  # on accelerators: at most this many train steps per dispatch
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
             "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
 
@@ -102,3 +104,51 @@ def split_global_batch(global_batch: int, replicas: int, rounding: bool = True) 
     warnings.warn(f"global batch {global_batch} rounded up to {upper} to split across {replicas} replicas",
                   stacklevel=2)
     return upper
+
+
+def check_precision(requested: str) -> str:
+    """`requested` checked to be a precision name (or alias); returns it as given."""
+    resolve_precision(requested, "cpu")
+    return requested
+
+
+def plan_global_batch(replicas: int, platform: str, device_kind: str, *, global_batch: int | None = None,
+                      per_core_batch: int | None = None, rounding: bool = True) -> int:
+    """The global batch over all replicas: `global_batch` split evenly across them, else
+    `per_core_batch` (default DEFAULT_PER_CORE_BATCH) rounded to the hardware multiple times the
+    replicas. With rounding off, a batch that needs rounding is a MeshfitError."""
+    if global_batch:
+        return split_global_batch(global_batch, replicas, rounding)
+    per_core = per_core_batch or DEFAULT_PER_CORE_BATCH
+    multiple = batch_multiple(platform, device_kind)
+    rounded = round_per_core(per_core, multiple)
+    if rounded != per_core:
+        if not rounding:
+            raise MeshfitError(f"per-core batch {per_core} is not a multiple of {multiple} on "
+                               f"{device_kind}; use {rounded} or allow rounding")
+        warnings.warn(f"per-core batch {per_core} rounded to {rounded}, a multiple of {multiple} "
+                      f"on {device_kind}", stacklevel=2)
+    return rounded * replicas
+
+
+def dividing_steps(steps_per_epoch: int, wanted: int) -> int:
+    """The largest count of steps per dispatch <= `wanted` that divides `steps_per_epoch` (>= 1)."""
+    check_steps_per_dispatch(wanted)
+    return max(k for k in range(1, min(wanted, max(steps_per_epoch, 1)) + 1) if steps_per_epoch % k == 0)
+
+
+def check_steps_per_dispatch(steps: int) -> None:
+    """A MeshfitError unless `steps` (train steps per dispatch) is a whole number >= 1."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise MeshfitError(f"steps per dispatch must be a whole number of at least 1, got {steps!r}")
+
+
+def steps_per_dispatch(platform: str, engine: str, steps_per_epoch: int, wanted: int | None = None) -> int:
+    """Train steps per dispatch: `wanted`, or by default up to AUTO_STEPS_PER_DISPATCH on a GPU or
+    TPU with JAX (2+ dispatches per epoch, so compilation is timed apart) and 1 otherwise; lowered
+    to divide the epoch's steps so that no dispatch runs into the next epoch."""
+    if wanted is None:
+        if platform == "cpu" or engine != "jax":
+            return 1
+        wanted = min(AUTO_STEPS_PER_DISPATCH, max(steps_per_epoch // 2, 1))
+    return dividing_steps(steps_per_epoch, wanted)

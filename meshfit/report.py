@@ -47,15 +47,35 @@ def train_step_flops(model, batch_size: int) -> float | None:
         return None
 
 
-def _block(model) -> None:
+def wait_for_device(model) -> None:
     """Wait until the dispatched steps have finished, so clocks read real time."""
     if keras.backend.backend() != "jax":
+        keras.ops.convert_to_numpy(model.trainable_variables[0])  # TensorFlow runs each step to the end
         return
     import jax
 
     state = getattr(model, "_jax_state", None)
     leaves = state if state else [v.value for v in model.trainable_variables[:1]]
     jax.block_until_ready(leaves)
+
+
+def discovery_text(d: dict[str, Any]) -> str:
+    """The discovery report (Strategy.describe()'s dict) as text, like the tutorials' TPU log."""
+    sim = " (simulated on the CPU)" if d["simulated"] else ""
+    mixed = ", float32 variables" if d["precision"] != "float32" else ""
+    peak = f"{d['peak_flops'] / 1e12:.1f} TFLOP/s" if d["peak_flops"] else "n/a"
+    rows = [
+        ("platform", f"{d['platform']}{sim}"),
+        ("device kind", d["device_kind"]),
+        ("hosts", f"{d['hosts']} (this is process {d['process_index']})"),
+        ("devices per host", d["devices_per_host"]),
+        ("replicas", d["replicas"]),
+        ("engine", f"keras on {d['engine']}"),
+        ("precision", f"{d['precision']} ({d['keras_policy']}{mixed})"),
+        ("per-core batch", f"multiple of {d['per_core_batch_multiple']}"),
+        ("peak", peak),
+    ]
+    return "meshfit connected\n" + "\n".join(f"  {k:<17}{v}" for k, v in rows)
 
 
 def format_epoch_line(epoch: int, epochs: int, logs: dict[str, Any], stats: dict[str, Any]) -> str:
@@ -106,7 +126,7 @@ class EpochReport(keras.callbacks.Callback):
         now = time.perf_counter()
         self._steps = batch
         if self._first_step_seconds is None and batch >= 1:
-            _block(self.model)  # the first call (1 step, or k with steps_per_execution) holds the compilation
+            wait_for_device(self.model)  # the first call (1 step, or k with steps_per_execution) holds the compilation
             now = time.perf_counter()
             self._first_step_seconds = now - self._start
             self._start = now
@@ -118,12 +138,12 @@ class EpochReport(keras.callbacks.Callback):
 
     def on_test_begin(self, logs=None):
         if self._train_end is None and hasattr(self, "_start"):
-            _block(self.model)
+            wait_for_device(self.model)
             self._train_end = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
         if self._train_end is None:
-            _block(self.model)
+            wait_for_device(self.model)
             self._train_end = time.perf_counter()
         steps = self.params.get("steps") or self._steps + 1
         timed_steps = steps - self._skipped

@@ -1,4 +1,4 @@
-"""Cache-sized micro-batches: one train step's gradient summed over slices of its batch (CPU).
+"""TensorFlow only: one train step's gradient summed over cache-sized slices of its batch (CPU).
 
 On a CPU a train step over a large batch is bound by memory traffic, not arithmetic: at batch
 1000 the tutorial Fashion-MNIST CNN's conv output is 173 MB, and every op around it (bias, pool,
@@ -67,6 +67,18 @@ def plan(model, batch: int, budget_bytes: int = ACTIVATION_BUDGET_BYTES) -> int:
     counts = [k for k in range(2, batch // MIN_SLICE + 1) if batch % k == 0]
     fitting = [k for k in counts if batch // k * per_sample <= budget_bytes]
     return fitting[0] if fitting else (counts[-1] if counts else 1)
+
+
+def choose(model, batch_size: int | None, requested: int | str, engine: str) -> int:
+    """Slices per batch for `model` on `engine`: 'auto' plans cache-sized slices on TensorFlow
+    when the batch size is known (else 1); a number is checked, and above 1 needs TensorFlow."""
+    if requested == "auto":
+        return plan(model, batch_size) if engine == "tensorflow" and batch_size else 1
+    slices = check(model, requested)
+    if slices > 1 and engine != "tensorflow":
+        raise MeshfitError(f"micro-batches run on the TensorFlow engine (one CPU), not on "
+                           f"{engine}; use micro_batches=1")
+    return slices
 
 
 def check(model, slices: int) -> int:

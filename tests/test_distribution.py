@@ -20,7 +20,7 @@ def train_weights(strategy, x, y, batch, steps):
     with strategy.scope():
         model = fashion_mnist_cnn.build_model()
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
-    model.fit(x[: batch * steps], y[: batch * steps], batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        model.fit(x[: batch * steps], y[: batch * steps], batch_size=batch, epochs=1, shuffle=False, verbose=0)
     return [np.asarray(v) for v in model.get_weights()]
 
 

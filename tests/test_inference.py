@@ -9,7 +9,7 @@ import pytest
 from helpers import run_meshfit
 from PIL import Image
 
-from meshfit import MeshfitError, export, inference
+from meshfit import MeshfitError, export, inference, rundir
 from meshfit.recipes import cifar10_cnn, fashion_mnist_cnn, mnist_mlp_bf16
 
 CLASS_NAMES = ["plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -204,7 +204,7 @@ def test_cli_missing_model_is_a_clear_error(tmp_path):
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "no-such-run not found" in out.stderr and "meshfit train" in out.stderr
     with pytest.raises(MeshfitError, match="has no model.keras"):
-        inference.locate(tmp_path)
+        rundir.locate_model(tmp_path)
     out = run_meshfit("export", str(tmp_path), "--format", "onnx", env=ONE_DEVICE)
     assert out.returncode == 2 and "has no model.keras" in out.stderr
 
@@ -219,7 +219,7 @@ def test_cli_export_rejects_an_out_path_of_the_wrong_kind(cifar_run):
 
 def test_without_onnxruntime_predict_falls_back_to_keras(cifar_run, monkeypatch):
     run, paths, expected = cifar_run
-    monkeypatch.setattr(inference, "_installed", lambda module: module != "onnxruntime")
+    monkeypatch.setattr(inference, "installed", lambda module: module != "onnxruntime")
     with pytest.warns(UserWarning, match="onnxruntime is not installed"):
         predictor = inference.load_predictor(run)
     assert predictor.backend == "keras"

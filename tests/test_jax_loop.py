@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import meshfit
-from meshfit import jax_loop
+from meshfit import jax_loop, planning
 from meshfit.distribution import Strategy
 
 
@@ -93,9 +93,9 @@ def test_strategy_fit_runs_the_compiled_steps_per_execution_on_device_compiling_
 
 
 def test_steps_per_dispatch_are_checked_and_fitted_to_the_epoch():
-    assert jax_loop.dividing_steps(60, 8) == 6
-    assert jax_loop.dividing_steps(64, 8) == 8
-    assert jax_loop.dividing_steps(7, 8) == 7
-    assert jax_loop.dividing_steps(13, 8) == 1
+    assert planning.dividing_steps(60, 8) == 6
+    assert planning.dividing_steps(64, 8) == 8
+    assert planning.dividing_steps(7, 8) == 7
+    assert planning.dividing_steps(13, 8) == 1
     with pytest.raises(meshfit.MeshfitError, match="at least 1"):
-        jax_loop.dividing_steps(60, 0)
+        planning.dividing_steps(60, 0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import ONE_CPU, environment
 
-from meshfit import recipes, tf_microbatch
+from meshfit import pipeline, recipes, tf_microbatch
 from meshfit.errors import MeshfitError
 
 
@@ -60,9 +60,9 @@ def test_plan_keeps_whole_batches_where_slicing_would_change_the_model(strategy)
 def test_micro_batches_are_for_the_tensorflow_engine(strategy):
     with strategy.scope():
         model = recipes.get("fashion-mnist-cnn").build_model((28, 28, 1), 10)
-    assert strategy.micro_batches(model, 1000) == 1  # auto: whole batches on JAX
+    assert tf_microbatch.choose(model, 1000, "auto", strategy.engine) == 1  # whole batches on JAX
     with pytest.raises(MeshfitError, match="TensorFlow engine"):
-        strategy.micro_batches(model, 1000, 4)
+        tf_microbatch.choose(model, 1000, 4, strategy.engine)
 
 
 SAME_STEP_SCRIPT = textwrap.dedent("""
@@ -136,7 +136,7 @@ def test_sliced_step_trains_exactly_like_the_whole_batch(tmp_path):
 def test_a_last_batch_shorter_than_the_slices_is_dropped_with_a_warning(strategy):
     x, y = np.zeros((22, 4)), np.zeros(22)
     with pytest.warns(UserWarning, match="dropping the last 2 of 22 samples .* 3 micro-batches"):
-        kept_x, kept_y = strategy._trim_last_batch(x, y, 10, slices=3)
+        kept_x, kept_y = pipeline.trim_last_batch(x, y, 10, strategy.replicas, slices=3)
     assert len(kept_x) == len(kept_y) == 20
-    kept_x, _ = strategy._trim_last_batch(np.zeros((28, 4)), None, 10, slices=3)
+    kept_x, _ = pipeline.trim_last_batch(np.zeros((28, 4)), None, 10, strategy.replicas, slices=3)
     assert len(kept_x) == 28  # 8 left: enough for the slices, and one per replica

@@ -13,7 +13,7 @@ from meshfit.errors import MeshfitError
 
 
 def test_parse_checkpoint_every():
-    from meshfit.training import parse_every
+    from meshfit.spec import parse_every
 
     assert parse_every("200") == (200, None, True)
     assert parse_every("60s") == (None, 60.0, True)
@@ -141,14 +141,11 @@ def test_image_folder_of_pngs_trains_on_eight_devices(strategy, tmp_path):
 
 
 def test_steps_per_dispatch_divide_the_epoch_and_default_by_platform():
-    from types import SimpleNamespace
+    from meshfit.planning import steps_per_dispatch
 
-    from meshfit.training import choose_steps_per_dispatch
-
-    gpu, cpu = SimpleNamespace(platform="gpu", engine="jax"), SimpleNamespace(platform="cpu", engine="jax")
-    assert choose_steps_per_dispatch(gpu, 48) == 24  # 2 calls per epoch, so compile is timed apart
-    assert choose_steps_per_dispatch(gpu, 390) == 30  # at most 32, dividing 390
-    assert choose_steps_per_dispatch(cpu, 48) == 1
-    assert choose_steps_per_dispatch(cpu, 48, 5) == 4
+    assert steps_per_dispatch("gpu", "jax", 48) == 24  # 2 calls per epoch, so compile is timed apart
+    assert steps_per_dispatch("gpu", "jax", 390) == 30  # at most 32, dividing 390
+    assert steps_per_dispatch("cpu", "jax", 48) == 1
+    assert steps_per_dispatch("cpu", "jax", 48, 5) == 4
     with pytest.raises(MeshfitError, match="steps per dispatch must be a whole number of at least 1"):
-        choose_steps_per_dispatch(gpu, 48, 0)
+        steps_per_dispatch("gpu", "jax", 48, 0)
