@@ -139,8 +139,9 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
     state = {"format": FORMAT, "epoch": epoch, "step": step, "global_step": global_step,
              "steps_per_epoch": steps_per_epoch, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
              **(extra or {}), "variables": variables}
-    tmp = tempfile.mkdtemp(dir=directory, prefix=".tmp-")
+    tmp = None
     try:
+        tmp = tempfile.mkdtemp(dir=directory, prefix=".tmp-")
         _write_file(os.path.join(tmp, STATE_ARRAYS), lambda f: np.savez(f, **arrays))
         _write_file(os.path.join(tmp, STATE_JSON), lambda f: f.write(json.dumps(state).encode()))
         _fsync_dir(tmp)
@@ -148,10 +149,16 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise MeshfitError(f"cannot write checkpoint {final} ({e.strerror or e}); the previous "
+                               "checkpoints are intact: free space or fix the directory, then "
+                               "--resume") from None
         raise
-    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+    older = [path for path in list_checkpoints(directory) if path != final]
+    for old in older[:max(len(older) - (keep - 1), 0)] if keep > 0 else []:  # never the one just written
         shutil.rmtree(old, ignore_errors=True)
     for name in os.listdir(directory):  # what earlier saves cut short left behind
         path = os.path.join(directory, name)

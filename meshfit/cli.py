@@ -18,6 +18,7 @@ from typing import Callable
 
 from meshfit.errors import MeshfitError
 
+FIGURE_FORMATS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")  # what `predict --show` can write
 COMMANDS = {
     "info": "print the devices found, engine, precision and batch multiple",
     "train": "train a recipe and write a run directory",
@@ -26,6 +27,7 @@ COMMANDS = {
     "export": "export a trained model for CPU serving (keras or onnx)",
     "bench": "time the train step per engine, precision and batch size",
     "launch": "start N local processes of a multi-host job",
+    "runs": "list run directories side by side: settings, progress, accuracy, speed",
 }
 
 
@@ -114,6 +116,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: cache-sized on the TensorFlow engine; 1 = whole batches)")
     parser.add_argument("--no-batch-rounding", action="store_true",
                         help="fail instead of rounding a batch that does not split across replicas")
+    parser.add_argument("--no-tensorboard", action="store_true",
+                        help="write no TensorBoard logs (default: RUN/tensorboard)")
+    parser.add_argument("--log-every", type=int, default=10, metavar="N",
+                        help="TensorBoard training scalars every N steps (default: 10)")
+    parser.add_argument("--profile", metavar="START:STOP",
+                        help="trace train steps START to STOP with the engine's profiler into "
+                             "RUN/tensorboard (view in TensorBoard's profile tab or Perfetto)")
     add_device_arguments(parser)
 
 
@@ -131,7 +140,9 @@ def run_train(args: argparse.Namespace) -> int:
                         keep_checkpoints=args.keep_checkpoints,
                         steps_per_dispatch=args.steps_per_dispatch,
                         micro_batches=args.micro_batches,
-                        batch_rounding=not args.no_batch_rounding, verbose=True, command=command)
+                        batch_rounding=not args.no_batch_rounding, verbose=True, command=command,
+                        tensorboard=not args.no_tensorboard, log_every=args.log_every,
+                        profile=args.profile)
     except MeshfitError as err:
         if not hasattr(err, "exit_code"):  # only TrainingInterrupted has its own exit code
             raise
@@ -170,8 +181,8 @@ def run_eval(args: argparse.Namespace) -> int:
 def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="run directory, .keras or .onnx file")
     parser.add_argument("images", nargs="*", metavar="IMAGE", help="PNG or JPEG files")
-    parser.add_argument("--top-k", type=int, default=3, metavar="K",
-                        help="classes to list per image (default: 3)")
+    parser.add_argument("--top-k", type=int, metavar="K",
+                        help="classes to list per image (default: 3, or all when fewer)")
     parser.add_argument("--show", metavar="OUT.png",
                         help="write a picture of the images with their probabilities")
     add_json_argument(parser)
@@ -188,10 +199,12 @@ def run_predict(args: argparse.Namespace) -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras fallback on JAX stays on the CPU
     from meshfit import inference
 
-    if args.top_k < 1:
+    if args.top_k is not None and args.top_k < 1:
         raise MeshfitError(f"--top-k must be at least 1, got {args.top_k}")
     if args.threads is not None and args.threads < 1:
         raise MeshfitError(f"--threads must be at least 1, got {args.threads}")
+    if args.show and os.path.splitext(args.show)[1].lower() not in FIGURE_FORMATS:
+        raise MeshfitError(f"--show {args.show}: name a {', '.join(FIGURE_FORMATS)} file")
     if args.benchmark is not None:
         stats = inference.benchmark_latency(args.model, n=args.benchmark, backend=args.backend,
                                             threads=args.threads)
@@ -204,8 +217,12 @@ def run_predict(args: argparse.Namespace) -> int:
         raise MeshfitError("no images given; usage: meshfit predict MODEL IMAGE...")
     predictor = inference.load_predictor(args.model, backend=args.backend, threads=args.threads)
     images = inference.load_images(args.images, predictor.input_shape)
+    classes = len(predictor.class_names)
+    if args.top_k is not None and args.top_k > classes:
+        raise MeshfitError(f"--top-k {args.top_k} is more than the model's {classes} classes; "
+                           f"use 1 to {classes}")
     rows = inference.results(args.images, predictor.predict(images), predictor.class_names,
-                             min(args.top_k, len(predictor.class_names)))
+                             args.top_k or min(3, classes))
     if args.show:
         inference.save_figure(args.show, images, rows)
     if args.json:
@@ -306,6 +323,34 @@ def run_launch(args: argparse.Namespace) -> int:
 
     return launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
                   show=args.show, timeout=args.timeout)
+
+
+# --------------------------------------------------------------------------------------- runs
+
+def add_runs_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dirs", nargs="*", metavar="DIR",
+                        help="run directories, or folders holding them (default: runs)")
+    parser.add_argument("--plot", metavar="OUT.png",
+                        help="also draw accuracy and loss of every run against time and epochs")
+    add_json_argument(parser, "the rows")
+
+
+def run_runs(args: argparse.Namespace) -> int:
+    """The table of runs (finished and unfinished) and, with --plot, their curves."""
+    from meshfit import runs
+
+    rows = runs.collect(args.dirs)
+    print(runs.to_json(rows) if args.json else runs.format_table(rows), flush=True)
+    if args.plot:
+        histories = []
+        for row in rows:
+            try:
+                histories.append([] if row["status"].startswith("unreadable") else runs.history(row["run"]))
+            except ValueError:
+                histories.append([])
+        runs.plot(rows, histories, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout, flush=True)
+    return 0
 
 
 # --------------------------------------------------------------------------------------- main

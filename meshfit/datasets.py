@@ -23,6 +23,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import http.client
+import math
 import os
 import pickle
 import shutil
@@ -60,7 +61,8 @@ CIFAR_DIR = "cifar-10-batches-py"
 
 URLS = {
     "mnist": "https://storage.googleapis.com/cvdf-datasets/mnist/",
-    "fashion_mnist": "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+    # Zalando's own address is plain http; Keras' https mirror serves the same files (MD5-checked).
+    "fashion_mnist": "https://storage.googleapis.com/tensorflow/tf-keras-datasets/",
     "cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
 }
 CIFAR_TGZ_MD5 = "c58f30108f718f92721af3b95e74349a"
@@ -292,7 +294,7 @@ def _read(key: str, found: str, verify: bool) -> Dataset:
         return _read_cifar(found)
     paths = [os.path.join(found, f) for f in IDX_FILES]
     x_train, y_train, x_test, y_test = (
-        _read_idx(p, 3 if "images" in p else 1, key, verify) for p in paths)
+        _read_idx(p, 3 if "images" in os.path.basename(p) else 1, key, verify) for p in paths)
     for x, y, xp, yp in ((x_train, y_train, paths[0], paths[1]),
                          (x_test, y_test, paths[2], paths[3])):
         if len(x) != len(y):
@@ -306,8 +308,12 @@ def _read(key: str, found: str, verify: bool) -> Dataset:
 
 def _read_idx(path: str, ndim: int, key: str, verify: bool) -> np.ndarray:
     """Read a gzipped IDX file of uint8 values with ndim dimensions, checking its structure."""
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise MeshfitError(f"cannot read {path} ({e.strerror}); make it readable or use "
+                           "--data-dir with a copy you can read") from None
     md5, size = PUBLISHED[(key, os.path.basename(path))]
     if verify and len(raw) == size and hashlib.md5(raw).hexdigest() != md5:
         raise _corrupt(path, f"MD5 {hashlib.md5(raw).hexdigest()} is not the published {md5}")
@@ -322,8 +328,10 @@ def _read_idx(path: str, ndim: int, key: str, verify: bool) -> np.ndarray:
     if len(data) < offset:
         raise _corrupt(path, "header is cut short")
     dims = struct.unpack(f">{ndim}I", data[4:offset])
-    if len(data) - offset != int(np.prod(dims)):
+    if len(data) - offset != math.prod(dims):  # Python ints: a crafted header cannot overflow
         raise _corrupt(path, f"{len(data) - offset} data bytes for dimensions {dims}")
+    if ndim == 3 and dims[1:] != (28, 28):
+        raise _corrupt(path, f"images are {dims[1]}x{dims[2]}, not 28x28")
     return np.frombuffer(data, np.uint8, offset=offset).reshape(dims).copy()
 
 

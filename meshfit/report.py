@@ -118,7 +118,6 @@ class EpochReport(keras.callbacks.Callback):
         self._start = time.perf_counter()
         self._train_end = None
         self._skipped = 0
-        self._progress_at = self._start
 
     def on_train_batch_begin(self, batch, logs=None):
         # `batch` is the index of the call's first step, so the steps done so far (k per call with
@@ -131,10 +130,6 @@ class EpochReport(keras.callbacks.Callback):
             self._first_step_seconds = now - self._start
             self._start = now
             self._skipped = batch
-        if now - self._progress_at > 2.0 and self.stream.isatty():
-            total = self.params.get("steps") or "?"
-            print(f"\r  step {batch}/{total}", end="", file=self.stream, flush=True)
-            self._progress_at = now
 
     def on_test_begin(self, logs=None):
         if self._train_end is None and hasattr(self, "_start"):
@@ -171,7 +166,5 @@ class EpochReport(keras.callbacks.Callback):
             "compile_seconds": compile_seconds,
         }
         self.epochs.append(stats)
-        if self.stream.isatty():
-            print("\r", end="", file=self.stream)
         print(format_epoch_line(epoch, self.params.get("epochs", epoch + 1), logs or {}, stats),
               file=self.stream, flush=True)

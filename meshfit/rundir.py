@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from meshfit.errors import MeshfitError
 
 CONFIG, HISTORY, METRICS = "config.json", "history.json", "metrics.json"
 MODEL, ONNX, CURVES = "model.keras", "model.onnx", "curves.png"
-CHECKPOINTS, TENSORBOARD = "checkpoints", "tensorboard"
+CHECKPOINTS, TENSORBOARD, LOCK = "checkpoints", "tensorboard", ".lock"
 HINT = "pass a run directory written by meshfit train"
 
 
@@ -42,13 +43,69 @@ def timestamped(name: str, parent: str = "runs") -> str:
 
 
 def new(out: str | None, name: str) -> str:
-    """The directory for a new run: `out`, or runs/<name>-<time>; refuses one that holds a run."""
-    if out:
-        if os.path.isfile(os.path.join(out, CONFIG)):
-            raise MeshfitError(f"{out} already holds a run; continue it with --resume {out} or "
-                               "choose another --out")
-        return out
-    return timestamped(name)
+    """The directory for a new run: `out`, or runs/<name>-<time>. Refuses a run that is there
+    already, a file, a non-empty directory of other files (nothing of the user's is overwritten)
+    and a place that cannot be written; creates nothing."""
+    if not out:
+        out = timestamped(name)
+    elif os.path.isfile(os.path.join(out, CONFIG)):
+        raise MeshfitError(f"{out} already holds a run; continue it with --resume {out} or "
+                           "choose another --out")
+    elif os.path.exists(out) and not os.path.isdir(out):
+        raise MeshfitError(f"--out {out} is a file, not a directory; choose a new directory")
+    elif os.path.isdir(out) and set(os.listdir(out)) - {LOCK}:
+        raise MeshfitError(f"--out {out} already holds files that are not a meshfit run; choose an "
+                           "empty or new directory")
+    check_writable(out)
+    return out
+
+
+def check_writable(path: str) -> None:
+    """A MeshfitError unless `path` (a directory, existing or to be created) can be written:
+    a temporary file is made and removed in it or its nearest existing parent."""
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    try:
+        if not os.path.isdir(parent):
+            raise NotADirectoryError(f"{parent} is not a directory")
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise MeshfitError(f"cannot write the run directory {path} ({e.strerror or e}); choose "
+                           "another --out") from None
+
+
+@contextlib.contextmanager
+def lock(run: str) -> Iterator[None]:
+    """Hold the run directory's lock (RUN/.lock) inside the block; a second process that tries
+    (a scheduler starting the same --resume twice) gets a MeshfitError naming the holder."""
+    import fcntl
+
+    try:
+        os.makedirs(run, exist_ok=True)
+        handle = open(os.path.join(run, LOCK), "a+")
+    except OSError as e:
+        raise MeshfitError(f"cannot write the run directory {run} ({e.strerror or e}); choose "
+                           "another --out") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise MeshfitError(f"{run} is in use by {holder}; wait for it to finish or stop it "
+                               "before resuming") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            handle.seek(0)
+            handle.truncate()
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ run ends with the same weights as an uninterrupted run on the same engine and de
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -24,6 +25,7 @@ import numpy as np
 
 from meshfit import __version__, checkpoints, datasets, planning, recipes, rundir, spec
 from meshfit.errors import MeshfitError
+from meshfit.profiling import profiling_steps
 from meshfit.spec import RunSpec
 
 
@@ -91,9 +93,13 @@ def specify(recipe: str | None, *, epochs: int | None, batch_size: int | None, s
             keep_checkpoints: int | None, micro_batches: int | str | None,
             saved: RunSpec | None) -> Request:
     """The request checked, and with `saved` (a resumed run's specification) its gaps filled."""
+    for flag, value in (("--epochs", epochs), ("--batch-size", batch_size),
+                        ("--keep-checkpoints", keep_checkpoints)):
+        if value is not None and value < 1:
+            raise MeshfitError(f"{flag} must be at least 1, got {value}")
     if saved is not None:
         recipe, batch_size, seed, precision = saved.recipe, saved.global_batch, saved.seed, saved.precision
-        epochs = epochs or saved.epochs
+        epochs = epochs if epochs is not None else saved.epochs
         data_dir = data_dir or saved.data_dir
         engine = engine or saved.engine
         simulate_devices = simulate_devices or saved.simulated_devices
@@ -105,9 +111,7 @@ def specify(recipe: str | None, *, epochs: int | None, batch_size: int | None, s
     if the_recipe.dataset == "synthetic":
         raise MeshfitError(f"recipe {the_recipe.name} trains on random data to measure speed; "
                            f"time it with: meshfit bench {the_recipe.name}")
-    epochs = int(epochs or the_recipe.epochs)
-    if epochs < 1:
-        raise MeshfitError(f"--epochs must be at least 1, got {epochs}")
+    epochs = int(the_recipe.epochs if epochs is None else epochs)
     spec.parse_every(checkpoint_every)  # checked now, before any slow work
     if micro_batches not in (None, "auto"):
         from meshfit import tf_microbatch
@@ -254,6 +258,42 @@ class _History:
         self.records.append(record)
 
 
+@dataclass
+class Monitoring:
+    """The callbacks that let people watch a run: `before` go first among fit's callbacks (the
+    profiler, the transient progress bar), `after` after the EpochReport (TensorBoard reads it)."""
+
+    before: list
+    after: list
+
+    def close(self) -> None:
+        """Remove the bar and flush the logs, also after an interrupted fit."""
+        for callback in self.before + self.after:
+            if hasattr(callback, "close"):
+                callback.close()
+
+
+def monitoring(run: str, chief: bool, verbose: bool, report, global_batch: int, steps: int,
+               tensorboard: bool, log_every: int, profile_steps: tuple[int, int] | None) -> Monitoring:
+    """Profiler, progress bar and TensorBoard log for this run, on process 0 only."""
+    if not chief:
+        return Monitoring([], [])
+    from meshfit import profiling, progress
+
+    logdir = os.path.join(run, rundir.TENSORBOARD)
+    before, after = [], []
+    if profile_steps:
+        before.append(profiling.Profile(logdir, *profile_steps, steps_per_epoch=steps))
+    if verbose and progress.bars():
+        before.append(progress.ProgressBar(global_batch))
+    if tensorboard:
+        from meshfit.tensorboard_log import TensorBoardLog
+
+        after.append(TensorBoardLog(logdir, log_every=log_every, report=report,
+                                    global_batch=global_batch, steps_per_epoch=steps))
+    return Monitoring(before, after)
+
+
 def fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[int, int],
         epochs: int, micro_batches: int = 1) -> None:
     """Fit from (epoch, step) `start` to the end: the rest of a cut epoch first, then whole ones.
@@ -323,7 +363,8 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
           checkpoint_every: str | int | None = None, keep_checkpoints: int | None = None,
           steps_per_dispatch: int | None = None, micro_batches: int | str | None = None,
           batch_rounding: bool = True, callbacks: list | None = None, verbose: bool = True,
-          command: str | None = None) -> dict[str, Any]:
+          command: str | None = None, tensorboard: bool = True, log_every: int = 10,
+          profile: str | None = None) -> dict[str, Any]:
     """Train `recipe` (default fashion-mnist-cnn), write its run directory, return its metrics.
 
     epochs, batch_size (global, over all replicas), precision: override the recipe's.
@@ -342,6 +383,9 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
       meshfit.tf_microbatch; 1 = whole batches). batch_rounding: False makes a global batch that
       does not split across the replicas an error instead of rounding it up.
     callbacks: extra Keras callbacks for fit. command: the command line to record.
+    tensorboard: write TensorBoard scalars to RUN/tensorboard (train/* every `log_every` steps,
+      epoch/*, speed/*). profile: "START:STOP" traces those global train steps into
+      RUN/tensorboard/plugins/profile. A live progress bar is drawn when stdout is a terminal.
     Raises TrainingInterrupted (a MeshfitError; exit_code 143 or 130) after SIGTERM/SIGINT,
     once the state is saved.
     """
@@ -357,6 +401,12 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
                       checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                       micro_batches=micro_batches, saved=saved)
     the_recipe = request.recipe
+    profile_steps = profiling_steps(profile)
+    if log_every < 1:
+        raise MeshfitError(f"--log-every must be at least 1, got {log_every}")
+    run = resume or rundir.new(out, the_recipe.name)  # checked before any slow work
+    if resume:
+        rundir.check_writable(resume)
 
     from meshfit.distribution import connect
 
@@ -389,43 +439,50 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
         run_spec = make_spec(request, strategy, dataset, steps=steps, global_batch=global_batch,
                              dispatch=dispatch, slices=slices, command=command)
 
-        run = resume or rundir.new(out, the_recipe.name)
         cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
-        resume_state = restore(model, run, steps, dataset.y_train) if saved is not None else None
-        history = list(resume_state["history"]) if resume_state else []
-        if chief:
-            write_config(run, run_spec, saved_config, resume_state, command)
-            if verbose:
-                announce(run, run_spec, saved, resume_state)
+        with rundir.lock(run) if chief else contextlib.nullcontext():
+            resume_state = restore(model, run, steps, dataset.y_train) if saved is not None else None
+            history = list(resume_state["history"]) if resume_state else []
+            if chief:
+                write_config(run, run_spec, saved_config, resume_state, command)
+                if verbose:
+                    announce(run, run_spec, saved, resume_state)
 
-        every_steps, every_seconds, at_epoch_end = spec.parse_every(run_spec.checkpoint_every)
-        report = EpochReport(batch_size=global_batch, strategy=strategy,
-                             stream=None if chief else io.StringIO())
-        checkpointer = checkpoints.Checkpointer(
-            os.path.join(run, rundir.CHECKPOINTS), steps, every_steps=every_steps,
-            every_seconds=every_seconds, epoch_end=at_epoch_end, keep=run_spec.keep_checkpoints,
-            resume_state=resume_state, write=chief,
-            extra=lambda: {"seed": run_spec.seed, "history": history, "config": run_spec.to_dict()})
-        loss = the_recipe.make_loss()
-        fit_callbacks = [
-            keras.callbacks.LambdaCallback(on_epoch_end=_EpochEnd(
-                model, test_batches, dataset.y_test, loss, the_recipe.tta_flip, report)),
-            report,
-            keras.callbacks.LambdaCallback(on_epoch_end=_History(history, report, global_batch)),
-            checkpointer, *(callbacks or [])]
-        start = (resume_state["epoch"], resume_state["step"]) if resume_state else (0, 0)
-        fit(strategy, model, batches, fit_callbacks, checkpointer, start, request.epochs, slices)
+            every_steps, every_seconds, at_epoch_end = spec.parse_every(run_spec.checkpoint_every)
+            report = EpochReport(batch_size=global_batch, strategy=strategy,
+                                 stream=None if chief else io.StringIO())
+            checkpointer = checkpoints.Checkpointer(
+                os.path.join(run, rundir.CHECKPOINTS), steps, every_steps=every_steps,
+                every_seconds=every_seconds, epoch_end=at_epoch_end, keep=run_spec.keep_checkpoints,
+                resume_state=resume_state, write=chief,
+                extra=lambda: {"seed": run_spec.seed, "history": history, "config": run_spec.to_dict()})
+            loss = the_recipe.make_loss()
+            watch = monitoring(run, chief, verbose, report, global_batch, steps, tensorboard,
+                               log_every, profile_steps)
+            fit_callbacks = [
+                *watch.before,
+                keras.callbacks.LambdaCallback(on_epoch_end=_EpochEnd(
+                    model, test_batches, dataset.y_test, loss, the_recipe.tta_flip, report)),
+                report, *watch.after,
+                keras.callbacks.LambdaCallback(on_epoch_end=_History(history, report, global_batch)),
+                checkpointer, *(callbacks or [])]
+            start = (resume_state["epoch"], resume_state["step"]) if resume_state else (0, 0)
+            try:
+                fit(strategy, model, batches, fit_callbacks, checkpointer, start, request.epochs,
+                    slices)
+            finally:
+                watch.close()
 
-        scores = score(model, history, test_batches, dataset.y_test, loss, the_recipe.tta_flip,
-                       request.epochs)
-        metrics = {**scores, **totals(history), **run_spec.to_dict(), "resumed": saved is not None,
-                   "run_dir": run}
-        if chief:
-            write_results(run, model, history, metrics)
-            if verbose:
-                print(f"test accuracy {scores['test_accuracy']:.4f}  test loss "
-                      f"{scores['test_loss']:.4f}  ({len(dataset.x_test)} images); wrote {run}",
-                      flush=True)
+            scores = score(model, history, test_batches, dataset.y_test, loss, the_recipe.tta_flip,
+                           request.epochs)
+            metrics = {**scores, **totals(history), **run_spec.to_dict(),
+                       "resumed": saved is not None, "run_dir": run}
+            if chief:
+                write_results(run, model, history, metrics)
+                if verbose:
+                    print(f"test accuracy {scores['test_accuracy']:.4f}  test loss "
+                          f"{scores['test_loss']:.4f}  ({len(dataset.x_test)} images); wrote {run}",
+                          flush=True)
     return metrics
 
 

@@ -3,7 +3,9 @@
 Fixtures are in conftest.py; these are the plain functions and constants the test files import.
 """
 
+import glob
 import os
+import struct
 import subprocess
 import sys
 
@@ -86,3 +88,23 @@ def compiled_cnn(strategy, metrics=()):
         model = fashion_mnist_cnn.build_model()
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=list(metrics))
     return model
+
+
+def read_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files of `logdir`: tag -> [(step, value)] sorted by step.
+
+    TFRecord framing: 8-byte length, 4-byte CRC, the Event proto, 4-byte CRC.
+    """
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+        data = open(path, "rb").read()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return {tag: sorted(points) for tag, points in scalars.items()}

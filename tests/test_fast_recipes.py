@@ -186,15 +186,15 @@ def test_resnet50_small_input_counts_flops_and_trains_one_step(strategy):
             model = resnet50_synthetic.build_model((32, 32, 3), num_classes=10)
             model.compile(optimizer=resnet50_synthetic.optimizer(1, 1),
                           loss=recipes.get("resnet50-synthetic").loss)
-        assert model.output_shape == (None, 10) and model.count_params() > 23_000_000
-        # ResNet-50 v1: ~3.9e9 multiply-adds per 224x224 image forward; 32x32 is (32/224)^2 of it.
-        forward = 2 * 3.9e9 * (32 / 224) ** 2 * 8
-        assert 2 * forward < train_step_flops(model, 8) < 6 * forward
-        rng = np.random.default_rng(0)
-        x, y = rng.integers(0, 256, (8, 32, 32, 3)).astype("float32"), rng.integers(0, 10, 8)
-        kernel = model.trainable_variables[0]
-        before = numpy(kernel)
-        assert np.isfinite(model.train_on_batch(x, y))
-        assert np.abs(numpy(kernel) - before).max() > 0
+            assert model.output_shape == (None, 10) and model.count_params() > 23_000_000
+            # ResNet-50 v1: ~3.9e9 multiply-adds per 224x224 image forward; 32x32 is (32/224)^2 of it.
+            forward = 2 * 3.9e9 * (32 / 224) ** 2 * 8
+            assert 2 * forward < train_step_flops(model, 8) < 6 * forward
+            rng = np.random.default_rng(0)
+            x, y = rng.integers(0, 256, (8, 32, 32, 3)).astype("float32"), rng.integers(0, 10, 8)
+            kernel = model.trainable_variables[0]
+            before = numpy(kernel)
+            assert np.isfinite(model.train_on_batch(x, y))
+            assert np.abs(numpy(kernel) - before).max() > 0
     finally:
         strategy.activate()

@@ -1,11 +1,12 @@
 """`meshfit train` / `meshfit eval` (meshfit.training) on small generated data."""
 
+import glob
 import json
 import os
 
 import numpy as np
 import pytest
-from helpers import N_TEST, N_TRAIN, cli_env, run_meshfit
+from helpers import N_TEST, N_TRAIN, cli_env, read_scalars, run_meshfit
 from PIL import Image
 
 from meshfit import datasets
@@ -38,7 +39,8 @@ def cli_run(data_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     run = tmp / "run"
     out = run_meshfit("train", "--data-dir", data_dir, "--out", str(run), "--epochs", "2",
-                      "--batch-size", "32", "--micro-batches", "2", "--json", env=cli_env(tmp, "tensorflow"))
+                      "--batch-size", "32", "--micro-batches", "2", "--json", "--profile", "2:5",
+                      "--log-every", "2", env=cli_env(tmp, "tensorflow"))
     assert out.returncode == 0, out.stderr
     return run, out
 
@@ -69,6 +71,39 @@ def test_train_writes_the_run_directory(cli_run):
     assert sum(1 for line in out.stdout.splitlines() if line.startswith("epoch ")) == 2
 
 
+def test_train_writes_tensorboard_scalars_and_a_profile(cli_run):
+    run, _ = cli_run
+    scalars = read_scalars(run / "tensorboard")
+    steps = N_TRAIN // 32
+    assert [step for step, _ in scalars["train/loss"]] == list(range(2, 2 * steps + 1, 2))
+    for tag in ("epoch/loss", "epoch/val_loss", "epoch/val_accuracy", "epoch/learning_rate",
+                "speed/samples_per_second", "speed/ms_per_step"):
+        assert [step for step, _ in scalars[tag]] == [steps, 2 * steps], tag
+    history = json.loads((run / "history.json").read_text())
+    assert [v for _, v in scalars["epoch/val_accuracy"]] == pytest.approx([r["val_accuracy"] for r in history])
+    assert scalars["epoch/learning_rate"][0][1] == pytest.approx(3e-3)
+    traces = glob.glob(str(run / "tensorboard" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert traces and os.path.getsize(traces[0]) > 0
+
+
+def test_monitoring_is_on_process_0_only_and_tensorboard_can_be_off(tmp_path):
+    from meshfit.training import monitoring
+
+    on = monitoring(str(tmp_path), True, False, None, 32, 4, True, 10, (2, 3))
+    assert [type(c).__name__ for c in on.before + on.after] == ["Profile", "TensorBoardLog"]
+    off = monitoring(str(tmp_path), True, False, None, 32, 4, False, 10, None)
+    assert off.before == off.after == []
+    assert monitoring(str(tmp_path), False, True, None, 32, 4, True, 10, (2, 3)).after == []
+
+
+def test_bad_profile_steps_are_a_one_line_error(tmp_path):
+    out = run_meshfit("train", "--profile", "7:5", "--out", str(tmp_path / "run"),
+                      env=cli_env(tmp_path), timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0
+    assert "--profile '7:5'" in out.stderr and "START:STOP" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_curves_png_is_a_real_plot(cli_run):
     run, _ = cli_run
     with Image.open(run / "curves.png") as image:
@@ -96,6 +131,7 @@ def test_train_on_eight_devices(strategy, data_dir, tmp_path, capsys):
     assert metrics["replicas"] == 8 and metrics["engine"] == "jax"
     assert metrics["steps_per_epoch"] == N_TRAIN // 64
     assert "replicas         8" in capsys.readouterr().out
+    assert [step for step, _ in read_scalars(tmp_path / "run" / "tensorboard")["epoch/val_loss"]] == [2]
     again = evaluate(str(tmp_path / "run"))
     assert again["test_accuracy"] == metrics["test_accuracy"]
     assert again["test_loss"] == pytest.approx(metrics["test_loss"], rel=1e-5)

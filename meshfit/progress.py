@@ -1,0 +1,153 @@
+"""Live progress bars on terminals (rich), and nothing at all elsewhere (logs, pipes, CI).
+
+  bars(stream)      whether `stream` (default stdout) is a terminal that can draw them;
+  track(...)        wraps any long loop (evaluation batches, export, downloads) in a bar;
+  ProgressBar(...)  a Keras callback: step/total, loss, samples/s and ETA within each epoch. The bar
+                    is transient: removed at epoch end, so the epoch line of EpochReport stays.
+
+This module imports neither Keras nor rich at the top; `ProgressBar` is made on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Iterable, TypeVar
+
+T = TypeVar("T")
+
+
+def bars(stream=None) -> bool:
+    """True when `stream` (default sys.stdout) is a TTY and $TERM is not "dumb"."""
+    stream = sys.stdout if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and os.environ.get("TERM") != "dumb"
+
+
+def _can_draw(console) -> bool:
+    return console.is_terminal and not console.is_dumb_terminal
+
+
+def track(iterable: Iterable[T], total: int | None = None, description: str = "working",
+          console=None) -> Iterable[T]:
+    """`iterable`, with a transient bar while it is consumed when drawing to a terminal.
+
+    total: the number of items (default len(iterable) where it has one). console: a rich
+    Console to draw on (default: stdout, if it is a terminal). Elsewhere a plain passthrough.
+    """
+    if console is None and not bars():
+        return iterable
+    from rich.progress import track as rich_track
+
+    if console is not None and not _can_draw(console):
+        return iterable
+    return rich_track(iterable, description=description, total=total, console=console,
+                      transient=True, refresh_per_second=4)
+
+
+def _floats(logs) -> dict[str, float]:
+    out = {}
+    for key, value in (logs or {}).items():
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def _progress_bar_class():
+    import keras
+
+    class ProgressBar(keras.callbacks.Callback):
+        """A transient bar per epoch: step/total, loss, samples/s (since the bar's first update,
+        so without compilation) and ETA. Draws only on a terminal.
+
+        global_batch: samples per step (None: no samples/s). console: a rich Console (default:
+        stdout when bars() says it is a terminal). refresh_per_second: the most redraws and log
+        conversions per second; batch ends in between return at once. Put it first among the
+        callbacks, so its bar is gone before other epoch-end callbacks print.
+        """
+
+        def __init__(self, global_batch: int | None = None, console=None,
+                     refresh_per_second: float = 4.0):
+            super().__init__()
+            self.global_batch = global_batch
+            self.console = console
+            self.interval = 1.0 / refresh_per_second
+            self.async_safe = True  # batch ends may run on Keras' worker threads: never self.model there
+            self._progress = None
+            self._lock = threading.Lock()
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.close()
+            if self.console is None and not bars():
+                return
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeRemainingColumn)
+
+            console = self.console or Console()
+            if not _can_draw(console):
+                return
+            epochs = self.params.get("epochs") or "?"
+            self._progress = Progress(
+                TextColumn(f"epoch {epoch + 1}/{epochs}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[figures]}"), TimeRemainingColumn(),
+                console=console, transient=True, refresh_per_second=max(1.0 / self.interval, 1.0))
+            self._task = self._progress.add_task("train", total=self.params.get("steps"), figures="")
+            self._first = None  # (step, time) of the first update: the rate excludes compilation
+            self._last = 0.0
+            self._progress.start()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self._progress is None or time.perf_counter() - self._last < self.interval:
+                return  # not redrawing: no conversion of the logs
+            with self._lock:
+                now = time.perf_counter()
+                if self._progress is None or now - self._last < self.interval:
+                    return
+                self._last = now
+                self._update(batch + 1, logs, now)
+
+        def on_epoch_end(self, epoch, logs=None):
+            with self._lock:
+                if self._progress is not None:
+                    self._update(self.params.get("steps") or 0, logs, time.perf_counter())
+            self.close()
+
+        def on_train_end(self, logs=None):
+            self.close()
+
+        def close(self) -> None:
+            """Remove the bar (also after an interrupted fit, where Keras calls no end hooks)."""
+            with self._lock:
+                if self._progress is not None:
+                    self._progress.stop()
+                    self._progress = None
+
+        def _update(self, step: int, logs, now: float) -> None:
+            if self._first is None:
+                self._first = (step, now)
+            figures = []
+            loss = _floats(logs).get("loss")
+            if loss is not None:
+                figures.append(f"loss {loss:.4f}")
+            done, seconds = step - self._first[0], now - self._first[1]
+            if self.global_batch and done > 0 and seconds > 0:
+                figures.append(f"{self.global_batch * done / seconds:,.0f} samples/s")
+            task = self._progress.tasks[0]
+            self._progress.update(self._task, completed=max(step, task.completed),
+                                  figures="  ".join(figures))
+
+    return ProgressBar
+
+
+def __getattr__(name: str):
+    # ProgressBar subclasses keras.callbacks.Callback, so it is made on first use: importing this
+    # module (for bars or track) must not import Keras before the engine is chosen.
+    if name == "ProgressBar":
+        globals()["ProgressBar"] = _progress_bar_class()
+        return globals()["ProgressBar"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

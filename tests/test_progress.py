@@ -1,0 +1,76 @@
+"""Progress bars (meshfit.progress): drawn on terminals only."""
+
+import io
+import subprocess
+import sys
+
+import numpy as np
+from helpers import ONE_CPU, environment
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_bars_only_on_a_terminal_that_can_draw(monkeypatch):
+    from meshfit.progress import bars
+
+    monkeypatch.setenv("TERM", "xterm")
+    assert bars(FakeTTY()) and not bars(io.StringIO())
+    monkeypatch.setenv("TERM", "dumb")
+    assert not bars(FakeTTY())
+
+
+def test_track_is_a_passthrough_off_a_terminal(capsys):
+    from rich.console import Console
+
+    from meshfit.progress import track
+
+    items = [1, 2, 3]
+    assert track(items, None, "plain") is items  # pytest's stdout is no terminal
+    assert list(track(items, 3, "pipe", console=Console(file=io.StringIO()))) == items
+    out = io.StringIO()
+    assert list(track(iter(items), 3, "copying", console=Console(file=out, force_terminal=True))) == items
+    assert "copying" in out.getvalue()
+    assert capsys.readouterr().out == ""
+
+
+def test_import_does_not_import_keras():
+    code = "import sys, meshfit.progress; sys.exit('keras' in sys.modules or 'rich' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], env=environment(ONE_CPU)).returncode == 0
+
+
+def _fit(strategy, bar):
+    import keras
+
+    x = np.random.default_rng(0).normal(size=(48, 4)).astype("float32")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    strategy.fit(model, x, np.arange(48) % 3, batch_size=8, epochs=2, callbacks=[bar], report=False)
+
+
+def test_no_bar_off_a_terminal(strategy, capsys):
+    from rich.console import Console
+
+    from meshfit.progress import ProgressBar
+
+    out = io.StringIO()
+    _fit(strategy, ProgressBar(global_batch=8, console=Console(file=out)))
+    _fit(strategy, ProgressBar(global_batch=8))  # stdout: pytest's capture, no terminal
+    assert out.getvalue() == "" and capsys.readouterr().out == ""
+
+
+def test_bar_on_a_terminal_shows_steps_and_speed(strategy):
+    from rich.console import Console
+
+    from meshfit.progress import ProgressBar
+
+    out = io.StringIO()
+    bar = ProgressBar(global_batch=8, console=Console(file=out, force_terminal=True, width=120))
+    _fit(strategy, bar)
+    text = out.getvalue()
+    assert "epoch 1/2" in text and "epoch 2/2" in text
+    assert "6/6" in text and "samples/s" in text and "loss " in text
+    assert bar._progress is None  # stopped: the transient bar is erased at each epoch end

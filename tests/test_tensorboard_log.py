@@ -1,0 +1,54 @@
+"""TensorBoard scalars (meshfit.tensorboard_log), read back from the event files."""
+
+import os
+
+import numpy as np
+from helpers import read_scalars
+
+
+def _fit(strategy, logdir, dispatch=1, epochs=2):
+    import keras
+
+    from meshfit.report import EpochReport
+    from meshfit.tensorboard_log import TensorBoardLog
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 4)).astype("float32"), rng.integers(0, 3, 96)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=6, decay_rate=0.5)
+        model.compile(optimizer=keras.optimizers.SGD(schedule), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"], steps_per_execution=dispatch)
+    report = EpochReport(batch_size=16, strategy=strategy, stream=open(os.devnull, "w"))
+    log = TensorBoardLog(logdir, log_every=2, report=report, global_batch=16)
+    strategy.fit(model, x, y, batch_size=16, epochs=epochs, validation_data=(x[:32], y[:32]),
+                 callbacks=[report, log])  # 6 steps per epoch
+    return read_scalars(logdir)
+
+
+def test_scalars_at_global_steps(strategy, tmp_path):
+    scalars = _fit(strategy, str(tmp_path))
+    assert [s for s, _ in scalars["train/loss"]] == [2, 4, 6, 8, 10, 12]
+    assert [s for s, _ in scalars["train/accuracy"]] == [2, 4, 6, 8, 10, 12]
+    for tag in ("epoch/loss", "epoch/accuracy", "epoch/val_loss", "epoch/val_accuracy",
+                "epoch/learning_rate", "speed/ms_per_step", "speed/samples_per_second"):
+        assert [s for s, _ in scalars[tag]] == [6, 12], tag
+    rates = [v for _, v in scalars["epoch/learning_rate"]]
+    np.testing.assert_allclose(rates, [0.05, 0.025], rtol=1e-5)  # the schedule at steps 6 and 12
+    assert all(v > 0 for _, v in scalars["speed/samples_per_second"])
+    assert "speed/mfu" not in scalars  # a CPU has no published peak
+
+
+def test_steps_per_dispatch_logs_at_the_dispatch_passing_a_multiple(strategy, tmp_path):
+    scalars = _fit(strategy, str(tmp_path), dispatch=3, epochs=1)
+    # Dispatches end at steps 3 and 6: each passes a multiple of 2 (2, then 4 and 6).
+    assert [s for s, _ in scalars["train/loss"]] == [3, 6]
+    assert [s for s, _ in scalars["epoch/val_loss"]] == [6]
+
+
+def test_global_step_of_a_resumed_cut_epoch():
+    from meshfit.tensorboard_log import global_step
+
+    assert global_step(0, 0, 6, None) == 1
+    assert global_step(2, 5, 6, 6) == 18
+    assert global_step(2, 0, 2, 6) == 17  # the last 2 steps of epoch 3 (of 6 steps)
