@@ -59,24 +59,25 @@ class RunSpec:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunSpec":
-        """A specification from config.json's data (unknown keys ignored, missing ones defaulted)."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
+    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "RunSpec":
+        """A specification from config.json's data (unknown keys ignored, missing optional ones
+        defaulted); `source` names the file in the error for missing required keys."""
+        fields = dataclasses.fields(cls)
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise MeshfitError(f"{source} lacks {', '.join(missing[:3])}"
+                               f"{' and more' if len(missing) > 3 else ''}; {rundir.HINT}")
+        values = {f.name: data[f.name] for f in fields if f.name in data}
         for key in ("class_names", "input_shape"):
             if isinstance(values.get(key), list):
                 values[key] = tuple(values[key])
-        try:
-            return cls(**values)
-        except TypeError as e:  # a required key is missing
-            raise MeshfitError(f"the run specification is incomplete ({e}); "
-                               f"{rundir.HINT}") from None
+        return cls(**values)
 
 
 def read(run: str) -> tuple[RunSpec, dict[str, Any]]:
     """The run's specification and its whole config.json (with "started" and "resumed")."""
     config = rundir.read_config(run)
-    return RunSpec.from_dict(config), config
+    return RunSpec.from_dict(config, os.path.join(run, rundir.CONFIG)), config
 
 
 def check_resume(saved: RunSpec, run: str, *, recipe: str | None = None,
