@@ -7,7 +7,9 @@ download), each in a fresh process per engine (Keras fixes its backend per proce
            devices); nothing of meshfit runs in that process but the recipe's model builder;
   meshfit  `meshfit.connect(engine=...)`, `Strategy.fit` with the per-epoch report, on TensorFlow
            its cache-sized micro-batches (`meshfit.tf_microbatch`, shown in the micro-batches column),
-           and with more than one step per dispatch the on-device loop of `meshfit.jax_loop`.
+           and with more than one step per dispatch the on-device loop of `meshfit.jax_loop`;
+  meshfit+tensorboard  (with `--tensorboard`) the meshfit path plus the TensorBoard log of every
+           `meshfit train` (scalars every 10 steps); its `vs meshfit` column is the logging's cost.
 Each fit runs 1 + repeats epochs of `steps` steps: the first is warm-up (compilation, reported as
 its extra time over a timed epoch), the others are timed between device synchronizations and the
 median is reported. Columns: ms/step, samples/s, MFU (XLA's FLOPs of the step / peak FLOP/s; n/a
@@ -45,8 +47,10 @@ DEFAULT_REPEATS = 5
 DEFAULT_STEPS = 10  # timed steps per repeat (rounded up to a multiple of the steps per dispatch)
 BENCH_ENGINES = ("jax", "tensorflow")
 PATHS = ("plain", "meshfit")
+TENSORBOARD_PATH = "meshfit+tensorboard"
 COLUMNS = ("recipe", "engine", "path", "precision", "batch", "steps_per_dispatch", "micro_batches",
            "replicas", "ms_per_step", "samples_per_s", "mfu", "compile_s", "vs_plain", "vs_fastest",
+           "vs_meshfit",
            "flops_per_step", "auto_engine", "platform", "device_kind", "repeats", "steps_per_repeat",
            "rounds")
 DATASET_SHAPES = {"mnist": (28, 28, 1), "fashion_mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
@@ -57,7 +61,7 @@ def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
           precisions: list[str] | None = None, batch_sizes: list[int] | None = None,
           steps_per_dispatch: list[int] | None = None, simulate_devices: int | None = None,
           repeats: int = DEFAULT_REPEATS, steps: int = DEFAULT_STEPS, rounds: int = 1,
-          out: str | None = None) -> dict:
+          out: str | None = None, tensorboard: bool = False) -> dict:
     """Run the benchmark (one process per engine, path and round) and write its files; returns
     the results.
 
@@ -84,7 +88,7 @@ def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
     rows, machine, skipped, unable = [], None, [], set()
     for _ in range(rounds):
         for engine in (e for e in engines if e not in unable):
-            for path in PATHS:
+            for path in PATHS + ((TENSORBOARD_PATH,) if tensorboard else ()):
                 found, meta, error = _run_worker({**spec, "engine": engine, "path": path})
                 if error:
                     unable.add(engine)
@@ -126,8 +130,9 @@ def median_over_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Fill `vs_plain` and `vs_fastest` in place (see the module docstring)."""
+    """Fill `vs_plain`, `vs_fastest` and `vs_meshfit` in place (see the module docstring)."""
     plain = {_key(r): r["samples_per_s"] for r in rows if r["path"] == "plain"}
+    meshfit = {_key(r): r["samples_per_s"] for r in rows if r["path"] == "meshfit"}
     fastest: dict[tuple, float] = {}
     for r in rows:
         if r["path"] == "plain":
@@ -138,6 +143,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["vs_plain"] = r["samples_per_s"] / base if base else None
         best = fastest.get((r["precision"], r["batch"]))
         r["vs_fastest"] = r["samples_per_s"] / best if best else None
+        own = meshfit.get(_key(r)) if r["path"] == TENSORBOARD_PATH else None
+        r["vs_meshfit"] = r["samples_per_s"] / own if own else None
 
 
 def _key(row: dict[str, Any]) -> tuple:
@@ -185,8 +192,8 @@ def _cell(row: dict[str, Any], column: str) -> str:
         return f"{value * 100:.1f}%" if value else "n/a"
     if value is None:
         return "-"
-    if column in ("vs_plain", "vs_fastest"):
-        return f"{value:.2f}x"
+    if column in ("vs_plain", "vs_fastest", "vs_meshfit"):
+        return f"{value:.3f}x" if column == "vs_meshfit" else f"{value:.2f}x"
     if column == "samples_per_s":
         return f"{value:,.0f}"
     if column in ("ms_per_step", "compile_s"):
@@ -200,7 +207,7 @@ _TABLE = (("engine", "engine"), ("path", "path"), ("precision", "precision"), ("
           ("steps_per_dispatch", "steps/dispatch"), ("micro_batches", "micro-batches"),
           ("ms_per_step", "ms/step"),
           ("samples_per_s", "samples/s"), ("mfu", "MFU"), ("compile_s", "compile s"),
-          ("vs_plain", "vs plain"), ("vs_fastest", "vs fastest"))
+          ("vs_plain", "vs plain"), ("vs_fastest", "vs fastest"), ("vs_meshfit", "vs meshfit"))
 
 
 def format_table(result: dict) -> str:
@@ -326,7 +333,7 @@ def _wait_each_dispatch(info) -> list:
 def _worker(spec: dict) -> None:
     """Measure one engine and path for every precision, batch and steps per dispatch."""
     engine, path = spec["engine"], spec["path"]
-    if path == "meshfit":
+    if path != "plain":
         from meshfit.distribution import Strategy, connect
 
         info = connect(simulate=spec["simulate"], engine=engine, verbose=False).info
@@ -364,7 +371,7 @@ def _worker(spec: dict) -> None:
                 steps = -(-spec["steps"] // k) * k
                 keras.backend.clear_session()  # (no keras.utils.set_random_seed: it would import TensorFlow)
                 strategy = None
-                if path == "meshfit":
+                if path != "plain":
                     strategy = Strategy(info, engine, precision)
                     strategy.activate()
                 else:
@@ -383,7 +390,15 @@ def _worker(spec: dict) -> None:
                 if strategy is not None:
                     jax_loop.install(model, k)
                     report = EpochReport(batch_size=batch, strategy=strategy, stream=io.StringIO())
-                    strategy.fit(model, x, y, callbacks=[timer, report], **fit)
+                    logs = []
+                    if path == TENSORBOARD_PATH:
+                        import tempfile
+
+                        from meshfit.tensorboard_log import TensorBoardLog
+
+                        logs = [TensorBoardLog(tempfile.mkdtemp(prefix="meshfit-bench-tb-"),
+                                               report=report, global_batch=batch)]
+                    strategy.fit(model, x, y, callbacks=[timer, report, *logs], **fit)
                     flops = report.flops_per_step
                     slices = tf_microbatch.installed(model)
                 else:

@@ -279,6 +279,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"train steps per timed epoch (default: {bench.DEFAULT_STEPS})")
     parser.add_argument("--out", help="directory for bench.csv, bench.json, bench.png "
                         "(default: runs/bench-<time>)")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="also time the meshfit path with TensorBoard logging on (vs meshfit: its cost)")
     add_json_argument(parser, "the results (not a table)")
 
 
@@ -291,7 +293,8 @@ def run_bench(args: argparse.Namespace) -> int:
                          batch_sizes=comma_counts(args.batch_sizes, "--batch-sizes"),
                          steps_per_dispatch=comma_counts(args.steps_per_dispatch, "--steps-per-dispatch"),
                          simulate_devices=args.simulate_devices, repeats=args.repeats,
-                         steps=args.steps, rounds=args.rounds, out=args.out)
+                         steps=args.steps, rounds=args.rounds, out=args.out,
+                         tensorboard=args.tensorboard)
     if args.json:
         print(json.dumps(result))
     else:
