@@ -43,8 +43,14 @@ def assert_identical(run_a, run_b):
 
 
 # Runs `meshfit.training.train` and sends itself `signal` at (epoch, batch) of training.
+# meshfit.connect() comes before `import keras`, as in the CLI: TensorFlow reads its settings
+# (TF_ENABLE_ONEDNN_OPTS) once, when Keras imports it; imported first, TF would run its default,
+# which is oneDNN off on CPUs without AVX512-VNNI/BF16, AVX-VNNI or AMX (e.g. AMD EPYC Zen 2/3),
+# against oneDNN on in the CLI runs this one is compared with and resumed by.
 SIGNAL_AT = textwrap.dedent("""
     import os, signal, sys
+    import meshfit
+    meshfit.connect(verbose=False)
     import keras
     from meshfit.training import train
 

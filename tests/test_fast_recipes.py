@@ -143,8 +143,14 @@ def test_cifar10_fast_learns_a_small_task_and_saves(strategy, images, tmp_path):
     history = model.fit(x, labels, batch_size=128, epochs=4, verbose=0).history
     assert history["loss"][-1] < 0.75 * history["loss"][0]
     assert history["accuracy"][-1] > 0.8
-    # Inference uses the batch-norm moving averages, which lag the weights after so few steps.
-    assert model.evaluate(x, labels, batch_size=128, verbose=0, return_dict=True)["accuracy"] > 0.4
+    # Inference uses the batch-norm moving averages. After 16 steps at the recipe's high learning
+    # rates they trail the weights: inference predicted one or two classes (accuracy 0.27 or 0.50,
+    # by the CPU's rounding). Forward passes in training mode change only the averages: 16 bring
+    # them to the final weights' statistics (momentum 0.6, 0.6^16 of the old ones left).
+    for _ in range(4):
+        for start in range(0, len(x), 128):
+            model(x[start:start + 128].astype("float32"), training=True)
+    assert model.evaluate(x, labels, batch_size=128, verbose=0, return_dict=True)["accuracy"] > 0.6
 
     path = str(tmp_path / "model.keras")
     model.save(path)
