@@ -33,10 +33,14 @@ COMMANDS = {
 
 # ------------------------------------------------------------------------------- shared flags
 
-def add_device_arguments(parser: argparse.ArgumentParser, precision: bool = True) -> None:
-    """The flags of commands that connect to devices."""
+def add_simulate_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate-devices", type=int, metavar="N",
                         help="run on N JAX CPU devices standing in for accelerator cores")
+
+
+def add_device_arguments(parser: argparse.ArgumentParser, precision: bool = True) -> None:
+    """The flags of commands that connect to devices."""
+    add_simulate_argument(parser)
     if precision:
         parser.add_argument("--precision", default="auto",
                             help="auto, float32, bfloat16 or float16 (default: auto)")
@@ -267,8 +271,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", help="comma-separated global batch sizes (default: the recipe's)")
     parser.add_argument("--steps-per-dispatch", help="comma-separated train steps per dispatch "
                         "(default: 1 on CPU, 1,8 on accelerators)")
-    parser.add_argument("--simulate-devices", type=int, metavar="N",
-                        help="run on N JAX CPU devices standing in for accelerator cores")
+    add_simulate_argument(parser)
     parser.add_argument("--repeats", type=int, default=bench.DEFAULT_REPEATS,
                         help="timed epochs per measurement; the median is reported "
                              f"(default: {bench.DEFAULT_REPEATS})")
