@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import tempfile
@@ -33,11 +32,12 @@ from typing import Any, Iterator
 import keras
 import numpy as np
 
+from meshfit import rundir
 from meshfit.errors import MeshfitError
+from meshfit.rundir import list_checkpoints
 
 FORMAT = 1
-STATE_ARRAYS, STATE_JSON = "state.npz", "state.json"
-_NAME = re.compile(r"^ckpt-(\d{8,})$")
+STATE_ARRAYS, STATE_JSON = "state.npz", rundir.CHECKPOINT_STATE
 
 
 class TrainingInterrupted(MeshfitError):
@@ -95,20 +95,6 @@ def checkpoint_name(global_step: int) -> str:
     return f"ckpt-{global_step:08d}"
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[str]:
-    """Complete checkpoints in `directory`, oldest first (temporary folders are ignored)."""
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        return []
-    found = []
-    for name in os.listdir(directory):
-        match = _NAME.match(name)
-        path = os.path.join(directory, name)
-        if match and os.path.isfile(os.path.join(path, STATE_JSON)):
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
 def latest(directory: str | os.PathLike) -> str | None:
     """The newest complete checkpoint in `directory`, or None."""
     found = list_checkpoints(directory)
@@ -162,7 +148,7 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
         shutil.rmtree(old, ignore_errors=True)
     for name in os.listdir(directory):  # what earlier saves cut short left behind
         path = os.path.join(directory, name)
-        incomplete = _NAME.match(name) and not os.path.isfile(os.path.join(path, STATE_JSON))
+        incomplete = rundir.CHECKPOINT_NAME.match(name) and not os.path.isfile(os.path.join(path, STATE_JSON))
         if name.startswith(".tmp-") or incomplete:
             shutil.rmtree(path, ignore_errors=True)
     return final

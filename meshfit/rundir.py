@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import socket
 import tempfile
 import time
@@ -29,6 +30,8 @@ from meshfit.errors import MeshfitError
 CONFIG, HISTORY, METRICS = "config.json", "history.json", "metrics.json"
 MODEL, ONNX, CURVES = "model.keras", "model.onnx", "curves.png"
 CHECKPOINTS, TENSORBOARD, LOCK = "checkpoints", "tensorboard", ".lock"
+CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8,})$")  # checkpoints/ckpt-<global step>
+CHECKPOINT_STATE = "state.json"  # written last: a checkpoint folder holding it is complete
 HINT = "pass a run directory written by meshfit train"
 
 
@@ -214,3 +217,17 @@ def locate_run(run_or_model: str | os.PathLike) -> tuple[str, str]:
     if not os.path.isfile(os.path.join(run, CONFIG)):
         raise MeshfitError(f"{run} has no {CONFIG}, so its dataset is unknown; {hint}")
     return run, model_path
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[str]:
+    """Complete checkpoints in `directory`, oldest first (temporary folders are ignored)."""
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = CHECKPOINT_NAME.match(name)
+        path = os.path.join(directory, name)
+        if match and os.path.isfile(os.path.join(path, CHECKPOINT_STATE)):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]

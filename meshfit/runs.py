@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Any
 
 from meshfit.errors import MeshfitError
-from meshfit.rundir import CHECKPOINTS, CONFIG, HISTORY, METRICS
+from meshfit.rundir import CHECKPOINT_STATE, CHECKPOINTS, CONFIG, HISTORY, METRICS, list_checkpoints
 
 _SETTINGS = ("recipe", "device_kind", "platform", "replicas", "precision", "engine")
-_CHECKPOINT = re.compile(r"^ckpt-(\d{8,})$")
 COLUMNS = (("run", "run"), ("recipe", "recipe"), ("device_kind", "device"), ("replicas", "x"),
            ("precision", "precision"), ("engine", "engine"), ("epochs", "epochs"),
            ("test_accuracy", "test acc"), ("train_seconds", "train s"),
@@ -39,25 +37,14 @@ def _read(path: str) -> Any:
         raise ValueError(f"{os.path.basename(path)}: {reason}") from e
 
 
-def newest_checkpoint(run: str) -> str | None:
-    """The run's newest complete checkpoint folder (one holding state.json), or None."""
-    folder = os.path.join(run, CHECKPOINTS)
-    found = []
-    for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        match = _CHECKPOINT.match(name)
-        if match and os.path.isfile(os.path.join(folder, name, "state.json")):
-            found.append((int(match.group(1)), os.path.join(folder, name)))
-    return max(found)[1] if found else None
-
-
 def history(run: str) -> list[dict[str, Any]]:
     """The run's per-epoch records: history.json, else the newest checkpoint's (else [])."""
     if os.path.isfile(os.path.join(run, HISTORY)):
         return list(_read(os.path.join(run, HISTORY)))
-    checkpoint = newest_checkpoint(run)
-    if checkpoint is None:
+    found = list_checkpoints(os.path.join(run, CHECKPOINTS))
+    if not found:
         return []
-    return list(_read(os.path.join(checkpoint, "state.json")).get("history") or [])
+    return list(_read(os.path.join(found[-1], CHECKPOINT_STATE)).get("history") or [])
 
 
 def find_runs(paths: list[str]) -> list[str]:
