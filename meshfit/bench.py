@@ -34,6 +34,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -390,15 +391,13 @@ def _worker(spec: dict) -> None:
                 if strategy is not None:
                     jax_loop.install(model, k)
                     report = EpochReport(batch_size=batch, strategy=strategy, stream=io.StringIO())
-                    logs = []
-                    if path == TENSORBOARD_PATH:
-                        import tempfile
+                    with tempfile.TemporaryDirectory(prefix="meshfit-bench-tb-") as logdir:
+                        logs = []
+                        if path == TENSORBOARD_PATH:
+                            from meshfit.tensorboard_log import TensorBoardLog
 
-                        from meshfit.tensorboard_log import TensorBoardLog
-
-                        logs = [TensorBoardLog(tempfile.mkdtemp(prefix="meshfit-bench-tb-"),
-                                               report=report, global_batch=batch)]
-                    strategy.fit(model, x, y, callbacks=[timer, report, *logs], **fit)
+                            logs = [TensorBoardLog(logdir, report=report, global_batch=batch)]
+                        strategy.fit(model, x, y, callbacks=[timer, report, *logs], **fit)
                     flops = report.flops_per_step
                     slices = tf_microbatch.installed(model)
                 else:

@@ -105,7 +105,7 @@ def specify(recipe: str | None, *, epochs: int | None, batch_size: int | None, s
         simulate_devices = simulate_devices or saved.simulated_devices
         checkpoint_every = checkpoint_every or saved.checkpoint_every
         keep_checkpoints = keep_checkpoints if keep_checkpoints is not None else saved.keep_checkpoints
-        if micro_batches is None and saved.micro_batches and (engine or saved.engine) == "tensorflow":
+        if micro_batches is None and saved.micro_batches and engine == "tensorflow":
             micro_batches = saved.micro_batches  # a resumed run keeps its slices where it can
     the_recipe = recipes.get(recipe or recipes.DEFAULT)
     if the_recipe.dataset == "synthetic":
@@ -207,7 +207,6 @@ def write_config(run: str, run_spec: RunSpec, saved_config: dict | None, resume_
             "command": command, "at": now, "checkpoint": os.path.basename(resume_state["path"]),
             "engine": run_spec.engine, "replicas": run_spec.replicas,
             "steps_per_dispatch": run_spec.steps_per_dispatch, "micro_batches": run_spec.micro_batches})
-    os.makedirs(run, exist_ok=True)
     rundir.write_json(os.path.join(run, rundir.CONFIG), config)
 
 
