@@ -284,10 +284,13 @@ def fit_arguments(strategy, x, y, batch_size: int | None, kwargs: dict[str, Any]
 
     Arrays with a global batch_size: each process keeps its rows of every batch and fits with its
     per-process batch. An iterator of global batches (e.g. meshfit.pipeline's, with
-    steps_per_epoch): each batch is cut as it comes. validation_data arrays are cut like x and y.
+    steps_per_epoch): each batch is cut as it comes, unless the iterator has `process_local = True`
+    (it yields this process's rows already). validation_data arrays are cut like x and y.
     """
     devices, index = strategy.info.devices, strategy.info.process_index
     kwargs = dict(kwargs)
+    if getattr(x, "process_local", False):  # a source that already reads only this process's rows
+        return x, y, batch_size, kwargs
     if batch_size is None:
         if y is not None or hasattr(x, "shape"):
             raise MeshfitError("on several hosts Strategy.fit takes arrays with batch_size (the global "
