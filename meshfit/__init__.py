@@ -1,14 +1,15 @@
 """meshfit: train any Keras model data-parallel on every core of a TPU, GPU or CPU.
 
 `connect()` finds the devices and returns a `Strategy`; build the model in `strategy.scope()` and
-fit as usual. Keras is imported only by `connect()` (after the engine is chosen), so import
-meshfit before keras if you want meshfit to choose the Keras backend.
+fit as usual. A `Recipe` (a model, its data and hyperparameters) is what `meshfit train` trains.
+Keras is imported only by `connect()` (after the engine is chosen), so import meshfit before keras
+if you want meshfit to choose the Keras backend.
 """
 
 from meshfit.errors import MeshfitError
 
 __version__ = "0.1.0"
-__all__ = ["connect", "Strategy", "EpochReport", "MeshfitError", "__version__"]
+__all__ = ["connect", "Strategy", "EpochReport", "Recipe", "MeshfitError", "__version__"]
 
 
 def __getattr__(name: str):
@@ -20,4 +21,8 @@ def __getattr__(name: str):
         from meshfit.report import EpochReport
 
         return EpochReport
+    if name == "Recipe":
+        from meshfit.recipes import Recipe
+
+        return Recipe
     raise AttributeError(f"module 'meshfit' has no attribute {name!r}")

@@ -21,13 +21,14 @@ from meshfit.errors import MeshfitError
 FIGURE_FORMATS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")  # what `predict --show` can write
 COMMANDS = {
     "info": "print the devices found, engine, precision and batch multiple",
-    "train": "train a recipe and write a run directory",
+    "train": "train a recipe, a recipe file or a folder of images; write a run directory",
     "eval": "evaluate a trained model on its test set",
     "predict": "classify image files on the CPU",
     "export": "export a trained model for CPU serving (keras or onnx)",
     "bench": "time the train step per engine, precision and batch size",
     "launch": "start N local processes of a multi-host job",
     "runs": "list run directories side by side: settings, progress, accuracy, speed",
+    "recipe": "print a built-in recipe as a file to start one's own from",
 }
 
 
@@ -98,8 +99,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     from meshfit import planning, recipes, spec
 
     parser.add_argument("recipe", nargs="?", metavar="RECIPE",
-                        help=f"one of: {', '.join(recipes.names())} (default: {recipes.DEFAULT})")
+                        help=f"one of: {', '.join(recipes.names())}, or a recipe file defining "
+                             f"RECIPE = meshfit.Recipe(...) (default: {recipes.DEFAULT})")
+    parser.add_argument("--data", metavar="FOLDER",
+                        help="train an image classifier on FOLDER, one sub-folder of images per "
+                             "class (or train/ and test/ or val/ sub-folders); needs --image-size")
+    parser.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"),
+                        help="with --data: resize images to H x W pixels")
+    parser.add_argument("--channels", type=int, choices=(1, 3),
+                        help="with --data: 1 (grey) or 3 (RGB) (default: 1 when the images are grey)")
+    parser.add_argument("--model", metavar="NAME",
+                        help="with --data: cnn, mobilenetv3small or efficientnetb0 (default: cnn up "
+                             "to 64 pixels, mobilenetv3small above)")
+    parser.add_argument("--validation-split", type=float, metavar="F",
+                        help="hold out this share of the training data for the per-epoch val_* "
+                             "metrics (default: 0.2 with --data, else the recipe's)")
     parser.add_argument("--epochs", type=int, metavar="N", help="epochs (default: the recipe's)")
+    parser.add_argument("--steps-per-epoch", type=int, metavar="N",
+                        help="train steps per epoch (default: the recipe's, or one pass over the data)")
     parser.add_argument("--batch-size", type=int, metavar="GLOBAL",
                         help="global batch over all replicas (default: the recipe's)")
     parser.add_argument("--data-dir", metavar="DIR", help="where the dataset is (see meshfit.datasets)")
@@ -135,8 +152,13 @@ def run_train(args: argparse.Namespace) -> int:
     from meshfit.training import train
 
     command = shlex.join(["meshfit", *sys.argv[1:]])
+    recipe = args.recipe
+    if args.data is not None:
+        recipe = folder_recipe(args, command)
+    elif args.image_size or args.channels or args.model:
+        raise MeshfitError("--image-size, --channels and --model go with --data FOLDER")
     try:
-        metrics = train(args.recipe, epochs=args.epochs, batch_size=args.batch_size,
+        metrics = train(recipe, epochs=args.epochs, batch_size=args.batch_size,
                         precision=args.precision, data_dir=args.data_dir, out=args.out,
                         seed=args.seed, simulate_devices=args.simulate_devices, engine=args.engine,
                         require=args.require, resume=args.resume,
@@ -146,7 +168,8 @@ def run_train(args: argparse.Namespace) -> int:
                         micro_batches=args.micro_batches,
                         batch_rounding=not args.no_batch_rounding, verbose=True, command=command,
                         tensorboard=not args.no_tensorboard, log_every=args.log_every,
-                        profile=args.profile)
+                        profile=args.profile, steps_per_epoch=args.steps_per_epoch,
+                        validation_split=None if args.data else args.validation_split)
     except MeshfitError as err:
         if not hasattr(err, "exit_code"):  # only TrainingInterrupted has its own exit code
             raise
@@ -155,6 +178,28 @@ def run_train(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(metrics), flush=True)
     return 0
+
+
+def folder_recipe(args: argparse.Namespace, command: str):
+    """The image-folder recipe `--data FOLDER --image-size H W ...` asks for, with its file's text."""
+    import dataclasses
+
+    from meshfit.recipes import image_folder
+
+    if args.recipe or args.resume:
+        raise MeshfitError("--data trains a new run on a folder; give a RECIPE, --resume RUN_DIR "
+                           "or --data FOLDER, one of them")
+    if not args.image_size:
+        raise MeshfitError("--data needs --image-size H W, the pixels to resize images to "
+                           "(e.g. --image-size 28 28)")
+    folder, size = os.path.abspath(args.data), tuple(args.image_size)
+    options = {"channels": args.channels or image_folder.guess_channels(folder),
+               "model": (args.model or image_folder.default_model(size)).lower(),
+               "validation_split": args.validation_split}
+    options = {key: value for key, value in options.items() if value is not None}
+    recipe = image_folder.recipe(folder, size, **options)
+    text = image_folder.recipe_file_text(command, folder, size, **options)
+    return dataclasses.replace(recipe, text=text)
 
 
 # --------------------------------------------------------------------------------------- eval
@@ -175,8 +220,9 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result), flush=True)
     else:
-        print(f"test accuracy {result['test_accuracy']:.4f}  test loss {result['test_loss']:.4f}"
-              f"  ({result['samples']} images)")
+        split = result["split"]
+        print(f"{split} accuracy {result[f'{split}_accuracy']:.4f}  {split} loss "
+              f"{result[f'{split}_loss']:.4f}  ({result['samples']} images)")
     return 0
 
 
@@ -329,6 +375,27 @@ def run_launch(args: argparse.Namespace) -> int:
 
     return launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
                   show=args.show, timeout=args.timeout)
+
+
+# ------------------------------------------------------------------------------------- recipe
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", metavar="NAME",
+                        help="a built-in recipe (without NAME: list them)")
+
+
+def run_recipe(args: argparse.Namespace) -> int:
+    """Print a built-in recipe's file (e.g. `meshfit recipe fashion-mnist-cnn > mine.py`), or list them."""
+    from meshfit import recipes
+
+    if args.name:
+        sys.stdout.write(recipes.source(args.name))
+        return 0
+    for name in recipes.names():
+        summary = (recipes.get(name).doc.strip().splitlines() or [""])[0]
+        print(f"{name:20s} {summary.split(': ', 1)[-1]}")
+    print("\nmeshfit recipe NAME > my_recipe.py   then edit it and run: meshfit train my_recipe.py")
+    return 0
 
 
 # --------------------------------------------------------------------------------------- runs

@@ -2,6 +2,8 @@
 
 A run directory (default runs/<recipe>-<YYYYmmdd-HHMMSS>/) holds
   config.json   the run specification (meshfit.spec), written first so a killed run can resume
+  recipe.py     the recipe file trained (recipe files and --data runs only; its SHA-256 is in
+                config.json), so resume, eval and export work after the original moves
   checkpoints/  the full training state, see meshfit.checkpoints
   model.keras   the trained model (raw 0-255 pixels in, class probabilities out)
   model.onnx    its ONNX copy for fast CPU inference (written by predict or export)
@@ -30,6 +32,7 @@ from meshfit.errors import MeshfitError
 CONFIG, HISTORY, METRICS = "config.json", "history.json", "metrics.json"
 MODEL, ONNX, CURVES = "model.keras", "model.onnx", "curves.png"
 CHECKPOINTS, TENSORBOARD, LOCK = "checkpoints", "tensorboard", ".lock"
+RECIPE = "recipe.py"
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8,})$")  # checkpoints/ckpt-<global step>
 CHECKPOINT_STATE = "state.json"  # written last: a checkpoint folder holding it is complete
 HINT = "pass a run directory written by meshfit train"

@@ -44,6 +44,11 @@ class RunSpec:
     device_kind: str
     simulated_devices: int | None = None
     data_dir: str | None = None
+    validation_split: float = 0.0  # share of the training data held out for val_* (0: none)
+    evaluated_on: str = "test"  # the split behind the per-epoch val_* metrics: test or validation
+    recipe_file: str | None = None  # the recipe file's copy in the run directory (recipe.py)
+    recipe_sha256: str | None = None  # of that copy, checked before it is used again
+    recipe_source: str | None = None  # where the recipe file was when the run started
     augment: str = "none"
     crop_padding: int = 4
     flips: str = "random"

@@ -14,6 +14,7 @@ run ends with the same weights as an uninterrupted run on the same engine and de
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import os
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfit import __version__, checkpoints, datasets, planning, recipes, rundir, spec
+from meshfit import __version__, checkpoints, data, planning, recipes, rundir, spec
 from meshfit.errors import MeshfitError
 from meshfit.profiling import profiling_steps
 from meshfit.spec import RunSpec
@@ -41,22 +42,24 @@ def _loss_value(loss, labels: np.ndarray, outputs: np.ndarray) -> float:
 
 def evaluate_model(model, batches, labels: np.ndarray, loss,
                    tta_flip: bool = False) -> dict[str, float]:
-    """Test accuracy and mean loss over every sample of `batches` (a pipeline.EvalBatches)."""
+    """{"accuracy", "loss"}: accuracy and mean loss over every sample of `batches` (a
+    pipeline.EvalBatches or imagefolder.FolderEvalBatches)."""
     from meshfit import pipeline
 
     outputs = pipeline.predict(model, batches, tta_flip=tta_flip)
     accuracy = float(np.mean(np.argmax(outputs, axis=-1) == labels.reshape(-1)))
-    return {"test_accuracy": accuracy, "test_loss": _loss_value(loss, labels, outputs)}
+    return {"accuracy": accuracy, "loss": _loss_value(loss, labels, outputs)}
 
 
-def plot_curves(history: list[dict[str, Any]], path: str, title: str) -> None:
-    """Save loss and accuracy per epoch (train and test) as a two-panel PNG."""
+def plot_curves(history: list[dict[str, Any]], path: str, title: str,
+                evaluated_on: str = "test") -> None:
+    """Save loss and accuracy per epoch (train, and the split behind val_*) as a two-panel PNG."""
     from matplotlib.figure import Figure
 
     epochs = [record["epoch"] for record in history]
     figure = Figure(figsize=(10, 4), dpi=100, layout="constrained")
     for axes, metric in zip(figure.subplots(1, 2), ("loss", "accuracy")):
-        for key, label in ((metric, "train"), (f"val_{metric}", "test")):
+        for key, label in ((metric, "train"), (f"val_{metric}", evaluated_on)):
             values = [record.get(key) for record in history]
             if any(v is not None for v in values):
                 axes.plot(epochs, [np.nan if v is None else v for v in values], marker="o", label=label)
@@ -87,7 +90,21 @@ class Request:
     micro_batches: int | str
 
 
-def specify(recipe: str | None, *, epochs: int | None, batch_size: int | None, seed: int | None,
+def recipe_of_run(run: str, saved: RunSpec) -> recipes.Recipe:
+    """The recipe a run was trained with: its own copy of a recipe file, else the built-in one."""
+    if not saved.recipe_file:
+        return recipes.get(saved.recipe)
+    path = os.path.join(run, saved.recipe_file)
+    if not os.path.isfile(path):
+        raise MeshfitError(f"{path} is missing (the run was trained from {saved.recipe_source}); "
+                           "copy that recipe file there")
+    if saved.recipe_sha256 and rundir.file_sha256(path) != saved.recipe_sha256:
+        raise MeshfitError(f"{path} was changed after the run started (its SHA-256 differs from "
+                           "config.json's); undo the change, or train the edited file as a new run")
+    return recipes.load_file(path)
+
+
+def specify(the_recipe: recipes.Recipe, *, epochs: int | None, batch_size: int | None, seed: int | None,
             precision: str | None, data_dir: str | None, engine: str | None,
             simulate_devices: int | None, checkpoint_every: str | int | None,
             keep_checkpoints: int | None, micro_batches: int | str | None,
@@ -98,7 +115,7 @@ def specify(recipe: str | None, *, epochs: int | None, batch_size: int | None, s
         if value is not None and value < 1:
             raise MeshfitError(f"{flag} must be at least 1, got {value}")
     if saved is not None:
-        recipe, batch_size, seed, precision = saved.recipe, saved.global_batch, saved.seed, saved.precision
+        batch_size, seed, precision = saved.global_batch, saved.seed, saved.precision
         epochs = epochs if epochs is not None else saved.epochs
         data_dir = data_dir or saved.data_dir
         engine = engine or saved.engine
@@ -107,7 +124,11 @@ def specify(recipe: str | None, *, epochs: int | None, batch_size: int | None, s
         keep_checkpoints = keep_checkpoints if keep_checkpoints is not None else saved.keep_checkpoints
         if micro_batches is None and saved.micro_batches and engine == "tensorflow":
             micro_batches = saved.micro_batches  # a resumed run keeps its slices where it can
-    the_recipe = recipes.get(recipe or recipes.DEFAULT)
+    if the_recipe.steps_per_epoch is not None and the_recipe.steps_per_epoch < 1:
+        raise MeshfitError(f"--steps-per-epoch must be at least 1, got {the_recipe.steps_per_epoch}")
+    if not 0 <= the_recipe.validation_split < 1:
+        raise MeshfitError(f"--validation-split must be at least 0 and below 1, got "
+                           f"{the_recipe.validation_split}")
     if the_recipe.dataset == "synthetic":
         raise MeshfitError(f"recipe {the_recipe.name} trains on random data to measure speed; "
                            f"time it with: meshfit bench {the_recipe.name}")
@@ -131,6 +152,14 @@ def plan_steps(recipe: recipes.Recipe, samples: int, global_batch: int) -> int |
     return min(recipe.steps_per_epoch or full_steps, full_steps) or None
 
 
+def fit_batch_to_data(global_batch: int, samples: int, replicas: int, planned: bool) -> int:
+    """A planned (not asked-for) global batch lowered to at most a quarter of the training samples,
+    in whole samples per replica, so that a small folder still gets several steps per epoch."""
+    if not planned or global_batch * 4 <= samples:
+        return global_batch
+    return max(samples // 4 // replicas, 1) * replicas
+
+
 def start_session(strategy, seed: int) -> None:
     """A fresh Keras session with this strategy active, seeded, deterministic on TensorFlow."""
     import keras
@@ -145,7 +174,8 @@ def start_session(strategy, seed: int) -> None:
 
 
 def build(recipe: recipes.Recipe, dataset, steps: int, epochs: int, dispatch_steps: int):
-    """The recipe's model, built, prepared and compiled (call inside the strategy's scope)."""
+    """The recipe's model, built, prepared and compiled (call inside the strategy's scope).
+    dataset: anything with input_shape and num_classes (a data.RunData)."""
     model = recipe.build_model(tuple(recipe.input_shape or dataset.input_shape), dataset.num_classes)
     if recipe.prepare is not None:
         recipe.prepare(model, dataset)
@@ -160,18 +190,38 @@ def make_spec(request: Request, strategy, dataset, *, steps: int, global_batch: 
     import keras
 
     r = request.recipe
+    per_epoch = dataset.per_epoch
     return RunSpec(
-        recipe=r.name, dataset=r.dataset, class_names=tuple(dataset.class_names),
+        recipe=r.name, dataset=dataset.source, class_names=tuple(dataset.class_names),
         input_shape=tuple(r.input_shape or dataset.input_shape), num_classes=dataset.num_classes,
         epochs=request.epochs, steps_per_epoch=steps, global_batch=global_batch,
         steps_per_dispatch=dispatch, micro_batches=slices, seed=request.seed,
         precision=strategy.precision, engine=strategy.engine, replicas=strategy.replicas,
         platform=strategy.platform, device_kind=strategy.device_kind,
         simulated_devices=strategy.info.devices_per_host if strategy.info.simulated else None,
-        data_dir=spec.absolute(request.data_dir), augment=r.augment, crop_padding=r.crop_padding,
+        data_dir=spec.absolute(request.data_dir), validation_split=r.validation_split,
+        evaluated_on=per_epoch[0] if per_epoch else "none",
+        recipe_file=rundir.RECIPE if r.text is not None else None,
+        recipe_sha256=text_sha256(r.text) if r.text is not None else None,
+        recipe_source=r.file, augment=r.augment, crop_padding=r.crop_padding,
         flips=r.flips, tta_flip=r.tta_flip, checkpoint_every=request.checkpoint_every,
         keep_checkpoints=request.keep_checkpoints, meshfit_version=__version__,
         keras_version=keras.__version__, command=command)
+
+
+def text_sha256(text: str) -> str:
+    """The SHA-256 of a text's UTF-8 bytes (what rundir.file_sha256 gives for its file)."""
+    import hashlib
+
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def write_recipe(run: str, recipe: recipes.Recipe) -> None:
+    """RUN/recipe.py: the text of a recipe file (or of a generated recipe) as it was trained."""
+    path = os.path.join(run, rundir.RECIPE)
+    if recipe.text is not None and not os.path.exists(path):
+        with rundir.atomic_path(path, ".py") as tmp, open(tmp, "w", encoding="utf-8") as f:
+            f.write(recipe.text)
 
 
 def restore(model, run: str, steps: int, labels: np.ndarray) -> dict[str, Any]:
@@ -210,6 +260,12 @@ def write_config(run: str, run_spec: RunSpec, saved_config: dict | None, resume_
     rundir.write_json(os.path.join(run, rundir.CONFIG), config)
 
 
+EVALUATION_NOTES = {  # what announce says about the per-epoch val_* metrics
+    "test": "val_* on the test set each epoch, as the tutorials did; ",
+    "validation": "val_* on a held-out validation split, the test set scored at the end; ",
+    "none": "no validation data (set validation_split); "}
+
+
 def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state) -> None:
     """Print where training starts (resumed from which checkpoint) and what it will do."""
     if resume_state:
@@ -225,11 +281,12 @@ def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state) -
         per_dispatch += f", gradients summed over {run_spec.micro_batches} cache-sized micro-batches"
     print(f"training {run_spec.recipe}: {run_spec.epochs} epoch(s) x {run_spec.steps_per_epoch} steps "
           f"of {run_spec.global_batch} images (global batch){per_dispatch}, seed {run_spec.seed}; "
-          f"run directory {run}", flush=True)
+          f"{EVALUATION_NOTES.get(run_spec.evaluated_on, '')}run directory {run}", flush=True)
 
 
 class _EpochEnd:
-    """At each epoch end: evaluate on the test set (adds val_loss/val_accuracy to the logs)."""
+    """At each epoch end: evaluate on the validation split, or the test set (adds val_loss and
+    val_accuracy to the logs)."""
 
     def __init__(self, model, batches, labels, loss, tta_flip, report):
         self.model, self.batches, self.labels, self.loss = model, batches, labels, loss
@@ -238,7 +295,7 @@ class _EpochEnd:
     def __call__(self, epoch, logs):
         self.report.on_test_begin()  # the epoch's training clock stops before validation
         scores = evaluate_model(self.model, self.batches, self.labels, self.loss, self.tta_flip)
-        logs["val_loss"], logs["val_accuracy"] = scores["test_loss"], scores["test_accuracy"]
+        logs["val_loss"], logs["val_accuracy"] = scores["loss"], scores["accuracy"]
 
 
 class _History:
@@ -314,19 +371,41 @@ def fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[in
             if model.steps_per_execution != dispatch:
                 jax_loop.install(model, dispatch)
             epoch += 1
+            if model.stop_training:  # a recipe callback (EarlyStopping) ended training
+                return
         if epoch < epochs:
             strategy.fit(model, batches.iterate(epoch), epochs=epochs, initial_epoch=epoch,
                          steps_per_epoch=steps, shuffle=False, callbacks=callbacks,
                          micro_batches=micro_batches)
 
 
-def score(model, history: list[dict[str, Any]], test_batches, labels: np.ndarray, loss,
-          tta_flip: bool, epochs: int) -> dict[str, float]:
-    """Test accuracy and loss: the last epoch's evaluation when it ran, else evaluated now."""
+def score(model, history: list[dict[str, Any]], dataset, batch: int, loss, tta_flip: bool,
+          epochs: int) -> dict[str, float]:
+    """test_accuracy/test_loss and validation_accuracy/validation_loss, for the splits the data
+    has: the last epoch's evaluation where it ran on that split, else evaluated now."""
+    from meshfit import data
+
     final = history[-1] if history else {}
-    if final.get("epoch") == epochs and "val_accuracy" in final:
-        return {"test_accuracy": final["val_accuracy"], "test_loss": final["val_loss"]}
-    return evaluate_model(model, test_batches, labels, loss, tta_flip)
+    done = final.get("epoch") == epochs and "val_accuracy" in final
+    scores = {}
+    for name, split in (("test", dataset.test), ("validation", dataset.validation)):
+        if split is None:
+            continue
+        if done and dataset.per_epoch[0] == name:
+            result = {"accuracy": final["val_accuracy"], "loss": final["val_loss"]}
+        else:
+            result = evaluate_model(model, data.eval_batches(dataset, split, batch),
+                                    data.labels(split), loss, tta_flip)
+        scores.update({f"{name}_accuracy": result["accuracy"], f"{name}_loss": result["loss"],
+                       f"{name}_samples": data.size(split)})
+    return scores
+
+
+def headline(scores: dict[str, Any]) -> tuple[str, float | None, float | None, int | None]:
+    """(split name, accuracy, loss, samples) to show: the test set's, else the validation's."""
+    name = "test" if "test_accuracy" in scores else "validation"
+    return (name, scores.get(f"{name}_accuracy"), scores.get(f"{name}_loss"),
+            scores.get(f"{name}_samples"))
 
 
 def totals(history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -349,13 +428,14 @@ def write_results(run: str, model, history: list, metrics: dict[str, Any]) -> No
             model.save(tmp)
     rundir.write_json(os.path.join(run, rundir.HISTORY), history)
     rundir.write_json(os.path.join(run, rundir.METRICS), metrics)
-    plot_curves(history, os.path.join(run, rundir.CURVES),
-                f"{metrics['recipe']}: test accuracy {metrics['test_accuracy']:.2%}")
+    name, accuracy, _, _ = headline(metrics)
+    title = f"{metrics['recipe']}: {name} accuracy {accuracy:.2%}" if accuracy is not None else metrics["recipe"]
+    plot_curves(history, os.path.join(run, rundir.CURVES), title, metrics.get("evaluated_on", "test"))
 
 
 # ---------------------------------------------------------------------------------------- train
 
-def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: int | None = None,
+def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = None, batch_size: int | None = None,
           precision: str | None = None, data_dir: str | None = None, out: str | None = None,
           seed: int | None = None, simulate_devices: int | None = None, engine: str | None = None,
           require: str | None = None, resume: str | None = None,
@@ -363,10 +443,14 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
           steps_per_dispatch: int | None = None, micro_batches: int | str | None = None,
           batch_rounding: bool = True, callbacks: list | None = None, verbose: bool = True,
           command: str | None = None, tensorboard: bool = True, log_every: int = 10,
-          profile: str | None = None) -> dict[str, Any]:
+          profile: str | None = None, steps_per_epoch: int | None = None,
+          validation_split: float | None = None) -> dict[str, Any]:
     """Train `recipe` (default fashion-mnist-cnn), write its run directory, return its metrics.
 
-    epochs, batch_size (global, over all replicas), precision: override the recipe's.
+    recipe: a built-in recipe's name, a recipe file's path, or a Recipe.
+
+    epochs, batch_size (global, over all replicas), precision, steps_per_epoch, validation_split:
+      override the recipe's.
     data_dir: where the dataset is (see meshfit.datasets.load). out: the run directory.
     seed: weights, data order, augmentation and dropout all follow from it (default 0).
     simulate_devices, engine, require: as for meshfit.connect.
@@ -393,9 +477,20 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
                                              seed=seed, resume=resume)
     saved, saved_config = spec.read(resume) if resume is not None else (None, None)
     if saved is not None:
-        spec.check_resume(saved, resume, recipe=recipe, batch_size=batch_size, seed=seed,
+        from_python = isinstance(recipe, recipes.Recipe) and not saved.recipe_file
+        the_recipe = recipe if from_python else recipe_of_run(resume, saved)
+        the_recipe = dataclasses.replace(the_recipe, steps_per_epoch=saved.steps_per_epoch,
+                                         validation_split=saved.validation_split)
+        asked = recipe.name if isinstance(recipe, recipes.Recipe) else recipe
+        if asked and recipes.is_file(asked):
+            asked = recipes.load_file(asked).name
+        spec.check_resume(saved, resume, recipe=asked, batch_size=batch_size, seed=seed,
                           precision=precision)
-    request = specify(recipe, epochs=epochs, batch_size=batch_size, seed=seed, precision=precision,
+    else:
+        the_recipe = recipe if isinstance(recipe, recipes.Recipe) else recipes.load(recipe)
+        changes = {"steps_per_epoch": steps_per_epoch, "validation_split": validation_split}
+        the_recipe = dataclasses.replace(the_recipe, **{k: v for k, v in changes.items() if v is not None})
+    request = specify(the_recipe, epochs=epochs, batch_size=batch_size, seed=seed, precision=precision,
                       data_dir=data_dir, engine=engine, simulate_devices=simulate_devices,
                       checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                       micro_batches=micro_batches, saved=saved)
@@ -412,26 +507,26 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
     strategy = connect(require=require, simulate=request.simulate_devices, engine=request.engine,
                        precision=request.precision, verbose=verbose)
     chief = strategy.info.process_index == 0
+    asked_batch = request.batch_size or the_recipe.global_batch
     global_batch = planning.plan_global_batch(
-        strategy.replicas, strategy.platform, strategy.device_kind,
-        global_batch=request.batch_size or the_recipe.global_batch,
+        strategy.replicas, strategy.platform, strategy.device_kind, global_batch=asked_batch,
         per_core_batch=the_recipe.per_core_batch, rounding=batch_rounding and saved is None)
-    dataset = datasets.load(the_recipe.dataset, request.data_dir)
-    steps = plan_steps(the_recipe, len(dataset.x_train), global_batch)
+    dataset = data.load(the_recipe, request.data_dir, request.seed, saved.dataset if saved else None)
+    train_samples = data.size(dataset.train)
+    global_batch = fit_batch_to_data(global_batch, train_samples, strategy.replicas,
+                                     planned=not asked_batch and not the_recipe.per_core_batch)
+    steps = plan_steps(the_recipe, train_samples, global_batch)
     dispatch = planning.steps_per_dispatch(strategy.platform, strategy.engine, steps or 1,
                                            steps_per_dispatch)
     start_session(strategy, request.seed)
 
     import keras
 
-    from meshfit import cluster, pipeline, tf_microbatch
+    from meshfit import cluster, tf_microbatch
     from meshfit.report import EpochReport
 
     with strategy.scope():
-        batches = pipeline.TrainBatches(dataset.x_train, dataset.y_train, global_batch, request.seed,
-                                        steps, the_recipe.augment, crop_padding=the_recipe.crop_padding,
-                                        flips=the_recipe.flips)
-        test_batches = pipeline.EvalBatches(dataset.x_test, global_batch)
+        batches = data.train_batches(dataset, the_recipe, global_batch, request.seed, steps)
         steps = batches.steps_per_epoch
         model = build(the_recipe, dataset, steps, request.epochs, dispatch)
         slices = tf_microbatch.choose(model, global_batch, request.micro_batches, strategy.engine)
@@ -440,9 +535,17 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
 
         cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
         with rundir.lock(run) if chief else contextlib.nullcontext():
-            resume_state = restore(model, run, steps, dataset.y_train) if saved is not None else None
+            resume_state = (restore(model, run, steps, data.labels(dataset.train))
+                            if saved is not None else None)
             history = list(resume_state["history"]) if resume_state else []
+            own_callbacks = None
+            if the_recipe.callbacks is not None:
+                from meshfit.callbacks import RecipeCallbacks
+
+                own_callbacks = RecipeCallbacks(the_recipe.callbacks(),
+                                                resume_state.get("callbacks") if resume_state else None)
             if chief:
+                write_recipe(run, the_recipe)
                 write_config(run, run_spec, saved_config, resume_state, command)
                 if verbose:
                     announce(run, run_spec, saved, resume_state)
@@ -454,17 +557,19 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
                 os.path.join(run, rundir.CHECKPOINTS), steps, every_steps=every_steps,
                 every_seconds=every_seconds, epoch_end=at_epoch_end, keep=run_spec.keep_checkpoints,
                 resume_state=resume_state, write=chief,
-                extra=lambda: {"seed": run_spec.seed, "history": history, "config": run_spec.to_dict()})
+                extra=lambda: {"seed": run_spec.seed, "history": history, "config": run_spec.to_dict(),
+                               "callbacks": own_callbacks.state() if own_callbacks else []})
             loss = the_recipe.make_loss()
             watch = monitoring(run, chief, verbose, report, global_batch, steps, tensorboard,
                                log_every, profile_steps)
+            per_epoch = dataset.per_epoch
+            evaluation = [keras.callbacks.LambdaCallback(on_epoch_end=_EpochEnd(
+                model, data.eval_batches(dataset, per_epoch[1], global_batch),
+                data.labels(per_epoch[1]), loss, the_recipe.tta_flip, report))] if per_epoch else []
             fit_callbacks = [
-                *watch.before,
-                keras.callbacks.LambdaCallback(on_epoch_end=_EpochEnd(
-                    model, test_batches, dataset.y_test, loss, the_recipe.tta_flip, report)),
-                report, *watch.after,
+                *watch.before, *evaluation, report, *watch.after,
                 keras.callbacks.LambdaCallback(on_epoch_end=_History(history, report, global_batch)),
-                checkpointer, *(callbacks or [])]
+                *([own_callbacks] if own_callbacks else []), checkpointer, *(callbacks or [])]
             start = (resume_state["epoch"], resume_state["step"]) if resume_state else (0, 0)
             try:
                 fit(strategy, model, batches, fit_callbacks, checkpointer, start, request.epochs,
@@ -472,16 +577,17 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
             finally:
                 watch.close()
 
-            scores = score(model, history, test_batches, dataset.y_test, loss, the_recipe.tta_flip,
+            scores = score(model, history, dataset, global_batch, loss, the_recipe.tta_flip,
                            request.epochs)
             metrics = {**scores, **totals(history), **run_spec.to_dict(),
                        "resumed": saved is not None, "run_dir": run}
             if chief:
                 write_results(run, model, history, metrics)
                 if verbose:
-                    print(f"test accuracy {scores['test_accuracy']:.4f}  test loss "
-                          f"{scores['test_loss']:.4f}  ({len(dataset.x_test)} images); wrote {run}",
-                          flush=True)
+                    name, accuracy, loss_value, samples = headline(scores)
+                    shown = (f"{name} accuracy {accuracy:.4f}  {name} loss {loss_value:.4f}  "
+                             f"({samples} images); " if accuracy is not None else "")
+                    print(f"{shown}wrote {run}", flush=True)
     return metrics
 
 
@@ -490,27 +596,31 @@ def train(recipe: str | None = None, *, epochs: int | None = None, batch_size: i
 def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices: int | None = None,
              engine: str | None = None, require: str | None = None,
              verbose: bool = False) -> dict[str, Any]:
-    """Test accuracy and loss of a trained run (its directory or model.keras), on its test set.
+    """Accuracy and loss of a trained run (its directory or model.keras) on its test set, or on
+    its validation split when its data has no test set: {"test_accuracy", "test_loss"} (or
+    validation_*), with "split", "samples" and the devices used.
 
-    data_dir: where the dataset is (default: the one recorded in the run's config.json).
-    Uses the run's recipe (loss, test-time flips) and global batch.
+    data_dir: where a built-in dataset is (default: the one recorded in the run's config.json).
+    Uses the run's recipe (its copy of a recipe file: loss, test-time flips), seed and global batch.
     """
     run, model_path = rundir.locate_run(run_or_model)
     saved, _ = spec.read(run)
-    recipe = recipes.get(saved.recipe)
+    recipe = recipe_of_run(run, saved)
 
     from meshfit.distribution import connect
 
     strategy = connect(require=require, simulate=simulate_devices, engine=engine, verbose=verbose)
     import keras
 
-    from meshfit import pipeline
-
-    dataset = datasets.load(saved.dataset, data_dir or saved.data_dir)
+    dataset = data.load(recipe, data_dir or saved.data_dir, saved.seed, saved.dataset)
+    name, split = ("test", dataset.test) if dataset.test is not None else ("validation", dataset.validation)
+    if split is None:
+        raise MeshfitError(f"{run}'s data has no test set and no validation split to evaluate on")
     batch = math.ceil(saved.global_batch / strategy.replicas) * strategy.replicas
     with strategy.scope():
         model = keras.saving.load_model(model_path, compile=False)
-        batches = pipeline.EvalBatches(dataset.x_test, batch)
-        scores = evaluate_model(model, batches, dataset.y_test, recipe.make_loss(), recipe.tta_flip)
-    return {**scores, "samples": len(dataset.x_test), "recipe": recipe.name, "model": model_path,
+        scores = evaluate_model(model, data.eval_batches(dataset, split, batch), data.labels(split),
+                                recipe.make_loss(), recipe.tta_flip)
+    return {f"{name}_accuracy": scores["accuracy"], f"{name}_loss": scores["loss"], "split": name,
+            "samples": data.size(split), "recipe": recipe.name, "model": model_path,
             "engine": strategy.engine, "replicas": strategy.replicas, "platform": strategy.platform}

@@ -1,12 +1,21 @@
 """Recipes: a model, its data and its hyperparameters, one readable file each.
 
 Each recipe module defines `RECIPE`, a `Recipe`, and states in its docstring the expected result
-measured on named hardware. `get(name)` finds one; `names()` lists them.
+measured on named hardware. `get(name)` finds a built-in one; `names()` lists them; `load(name or
+path)` also reads a user's own recipe file (any .py file defining `RECIPE = meshfit.Recipe(...)`);
+`source(name)` is a built-in recipe's file, to start one's own from (`meshfit recipe NAME`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,6 +48,21 @@ class Recipe:
     prepare(model, dataset): optional, called after the model is built and before training
     (e.g. a data-dependent first-layer initialization).
     tta_flip: evaluate on each image and its mirror image, averaging the probabilities.
+    dataset: a built-in name (mnist, fashion_mnist, cifar10), a folder of images with one
+    sub-folder per class (a path relative to the recipe file, read from disk batch by batch; with
+    train/ and test/ or val/ sub-folders used as given), or a callable `dataset(seed)` returning
+    `((x_train, y_train), (x_test, y_test))` uint8 image arrays (N, H, W, C) and integer labels,
+    as keras.datasets' load_data() does, or a meshfit.datasets.Dataset.
+    image_size: (height, width) pixels that folder images are resized to; channels: 1 (grey) or 3.
+    validation_split: the share of the training data held out for the per-epoch val_* metrics
+    (the test set is then scored once, at the end); 0 evaluates on the test set every epoch, as
+    the tutorials did.
+    callbacks: optional `callbacks()` returning a list of Keras callbacks (EarlyStopping,
+    ReduceLROnPlateau, ModelCheckpoint...); their state is saved in checkpoints and restored by
+    --resume. Import keras inside functions, never at the top of a recipe file, so that meshfit
+    chooses the Keras backend first.
+    file, text: the recipe file it was read from and the text that ran (None for built-in
+    recipes); a run copies the text into its directory, so it resumes after the file is moved.
     """
 
     name: str
@@ -57,7 +81,13 @@ class Recipe:
     prepare: Callable[..., None] | None = None
     tta_flip: bool = False
     input_shape: tuple[int, ...] | None = None
+    image_size: tuple[int, int] | None = None
+    channels: int = 3
+    validation_split: float = 0.0
+    callbacks: Callable[[], list] | None = None
     doc: str = ""
+    file: str | None = None
+    text: str | None = None
 
     def make_loss(self) -> Any:
         """The loss to compile with: a Keras loss name or object as given, else loss()'s result."""
@@ -74,8 +104,64 @@ def names() -> list[str]:
 
 
 def get(name: str) -> Recipe:
-    """The recipe called `name`; an unknown name is a MeshfitError listing the known ones."""
+    """The built-in recipe called `name`; an unknown name is a MeshfitError listing the known ones."""
     if name not in _MODULES:
-        raise MeshfitError(f"unknown recipe {name!r}; choose one of: {', '.join(_MODULES)}")
+        raise MeshfitError(f"unknown recipe {name!r}; choose one of: {', '.join(_MODULES)}, "
+                           "or give a recipe file (path/to/recipe.py)")
     module = importlib.import_module(f"meshfit.recipes.{_MODULES[name]}")
     return module.RECIPE
+
+
+def is_file(name: str) -> bool:
+    """True when `name` names a recipe file rather than a built-in recipe."""
+    return name.endswith(".py") or os.sep in name or (name not in _MODULES and os.path.isfile(name))
+
+
+def load(name: str | None) -> Recipe:
+    """A built-in recipe by name, or the recipe a file defines (default: DEFAULT)."""
+    name = name or DEFAULT
+    return load_file(name) if is_file(name) else get(name)
+
+
+def load_file(path: str | os.PathLike) -> Recipe:
+    """The `RECIPE` a Python file defines, with `file` set to the file's absolute path.
+
+    The file runs as a module of its own; an error in it is one line naming the file and line.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(path):
+        raise MeshfitError(f"recipe file {path} does not exist; give a .py file defining "
+                           f"RECIPE = meshfit.Recipe(...), or one of: {', '.join(_MODULES)}")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    module = types.ModuleType("meshfit_recipe_" + hashlib.sha256(path.encode()).hexdigest()[:12])
+    module.__file__ = path
+    sys.modules[module.__name__] = module  # dataclasses look a class's module up by name
+    try:
+        exec(compile(text, path, "exec"), module.__dict__)
+    except MeshfitError:
+        raise
+    except Exception as e:  # the user's code: any exception, reported at its line
+        line = _error_line(e, path)
+        raise MeshfitError(f"recipe file {path}{line} failed: {type(e).__name__}: {e}") from e
+    recipe = getattr(module, "RECIPE", None)
+    if not isinstance(recipe, Recipe):
+        raise MeshfitError(f"recipe file {path} defines no RECIPE = meshfit.Recipe(...); "
+                           "start from one: meshfit recipe fashion-mnist-cnn > my_recipe.py")
+    return dataclasses.replace(recipe, file=path, text=text, doc=recipe.doc or (module.__doc__ or ""))
+
+
+def _error_line(error: BaseException, path: str) -> str:
+    """':LINE' of the innermost frame of `error` in the file at `path` ('' when none)."""
+    if isinstance(error, SyntaxError) and error.lineno:
+        return f":{error.lineno}"
+    frames = [f for f in inspect.getinnerframes(error.__traceback__, 0) if f.filename == path]
+    return f":{frames[-1].lineno}" if frames else ""
+
+
+def source(name: str) -> str:
+    """The text of built-in recipe `name`'s file: a starting point for a recipe of one's own."""
+    get(name)  # an unknown name is a MeshfitError listing the known ones
+    spec = importlib.util.find_spec(f"meshfit.recipes.{_MODULES[name]}")
+    with open(spec.origin, encoding="utf-8") as f:
+        return f.read()

@@ -11,7 +11,7 @@ accuracy after 50 epochs, 2,893 s of training (1 run). On one H100/H200: target 
 (not yet measured on a GPU; command in BENCHMARKS.md).
 """
 
-from meshfit.recipes import Recipe
+from meshfit import Recipe
 
 
 def build_model(input_shape=(32, 32, 3), num_classes=10):

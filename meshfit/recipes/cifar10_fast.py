@@ -38,7 +38,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from meshfit.recipes import Recipe
+from meshfit import Recipe
 
 CIFAR_MEAN = tuple(255 * m for m in (0.4914, 0.4822, 0.4465))  # 0-255 pixel units, per RGB channel
 CIFAR_STD = tuple(255 * s for s in (0.2470, 0.2435, 0.2616))

@@ -9,7 +9,7 @@ Measured on a 2-vCPU Intel Xeon (AMX), Keras on TensorFlow, float32: 89.40% test
 22.3 s of training (median of 3). Commands, dates and other runs: BENCHMARKS.md.
 """
 
-from meshfit.recipes import Recipe
+from meshfit import Recipe
 
 
 def build_model(input_shape=(28, 28, 1), num_classes=10):

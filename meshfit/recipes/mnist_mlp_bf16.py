@@ -8,7 +8,7 @@ Measured on a 2-vCPU Intel Xeon (AMX), Keras on TensorFlow: 98.12% test accuracy
 training (1 run). Command and date: BENCHMARKS.md.
 """
 
-from meshfit.recipes import Recipe
+from meshfit import Recipe
 
 
 def build_model(input_shape=(28, 28, 1), num_classes=10):

@@ -13,7 +13,7 @@ Use: `meshfit bench resnet50-synthetic` (train-step time, samples/s and MFU).
 Target: >= 5,000 img/s on one H100 (not yet measured on a GPU or TPU; command in BENCHMARKS.md).
 """
 
-from meshfit.recipes import Recipe
+from meshfit import Recipe
 
 INPUT_SHAPE = (224, 224, 3)
 NUM_CLASSES = 1000
