@@ -1,0 +1,167 @@
+"""A user's own recipe file: trained from the CLI and Python, copied into the run directory so that
+resume, eval and predict work after the original moves, and its callbacks' state checkpointed."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from PIL import Image
+from helpers import cli_env, run_meshfit
+
+from meshfit import data, recipes, rundir, spec
+from meshfit.errors import MeshfitError
+
+# A linear model telling bright from dark 8x8 grey images; data from a callable, in memory.
+TINY_RECIPE = '''"""tiny: bright or dark 8x8 images (a test recipe)."""
+import numpy as np
+
+import meshfit
+
+
+def dataset(seed):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 160)
+    x = np.clip(70 + 110 * labels[:, None, None, None] + rng.normal(0, 30, (160, 8, 8, 1)), 0, 255)
+    return (x[:128].astype("uint8"), labels[:128]), (x[128:].astype("uint8"), labels[128:])
+
+
+def build_model(input_shape, num_classes):
+    import keras
+
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Rescaling(1 / 127.5, offset=-1),
+                             keras.layers.Flatten(),
+                             keras.layers.Dense(num_classes, activation="softmax")])
+
+
+def optimizer(steps_per_epoch, epochs):
+    import keras
+
+    return keras.optimizers.Adam(0.02)
+
+
+def callbacks():
+    import keras
+
+    # Never improves by 100 after its first epoch: stops at the end of the second.
+    return [keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=100.0)]
+
+
+RECIPE = meshfit.Recipe(name="tiny", dataset=dataset, build_model=build_model,
+                        optimizer=optimizer, epochs=EPOCHS, global_batch=16, callbacks=CALLBACKS)
+'''
+
+
+def write_recipe(folder, epochs=4, callbacks=False):
+    path = os.path.join(folder, "tiny.py")
+    text = TINY_RECIPE.replace("EPOCHS", str(epochs)).replace(
+        "CALLBACKS", "callbacks" if callbacks else "None")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def test_recipe_file_runs_on_after_the_original_is_moved(tmp_path):
+    """Train from the CLI, move the file away: resume, eval and predict (by class name) still work
+    from the run's own copy; an edited copy is refused with one line."""
+    recipe = write_recipe(tmp_path, epochs=2)
+    run, env = str(tmp_path / "run"), cli_env(tmp_path, engine="tensorflow")
+    out = run_meshfit("train", recipe, "--out", run, "--epochs", "1", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    config = json.load(open(os.path.join(run, rundir.CONFIG)))
+    assert config["recipe"] == "tiny" and config["recipe_file"] == rundir.RECIPE
+    assert config["recipe_sha256"] == rundir.file_sha256(os.path.join(run, rundir.RECIPE))
+    assert open(os.path.join(run, rundir.RECIPE)).read() == open(recipe).read()
+    shutil.move(recipe, tmp_path / "elsewhere.py")
+
+    resumed = run_meshfit("train", "--resume", run, "--epochs", "2", "--json", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    metrics = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert metrics["epochs"] == 2 and metrics["test_accuracy"] >= 0.9, metrics
+
+    scored = run_meshfit("eval", run, "--json", env=env)
+    assert scored.returncode == 0, scored.stderr
+    assert json.loads(scored.stdout.strip().splitlines()[-1])["test_accuracy"] == pytest.approx(
+        metrics["test_accuracy"], abs=1e-6)
+
+    Image.fromarray(np.full((8, 8), 230, np.uint8)).save(tmp_path / "bright.png")
+    predicted = run_meshfit("predict", run, str(tmp_path / "bright.png"), "--json", env=env)
+    assert predicted.returncode == 0, predicted.stderr
+    assert json.loads(predicted.stdout)["predictions"][0]["label"] == "1"
+
+    with open(os.path.join(run, rundir.RECIPE), "a") as f:
+        f.write("# edited\n")
+    refused = run_meshfit("eval", run, env=env)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "was changed after the run started" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_early_stopping_decides_after_a_resume_as_without_it(tmp_path):
+    """A recipe's EarlyStopping keeps its counters through a checkpoint: the run stopped after one
+    epoch and resumed stops where the uninterrupted run did (Keras alone would count afresh)."""
+    from meshfit.training import train
+
+    recipe = write_recipe(tmp_path, epochs=4, callbacks=True)
+    whole = train(recipe, out=str(tmp_path / "whole"), simulate_devices=8, engine="jax",
+                  verbose=False, tensorboard=False)
+    history = json.load(open(tmp_path / "whole" / rundir.HISTORY))
+    assert [r["epoch"] for r in history] == [1, 2]  # stopped early, at the end of epoch 2
+
+    train(recipe, out=str(tmp_path / "cut"), epochs=1, simulate_devices=8, engine="jax",
+          verbose=False, tensorboard=False)
+    resumed = train(resume=str(tmp_path / "cut"), epochs=4, simulate_devices=8, engine="jax",
+                    verbose=False, tensorboard=False)
+    history = json.load(open(tmp_path / "cut" / rundir.HISTORY))
+    assert [r["epoch"] for r in history] == [1, 2]
+    assert resumed["test_accuracy"] == pytest.approx(whole["test_accuracy"], abs=1e-6)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("x = 1\n", "defines no RECIPE = meshfit.Recipe(...)"),
+    ("import meshfit\n\nRECIPE = 1 / 0\n", ".py:3 failed: ZeroDivisionError"),
+    ("RECIPE = (\n", ".py:1 failed: SyntaxError"),
+])
+def test_a_broken_recipe_file_is_one_line_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "mine.py"
+    path.write_text(text)
+    with pytest.raises(MeshfitError, match=None) as error:
+        recipes.load(str(path))
+    assert message in str(error.value) and str(path) in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_every_builtin_recipe_printed_is_a_recipe_file(tmp_path):
+    for name in recipes.names():
+        path = tmp_path / f"{name}.py"
+        path.write_text(recipes.source(name))
+        loaded = recipes.load(str(path))
+        assert loaded.name == name and loaded.file == str(path)
+        assert loaded.text == path.read_text()
+
+
+def test_validation_split_holds_out_a_seeded_share_of_the_training_data():
+    x = np.arange(200, dtype=np.uint8).reshape(200, 1, 1, 1)
+    y = np.arange(200, dtype=np.int32)
+    (x_train, y_train), (x_val, y_val) = data.split_arrays(x, y, 0.25, seed=3)
+    assert len(y_val) == 50 and len(y_train) == 150
+    assert set(y_val.tolist()).isdisjoint(y_train.tolist())
+    assert np.array_equal(x_val[:, 0, 0, 0], y_val.astype(np.uint8))
+    again = data.split_arrays(x, y, 0.25, seed=3)[1][1]
+    other = data.split_arrays(x, y, 0.25, seed=4)[1][1]
+    assert np.array_equal(again, y_val) and not np.array_equal(other, y_val)
+
+
+def test_validation_split_is_recorded_and_scored_with_the_test_set(tmp_path):
+    """With --validation-split the per-epoch val_* come from held-out training data, the test set
+    is scored once at the end, and both land in metrics.json."""
+    from meshfit.training import train
+
+    recipe = write_recipe(tmp_path, epochs=1)
+    metrics = train(recipe, out=str(tmp_path / "run"), validation_split=0.25, simulate_devices=8,
+                    engine="jax", verbose=False, tensorboard=False)
+    saved, _ = spec.read(str(tmp_path / "run"))
+    assert saved.validation_split == 0.25 and saved.evaluated_on == "validation"
+    assert metrics["validation_samples"] == 32 and metrics["test_samples"] == 32
+    history = json.load(open(tmp_path / "run" / rundir.HISTORY))
+    assert history[-1]["val_accuracy"] == pytest.approx(metrics["validation_accuracy"])
