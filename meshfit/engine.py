@@ -19,12 +19,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 
 from meshfit import env
 from meshfit.errors import MeshfitError
 
 ENGINES = ("auto", "jax", "tensorflow")
 _MULTI_DEVICE_ENGINES = ("jax",)
+ONEDNN = "TF_ENABLE_ONEDNN_OPTS"  # TensorFlow reads it once, when it is imported
 
 
 def installed(module: str) -> bool:
@@ -84,7 +86,12 @@ def activate(engine: str):
     os.environ["KERAS_BACKEND"] = engine
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
     if engine == "tensorflow":
-        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")  # oneDNN kernels: 2-4x faster CNNs on x86
+        if "tensorflow" in sys.modules and ONEDNN not in os.environ:
+            warnings.warn("TensorFlow was imported before meshfit, with its own oneDNN default (off "
+                          "on CPUs without VNNI/AMX): kernels, speed and rounding may differ from "
+                          "the meshfit command line, so a run resumed there is not bit-identical; "
+                          f"import meshfit first or set {ONEDNN}=1", stacklevel=3)
+        os.environ.setdefault(ONEDNN, "1")  # oneDNN kernels: 2-4x faster CNNs on x86
     import keras
 
     if keras.backend.backend() != engine:

@@ -165,3 +165,92 @@ def test_validation_split_is_recorded_and_scored_with_the_test_set(tmp_path):
     assert metrics["validation_samples"] == 32 and metrics["test_samples"] == 32
     history = json.load(open(tmp_path / "run" / rundir.HISTORY))
     assert history[-1]["val_accuracy"] == pytest.approx(metrics["validation_accuracy"])
+
+
+# A folder recipe whose callbacks() kills its own process at (epoch, batch) $KILL_AT, for the test.
+FOLDER_RECIPE = '''"""pets: a small CNN on a folder of PNGs next to this file (a test recipe)."""
+import os
+
+import meshfit
+
+
+def build_model(input_shape, num_classes):
+    import keras
+    from keras import layers
+
+    return keras.Sequential([keras.Input(input_shape), layers.Rescaling(1 / 127.5, offset=-1),
+                             layers.Conv2D(8, 3, activation="relu"), layers.MaxPooling2D(),
+                             layers.Flatten(), layers.Dropout(0.2),
+                             layers.Dense(num_classes, activation="softmax")])
+
+
+def optimizer(steps_per_epoch, epochs):
+    import keras
+
+    return keras.optimizers.Adam(0.01)
+
+
+def callbacks():
+    import signal
+
+    import keras
+
+    class KillAt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if f"{self.epoch},{batch}" == os.environ.get("KILL_AT"):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return [KillAt()]
+
+
+RECIPE = meshfit.Recipe(name="pets", dataset="pets", image_size=(12, 12), channels=3,
+                        build_model=build_model, optimizer=optimizer, epochs=2, global_batch=8,
+                        validation_split=0.25, augment="flip-crop", crop_padding=2,
+                        callbacks=callbacks)
+'''
+
+
+def write_pets(folder, per_class=32):
+    """PNGs of two classes, dark and light, of mixed sizes and modes, in folder/pets/<class>/."""
+    rng = np.random.default_rng(0)
+    for label, name in enumerate(["dark", "light"]):
+        os.makedirs(os.path.join(folder, "pets", name))
+        for i in range(per_class):
+            base = 60 + 130 * label
+            pixels = np.clip(base + rng.normal(0, 25, (14 + i % 5, 13, 3)), 0, 255).astype("uint8")
+            image = Image.fromarray(pixels)
+            image = image.convert("L") if i % 7 == 0 else image
+            image.save(os.path.join(folder, "pets", name, f"{i}.png"))
+
+
+@pytest.mark.slow
+def test_folder_recipe_killed_at_random_resumes_bit_identical(tmp_path):
+    """A recipe file reading a folder of PNGs beside it (relative path, flip-crop, validation split),
+    SIGKILLed mid-epoch 2 and resumed from its copy after the original moved: the same weights as
+    an uninterrupted run."""
+    from meshfit import checkpoints
+
+    write_pets(tmp_path)
+    recipe = tmp_path / "pets.py"
+    recipe.write_text(FOLDER_RECIPE)
+    env = cli_env(tmp_path, engine="tensorflow")
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    out = run_meshfit("train", str(recipe), "--out", whole, "--checkpoint-every", "2", env=env)
+    assert out.returncode == 0, out.stderr
+    step = int(np.random.default_rng().integers(1, 6))
+    out = run_meshfit("train", str(recipe), "--out", killed, "--checkpoint-every", "2",
+                      env={**env, "KILL_AT": f"1,{step}"})
+    assert out.returncode == -9, out.stderr
+    os.rename(recipe, tmp_path / "moved.py")
+    out = run_meshfit("train", "--resume", killed, "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    metrics = json.loads(out.stdout.strip().splitlines()[-1])
+    assert metrics["validation_samples"] == 16 and metrics["evaluated_on"] == "validation"
+    assert metrics["dataset"] == str(tmp_path / "pets") and metrics["validation_accuracy"] >= 0.9
+    a = checkpoints.read_arrays(checkpoints.latest(os.path.join(whole, "checkpoints")))
+    b = checkpoints.read_arrays(checkpoints.latest(os.path.join(killed, "checkpoints")))
+    assert sorted(a) == sorted(b)
+    assert not [k for k in a if not np.array_equal(a[k], b[k])]
