@@ -283,29 +283,41 @@ def fit_arguments(strategy, x, y, batch_size: int | None, kwargs: dict[str, Any]
     """`Strategy.fit`'s (x, y, batch_size, kwargs) cut to this process's share of every global batch.
 
     Arrays with a global batch_size: each process keeps its rows of every batch and fits with its
-    per-process batch. An iterator of global batches (e.g. meshfit.pipeline's, with
-    steps_per_epoch): each batch is cut as it comes, unless the iterator has `process_local = True`
-    (it yields this process's rows already). validation_data arrays are cut like x and y.
+    per-process batch. A stream of global batches (a meshfit.sources.SplitBatches, as
+    Strategy.fit wraps tf.data, PyDataset, generators, ...; or a plain iterator, with
+    steps_per_epoch): each batch is cut as it comes, unless the source has `process_local = True`
+    (it yields this process's rows already). validation_data is cut like x and y.
     """
+    from meshfit.sources import SplitBatches
+
     devices, index = strategy.info.devices, strategy.info.process_index
     kwargs = dict(kwargs)
     if getattr(x, "process_local", False):  # a source that already reads only this process's rows
         return x, y, batch_size, kwargs
+    cut = functools.partial(local_batch, devices=devices, process_index=index)
+    validation = kwargs.get("validation_data")
+    if isinstance(validation, SplitBatches):
+        validation.per_process = cut
+    elif validation is not None:
+        validation_batch = kwargs.get("validation_batch_size") or batch_size
+        if validation_batch is None:
+            raise MeshfitError("on several hosts validation arrays need a global batch: pass "
+                               "validation_batch_size, or validation_data of the same kind as x")
+        validation, local_validation = share(list(validation), validation_batch, devices, index)
+        kwargs["validation_data"] = tuple(validation)
+        if kwargs.get("validation_batch_size"):
+            kwargs["validation_batch_size"] = local_validation
+    if isinstance(x, SplitBatches):
+        x.per_process = cut
+        return x, y, None, kwargs
     if batch_size is None:
         if y is not None or hasattr(x, "shape"):
             raise MeshfitError("on several hosts Strategy.fit takes arrays with batch_size (the global "
                                "batch), or an iterator of global batches with steps_per_epoch")
-        return (local_batch(b, devices, index) for b in x), None, None, kwargs
+        return (cut(b) for b in x), None, None, kwargs
     (x, y, weights), local = share([x, y, kwargs.get("sample_weight")], batch_size, devices, index)
     if weights is not None:
         kwargs["sample_weight"] = weights
-    if kwargs.get("validation_data") is not None:
-        validation_batch = kwargs.get("validation_batch_size") or batch_size
-        kwargs["validation_data"], local_validation = share(
-            list(kwargs["validation_data"]), validation_batch, devices, index)
-        kwargs["validation_data"] = tuple(kwargs["validation_data"])
-        if kwargs.get("validation_batch_size"):
-            kwargs["validation_batch_size"] = local_validation
     return x, y, local, kwargs
 
 

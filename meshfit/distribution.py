@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from typing import Any, Iterator
 
 from meshfit import devices as devices_lib
@@ -106,35 +107,46 @@ class Strategy:
     def fit(self, model, x=None, y=None, *, batch_size: int | None = None, epochs: int = 1,
             callbacks: list | None = None, verbose: int = 0, report: bool = True,
             micro_batches: int | str = "auto", **kwargs):
-        """`model.fit` with the batch checked against the replicas and the per-epoch report on.
+        """`model.fit` with every batch split across the replicas and the per-epoch report on.
 
+        x: numpy arrays (with y and batch_size, the global batch: checked to split across the
+        replicas), or any source Keras reads, yielding (x, y) or (x, y, sample_weight) global
+        batches: a tf.data.Dataset, a keras.utils.PyDataset, a generator or other iterator, a
+        grain.MapDataset / IterDataset. validation_data likewise.
+        A last batch that does not split across the replicas is cut to the largest multiple of
+        them, with one warning naming the samples left out (arrays: before fit; streams: as the
+        batch comes, every epoch); see meshfit.sources for why it is not padded. A generator
+        (read only once) trains one epoch unless steps_per_epoch is given.
         micro_batches: slices each batch's gradient is summed over ('auto': cache-sized on a CPU;
         1: whole batches); with slices, every batch needs at least that many samples.
         """
-        from meshfit import pipeline, tf_microbatch
+        from meshfit import sources, tf_microbatch
         from meshfit.report import EpochReport
 
         callbacks = list(callbacks or [])
         slices = tf_microbatch.choose(model, batch_size, micro_batches, self.engine)
         if batch_size is not None:
             batch_size = self.check_batch(batch_size)
-            x, y = pipeline.trim_last_batch(x, y, batch_size, self.replicas, slices)
-            if isinstance(kwargs.get("validation_data"), tuple):
-                kwargs["validation_data"] = pipeline.trim_last_batch(
-                    *kwargs["validation_data"][:2], batch_size, self.replicas)
         if report and self.info.process_index == 0 and not any(isinstance(c, EpochReport) for c in callbacks):
             callbacks.append(EpochReport(batch_size=batch_size, strategy=self))
-        if self.hosts > 1:  # each process feeds its own rows of every global batch
-            from meshfit import cluster
-
-            x, y, batch_size, kwargs = cluster.fit_arguments(self, x, y, batch_size, kwargs)
         if self.engine == "jax" and model.train_function is None:  # on-device k-step loop
             from meshfit import jax_loop
 
             jax_loop.install(model, model.steps_per_execution)
         if self.engine == "tensorflow" and tf_microbatch.installed(model) != slices:
             tf_microbatch.install(model, slices)
-        with self.scope():
+        with self.scope(), warnings.catch_warnings():
+            if not (self.hosts > 1 and getattr(x, "process_local", False)):  # else it yields its own rows
+                x, y, kwargs = sources.prepare(x, y, batch_size, self.replicas, slices, epochs, kwargs)
+            if self.hosts > 1:  # each process feeds its own rows of every global batch
+                from meshfit import cluster
+
+                x, y, batch_size, kwargs = cluster.fit_arguments(self, x, y, batch_size, kwargs)
+            if (isinstance(x, sources.SplitBatches) and not kwargs.get("steps_per_epoch")) or (
+                    isinstance(kwargs.get("validation_data"), sources.SplitBatches)
+                    and not kwargs.get("validation_steps")):
+                # The source's end is the epoch's end; Keras warns there all the same.
+                warnings.filterwarnings("ignore", message="Your input ran out of data")
             return model.fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
                              verbose=verbose, **kwargs)
 

@@ -344,22 +344,3 @@ def _predict(model, batches, steps: int):
     if cluster.multi_process():
         return cluster.predict(model, batches)
     return model.predict(batches, steps=steps, verbose=0)
-
-
-def trim_last_batch(x, y, batch_size: int, replicas: int, slices: int = 1):
-    """Arrays shortened so their last partial batch splits across `replicas` (and has at least
-    `slices` samples, one per micro-batch), with a warning saying how many samples were dropped.
-
-    Keras would otherwise hand XLA a last batch it cannot shard and fail deep inside it.
-    """
-    import warnings
-
-    n = len(x) if hasattr(x, "shape") else None
-    rest = n % batch_size if n else 0
-    extra = rest if rest < slices else rest % replicas
-    if not extra:
-        return x, y
-    into = f"{slices} micro-batches" if rest < slices else f"{replicas} replicas"
-    warnings.warn(f"dropping the last {extra} of {n} samples so the last batch splits into "
-                  f"{into}", stacklevel=3)
-    return x[: n - extra], (y[: n - extra] if y is not None else None)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import ONE_CPU, environment
 
-from meshfit import pipeline, recipes, tf_microbatch
+from meshfit import recipes, sources, tf_microbatch
 from meshfit.errors import MeshfitError
 
 
@@ -136,7 +136,7 @@ def test_sliced_step_trains_exactly_like_the_whole_batch(tmp_path):
 def test_a_last_batch_shorter_than_the_slices_is_dropped_with_a_warning(strategy):
     x, y = np.zeros((22, 4)), np.zeros(22)
     with pytest.warns(UserWarning, match="dropping the last 2 of 22 samples .* 3 micro-batches"):
-        kept_x, kept_y = pipeline.trim_last_batch(x, y, 10, strategy.replicas, slices=3)
+        kept_x, kept_y, _ = sources.trim_last_batch([x, y, None], 10, strategy.replicas, slices=3)
     assert len(kept_x) == len(kept_y) == 20
-    kept_x, _ = pipeline.trim_last_batch(np.zeros((28, 4)), None, 10, strategy.replicas, slices=3)
+    kept_x, _ = sources.trim_last_batch([np.zeros((28, 4)), None], 10, strategy.replicas, slices=3)
     assert len(kept_x) == 28  # 8 left: enough for the slices, and one per replica
