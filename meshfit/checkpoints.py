@@ -15,6 +15,11 @@ a SIGTERM/SIGINT (see `stop_on_signals`) saves at the next step boundary and sto
 raising `TrainingInterrupted`. It acts in `on_train_batch_begin`, which Keras calls synchronously
 without logs, so training pays no per-step host synchronization on JAX.
 
+In a multi-process job a signal often reaches one process only (a preemption notice, a Ctrl-C on
+one host), so the processes vote at every dispatch boundary (`cluster.Vote`, one step behind, so
+still without a host sync) and all stop at the same step: process 0 saves, all wait until it has,
+and all raise `TrainingInterrupted` with the same exit code.
+
 This module imports Keras at the top: import it after `meshfit.connect()`.
 """
 
@@ -32,7 +37,7 @@ from typing import Any, Iterator
 import keras
 import numpy as np
 
-from meshfit import rundir
+from meshfit import cluster, rundir
 from meshfit.errors import MeshfitError
 from meshfit.rundir import list_checkpoints
 
@@ -232,6 +237,7 @@ class Checkpointer(keras.callbacks.Callback):
     unless epoch_end=False. keep: how many checkpoints to keep. extra(): JSON data saved with each
     checkpoint (seed, history, settings). resume_state: what `restore` returned, when resuming
     mid-epoch. write: False on processes other than 0 (they sync state but write nothing).
+    In a job of several processes a stop requested on any of them stops all at the same step.
     """
 
     def __init__(self, directory: str | os.PathLike, steps_per_epoch: int, *,
@@ -250,6 +256,7 @@ class Checkpointer(keras.callbacks.Callback):
         self._resume = resume_state
         self._epoch, self._offset, self._global_step = 0, 0, 0
         self._last_time = time.monotonic()
+        self._vote: cluster.Vote | None = None
 
     def request_stop(self, signum: int) -> None:
         """Ask training to save and stop at the next step boundary (called by signal handlers)."""
@@ -266,8 +273,26 @@ class Checkpointer(keras.callbacks.Callback):
                                keep=self.keep)
         return self.last_saved
 
+    def agreed_stop(self, settle: bool = False) -> int | None:
+        """The signal to stop on now, the same on every process of a job; None: go on.
+
+        One process alone: its own stop_signal. Several: the largest signal any process had at
+        the previous call (or, with settle, at any call until now); every process calls this at
+        the same points of training.
+        """
+        if self._vote is None:
+            return self.stop_signal
+        signum = self._vote.cast(self.stop_signal or 0)
+        if settle:
+            signum = max(signum, self._vote.settle())
+        if signum:
+            self.stop_signal = signum
+        return signum or None
+
     def on_train_begin(self, logs=None):
         self._last_time = time.monotonic()
+        if self._vote is None and cluster.multi_process():
+            self._vote = cluster.Vote()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._offset = epoch, 0
@@ -283,8 +308,8 @@ class Checkpointer(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         step = self._offset + batch
-        if self.stop_signal is not None:
-            self._stop(self.save(self._epoch, step))  # at batch 0 this is an existing checkpoint
+        if self.agreed_stop() is not None:
+            self._stop(self.save(self._epoch, step), self._epoch * self.steps_per_epoch + step)
         global_step = self._epoch * self.steps_per_epoch + step
         previous, self._global_step = self._global_step, global_step
         if not batch:
@@ -295,18 +320,20 @@ class Checkpointer(keras.callbacks.Callback):
             self.save(self._epoch, step)
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.epoch_end or self.stop_signal is not None:
+        stop = self.agreed_stop(settle=True) is not None
+        if self.epoch_end or stop:
             self.save(epoch + 1, 0)
-        if self.stop_signal is not None:
-            self._stop(self.last_saved)
+        if stop:
+            self._stop(self.last_saved, (epoch + 1) * self.steps_per_epoch)
 
-    def _stop(self, path: str | None):
+    def _stop(self, path: str | None, global_step: int):
+        cluster.barrier("meshfit: stop saved")  # no process exits before process 0 has saved
         name = signal.Signals(self.stop_signal).name
         run = os.path.dirname(os.path.abspath(self.directory))
         where = f"saved to {path}" if path else "state saved by process 0"
         raise TrainingInterrupted(
-            f"training stopped by {name}, {where}; continue with: meshfit train --resume {run}",
-            self.stop_signal, path)
+            f"training stopped by {name} after step {global_step}, {where}; continue with: "
+            f"meshfit train --resume {run}", self.stop_signal, path)
 
 
 @contextlib.contextmanager

@@ -14,15 +14,24 @@ detection off. Joining waits at most `MESHFIT_INIT_TIMEOUT` seconds (default 300
 and a process that stops sending heartbeats for `MESHFIT_HEARTBEAT_TIMEOUT` seconds (default 60)
 makes the others stop with an error, so a dead peer cannot hang the job.
 
+Process 0 runs JAX's coordinator, an unauthenticated gRPC service. It listens on
+`MESHFIT_COORDINATOR_BIND` (host:port) when set; else, when `MESHFIT_COORDINATOR` is a loopback
+address (as under `meshfit launch`), on that address only, with gloo's collectives on the loopback
+too; else where JAX puts it: `$JAX_COORDINATOR_BIND_ADDRESS`, or every interface on the
+coordinator's port. On a real cluster set it to the private interface, e.g. 10.0.0.1:1234.
+
 In the job every process passes the same global data or batches: `fit_arguments()` (used by
 `Strategy.fit`) cuts them to each process's rows, `predict()` gathers outputs that Keras' predict
 cannot, `barrier()` lines the processes up.
 A process that fails leaves at once (`exit_failed()`), so its peers are not left waiting for it.
+`Vote` lets the processes agree on a number (e.g. "stop, on this signal") without a host sync.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import ipaddress
 import os
 import socket
 import sys
@@ -156,6 +165,9 @@ def join(environ=os.environ) -> Job | None:
             f"{env.COORDINATOR}, check the address and firewall, or raise {env.INIT_TIMEOUT}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU hosts
     explicit = job.coordinator is not None  # else JAX reads the detected cluster's settings
+    bind = bind_address(job.coordinator, environ)
+    if job.coordinator and is_loopback(job.coordinator):
+        _gloo_on_loopback()
     try:
         jax.distributed.initialize(
             coordinator_address=job.coordinator, num_processes=job.num_processes if explicit else None,
@@ -163,7 +175,7 @@ def join(environ=os.environ) -> Job | None:
             local_device_ids=list(job.local_device_ids) if job.local_device_ids else None,
             initialization_timeout=init_timeout,
             heartbeat_timeout_seconds=_seconds_env(env.HEARTBEAT_TIMEOUT, 60, environ),
-            shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS)
+            shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS, coordinator_bind_address=bind)
     except Exception as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         where = f" at {job.coordinator}" if explicit else ""
@@ -172,6 +184,45 @@ def join(environ=os.environ) -> Job | None:
             f"start every process with the same coordinator and process count") from None
     sys.excepthook = functools.partial(_exit_after_traceback, sys.excepthook)
     return job
+
+
+def is_loopback(address: str) -> bool:
+    """True when host:port names this machine only (localhost, 127.x.x.x, ::1)."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_address(coordinator: str | None, environ=os.environ) -> str | None:
+    """host:port process 0's coordinator listens on; None leaves it to JAX (every interface).
+
+    MESHFIT_COORDINATOR_BIND when set; else a loopback coordinator address itself.
+    """
+    bind = environ.get(env.COORDINATOR_BIND, "").strip()
+    if bind:
+        host, _, port = bind.rpartition(":")
+        if not host or not port.isdigit():
+            raise MeshfitError(f"{env.COORDINATOR_BIND}={bind!r} is not host:port; set it to the "
+                               "address process 0 listens on, e.g. 10.0.0.1:1234")
+        return bind
+    return coordinator if coordinator and is_loopback(coordinator) else None
+
+
+def _gloo_on_loopback() -> None:
+    """Make gloo's collectives listen on 127.0.0.1 rather than on this host name's address.
+
+    JAX creates them without a host name (jax._src.xla_bridge); this wraps that one call.
+    """
+    from jax._src.lib import _jax
+
+    make = getattr(_jax, "make_gloo_tcp_collectives", None)
+    if make is None or isinstance(make, functools.partial):
+        return
+    _jax.make_gloo_tcp_collectives = functools.partial(make, hostname="127.0.0.1")
 
 
 def _reachable(address: str, timeout: float) -> bool:
@@ -213,6 +264,54 @@ def exit_failed(code: int) -> None:
 def _exit_after_traceback(previous_hook, kind, value, traceback) -> None:
     previous_hook(kind, value, traceback)
     exit_failed(1)
+
+
+class Vote:
+    """The processes agree on a number without waiting for each other at every call.
+
+    Every process calls `cast(value)` at the same points of the program (like any collective);
+    each call starts a max-reduction of the values over all processes on the devices and returns,
+    without waiting, the result of the call `lag` calls before (0 for the first ones), which is
+    the same on every process. `settle()` waits for the reductions under way. Used to stop every
+    process of a job at the same step when only one was signalled (meshfit.checkpoints).
+    """
+
+    def __init__(self, lag: int = 1):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        devices = jax.devices()
+        mesh = Mesh(np.array(devices), ("all",))
+        self._sharding = NamedSharding(mesh, PartitionSpec("all"))
+        self._shape = (len(devices),)
+        self._local = np.ones(jax.local_device_count(), np.int32)
+        self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
+        self._pending: collections.deque = collections.deque()
+        self.lag = lag
+
+    def cast(self, value: int) -> int:
+        """Start the vote on `value`; the maximum of the vote `lag` calls ago, or 0."""
+        import jax
+
+        votes = jax.make_array_from_process_local_data(self._sharding, self._local * value, self._shape)
+        self._pending.append(self._max(votes))
+        return _read_int(self._pending.popleft()) if len(self._pending) > self.lag else 0
+
+    def settle(self) -> int:
+        """Wait for the votes under way; the largest of their maxima (0 when none)."""
+        result = 0
+        while self._pending:
+            result = max(result, _read_int(self._pending.popleft()))
+        return result
+
+
+def _read_int(array) -> int:
+    """A replicated scalar jax.Array as an int (this process's copy)."""
+    import numpy as np
+
+    return int(np.asarray(array.addressable_data(0)))
 
 
 def agree_on_seed() -> int:

@@ -6,7 +6,8 @@ truncated, corrupt or not in the expected format is never partly loaded.
 
 Where `load` looks, in order: `data_dir`, `$MESHFIT_DATA`, `~/.keras/datasets`, the download
 cache (`$MESHFIT_CACHE`, default `~/.cache/meshfit/datasets`); then it downloads from the canonical
-address into the cache, unless `download=False` or `$MESHFIT_OFFLINE=1`. Inside each of those
+address into the cache (once, under a lock file, whatever the number of processes sharing the
+cache; see "downloading" below), unless `download=False` or `$MESHFIT_OFFLINE=1`. Inside each of those
 root folders the layout is the one the canonical downloads unpack to:
 
     ROOT/mnist/{train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz,
@@ -20,6 +21,7 @@ A root may also be the dataset's own folder (e.g. `data_dir=".../mnist"`).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import http.client
@@ -34,12 +36,18 @@ import tempfile
 import urllib.request
 import zlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 from PIL import Image
 
 from meshfit import env
 from meshfit.errors import MeshfitError
+
+try:
+    import fcntl  # POSIX: the download lock
+except ImportError:
+    fcntl = None
 
 NAMES = ("mnist", "fashion_mnist", "cifar10")
 
@@ -436,22 +444,42 @@ def _stack(pairs: list, rng: np.random.Generator, shape: tuple) -> tuple[np.ndar
 
 
 # ----------------------------------------------------------------------------------- downloading
+#
+# Downloads go into the cache under a lock file (cache/.<dataset>.lock), so processes sharing a
+# cache (the processes of a multi-host job on one host, or independent runs) download once: the
+# first takes the lock and downloads, the others wait and then find the files. Each file is
+# written to a temporary name beside its final one, checked (size cap, MD5) and renamed, so a
+# killed download leaves only temporary files, which the next download removes.
 
-def _download(url: str, dest: str, md5: str) -> None:
-    """Download url to dest via a temporary file and an atomic rename, checking its MD5."""
+DOWNLOAD_PREFIX, EXTRACT_PREFIX = ".download-", ".extract-"
+MAX_DOWNLOAD_BYTES = 256 * 2**20  # a cap for files of no published size (CIFAR-10: 163 MiB)
+CIFAR_TGZ_BYTES = 170498071
+
+
+def _download(url: str, dest: str, md5: str, max_bytes: int = MAX_DOWNLOAD_BYTES) -> None:
+    """Download url to dest via a temporary file and an atomic rename, checking size and MD5.
+
+    max_bytes: more than this many bytes (announced or received) fails the download.
+    """
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dest), prefix=".download-")
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dest), prefix=DOWNLOAD_PREFIX)
     h, done = hashlib.md5(), 0
     try:
         with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=60) as r:
             total = int(r.headers.get("Content-Length") or 0)
+            if total > max_bytes:
+                raise OSError(f"it is {total} bytes, more than the {max_bytes} expected")
             while chunk := r.read(1 << 20):
+                done += len(chunk)
+                if done > max_bytes:
+                    raise OSError(f"it sent more than the {max_bytes} bytes expected")
                 f.write(chunk)
                 h.update(chunk)
-                done += len(chunk)
                 pct = f"{100 * done // total}% of {total / 1e6:.1f} MB" if total else \
                     f"{done / 1e6:.1f} MB"
                 print(f"\rdownloading {url}: {pct}", end="", file=sys.stderr, flush=True)
+            f.flush()
+            os.fsync(f.fileno())
         if h.hexdigest() != md5:
             raise OSError(f"downloaded file has MD5 {h.hexdigest()}, expected {md5}")
         os.replace(tmp, dest)
@@ -462,18 +490,53 @@ def _download(url: str, dest: str, md5: str) -> None:
             os.remove(tmp)
 
 
+@contextlib.contextmanager
+def _cache_lock(cache: str, key: str) -> Iterator[None]:
+    """Hold cache/.<key>.lock while inside (an flock; no lock where fcntl is missing)."""
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, f".{key}.lock"), "a") as f:
+        if fcntl is not None:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"waiting for another process downloading {key} into {cache}",
+                      file=sys.stderr, flush=True)
+                fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # the lock goes with the file's closing
+
+
+def _remove_leftovers(folder: str) -> None:
+    """Temporary files of downloads and extractions that were killed (call under the lock)."""
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name.startswith((DOWNLOAD_PREFIX, EXTRACT_PREFIX)):
+                path = os.path.join(folder, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
 def _download_dataset(key: str, cache: str) -> str:
-    """Download the dataset into cache/<folder>/ and return where _find will find it."""
+    """Download the dataset into cache/<folder>/ (once, under the cache's lock); return where
+    _find finds it."""
+    with _cache_lock(cache, key):
+        found = _find(key, cache)  # another process may have downloaded it while this one waited
+        if found:
+            return found
+        _remove_leftovers(os.path.join(cache, FOLDERS[key]))
+        return _fetch(key, cache)
+
+
+def _fetch(key: str, cache: str) -> str:
     if key != "cifar10":
         folder = os.path.join(cache, FOLDERS[key])
         for f in IDX_FILES:
             if not os.path.isfile(os.path.join(folder, f)):
-                _download(URLS[key] + f, os.path.join(folder, f), PUBLISHED[(key, f)][0])
+                md5, size = PUBLISHED[(key, f)]
+                _download(URLS[key] + f, os.path.join(folder, f), md5, size or MAX_DOWNLOAD_BYTES)
         return folder
     parent = os.path.join(cache, "cifar10")
     tgz = os.path.join(parent, "cifar-10-python.tar.gz")
-    _download(URLS[key], tgz, CIFAR_TGZ_MD5)
-    tmp = tempfile.mkdtemp(dir=parent, prefix=".extract-")
+    _download(URLS[key], tgz, CIFAR_TGZ_MD5, CIFAR_TGZ_BYTES)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=EXTRACT_PREFIX)
     try:
         with tarfile.open(tgz, "r:gz") as tar:
             for m in tar.getmembers():  # only plain files and folders inside the target
@@ -482,7 +545,10 @@ def _download_dataset(key: str, cache: str) -> str:
                     raise OSError(f"unsafe entry {m.name!r} in {tgz}")
             safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(tmp, **safe)
-        os.replace(os.path.join(tmp, CIFAR_DIR), os.path.join(parent, CIFAR_DIR))
+        target = os.path.join(parent, CIFAR_DIR)
+        if os.path.isdir(target):  # an incomplete copy: _find did not take it
+            shutil.rmtree(target)
+        os.replace(os.path.join(tmp, CIFAR_DIR), target)
     except tarfile.TarError as e:
         raise OSError(f"cannot extract {tgz}: {e}") from e
     finally:

@@ -6,6 +6,7 @@
   MESHFIT_CACHE              where datasets are downloaded (default ~/.cache/meshfit/datasets)
   MESHFIT_OFFLINE            1: never download
   MESHFIT_COORDINATOR        host:port of process 0 of a multi-host job
+  MESHFIT_COORDINATOR_BIND   host:port process 0's coordinator listens on (default: see meshfit.cluster)
   MESHFIT_NUM_PROCESSES      processes in the job (1 turns cluster detection off)
   MESHFIT_PROCESS_ID         this process's index, 0 .. MESHFIT_NUM_PROCESSES-1
   MESHFIT_LOCAL_DEVICE_IDS   the local devices this process uses, e.g. "0"
@@ -26,6 +27,7 @@ DATA = "MESHFIT_DATA"
 CACHE = "MESHFIT_CACHE"
 OFFLINE = "MESHFIT_OFFLINE"
 COORDINATOR = "MESHFIT_COORDINATOR"
+COORDINATOR_BIND = "MESHFIT_COORDINATOR_BIND"
 NUM_PROCESSES = "MESHFIT_NUM_PROCESSES"
 PROCESS_ID = "MESHFIT_PROCESS_ID"
 LOCAL_DEVICE_IDS = "MESHFIT_LOCAL_DEVICE_IDS"

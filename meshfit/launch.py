@@ -6,13 +6,21 @@ starts N copies of COMMAND wired to a coordinator on 127.0.0.1 (MESHFIT_COORDINA
 MESHFIT_NUM_PROCESSES, MESHFIT_PROCESS_ID set per process, MESHFIT_SIMULATE_DEVICES=M), prefixes
 each output line with "[i] " (or shows only process 0's output, and the others' when they fail),
 and waits. When a process exits non-zero or is killed, the others get SIGTERM and, after
-`GRACE_SECONDS`, SIGKILL; the launch then exits non-zero with one line naming that process. On a
-real multi-host job run the same command on every host instead (see README).
+`GRACE_SECONDS`, SIGKILL; the launch then exits non-zero with one line naming that process. A
+process that exits 130 or 143 (stopped on SIGINT/SIGTERM after an agreed save, see
+meshfit.checkpoints) first gets its peers `GRACE_SECONDS` to stop the same way.
+
+Nothing outlives the launcher: SIGTERM, SIGHUP or Ctrl-C stop the processes as above, a second
+Ctrl-C kills them at once, and on Linux each process gets SIGKILL when the launcher dies (even by
+SIGKILL). The coordinator and gloo listen on 127.0.0.1 only. On a real multi-host job run the
+same command on every host instead (see README).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import os
 import queue
 import signal
@@ -21,14 +29,17 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Iterator, Sequence
 
 from meshfit import env
 from meshfit.errors import MeshfitError
 
 GRACE_SECONDS = 10.0  # between SIGTERM and SIGKILL when stopping the other processes
 TAIL_LINES = 20  # lines of a failed process's output shown when only process 0 is shown
+KEPT_LINES = 200  # lines of each process's output kept to find why it failed
 INIT_TIMEOUT_SECONDS = 120  # local processes start together, so joining should be quick
+STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a process that stopped after saving
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def free_port() -> int:
@@ -58,6 +69,7 @@ def process_environment(index: int, processes: int, port: int, devices_per_proce
     variables.pop(env.LOCAL_DEVICE_IDS, None)
     variables.update({
         env.COORDINATOR: f"127.0.0.1:{port}",
+        env.COORDINATOR_BIND: f"127.0.0.1:{port}",  # the coordinator answers this machine only
         env.NUM_PROCESSES: str(processes),
         env.PROCESS_ID: str(index),
         env.SIMULATE_DEVICES: str(devices_per_process),
@@ -78,19 +90,44 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
+def _death_signal():
+    """A function for Popen's preexec_fn that makes the child get SIGKILL when this process dies
+    (Linux prctl PR_SET_PDEATHSIG); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:  # in the child, between fork and exec
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:  # the launcher died before the line above
+            os._exit(1)
+
+    return die_with_launcher
+
+
 class _Process:
-    """One launched process: its Popen, its output pumps and its last lines."""
+    """One launched process: its Popen, its output pumps and its last lines.
+
+    Start every process before calling `start_pumps` (Popen's preexec_fn must run while this
+    program has no other threads).
+    """
 
     def __init__(self, index: int, argv: list[str], env: dict[str, str], show: bool, prefix: str,
                  lock: threading.Lock):
         self.index = index
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.tail: collections.deque[str] = collections.deque(maxlen=KEPT_LINES)
         self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, start_new_session=True)
+                                      stderr=subprocess.PIPE, start_new_session=True,
+                                      preexec_fn=_death_signal())
         self.pumps = [threading.Thread(target=self._pump, args=(stream, out, show, prefix, lock), daemon=True)
                       for stream, out in ((self.popen.stdout, sys.stdout), (self.popen.stderr, sys.stderr))]
+
+    def start_pumps(self, exits: queue.Queue) -> None:
+        """Copy the output as it comes; put (index, exit code) on `exits` when the process ends."""
         for pump in self.pumps:
             pump.start()
+        threading.Thread(target=lambda: exits.put((self.index, self.popen.wait())), daemon=True).start()
 
     def _pump(self, stream: IO[bytes], out: IO[str], show: bool, prefix: str, lock: threading.Lock):
         for raw in iter(stream.readline, b""):
@@ -109,20 +146,33 @@ class _Process:
             pass
 
 
-def _stop(processes: list[_Process], grace: float) -> None:
-    """SIGTERM every running process, SIGKILL those still running after `grace` seconds."""
-    running = [p for p in processes if p.popen.poll() is None]
-    for p in running:
-        p.signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in running:
+def _wait_all(processes: list[_Process], seconds: float) -> None:
+    """Wait until every process has ended, or `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    for p in processes:
         try:
             p.popen.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.signal(signal.SIGKILL)
-    for p in running:
-        p.signal(signal.SIGKILL)  # anything the process left behind in its group
-        p.popen.wait()
+            return
+
+
+def _stop(processes: list[_Process], grace: float, patience: float = 0.0) -> None:
+    """Let the processes end by themselves for `patience` seconds, then SIGTERM those left and
+    SIGKILL them after `grace` seconds. A Ctrl-C meanwhile skips to SIGKILL."""
+    try:
+        _wait_all(processes, patience)
+        for p in processes:
+            if p.popen.poll() is None:
+                p.signal(signal.SIGTERM)
+                p.signal(signal.SIGCONT)  # a stopped process handles SIGTERM only once continued
+        _wait_all(processes, grace)
+    except KeyboardInterrupt:  # a second Ctrl-C: kill now, but never leave anything running
+        pass
+    finally:
+        with _interrupts_ignored():
+            for p in processes:
+                p.signal(signal.SIGKILL)  # and anything the process left behind in its group
+                p.popen.wait()
 
 
 def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
@@ -145,10 +195,12 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
     argv = command_line(command)
     port = port or free_port()
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)  # a stopped launch stops its processes too
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _interrupt)  # a stopped launch stops its processes too
     lock = threading.Lock()
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     started: list[_Process] = []
+    codes: dict[int, int] = {}
     try:
         for i in range(processes):
             env = process_environment(i, processes, port, devices_per_process)
@@ -158,8 +210,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
                 started.append(_Process(i, argv, env, shown, prefix, lock))
             except OSError as e:
                 raise MeshfitError(f"cannot start {argv[0]!r} ({e.strerror}); check the command after --") from None
-            p = started[-1]
-            threading.Thread(target=lambda p=p: exits.put((p.index, p.popen.wait())), daemon=True).start()
+        for p in started:
+            p.start_pumps(exits)
         print(f"meshfit launch: {processes} process(es) x {devices_per_process} device(s), coordinator "
               f"127.0.0.1:{port}, pids {' '.join(str(p.popen.pid) for p in started)}",
               file=sys.stderr, flush=True)
@@ -175,26 +227,71 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
                 print(f"meshfit: error: the job ran past --timeout {timeout:g} s; stopped all "
                       f"{processes} processes", file=sys.stderr, flush=True)
                 return 124
+            codes[index] = code
             if code != 0 and failure is None:
                 failure = (index, code)
-                _stop(started, grace)
+                _stop(started, grace, patience=grace if code in STOP_CODES else 0.0)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
     _finish(started)
     if failure is None:
         return 0
     index, code = failure
+    if code in STOP_CODES and all(codes.get(p.index) == code for p in started):
+        name = signal.Signals(code - 128).name
+        print(f"meshfit launch: all {processes} processes stopped together on {name} after saving "
+              f"(exit code {code}); continue with --resume", file=sys.stderr, flush=True)
+        return code
     if show == "first" and index != 0:
-        for line in started[index].tail:
+        for line in list(started[index].tail)[-TAIL_LINES:]:
             print(f"[{index}] {line}", file=sys.stderr)
     others = processes - 1
     print(f"meshfit: error: process {index} of {processes} failed with {describe_exit(code)}"
+          + diagnosis(started[index].tail)
           + (f"; stopped the other {others} process(es)" if others else ""), file=sys.stderr, flush=True)
     return code if code > 0 else 128 - code
 
 
+def diagnosis(lines: Sequence[str]) -> str:
+    """What JAX's fatal messages in a process's last lines say went wrong ("" when none do).
+
+    JAX ends every process with SIGABRT when its coordinator finds a silent process (heartbeats
+    stopped) or when not all processes join in time; the silent ones are listed one a line.
+    """
+    lines = list(lines)
+    for i, line in enumerate(lines):
+        if "stopped sending heartbeats" in line:
+            silent = []
+            for after in lines[i + 1:]:
+                if not after.strip().isdigit():
+                    break
+                silent.append(after.strip())
+            who = f"process(es) {', '.join(silent)}" if silent else "a process"
+            seconds = os.environ.get(env.HEARTBEAT_TIMEOUT, "60")
+            return (f" because {who} sent no heartbeat for {seconds} s ({env.HEARTBEAT_TIMEOUT}; "
+                    "stopped, hung or on a lost host)")
+        if "RegisterTask" in line:
+            seconds = os.environ.get(env.INIT_TIMEOUT, str(INIT_TIMEOUT_SECONDS))
+            return f" because not every process joined within {seconds} s ({env.INIT_TIMEOUT})"
+    return ""
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _interrupts_ignored() -> Iterator[None]:
+    """While inside, Ctrl-C, SIGTERM and SIGHUP cannot cut the launcher's last clean-up short."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _finish(processes: list[_Process]) -> None:

@@ -204,6 +204,56 @@ def test_network_failure_is_a_clear_error(tmp_path, monkeypatch):
         load("mnist")
 
 
+def serve_mnist(tmp_path, monkeypatch):
+    """Generated MNIST files behind a file:// 'server' whose published MD5s and sizes fit them."""
+    arrays = write_idx_dataset(tmp_path / "server", **TINY)
+    monkeypatch.delenv("MESHFIT_OFFLINE")
+    monkeypatch.setitem(datasets.URLS, "mnist", (tmp_path / "server").as_uri() + "/")
+    for f in IDX_FILES:
+        data = (tmp_path / "server" / f).read_bytes()
+        monkeypatch.setitem(datasets.PUBLISHED, ("mnist", f), (hashlib.md5(data).hexdigest(), len(data)))
+    return arrays
+
+
+def test_processes_sharing_a_cache_download_once(tmp_path, monkeypatch):
+    """Loads racing into one cache (threads stand in for processes: each opens the lock file
+    itself): one downloads, the others wait for it and read its files; a killed download's
+    temporary file is removed."""
+    import threading
+    import urllib.request
+
+    arrays = serve_mnist(tmp_path, monkeypatch)
+    (tmp_path / "cache" / "mnist").mkdir(parents=True)
+    (tmp_path / "cache" / "mnist" / ".download-killed").write_bytes(b"partial")
+    opened, results = [], []
+    real_urlopen = urllib.request.urlopen
+
+    def slow_urlopen(url, timeout=None):
+        opened.append(url)
+        threading.Event().wait(0.05)  # long enough for the others to reach the lock
+        return real_urlopen(url, timeout=timeout)
+
+    monkeypatch.setattr(urllib.request, "urlopen", slow_urlopen)
+    loaders = [threading.Thread(target=lambda: results.append(load("mnist"))) for _ in range(3)]
+    for t in loaders:
+        t.start()
+    for t in loaders:
+        t.join()
+    assert len(results) == 3 and sorted(opened) == sorted({*opened}) and len(opened) == len(IDX_FILES)
+    for ds in results:
+        check_mnist_like(ds, arrays, "mnist")
+    assert sorted(os.listdir(tmp_path / "cache" / "mnist")) == sorted(IDX_FILES)
+
+
+def test_download_larger_than_published_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
+    serve_mnist(tmp_path, monkeypatch)
+    md5, size = datasets.PUBLISHED[("mnist", IDX_FILES[0])]
+    monkeypatch.setitem(datasets.PUBLISHED, ("mnist", IDX_FILES[0]), (md5, size - 1))
+    with pytest.raises(MeshfitError, match=f"more than the {size - 1} expected"):
+        load("mnist")
+    assert not any((tmp_path / "cache" / "mnist").iterdir())
+
+
 def write_tgz(path, files):
     with tarfile.open(path, "w:gz") as tar:
         for name, data in files.items():

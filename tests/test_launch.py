@@ -166,6 +166,113 @@ def test_launch_timeout_stops_everything():
     assert "ran past --timeout 1 s; stopped all 2 processes" in out.stderr
 
 
+def test_coordinator_bind_address(monkeypatch):
+    assert cluster.bind_address("127.0.0.1:1234", {}) == "127.0.0.1:1234"  # a local job stays local
+    assert cluster.bind_address("localhost:1234", {}) == "localhost:1234"
+    assert cluster.bind_address("10.0.0.1:1234", {}) is None  # JAX's default: every interface
+    assert cluster.bind_address("10.0.0.1:1234", {"MESHFIT_COORDINATOR_BIND": "10.0.0.1:1234"}) == "10.0.0.1:1234"
+    with pytest.raises(MeshfitError, match="MESHFIT_COORDINATOR_BIND='10.0.0.1' is not host:port"):
+        cluster.bind_address("10.0.0.1:1234", {"MESHFIT_COORDINATOR_BIND": "10.0.0.1"})
+    assert launch.process_environment(0, 2, 1234, 1, base={})["MESHFIT_COORDINATOR_BIND"] == "127.0.0.1:1234"
+
+
+def test_vote_gives_every_call_the_maximum_of_the_call_before(strategy):
+    vote = cluster.Vote()
+    assert [vote.cast(v) for v in (15, 0, 2)] == [0, 15, 0]
+    assert vote.settle() == 2 and vote.settle() == 0
+
+
+def test_jax_fatal_messages_name_the_silent_process():
+    tail = ["E1123 coordination_service.cc] ... The following tasks are unhealthy (stopped sending heartbeats):",
+            "1", "The tasks have crashed.", "*** Check failure stack trace: ***"]
+    assert launch.diagnosis(tail).startswith(" because process(es) 1 sent no heartbeat for")
+    assert "not every process joined" in launch.diagnosis(["RPC: /xla.coordination.CoordinationService/RegisterTask"])
+    assert launch.diagnosis(["Traceback", "ValueError"]) == ""
+
+
+def alive(pid):
+    """True while `pid` runs (a zombie or a vanished process is not running)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start_launch(code, processes=2):
+    """`meshfit launch` of `python -c code` (which prints 'ready'); returns it and its processes'
+    pids once every process is ready."""
+    job = subprocess.Popen([sys.executable, "-m", "meshfit", "launch", "--processes", str(processes),
+                            "--", sys.executable, "-c", code], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pids = [int(p) for p in re.search(r"pids ([\d ]+)", job.stderr.readline()).group(1).split()]
+    ready = [job.stdout.readline() for _ in range(processes)]
+    assert all(line.endswith("ready\n") for line in ready), ready
+    return job, pids
+
+
+def wait_until_ended(pids, seconds=60):
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+IGNORES_SIGTERM = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                   "print('ready', flush=True); time.sleep(120)")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_processes_die_with_a_killed_launcher():
+    job, pids = start_launch(IGNORES_SIGTERM)
+    job.kill()
+    job.wait()
+    left = wait_until_ended(pids)
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left
+
+
+def test_second_ctrl_c_kills_the_processes_instead_of_abandoning_them():
+    job, pids = start_launch(IGNORES_SIGTERM)  # processes that would outlive a plain SIGTERM
+    job.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    job.send_signal(signal.SIGINT)
+    assert job.wait(timeout=60) == 130
+    left = [p for p in pids if alive(p)]  # the launcher has returned: nothing may run now
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left
+
+
+LISTENING = """
+import os, meshfit
+from meshfit import cluster
+meshfit.connect(verbose=False)
+def target(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the fd of listdir itself, closed by now
+        return ""
+sockets = {t[8:-1] for t in map(target, os.listdir("/proc/self/fd")) if t.startswith("socket:[")}
+found = [line.split()[1] for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6")
+         for line in open(table).readlines()[1:] if line.split()[3] == "0A" and line.split()[9] in sockets]
+print("listening", *found, flush=True)
+cluster.barrier("checked")
+"""
+LOOPBACK = ("0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp")
+def test_launch_listens_on_the_loopback_only():
+    out = run_meshfit("launch", "--processes", "2", "--", sys.executable, "-c", LISTENING, timeout=JOB_TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = {line[:3]: line.split()[2:] for line in out.stdout.splitlines() if " listening" in line}
+    assert sorted(lines) == ["[0]", "[1]"] and lines["[0]"]  # process 0 runs the coordinator
+    for address in lines["[0]"] + lines["[1]"]:
+        assert address.split(":")[0] in LOOPBACK, address
+
+
 # ------------------------------------------------------------------------------- real 2-host jobs
 
 WEIGHTS_SCRIPT = """
@@ -250,5 +357,45 @@ def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_pro
                       timeout=JOB_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[0] resuming" in out.stdout
+    assert_same_weights(model_weights(os.path.join(run, "model.keras")),
+                        model_weights(os.path.join(single_process_run, "model.keras")))
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_one_step_and_the_run_resumes(data_dir, single_process_run,
+                                                                          tmp_path):
+    run = str(tmp_path / "run")
+    first_checkpoint = os.path.join(run, "checkpoints", "ckpt-00000004")
+    command = [sys.executable, "-m", "meshfit", *launch_args(
+        "meshfit", "train", *TRAIN, "--epochs", "50", "--data-dir", data_dir, "--out", run,
+        "--checkpoint-every", "epoch")]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(job.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while not os.path.isdir(first_checkpoint) and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert job.poll() is None, "".join(output)[-3000:]
+        pids = re.search(r"pids (\d+) (\d+)", "".join(output)).groups()
+        os.kill(int(pids[1]), signal.SIGTERM)  # a preemption notice reaching one host only
+        assert job.wait(timeout=120) == 143
+    finally:
+        if job.poll() is None:
+            job.kill()
+    reader.join(timeout=10)
+    text = "".join(output)
+    steps = re.findall(r"^\[(\d)\] meshfit: training stopped by SIGTERM after step (\d+)", text, re.M)
+    assert sorted(p for p, _ in steps) == ["0", "1"] and steps[0][1] == steps[1][1], text[-3000:]
+    assert "all 2 processes stopped together on SIGTERM" in text
+
+    from meshfit import checkpoints
+
+    newest = checkpoints.latest(os.path.join(run, "checkpoints"))
+    assert checkpoints.read_state(newest)["global_step"] == int(steps[0][1])  # process 0 saved that step
+    out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(EPOCHS)),
+                      timeout=JOB_TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
     assert_same_weights(model_weights(os.path.join(run, "model.keras")),
                         model_weights(os.path.join(single_process_run, "model.keras")))
