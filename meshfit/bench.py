@@ -22,6 +22,11 @@ collectives can deadlock with several programs in flight on fewer cores than dev
 run one after the other, so a change in the machine's load between them moves their ratio:
 `--rounds R` runs every engine and path R times, alternating (plain, meshfit, plain, ...), and
 reports for each row the median samples/s over the rounds (`rounds_samples_per_s` lists them).
+
+`--input FOLDER --image-size H W` times the input pipeline alone instead (`bench_input`):
+meshfit.imagefolder's streamed batches against `keras.utils.image_dataset_from_directory` on the
+same folder, fresh processes alternating per round; `--make-jpeg-folder DIR` writes its test
+folder (`write_jpeg_folder`).
 """
 
 from __future__ import annotations
@@ -180,7 +185,7 @@ def _run_worker(spec: dict) -> tuple[list[dict], dict | None, str | None]:
             error = line[len(_ERROR):]
     if proc.returncode != 0 and error is None:
         last = tail[-1] if tail else "no output"
-        raise MeshfitError(f"the {spec['engine']} {spec['path']} benchmark process failed "
+        raise MeshfitError(f"the {spec.get('engine', 'input')} {spec['path']} benchmark process failed "
                            f"(exit {proc.returncode}): {last}")
     return rows, machine, error
 
@@ -420,6 +425,178 @@ def _worker(spec: dict) -> None:
                       f"(+{row['compile_s']:.1f} s compile)", file=sys.stderr, flush=True)
 
 
+# ------------------------------------------------------------------------ input pipeline (images)
+
+JPEG_FOLDER_IMAGES = 30_000  # images in `meshfit bench --make-jpeg-folder`'s folder
+JPEG_QUALITY = 90
+
+
+def write_jpeg_folder(dest: str, data_dir: str | None = None, count: int = JPEG_FOLDER_IMAGES,
+                      image_size: tuple[int, int] = (160, 160)) -> int:
+    """Write the first `count` CIFAR-10 training images, upscaled (bilinear) to image_size =
+    (height, width), as JPEGs (quality 90) in dest/<class name>/<index>.jpg; returns the count.
+
+    CIFAR-10 is read as `meshfit train` reads it (data_dir, $MESHFIT_DATA, ...; no download).
+    """
+    import concurrent.futures
+
+    from PIL import Image
+
+    from meshfit import datasets, imagefolder
+
+    if os.path.isdir(dest) and os.listdir(dest):
+        raise MeshfitError(f"{dest} is not empty; give a new folder for the JPEGs")
+    data = datasets.load("cifar10", data_dir, download=False)
+    count = min(count, len(data.x_train))
+    if count < 1:
+        raise MeshfitError(f"the JPEG folder needs at least 1 image, got {count}")
+    height, width = imagefolder.check_image_size(image_size, 3)
+    for name in data.class_names:
+        os.makedirs(os.path.join(dest, name), exist_ok=True)
+
+    def write(i: int) -> None:
+        image = Image.fromarray(data.x_train[i]).resize((width, height), Image.Resampling.BILINEAR)
+        image.save(os.path.join(dest, data.class_names[data.y_train[i]], f"{i:05d}.jpg"),
+                   quality=JPEG_QUALITY)
+
+    with concurrent.futures.ThreadPoolExecutor(imagefolder.default_workers()) as pool:
+        list(pool.map(write, range(count), chunksize=256))
+    return count
+
+
+INPUT_PATHS = ("meshfit", "keras")  # FolderTrainBatches; keras.utils.image_dataset_from_directory
+DEFAULT_INPUT_BATCH = 128
+INPUT_WARMUP_BATCHES = 5
+
+
+def bench_input(folder: str, image_size: tuple[int, int], channels: int = 3,
+                batch_size: int = DEFAULT_INPUT_BATCH, rounds: int = 3, steps: int | None = None,
+                out: str | None = None) -> dict:
+    """Time the input pipeline alone on an image folder: meshfit's FolderTrainBatches against
+    `keras.utils.image_dataset_from_directory` (tf.data: parallel decode, prefetch), same folder,
+    size, batch and shuffling, each in a fresh process per round, alternating.
+
+    Each measurement decodes INPUT_WARMUP_BATCHES batches, then times `steps` more (default: one
+    epoch); images/s is the median over the rounds. Writes bench.json to `out` (default
+    runs/bench-input-<time>/) and returns the results.
+    """
+    from meshfit import imagefolder
+
+    height, width = imagefolder.check_image_size(image_size, channels)
+    if batch_size < 1 or rounds < 1 or (steps is not None and steps < 1):
+        raise MeshfitError(f"--batch-size, --rounds and --steps must be at least 1, got {batch_size}, "
+                           f"{rounds} and {steps}")
+    found = imagefolder.scan(folder)  # bad folders fail here, in one line
+    if len(found) < batch_size:
+        raise MeshfitError(f"{folder} has {len(found)} readable images, fewer than the batch of "
+                           f"{batch_size}; use a smaller --batch-size")
+    spec = {"input": found.root, "image_size": [height, width], "channels": channels,
+            "batch": batch_size, "steps": steps or len(found) // batch_size}
+    rows, machine, skipped = [], None, []
+    for _ in range(rounds):
+        for path in (p for p in INPUT_PATHS if not any(s.startswith(p) for s in skipped)):
+            found_rows, meta, error = _run_worker({**spec, "path": path})
+            if error:
+                skipped.append(f"{path}: {error}")
+                print(f"meshfit: note: skipped {path}: {error}", file=sys.stderr, flush=True)
+                continue
+            rows += found_rows
+            machine = machine or meta
+    merged = []
+    for path in INPUT_PATHS:
+        group = [r for r in rows if r["path"] == path]
+        if group:
+            row = dict(sorted(group, key=lambda r: r["images_per_s"])[(len(group) - 1) // 2])
+            row.update(rounds=len(group), rounds_images_per_s=[r["images_per_s"] for r in group],
+                       peak_rss_mb=max(r["peak_rss_mb"] for r in group))
+            merged.append(row)
+    ours = next((r["images_per_s"] for r in merged if r["path"] == "meshfit"), None)
+    anchor = next((r["images_per_s"] for r in merged if r["path"] == "keras"), None)
+    per_round = [a["images_per_s"] / b["images_per_s"] for a, b in
+                 zip((r for r in rows if r["path"] == "meshfit"), (r for r in rows if r["path"] == "keras"))]
+    out = out or rundir.timestamped("bench-input")
+    result = {"input": found.root, "images": len(found), "skipped_files": len(found.skipped),
+              "image_size": [height, width], "channels": channels, "batch": batch_size,
+              "steps": spec["steps"], "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": "meshfit bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
+              "machine": machine, "skipped": skipped, "out": out,
+              "input_images_per_second": ours, "anchor_images_per_second": anchor,
+              "vs_anchor": ours / anchor if ours and anchor else None,
+              "rounds_vs_anchor": per_round, "rows": merged}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def format_input_table(result: dict) -> str:
+    """The input benchmark as a plain-text table with the ratio under it."""
+    m = result.get("machine") or {}
+    height, width = result["image_size"]
+    lines = [f"meshfit bench --input {result['input']}: {result['images']:,} images to "
+             f"{height}x{width}x{result['channels']}, batch {result['batch']}, {result['steps']} timed "
+             f"batches, on {m.get('cpu', '?')} ({m.get('cores', '?')} cores), {result['date']}",
+             f"{'path':<8}  {'images/s':>9}  {'CPU-us/image':>12}  {'peak RSS MB':>11}  rounds (images/s)"]
+    for r in result["rows"]:
+        name = "meshfit" if r["path"] == "meshfit" else "keras"
+        lines.append(f"{name:<8}  {r['images_per_s']:>9,.0f}  {r['cpu_us_per_image']:>12,.0f}  "
+                     f"{r['peak_rss_mb']:>11,.0f}  "
+                     + ", ".join(f"{v:,.0f}" for v in r["rounds_images_per_s"]))
+    if result["vs_anchor"]:
+        lines.append(f"meshfit vs keras.utils.image_dataset_from_directory: {result['vs_anchor']:.2f}x "
+                     f"(medians of {len(result['rounds_vs_anchor'])} rounds, paths alternating)")
+    return "\n".join(lines + [f"skipped {s}" for s in result["skipped"]])
+
+
+def _input_worker(spec: dict) -> None:
+    """Time one input path (see bench_input) and print its row."""
+    import resource
+
+    height, width = spec["image_size"]
+    batch, steps = spec["batch"], spec["steps"]
+    print(_MACHINE + json.dumps({"cpu": devices_lib.cpu_model(), "cores": os.cpu_count(),
+                                 "python": sys.version.split()[0]}), flush=True)
+    setup = time.perf_counter()
+    if spec["path"] == "meshfit":
+        from meshfit import imagefolder
+
+        folder = imagefolder.scan(spec["input"])
+        batches = imagefolder.FolderTrainBatches(folder, (height, width), spec["channels"], batch)
+        stream = batches.iterate()
+        detail = {"workers": batches._decoder.workers, "loader": "thread pool over Pillow"}
+    else:
+        os.environ["KERAS_BACKEND"] = "tensorflow"
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        try:
+            import tensorflow  # noqa: F401 (image_dataset_from_directory is built on tf.data)
+        except ImportError:
+            raise MeshfitError("TensorFlow is not installed; the keras anchor needs it") from None
+        import keras
+
+        dataset = keras.utils.image_dataset_from_directory(
+            spec["input"], image_size=(height, width), batch_size=batch, shuffle=True, seed=0,
+            color_mode="rgb" if spec["channels"] == 3 else "grayscale", interpolation="bilinear",
+            verbose=False).repeat()  # maps with num_parallel_calls=AUTOTUNE, then prefetch(AUTOTUNE)
+        stream = iter(dataset)
+        detail = {"workers": None, "loader": f"tf.data (Keras {keras.__version__})"}
+    for _ in range(INPUT_WARMUP_BATCHES):
+        next(stream)
+    setup = time.perf_counter() - setup
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        next(stream)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    row = {"path": spec["path"], "images_per_s": steps * batch / seconds, "seconds": seconds,
+           "batches": steps, "batch": batch, "setup_s": setup, "peak_rss_mb": peak_kb / 1024,
+           "cpu_us_per_image": 1e6 * cpu / (steps * batch), **detail}
+    print(_ROW + json.dumps(row), flush=True)
+    print(f"bench: input {spec['path']}: {row['images_per_s']:,.0f} images/s, "
+          f"{row['cpu_us_per_image']:.0f} CPU-us/image, peak RSS {row['peak_rss_mb']:,.0f} MB",
+          file=sys.stderr, flush=True)
+
+
 def _class_names(dataset: str) -> tuple[str, ...]:
     from meshfit import datasets
 
@@ -428,7 +605,8 @@ def _class_names(dataset: str) -> tuple[str, ...]:
 
 def _worker_main(argv: list[str]) -> int:
     try:
-        _worker(json.loads(argv[0]))
+        spec = json.loads(argv[0])
+        (_input_worker if "input" in spec else _worker)(spec)
     except MeshfitError as err:
         print(_ERROR + str(err), flush=True)
         return 2

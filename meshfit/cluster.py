@@ -392,7 +392,7 @@ def fit_arguments(strategy, x, y, batch_size: int | None, kwargs: dict[str, Any]
     devices, index = strategy.info.devices, strategy.info.process_index
     kwargs = dict(kwargs)
     if getattr(x, "process_local", False):  # a source that already reads only this process's rows
-        return x, y, batch_size, kwargs
+        return (batch for batch in x), y, batch_size, kwargs  # Keras takes Python generators only
     cut = functools.partial(local_batch, devices=devices, process_index=index)
     validation = kwargs.get("validation_data")
     if isinstance(validation, SplitBatches):

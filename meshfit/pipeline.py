@@ -89,12 +89,22 @@ def _flip_crop_on_device(images, rows, cols, flips, padding: int):
 
 def flip_crop_numpy(images: np.ndarray, rows: np.ndarray, cols: np.ndarray, flips: np.ndarray,
                     padding: int = CROP_PADDING) -> np.ndarray:
-    """The same augmentation as on the devices, vectorized with numpy on the host."""
+    """The same augmentation as on the devices, with numpy on the host: image by image, a gather
+    of reflected row indices then of (mirrored) column indices, with no padded copy."""
     height, width = images.shape[1:3]
-    padded = np.pad(images, ((0, 0), (padding, padding), (padding, padding), (0, 0)), mode="reflect")
-    windows = np.lib.stride_tricks.sliding_window_view(padded, (height, width), axis=(1, 2))
-    cropped = np.moveaxis(windows[np.arange(len(images)), rows, cols], 1, -1)  # (B, H, W, C)
-    return np.where(flips[:, None, None, None], cropped[:, :, ::-1, :], cropped)
+    row_index = _reflected(np.arange(height) + np.asarray(rows)[:, None] - padding, height)  # (B, H)
+    col_index = _reflected(np.arange(width) + np.asarray(cols)[:, None] - padding, width)  # (B, W)
+    col_index = np.where(np.asarray(flips)[:, None], col_index[:, ::-1], col_index)
+    out = np.empty_like(images)
+    for i in range(len(images)):
+        out[i] = images[i].take(row_index[i], axis=0).take(col_index[i], axis=1)
+    return out
+
+
+def _reflected(index: np.ndarray, n: int) -> np.ndarray:
+    """Indices up to n-1 outside 0..n-1 mirrored back in, as np.pad's "reflect" (edge not repeated)."""
+    index = np.abs(index)
+    return np.where(index >= n, 2 * (n - 1) - index, index)
 
 
 def _on_jax() -> bool:
@@ -142,6 +152,32 @@ def _put_sharded(array: np.ndarray, multiple: int):
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
+def check_train_batches(samples: int, image_size: tuple[int, int], global_batch: int,
+                        steps_per_epoch: int | None, augment: str, crop_padding: int,
+                        flips: str) -> int:
+    """The steps per epoch of training batches with these settings; a MeshfitError if they do not fit.
+
+    image_size: (height, width) of the images, in pixels.
+    """
+    if augment not in AUGMENTATIONS:
+        raise MeshfitError(f"unknown augmentation {augment!r}; use one of: {', '.join(AUGMENTATIONS)}")
+    if flips not in FLIPS:
+        raise MeshfitError(f"unknown flips {flips!r}; use one of: {', '.join(FLIPS)}")
+    height, width = image_size
+    if augment == "flip-crop" and not 0 <= crop_padding < min(height, width):
+        raise MeshfitError(f"crop padding {crop_padding} does not fit {height}x{width} images; "
+                           f"use 0 to {min(height, width) - 1} pixels")
+    if global_batch > samples:
+        raise MeshfitError(f"global batch {global_batch} is larger than the {samples} training "
+                           f"samples; use --batch-size {samples} or less")
+    full_steps = samples // global_batch
+    if steps_per_epoch is not None and not 1 <= steps_per_epoch <= full_steps:
+        raise MeshfitError(f"steps_per_epoch {steps_per_epoch} x global batch {global_batch} "
+                           f"needs more than the {samples} training samples; use at most "
+                           f"{full_steps} steps or a smaller batch")
+    return steps_per_epoch or full_steps
+
+
 class TrainBatches:
     """Training batches of (x, y): `steps_per_epoch` global batches per epoch.
 
@@ -156,28 +192,14 @@ class TrainBatches:
                  steps_per_epoch: int | None = None, augment: str = "none",
                  on_device: bool | None = None, crop_padding: int = CROP_PADDING,
                  flips: str = "random"):
-        if augment not in AUGMENTATIONS:
-            raise MeshfitError(f"unknown augmentation {augment!r}; use one of: "
-                               f"{', '.join(AUGMENTATIONS)}")
-        if flips not in FLIPS:
-            raise MeshfitError(f"unknown flips {flips!r}; use one of: {', '.join(FLIPS)}")
-        if augment == "flip-crop" and not 0 <= crop_padding < min(x.shape[1:3]):
-            raise MeshfitError(f"crop padding {crop_padding} does not fit {x.shape[1]}x{x.shape[2]} "
-                               f"images; use 0 to {min(x.shape[1:3]) - 1} pixels")
         if len(x) != len(y):
             raise MeshfitError(f"{len(x)} images but {len(y)} labels; give one label per image")
-        if global_batch > len(x):
-            raise MeshfitError(f"global batch {global_batch} is larger than the {len(x)} training "
-                               f"samples; use --batch-size {len(x)} or less")
-        full_steps = len(x) // global_batch
-        if steps_per_epoch is not None and not 1 <= steps_per_epoch <= full_steps:
-            raise MeshfitError(f"steps_per_epoch {steps_per_epoch} x global batch {global_batch} "
-                               f"needs more than the {len(x)} training samples; use at most "
-                               f"{full_steps} steps or a smaller batch")
+        steps = check_train_batches(len(x), x.shape[1:3], global_batch, steps_per_epoch, augment,
+                                    crop_padding, flips)
         self.x, self.y = x, y
         self.global_batch = global_batch
         self.seed = int(seed)
-        self.steps_per_epoch = steps_per_epoch or full_steps
+        self.steps_per_epoch = steps
         self.augment, self.crop_padding, self.flips = augment, int(crop_padding), flips
         self.num_samples = len(x)
         if on_device is None:
@@ -321,12 +343,13 @@ class EvalBatches:
 
 
 def predict(model, data, batch: int | None = None, tta_flip: bool = False) -> np.ndarray:
-    """Model outputs for every sample (N rows) of `data`: an EvalBatches, or images with `batch`.
+    """Model outputs for every sample (N rows) of `data`: an EvalBatches (or any object with its
+    iterate, trim and len, such as imagefolder.FolderEvalBatches), or images with `batch`.
 
     tta_flip: average the outputs for each image and its mirror image (for a model whose outputs
     are probabilities, the average probabilities).
     """
-    batches = data if isinstance(data, EvalBatches) else EvalBatches(data, batch)
+    batches = data if hasattr(data, "iterate") else EvalBatches(data, batch)
     outputs = _predict(model, batches.iterate(), steps=len(batches))
     if tta_flip:
         mirrored = _predict(model, batches.iterate(flip=True), steps=len(batches))

@@ -1,0 +1,298 @@
+"""meshfit.imagefolder: folders scanned and split, batches streamed from disk as the in-memory pipeline's."""
+
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+from helpers import ONE_CPU, run_meshfit
+from PIL import Image
+
+from meshfit import bench, cluster, imagefolder, pipeline
+from meshfit.errors import MeshfitError
+
+SIZE = (12, 10)  # (height, width) of the generated images
+
+
+def write_folder(root, counts, size=SIZE, seed=0, suffix=".png"):
+    """PNG images of random pixels in root/<class>/; returns (images in scan order, labels)."""
+    rng = np.random.default_rng(seed)
+    images, labels = [], []
+    for label, (name, count) in enumerate(sorted(counts.items())):
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+        for i in range(count):
+            array = rng.integers(0, 256, (*size, 3), dtype=np.uint8)
+            Image.fromarray(array).save(os.path.join(root, name, f"{i:03d}{suffix}"))
+            images.append(array)
+            labels.append(label)
+    return np.stack(images), np.asarray(labels, np.int32)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A scanned folder of 3 classes (7 + 6 + 8 = 21 images) and its images loaded in memory."""
+    root = tmp_path_factory.mktemp("images")
+    x, y = write_folder(root, {"cat": 7, "dog": 6, "emu": 8})
+    return imagefolder.scan(root), x, y
+
+
+# ------------------------------------------------------------------------------------ scanning
+
+def test_scan_sorts_classes_and_files_and_skips_what_it_cannot_read(tmp_path):
+    write_folder(tmp_path, {"b": 2, "a": 3})
+    os.makedirs(tmp_path / "a" / "more")
+    Image.new("RGB", SIZE[::-1]).save(tmp_path / "a" / "more" / "deep.jpg")
+    (tmp_path / "a" / "notes.txt").write_text("not an image")
+    (tmp_path / "b" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    (tmp_path / "b" / ".DS_Store").write_bytes(b"\0")
+    found = imagefolder.scan(tmp_path)
+    assert found.root == str(tmp_path) and found.class_names == ("a", "b")
+    names = [os.path.relpath(f, tmp_path) for f in found.files]
+    assert names == ["a/000.png", "a/001.png", "a/002.png", "a/more/deep.jpg", "b/000.png", "b/001.png"]
+    assert found.labels.dtype == np.int32 and found.labels.tolist() == [0, 0, 0, 0, 1, 1]
+    skipped = {os.path.relpath(p, tmp_path): why for p, why in found.skipped}
+    assert set(skipped) == {"a/notes.txt", "b/broken.png"}
+    assert "not an image" in skipped["a/notes.txt"] and "unreadable" in skipped["b/broken.png"]
+    part = found.subset([5, 0])
+    assert part.files == (found.files[5], found.files[0]) and part.labels.tolist() == [1, 0]
+    assert len(part) == 2 and part.class_names == found.class_names
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda root: None, "does not exist"),
+    (lambda root: os.makedirs(root), "has no class sub-folders"),
+    (lambda root: write_folder(root, {"only": 3}), "single class folder (only)"),
+    (lambda root: (write_folder(root, {"a": 2}), os.makedirs(os.path.join(root, "b"))),
+     "class folder"),
+    (lambda root: (write_folder(root, {"a": 2}), os.makedirs(os.path.join(root, "b")),
+                   open(os.path.join(root, "b", "x.jpg"), "wb").write(b"nope")), "1 file(s) skipped"),
+])
+def test_bad_folders_are_one_line_errors(tmp_path, make, message):
+    root = str(tmp_path / "data")
+    make(root)
+    with pytest.raises(MeshfitError) as error:
+        imagefolder.scan(root)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_every_mode_and_size_decodes_to_the_asked_shape(tmp_path):
+    path = str(tmp_path / "x")
+    grey = Image.fromarray(np.full((20, 30), 77, np.uint8), "L")
+    rgba = np.zeros((4, 4, 4), np.uint8)
+    rgba[0, 0] = (10, 20, 30, 255)  # opaque; every other pixel fully transparent (on white: 255)
+    palette = Image.new("P", (4, 4), 0)
+    palette.putpixel((0, 0), 1)
+    palette.putpalette([0, 0, 0, 200, 100, 50] + [0] * 762)
+    palette.info["transparency"] = 0
+    sixteen = Image.fromarray(np.full((4, 4), 0x8000, np.uint16))  # mode I;16
+    cmyk = Image.new("CMYK", (4, 4), (0, 255, 255, 0))  # red
+    cases = {"grey.png": grey, "rgba.png": Image.fromarray(rgba, "RGBA"), "palette.png": palette,
+             "sixteen.png": sixteen, "cmyk.jpg": cmyk, "grey.jpg": grey, "big.jpg": grey.resize((400, 300)),
+             "anim.gif": grey.convert("P")}
+    for name, image in cases.items():
+        image.save(f"{path}-{name}")
+    loaded = {name: imagefolder.load_image(f"{path}-{name}", (4, 4), 3) for name in cases}
+    assert all(a.shape == (4, 4, 3) and a.dtype == np.uint8 for a in loaded.values())
+    assert (loaded["grey.png"] == 77).all() and abs(int(loaded["grey.jpg"].mean()) - 77) <= 1
+    assert loaded["rgba.png"][0, 0].tolist() == [10, 20, 30] and (loaded["rgba.png"][1:] == 255).all()
+    assert loaded["palette.png"][0, 0].tolist() == [200, 100, 50]
+    assert (loaded["palette.png"][1:] == 255).all()  # the transparent colour, on white
+    assert (loaded["sixteen.png"] == 128).all()  # 0x8000 >> 8, not clipped to 255
+    assert (loaded["cmyk.jpg"][..., 0] > 200).all() and (loaded["cmyk.jpg"][..., 1:] < 60).all()
+    assert abs(int(loaded["big.jpg"].mean()) - 77) <= 1
+    one = imagefolder.load_image(f"{path}-rgba.png", (2, 3), 1)
+    assert one.shape == (2, 3, 1)
+
+
+def test_a_file_that_fails_to_decode_is_a_one_line_error_naming_it(tmp_path):
+    write_folder(tmp_path, {"a": 2, "b": 2})
+    bad = tmp_path / "b" / "001.png"
+    data = bad.read_bytes()
+    bad.write_bytes(data[:len(data) // 2])  # the header reads, the pixels do not
+    found = imagefolder.scan(tmp_path)
+    assert len(found) == 4
+    batches = imagefolder.FolderTrainBatches(found, SIZE, 3, 4)
+    with pytest.raises(MeshfitError) as error:
+        batches.batch(0, 0)
+    assert str(bad) in str(error.value) and "\n" not in str(error.value)
+    assert batches.failure is error.value  # for callers that get it wrapped (Keras on TensorFlow)
+
+
+# -------------------------------------------------------------------------------------- layout
+
+def test_layout_uses_train_test_and_val_folders_as_given(tmp_path):
+    write_folder(tmp_path / "train", {"a": 5, "b": 5})
+    write_folder(tmp_path / "test", {"a": 2, "b": 1}, seed=1)
+    split = imagefolder.layout(tmp_path, 0.2, seed=0)
+    assert len(split["test"]) == 3 and split["test"].class_names == ("a", "b")
+    assert len(split["train"]) == 8 and len(split["validation"]) == 2  # 0.2 of train/, per class
+    write_folder(tmp_path / "val", {"a": 1, "b": 1}, seed=2)
+    split = imagefolder.layout(tmp_path, 0.2, seed=0)
+    assert (len(split["train"]), len(split["validation"]), len(split["test"])) == (10, 2, 3)
+    write_folder(tmp_path / "val", {"c": 1}, seed=2)
+    with pytest.raises(MeshfitError, match="same class sub-folders"):
+        imagefolder.layout(tmp_path, 0.2, seed=0)
+
+
+def test_layout_splits_one_folder_per_class_by_seed(tmp_path):
+    write_folder(tmp_path, {"a": 10, "b": 3, "c": 1})
+    split = imagefolder.layout(tmp_path, 0.25, seed=5)
+    train, validation = split["train"], split["validation"]
+    assert split["test"] is None
+    assert np.bincount(validation.labels, minlength=3).tolist() == [3, 1, 0]  # round half up; c keeps 1
+    assert sorted(train.files + validation.files) == sorted(imagefolder.scan(tmp_path).files)
+    assert imagefolder.layout(tmp_path, 0.25, seed=5)["validation"].files == validation.files
+    assert imagefolder.layout(tmp_path, 0.25, seed=6)["validation"].files != validation.files
+    assert imagefolder.layout(tmp_path, 0.0, seed=5)["validation"] is None
+    with pytest.raises(MeshfitError, match="validation_split"):
+        imagefolder.layout(tmp_path, 1.0, seed=5)
+
+
+# ------------------------------------------------------------------------------------- batches
+
+@pytest.mark.parametrize("augment, flips", [("none", "random"), ("flip-crop", "random"),
+                                            ("flip-crop", "alternate")])
+def test_train_batches_equal_the_in_memory_pipeline(folder, augment, flips):
+    found, x, y = folder
+    ours = imagefolder.FolderTrainBatches(found, SIZE, 3, 4, seed=3, augment=augment, crop_padding=2,
+                                          flips=flips, workers=2)
+    theirs = pipeline.TrainBatches(x, y, 4, seed=3, augment=augment, crop_padding=2, flips=flips,
+                                   on_device=False)
+    assert ours.steps_per_epoch == theirs.steps_per_epoch == 5 and len(ours) == 5
+    assert ours.num_samples == 21 and ours.global_batch == 4
+    for epoch, step in [(0, 0), (0, 4), (1, 2), (2, 3)]:
+        images, labels = ours.batch(epoch, step)
+        expected_images, expected_labels = theirs.batch(epoch, step)
+        assert images.dtype == np.uint8 and labels.dtype == np.int32
+        np.testing.assert_array_equal(images, expected_images)
+        np.testing.assert_array_equal(labels, expected_labels)
+
+
+def test_batch_is_a_pure_function_of_seed_epoch_and_step(folder):
+    found, _, _ = folder
+    make = lambda: imagefolder.FolderTrainBatches(found, SIZE, 3, 4, seed=1, augment="flip-crop")  # noqa: E731
+    stream = make().iterate(epoch=1, step=3)
+    assert isinstance(stream, types.GeneratorType)  # what Keras' fit takes in one process
+    for epoch, step in [(1, 3), (1, 4), (2, 0), (2, 1)]:  # runs on into the next epoch
+        images, labels = next(stream)
+        fresh_images, fresh_labels = make().batch(epoch, step)
+        np.testing.assert_array_equal(images, fresh_images)
+        np.testing.assert_array_equal(labels, fresh_labels)
+    assert not np.array_equal(make().batch(0, 0)[0], make().batch(1, 0)[0])
+
+
+def test_flip_crop_shifts_and_mirrors_images(folder):
+    found, x, _ = folder
+    batches = imagefolder.FolderTrainBatches(found, SIZE, 3, 20, seed=0, augment="flip-crop",
+                                             crop_padding=0)
+    images, _ = batches.batch(0, 0)
+    indices = batches._order(0)[:20]
+    mirrored = [np.array_equal(a, x[i][:, ::-1]) for a, i in zip(images, indices)]
+    kept = [np.array_equal(a, x[i]) for a, i in zip(images, indices)]
+    assert all(m or k for m, k in zip(mirrored, kept)) and any(mirrored) and any(kept)
+    shifted, _ = imagefolder.FolderTrainBatches(found, SIZE, 3, 20, augment="flip-crop").batch(0, 0)
+    assert sum(np.array_equal(a, x[i]) or np.array_equal(a, x[i][:, ::-1])
+               for a, i in zip(shifted, indices)) < 20  # crops move most images
+
+
+def test_iterate_keeps_only_a_few_batches_in_flight(folder, monkeypatch):
+    found, _, _ = folder
+    batches = imagefolder.FolderTrainBatches(found, SIZE, 3, 2)
+    started = []
+    submit = batches._decoder.submit
+    monkeypatch.setattr(batches._decoder, "submit", lambda *a, **k: started.append(1) or submit(*a, **k))
+    stream = batches.iterate()
+    for taken in range(1, 25):  # a bit more than two epochs of 10 steps
+        next(stream)
+        assert len(started) == taken + imagefolder.PREFETCH_BATCHES
+    stream.close()
+
+
+def test_each_process_decodes_only_its_rows(folder, monkeypatch):
+    found, _, _ = folder
+    whole = imagefolder.FolderTrainBatches(found, SIZE, 3, 8, augment="flip-crop").batch(1, 1)
+    devices = [types.SimpleNamespace(process_index=p) for p in (0, 0, 1, 1)]  # 2 rows per device
+    decoded, parts, streams = [], [], []
+    real = imagefolder.load_image
+    monkeypatch.setattr(imagefolder, "load_image", lambda path, *a: decoded.append(path) or real(path, *a))
+    for process in (0, 1):
+        monkeypatch.setattr(imagefolder, "_this_process", lambda p=process: (devices, p))
+        batches = imagefolder.FolderTrainBatches(found, SIZE, 3, 8, augment="flip-crop")
+        parts.append(batches.batch(1, 1))
+        assert parts[-1][0].shape == (4, *SIZE, 3) and len(decoded) == 4 * (process + 1)
+        streams.append(batches.iterate(1, 1))
+    for process, (stream, (images, _)) in enumerate(zip(streams, parts)):
+        assert stream.process_local is True
+        info = types.SimpleNamespace(devices=devices, process_index=process)
+        generator, *_ = cluster.fit_arguments(types.SimpleNamespace(info=info), stream, None, None, {})
+        assert isinstance(generator, types.GeneratorType)  # Keras takes generators only
+        np.testing.assert_array_equal(next(generator)[0], images)
+        stream.close()
+    np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), whole[0])
+    np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), whole[1])
+
+
+def test_eval_batches_cover_every_image_once(folder):
+    found, x, y = folder
+    batches = imagefolder.FolderEvalBatches(found, SIZE, 3, 8)
+    assert (batches.num_batches, len(batches), batches.num_samples) == (3, 3, 21)
+    np.testing.assert_array_equal(batches.labels, y)
+    plain = np.concatenate([b for (b,) in batches.iterate()])
+    flipped = np.concatenate([b for (b,) in batches.iterate(flip=True)])
+    assert plain.shape == (24, *SIZE, 3) and (plain[21:] == 0).all()
+    np.testing.assert_array_equal(batches.trim(plain), x)
+    np.testing.assert_array_equal(batches.trim(flipped), x[:, :, ::-1])
+    grey = imagefolder.FolderEvalBatches(found, (6, 5), 1, 21)
+    assert next(iter(grey.iterate()))[0].shape == (21, 6, 5, 1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"channels": 2}, "channels must be 1"),
+    ({"image_size": (0, 4)}, "image size"),
+    ({"global_batch": 22}, "larger than the 21 training samples"),
+    ({"augment": "mixup"}, "unknown augmentation"),
+    ({"steps_per_epoch": 6}, "use at most 5 steps"),
+])
+def test_bad_batch_arguments_are_one_line_errors(folder, kwargs, message):
+    arguments = {"image_size": SIZE, "channels": 3, "global_batch": 4, **kwargs}
+    with pytest.raises(MeshfitError, match=message):
+        imagefolder.FolderTrainBatches(folder[0], **arguments)
+
+
+# --------------------------------------------------------------------------------------- bench
+
+def test_bench_input_json_times_ours_and_the_keras_anchor(tmp_path):
+    write_folder(tmp_path / "images", {"a": 6, "b": 6})
+    result = run_meshfit("bench", "--input", str(tmp_path / "images"), "--image-size", "8", "8",
+                         "--batch-size", "4", "--rounds", "1", "--steps", "2", "--json",
+                         "--out", str(tmp_path / "out"), env=ONE_CPU, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["input_images_per_second"] > 0 and data["anchor_images_per_second"] > 0
+    assert data["vs_anchor"] == pytest.approx(data["input_images_per_second"] / data["anchor_images_per_second"])
+    assert [r["path"] for r in data["rows"]] == ["meshfit", "keras"]
+    assert all(r["batches"] == 2 and r["peak_rss_mb"] > 0 for r in data["rows"])
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["images"] == 12
+
+
+def test_bench_input_needs_an_image_size_and_a_good_folder(tmp_path):
+    result = run_meshfit("bench", "--input", str(tmp_path), timeout=60)
+    assert result.returncode == 2 and "--image-size" in result.stderr
+    result = run_meshfit("bench", "--input", str(tmp_path), "--image-size", "8", "8", timeout=60)
+    assert result.returncode == 2 and "no class sub-folders" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_write_jpeg_folder_upscales_cifar_images(tmp_path, monkeypatch):
+    from meshfit import datasets
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
+    y = np.arange(12, dtype=np.int32) % 10
+    fake = datasets.Dataset(x, y, x[:0], y[:0], tuple(f"c{i}" for i in range(10)), "cifar10")
+    monkeypatch.setattr(datasets, "load", lambda *a, **k: fake)
+    assert bench.write_jpeg_folder(str(tmp_path / "jpegs"), image_size=(40, 48)) == 12
+    found = imagefolder.scan(tmp_path / "jpegs")
+    assert len(found) == 12 and found.class_names == fake.class_names
+    assert Image.open(found.files[0]).size == (48, 40)
