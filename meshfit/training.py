@@ -574,6 +574,12 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
             try:
                 fit(strategy, model, batches, fit_callbacks, checkpointer, start, request.epochs,
                     slices)
+            except Exception as error:
+                # TensorFlow hands a streamed folder's unreadable file on wrapped in its own error.
+                failure = getattr(batches, "failure", None)
+                if failure is not None and not isinstance(error, MeshfitError):
+                    raise failure from None
+                raise
             finally:
                 watch.close()
 
