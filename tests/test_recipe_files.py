@@ -254,3 +254,38 @@ def test_folder_recipe_killed_at_random_resumes_bit_identical(tmp_path):
     b = checkpoints.read_arrays(checkpoints.latest(os.path.join(killed, "checkpoints")))
     assert sorted(a) == sorted(b)
     assert not [k for k in a if not np.array_equal(a[k], b[k])]
+
+
+def test_data_folder_trains_with_validation_curves_and_predicts_by_class_name(tmp_path):
+    """`meshfit train --data FOLDER --image-size H W`: no code, a validation split, curves, and a
+    run directory whose recipe.py and class names serve predict."""
+    write_pets(tmp_path)
+    run, env = str(tmp_path / "run"), cli_env(tmp_path, engine="tensorflow")
+    out = run_meshfit("train", "--data", str(tmp_path / "pets"), "--image-size", "12", "12",
+                      "--epochs", "10", "--batch-size", "8", "--out", run, "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    metrics = json.loads(out.stdout.strip().splitlines()[-1])
+    assert metrics["class_names"] == ["dark", "light"] and metrics["input_shape"] == [12, 12, 3]
+    assert metrics["evaluated_on"] == "validation" and metrics["validation_samples"] == 12  # 20% of each class
+    assert metrics["validation_accuracy"] >= 0.9, metrics
+    history = json.load(open(os.path.join(run, rundir.HISTORY)))
+    assert len(history) == 10 and all("val_accuracy" in record for record in history)
+    assert os.path.getsize(os.path.join(run, rundir.CURVES)) > 0
+    assert recipes.load_file(os.path.join(run, rundir.RECIPE)).image_size == (12, 12)
+
+    Image.fromarray(np.full((20, 20, 3), 200, np.uint8)).save(tmp_path / "bright.png")
+    predicted = run_meshfit("predict", run, str(tmp_path / "bright.png"), "--json", env=env)
+    assert predicted.returncode == 0, predicted.stderr
+    assert json.loads(predicted.stdout)["predictions"][0]["label"] == "light"
+
+
+def test_data_needs_an_image_size_and_no_recipe(tmp_path):
+    write_pets(tmp_path, per_class=2)
+    env = cli_env(tmp_path, engine="tensorflow")
+    for args, message in ((["--data", str(tmp_path / "pets")], "--data needs --image-size H W"),
+                          (["fashion-mnist-cnn", "--data", str(tmp_path / "pets"), "--image-size",
+                            "8", "8"], "one of them"),
+                          (["--image-size", "8", "8"], "go with --data FOLDER")):
+        out = run_meshfit("train", *args, env=env)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert message in out.stderr.strip().splitlines()[-1]
