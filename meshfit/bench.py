@@ -73,7 +73,7 @@ def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
 
     Lists left as None take the defaults described in `meshfit bench --help`.
     """
-    the_recipe = recipes.get(recipe)
+    the_recipe = recipes.load(recipe)
     for name in precisions or []:
         planning.resolve_precision(name, "cpu")
     for name in engines or []:
@@ -88,7 +88,7 @@ def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
         engines = [e for e in BENCH_ENGINES if engine_lib.installed(e)]
         if (devices_lib.requested_simulation(simulate_devices) or 1) > 1:
             engines = ["jax"]  # only JAX runs several devices in meshfit
-    spec = {"recipe": the_recipe.name, "precisions": precisions, "batch_sizes": batch_sizes,
+    spec = {"recipe": the_recipe.file or the_recipe.name, "precisions": precisions, "batch_sizes": batch_sizes,
             "steps_per_dispatch": steps_per_dispatch, "simulate": simulate_devices,
             "repeats": repeats, "steps": steps}
     rows, machine, skipped, unable = [], None, [], set()
@@ -294,9 +294,12 @@ def input_shape(recipe: recipes.Recipe) -> tuple[int, ...]:
     """(height, width, channels) of the recipe's images."""
     if recipe.input_shape:
         return tuple(recipe.input_shape)
+    if recipe.image_size:
+        return (*recipe.image_size, recipe.channels)
     if recipe.dataset in DATASET_SHAPES:
         return DATASET_SHAPES[recipe.dataset]
-    raise MeshfitError(f"recipe {recipe.name} names no input_shape for dataset {recipe.dataset}")
+    raise MeshfitError(f"recipe {recipe.name} does not say its image shape; set "
+                       "input_shape=(height, width, channels) on its Recipe to bench it")
 
 
 def _epoch_timer():
@@ -354,7 +357,7 @@ def _worker(spec: dict) -> None:
     from meshfit import jax_loop, tf_microbatch
     from meshfit.report import EpochReport, train_step_flops
 
-    recipe = recipes.get(spec["recipe"])
+    recipe = recipes.load(spec["recipe"])
     replicas = info.device_count if engine == "jax" else 1
     auto_engine = engine_lib.fastest(info.platform, info.device_count)
     machine = {"platform": info.platform, "device_kind": info.device_kind, "devices": info.device_count,
@@ -362,7 +365,8 @@ def _worker(spec: dict) -> None:
                "keras": keras.__version__, "python": sys.version.split()[0]}
     print(_MACHINE + json.dumps(machine), flush=True)
     shape = input_shape(recipe)
-    classes = len(_class_names(recipe.dataset)) or None
+    # Built-in datasets' classes; the synthetic recipe keeps its model's own head; others: 10.
+    classes = len(_class_names(recipe.dataset)) or (None if recipe.dataset == "synthetic" else 10)
     precisions = spec["precisions"] or [recipe.precision]
     batches = [planning.split_global_batch(b, replicas) for b in spec["batch_sizes"] or []] or \
         [default_batch(recipe, info.platform, info.device_kind, replicas)]

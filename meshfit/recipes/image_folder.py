@@ -53,7 +53,7 @@ def guess_channels(folder: str, sample: int = 32) -> int:
     return 1 if modes and set(modes) <= set(GREY_MODES) else 3
 
 
-def build_cnn(input_shape, num_classes):
+def build_cnn(input_shape, num_classes=10):
     import keras
     from keras import layers
 
@@ -73,7 +73,7 @@ def build_cnn(input_shape, num_classes):
 
 def build_application(name: str):
     """A builder for keras.applications model `name`, from scratch, taking 0-255 pixels."""
-    def build(input_shape, num_classes):
+    def build(input_shape, num_classes=10):
         import keras
 
         if name == "mobilenetv3small":
