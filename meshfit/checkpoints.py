@@ -1,14 +1,20 @@
 """Checkpoints of the full training state, and exact resume.
 
 A checkpoint is a folder RUN/checkpoints/ckpt-<global step, 8 digits>/ holding
-  state.npz   every variable as a numpy array: the model's (weights, batch-norm statistics and
-              the SeedGenerator states that drive Dropout, which Keras' own weights files leave
-              out), the optimizer's (step count, moments) and the metrics' running totals;
-  state.json  where training stands (epoch, step within it, global step, steps per epoch), the
-              seed (with the epoch and step it fixes the data order and augmentation), the metrics
-              history so far, the run's settings, and each variable's name, shape and dtype.
-It is written to a temporary folder, fsynced and renamed into place, so a crash mid-save leaves
-the previous checkpoint intact; the newest `keep` are kept.
+  arrays.npz     every variable as a numpy array: the model's (weights, batch-norm statistics and
+                 the SeedGenerator states that drive Dropout, which Keras' own weights files leave
+                 out), the optimizer's (step count, moments) and the metrics' running totals;
+  state.json     where training stands (epoch, step within it, global step, steps per epoch), the
+                 seed (with the epoch and step it fixes the data order and augmentation), the
+                 metrics history so far, the run's settings, and each variable's name, shape, dtype;
+  manifest.json  the commit: the size and SHA-256 of the two files above.
+The two files are written and fsynced first, then the small manifest atomically replaces any
+earlier one (a file write and rename, never a folder rename, which object-store mounts such as
+gcsfuse do not do atomically). A folder without a manifest is a save cut short: it is ignored and
+removed by the next save. A checkpoint whose files do not match its manifest is damaged: `--resume`
+falls back to the newest one that is intact, with a warning. The newest `keep` are kept.
+Folders written by meshfit 0.1 (state.npz + state.json, committed by renaming the folder, no
+manifest) are still read.
 
 `Checkpointer` (a Keras callback) saves every N steps or seconds and at every epoch end, and after
 a SIGTERM/SIGINT (see `stop_on_signals`) saves at the next step boundary and stops training by
@@ -26,11 +32,11 @@ This module imports Keras at the top: import it after `meshfit.connect()`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
 import signal
-import tempfile
 import time
 from typing import Any, Iterator
 
@@ -41,8 +47,12 @@ from meshfit import cluster, rundir
 from meshfit.errors import MeshfitError
 from meshfit.rundir import list_checkpoints
 
-FORMAT = 1
-STATE_ARRAYS, STATE_JSON = "state.npz", rundir.CHECKPOINT_STATE
+FORMAT = 2  # 1: meshfit 0.1, committed by renaming the folder; 2: committed by manifest.json
+READABLE_FORMATS = (1, 2)
+STATE_ARRAYS, STATE_JSON = rundir.CHECKPOINT_ARRAYS, rundir.CHECKPOINT_STATE
+MANIFEST, LEGACY_ARRAYS = rundir.CHECKPOINT_MANIFEST, "state.npz"
+STATE_FIELDS = ("epoch", "step", "global_step", "steps_per_epoch", "variables")
+GROUPS = ("model", "optimizer", "metrics")
 
 
 class TrainingInterrupted(MeshfitError):
@@ -53,6 +63,10 @@ class TrainingInterrupted(MeshfitError):
         self.signum = signum
         self.checkpoint = checkpoint
         self.exit_code = 128 + signum
+
+
+class CheckpointDamaged(MeshfitError):
+    """A checkpoint's files are unreadable, incomplete or do not match its manifest."""
 
 
 # ------------------------------------------------------------------------------- reading/writing
@@ -80,9 +94,16 @@ def _host_value(variable) -> np.ndarray:
 
 
 def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    """Make a folder's entries durable (where the file system can: not every FUSE mount can)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF):
+            raise
     finally:
         os.close(fd)
 
@@ -101,9 +122,14 @@ def checkpoint_name(global_step: int) -> str:
 
 
 def latest(directory: str | os.PathLike) -> str | None:
-    """The newest complete checkpoint in `directory`, or None."""
+    """The newest committed checkpoint in `directory`, or None (it may still be damaged: see
+    `verify`)."""
     found = list_checkpoints(directory)
     return found[-1] if found else None
+
+
+def _describe(path: str) -> dict[str, Any]:
+    return {"bytes": os.path.getsize(path), "sha256": rundir.file_sha256(path)}
 
 
 def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
@@ -111,14 +137,18 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
     """Write the full training state after `step` steps of epoch `epoch` (0-based); return its folder.
 
     extra: JSON-serializable data stored with it (e.g. seed, history, run settings).
-    A checkpoint of the same global step that already exists is kept as it is.
+    An intact checkpoint of the same global step that already exists is kept as it is; a damaged
+    one is written again.
     """
     directory = os.fspath(directory)
     global_step = epoch * steps_per_epoch + step
     final = os.path.join(directory, checkpoint_name(global_step))
-    if os.path.isfile(os.path.join(final, STATE_JSON)):
-        return final
-    os.makedirs(directory, exist_ok=True)
+    if rundir.checkpoint_complete(final):
+        try:
+            verify(final)
+            return final
+        except CheckpointDamaged:
+            pass
     _sync(model)
     arrays, variables = {}, {}
     for group, values in variable_groups(model).items():
@@ -130,19 +160,24 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
     state = {"format": FORMAT, "epoch": epoch, "step": step, "global_step": global_step,
              "steps_per_epoch": steps_per_epoch, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
              **(extra or {}), "variables": variables}
-    tmp = None
     try:
-        tmp = tempfile.mkdtemp(dir=directory, prefix=".tmp-")
-        _write_file(os.path.join(tmp, STATE_ARRAYS), lambda f: np.savez(f, **arrays))
-        _write_file(os.path.join(tmp, STATE_JSON), lambda f: f.write(json.dumps(state).encode()))
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # an incomplete leftover of the same step (no state.json)
+        if os.path.exists(final):  # a save of this step cut short, or a damaged checkpoint
             shutil.rmtree(final)
-        os.rename(tmp, final)
+        os.makedirs(final)
+        files = {}
+        for name, write in ((STATE_ARRAYS, lambda f: np.savez(f, **arrays)),
+                            (STATE_JSON, lambda f: f.write(json.dumps(state).encode()))):
+            _write_file(os.path.join(final, name), write)
+            files[name] = _describe(os.path.join(final, name))
+        manifest = {"format": FORMAT, "global_step": global_step, "files": files}
+        tmp = os.path.join(final, f".{MANIFEST}.tmp")
+        _write_file(tmp, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        os.replace(tmp, os.path.join(final, MANIFEST))  # the commit
+        _fsync_dir(final)
         _fsync_dir(directory)
     except BaseException as e:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not rundir.checkpoint_complete(final):
+            shutil.rmtree(final, ignore_errors=True)
         if isinstance(e, OSError):
             raise MeshfitError(f"cannot write checkpoint {final} ({e.strerror or e}); the previous "
                                "checkpoints are intact: free space or fix the directory, then "
@@ -153,36 +188,80 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
         shutil.rmtree(old, ignore_errors=True)
     for name in os.listdir(directory):  # what earlier saves cut short left behind
         path = os.path.join(directory, name)
-        incomplete = rundir.CHECKPOINT_NAME.match(name) and not os.path.isfile(os.path.join(path, STATE_JSON))
-        if name.startswith(".tmp-") or incomplete:
+        cut_short = rundir.CHECKPOINT_NAME.match(name) and not rundir.checkpoint_complete(path)
+        if name.startswith(".tmp-") or cut_short:
             shutil.rmtree(path, ignore_errors=True)
     return final
 
 
+def _damaged(path: str, why: str) -> CheckpointDamaged:
+    return CheckpointDamaged(f"checkpoint {path} is damaged ({why}); resume from another "
+                             "checkpoint or start a new run")
+
+
+def verify(path: str | os.PathLike) -> None:
+    """A CheckpointDamaged unless every file listed in the checkpoint's manifest has its size and
+    SHA-256 (meshfit 0.1's checkpoints have no manifest: their files are checked when read)."""
+    path = os.fspath(path)
+    manifest_path = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest_path) and rundir.checkpoint_complete(path):
+        return
+    try:
+        with open(manifest_path, "rb") as f:
+            manifest = json.loads(f.read())
+        files = manifest["files"]
+        expected = {name: (int(files[name]["bytes"]), str(files[name]["sha256"]))
+                    for name in (STATE_ARRAYS, STATE_JSON)}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _damaged(path, f"unreadable {MANIFEST}: {type(e).__name__}") from None
+    for name, (size, sha256) in expected.items():
+        file = os.path.join(path, name)
+        try:
+            actual = _describe(file)
+        except OSError as e:
+            raise _damaged(path, f"{name}: {e.strerror or e}") from None
+        if actual["bytes"] != size:
+            raise _damaged(path, f"{name} has {actual['bytes']} bytes, its manifest says {size}")
+        if actual["sha256"] != sha256:
+            raise _damaged(path, f"{name} does not match the SHA-256 in its manifest")
+
+
 def read_state(path: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint's state.json as a dict."""
+    """A checkpoint's state.json as a dict, with its fields checked."""
     path = os.fspath(path)
     try:
-        with open(os.path.join(path, STATE_JSON)) as f:
-            state = json.load(f)
+        with open(os.path.join(path, STATE_JSON), "rb") as f:
+            state = json.loads(f.read())
     except (OSError, ValueError) as e:
-        raise MeshfitError(f"cannot read checkpoint {path} ({e}); resume from another checkpoint "
-                           "or start a new run") from e
-    if state.get("format") != FORMAT:
+        raise _damaged(path, f"cannot read {STATE_JSON}: {str(e).splitlines()[0]}") from None
+    if not isinstance(state, dict):
+        raise _damaged(path, f"{STATE_JSON} is not a JSON object")
+    if state.get("format") not in READABLE_FORMATS:
         raise MeshfitError(f"checkpoint {path} has format {state.get('format')}, this meshfit reads "
-                           f"format {FORMAT}; resume it with the meshfit version that wrote it")
+                           f"formats {READABLE_FORMATS}; resume it with the meshfit version that "
+                           "wrote it")
+    missing = [k for k in STATE_FIELDS if k not in state]
+    if missing:
+        raise _damaged(path, f"{STATE_JSON} lacks {', '.join(missing)}")
+    counts = [state[k] for k in STATE_FIELDS[:4]]
+    variables = state["variables"]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts) or \
+            not isinstance(variables, dict) or \
+            not all(isinstance(variables.get(g), list) for g in GROUPS):
+        raise _damaged(path, f"{STATE_JSON} has fields of the wrong type")
     return state
 
 
 def read_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """A checkpoint's arrays, keyed 'model/00000', 'optimizer/00000', 'metrics/00000'..."""
     path = os.fspath(path)
+    name = STATE_ARRAYS if os.path.exists(os.path.join(path, STATE_ARRAYS)) else LEGACY_ARRAYS
     try:
-        with np.load(os.path.join(path, STATE_ARRAYS), allow_pickle=False) as z:
+        with np.load(os.path.join(path, name), allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except Exception as e:  # zipfile, numpy and OS errors of many kinds
-        raise MeshfitError(f"cannot read checkpoint {path} ({e}); resume from another checkpoint "
-                           "or start a new run") from e
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _damaged(path, f"cannot read {name}: {why}") from None
 
 
 def _check_fits(path: str, group: str, saved: list, variables: list) -> None:
@@ -198,6 +277,22 @@ def _check_fits(path: str, group: str, saved: list, variables: list) -> None:
                                f"here; {hint}")
 
 
+def _check_arrays(path: str, state: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """A CheckpointDamaged unless the arrays are the ones state.json lists, of its shapes."""
+    for group in GROUPS:
+        for i, entry in enumerate(state["variables"][group]):
+            key = f"{group}/{i:05d}"
+            if key not in arrays:
+                raise _damaged(path, f"array {key} is missing")
+            try:
+                shape = tuple(int(d) for d in entry[1])
+            except (TypeError, ValueError, IndexError):
+                raise _damaged(path, f"{STATE_JSON} lists {group} variable {i} wrongly") from None
+            if arrays[key].shape != shape:
+                raise _damaged(path, f"array {key} has shape {arrays[key].shape}, {STATE_JSON} "
+                                     f"says {shape}")
+
+
 def _assign(values: list, arrays: dict[str, np.ndarray], group: str) -> None:
     for i, v in enumerate(values):
         v.assign(arrays[f"{group}/{i:05d}"])
@@ -206,12 +301,16 @@ def _assign(values: list, arrays: dict[str, np.ndarray], group: str) -> None:
 def restore(model, path: str | os.PathLike) -> dict[str, Any]:
     """Load a checkpoint's model and optimizer variables into a compiled `model`.
 
+    Every file is checked (manifest, fields, arrays) before any variable changes: a damaged
+    checkpoint raises CheckpointDamaged and leaves the model as it was.
     Returns the checkpoint's state (state.json) with the metrics' arrays under "metrics_values":
     metrics variables exist only once fit has started, so `Checkpointer(resume_state=...)` puts
     them back at the start of the resumed epoch.
     """
     path = os.fspath(path)
+    verify(path)
     state, arrays = read_state(path), read_arrays(path)
+    _check_arrays(path, state, arrays)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not optimizer.built:
         optimizer.build(model.trainable_variables)

@@ -265,6 +265,8 @@ def run_predict(args: argparse.Namespace) -> int:
             return 0
     if not args.images:
         raise MeshfitError("no images given; usage: meshfit predict MODEL IMAGE...")
+    inference.check_model(args.model)  # a wrong model, then a bad image, fail before any export
+    inference.check_images(args.images)
     predictor = inference.load_predictor(args.model, backend=args.backend, threads=args.threads)
     images = inference.load_images(args.images, predictor.input_shape)
     classes = len(predictor.class_names)
@@ -469,9 +471,16 @@ def run_runs(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------------- main
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported as one line (exit code 2) like every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"meshfit: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _parser(command: str | None) -> argparse.ArgumentParser:
     """The parser; only the chosen command's arguments are added (each may import its module)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="meshfit",
         description="Train any Keras model on every core of a TPU, GPU or CPU; infer on the CPU.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

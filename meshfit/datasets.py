@@ -34,6 +34,7 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Iterator
@@ -41,7 +42,7 @@ from typing import Iterator
 import numpy as np
 from PIL import Image
 
-from meshfit import env
+from meshfit import env, progress
 from meshfit.errors import MeshfitError
 
 try:
@@ -88,6 +89,7 @@ PUBLISHED = {
 }
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
+MAX_IDX_BYTES = 1 << 30  # an IDX file larger than this (20x MNIST's 47 MB) is refused, unpacked or not
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,7 +148,7 @@ def load(name: str, data_dir: str | os.PathLike | None = None, download: bool = 
     for _, root in roots:
         found = _find(key, root)
         if found:
-            return _read(key, found, verify)
+            return _not_empty(_read(key, found, verify), found)
     offline = env.is_set(env.OFFLINE)
     places = "; ".join(f"{label} ({root})" for label, root in roots)
     folder = FOLDERS[key] + ("/" + CIFAR_DIR if key == "cifar10" else "")
@@ -160,7 +162,7 @@ def load(name: str, data_dir: str | os.PathLike | None = None, download: bool = 
     except (OSError, http.client.HTTPException) as e:
         raise MeshfitError(f"{key} not found in: {places}; downloading it from {URLS[key]} "
                            f"failed ({e}); {hint}") from e
-    return _read(key, found, verify)
+    return _not_empty(_read(key, found, verify), found)
 
 
 def mnist(data_dir: str | os.PathLike | None = None, download: bool = True) -> Dataset:
@@ -295,6 +297,14 @@ def _corrupt(path: str, what: str) -> MeshfitError:
                         "downloaded again (or copy a good one there)")
 
 
+def _not_empty(dataset: Dataset, found: str) -> Dataset:
+    """`dataset`, unless its training or test split has no images."""
+    for x, split in ((dataset.x_train, "training"), (dataset.x_test, "test")):
+        if not len(x):
+            raise MeshfitError(f"{found} has no {split} images; put the full dataset there")
+    return dataset
+
+
 def _read(key: str, found: str, verify: bool) -> Dataset:
     if found.endswith(".npz"):
         return _read_npz(found)
@@ -318,29 +328,50 @@ def _read_idx(path: str, ndim: int, key: str, verify: bool) -> np.ndarray:
     """Read a gzipped IDX file of uint8 values with ndim dimensions, checking its structure."""
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_IDX_BYTES + 1)
     except OSError as e:
         raise MeshfitError(f"cannot read {path} ({e.strerror}); make it readable or use "
                            "--data-dir with a copy you can read") from None
+    if len(raw) > MAX_IDX_BYTES:
+        raise _corrupt(path, f"larger than {MAX_IDX_BYTES >> 20} MB")
     md5, size = PUBLISHED[(key, os.path.basename(path))]
     if verify and len(raw) == size and hashlib.md5(raw).hexdigest() != md5:
         raise _corrupt(path, f"MD5 {hashlib.md5(raw).hexdigest()} is not the published {md5}")
-    try:
-        data = gzip.decompress(raw)
-    except (OSError, EOFError, zlib.error) as e:
-        raise _corrupt(path, f"not a complete gzip file ({e})") from e
-    if len(data) < 4 or data[:4] != bytes([0, 0, 0x08, ndim]):
-        raise _corrupt(path, f"wrong magic number {data[:4].hex()} "
-                             f"(expected {bytes([0, 0, 0x08, ndim]).hex()})")
+    data = _gunzip_idx(path, raw, ndim)
     offset = 4 + 4 * ndim
-    if len(data) < offset:
-        raise _corrupt(path, "header is cut short")
     dims = struct.unpack(f">{ndim}I", data[4:offset])
-    if len(data) - offset != math.prod(dims):  # Python ints: a crafted header cannot overflow
-        raise _corrupt(path, f"{len(data) - offset} data bytes for dimensions {dims}")
     if ndim == 3 and dims[1:] != (28, 28):
         raise _corrupt(path, f"images are {dims[1]}x{dims[2]}, not 28x28")
     return np.frombuffer(data, np.uint8, offset=offset).reshape(dims).copy()
+
+
+def _gunzip_idx(path: str, raw: bytes, ndim: int) -> bytes:
+    """The IDX bytes of a gzip file, unpacked no further than its header's dimensions say (so a
+    small file that unpacks to gigabytes is refused early); the magic number and size checked."""
+    unpack = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    offset = 4 + 4 * ndim
+    try:
+        header = unpack.decompress(raw, offset)
+        magic = bytes([0, 0, 0x08, ndim])
+        if header[:4] != magic:
+            raise _corrupt(path, f"wrong magic number {header[:4].hex()} (expected {magic.hex()})")
+        if len(header) < offset:
+            raise _corrupt(path, "header is cut short")
+        size = math.prod(struct.unpack(f">{ndim}I", header[4:offset]))  # Python ints: no overflow
+        if size > MAX_IDX_BYTES:
+            raise _corrupt(path, f"its header claims {size:,} bytes of data, more than "
+                                 f"{MAX_IDX_BYTES >> 20} MB")
+        body = unpack.decompress(unpack.unconsumed_tail, size + 1)
+        body += unpack.decompress(unpack.unconsumed_tail, 1) if len(body) <= size else b""
+    except zlib.error as e:
+        raise _corrupt(path, f"not a complete gzip file ({e})") from None
+    dims = struct.unpack(f">{ndim}I", header[4:offset])
+    if len(body) != size:
+        got = "more than" if len(body) > size else f"{len(body)}, not"
+        raise _corrupt(path, f"{got} {size} data bytes for dimensions {dims}")
+    if not unpack.eof or unpack.unused_data.strip(b"\0"):
+        raise _corrupt(path, "not a complete gzip file (its end is missing or followed by data)")
+    return header + body
 
 
 def _read_npz(path: str) -> Dataset:
@@ -393,8 +424,8 @@ def _read_cifar_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
         raise _corrupt(path, f"b'data' is {what}, expected uint8 (N, 3072)")
     try:
         y = np.asarray(labels, dtype=np.int64)
-    except (TypeError, ValueError) as e:
-        raise _corrupt(path, "b'labels' is not a list of integers") from e
+    except (TypeError, ValueError, OverflowError) as e:
+        raise _corrupt(path, "b'labels' is not a list of integers of 64 bits") from e
     if y.shape != (len(data),):
         raise _corrupt(path, f"{len(data)} images but b'labels' has shape {y.shape}")
     return data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), y
@@ -426,14 +457,29 @@ def _read_cifar(folder: str) -> Dataset:
                    np.ascontiguousarray(x_test), y_test.astype(np.int32), class_names, "cifar10")
 
 
+def image_pixels(path: str, mode: str, size_wh: tuple[int, int]) -> np.ndarray:
+    """An image file as uint8 pixels of Pillow `mode` ("RGB" or "L") and size (width, height),
+    resized bilinear; transparent parts are laid over white, as viewers show them. Raises
+    Pillow's errors (also for images of more pixels than Image.MAX_IMAGE_PIXELS)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with Image.open(path) as im:
+            if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+                rgba = im.convert("RGBA")
+                im = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+                im.alpha_composite(rgba)
+            im = im.convert(mode)
+            if im.size != tuple(size_wh):
+                im = im.resize(size_wh, Image.Resampling.BILINEAR)
+            return np.asarray(im, dtype=np.uint8)
+
+
 def _read_image(path: str, size_wh: tuple[int, int], channels: int) -> np.ndarray:
     try:
-        with Image.open(path) as im:
-            im = im.convert("RGB" if channels == 3 else "L")
-            im = im.resize(size_wh, Image.Resampling.BILINEAR)
+        a = image_pixels(path, "RGB" if channels == 3 else "L", size_wh)
     except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, ValueError...)
-        raise MeshfitError(f"cannot read image {path} ({e}); fix or remove it") from e
-    a = np.asarray(im, dtype=np.uint8)
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise MeshfitError(f"cannot read image {path} ({why}); fix or remove it") from e
     return a[..., None] if channels == 1 else a
 
 
@@ -469,23 +515,22 @@ def _download(url: str, dest: str, md5: str, max_bytes: int = MAX_DOWNLOAD_BYTES
             total = int(r.headers.get("Content-Length") or 0)
             if total > max_bytes:
                 raise OSError(f"it is {total} bytes, more than the {max_bytes} expected")
-            while chunk := r.read(1 << 20):
-                done += len(chunk)
-                if done > max_bytes:
-                    raise OSError(f"it sent more than the {max_bytes} bytes expected")
-                f.write(chunk)
-                h.update(chunk)
-                pct = f"{100 * done // total}% of {total / 1e6:.1f} MB" if total else \
-                    f"{done / 1e6:.1f} MB"
-                print(f"\rdownloading {url}: {pct}", end="", file=sys.stderr, flush=True)
+            print(f"downloading {url}" + (f" ({total / 1e6:.1f} MB)" if total else ""),
+                  file=sys.stderr, flush=True)
+            with progress.task("downloading", total=total or None, data_bytes=True) as advance:
+                while chunk := r.read(1 << 20):
+                    done += len(chunk)
+                    if done > max_bytes:
+                        raise OSError(f"it sent more than the {max_bytes} bytes expected")
+                    f.write(chunk)
+                    h.update(chunk)
+                    advance(len(chunk))
             f.flush()
             os.fsync(f.fileno())
         if h.hexdigest() != md5:
             raise OSError(f"downloaded file has MD5 {h.hexdigest()}, expected {md5}")
         os.replace(tmp, dest)
     finally:
-        if done:
-            print(file=sys.stderr)
         if os.path.exists(tmp):
             os.remove(tmp)
 

@@ -37,14 +37,18 @@ class DeviceInfo:
         return self.devices_per_host * self.hosts
 
 
+MAX_SIMULATED = 1024  # JAX takes minutes to start with a million CPU devices
+
+
 def simulate_devices(count: int) -> None:
     """Make JAX show `count` CPU devices standing in for accelerator cores.
 
     Must run before JAX starts; afterwards it only succeeds if JAX already has exactly
     `count` CPU devices.
     """
-    if count < 1:
-        raise MeshfitError(f"--simulate-devices must be at least 1, got {count}")
+    if not 1 <= count <= MAX_SIMULATED:
+        raise MeshfitError(f"--simulate-devices must be at least 1 and at most {MAX_SIMULATED}, "
+                           f"got {count}")
     if cluster.jax_started():
         import jax
 

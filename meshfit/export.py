@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import warnings
+import zipfile
 from typing import Iterator
 
 import numpy as np
@@ -33,6 +34,11 @@ ONNX_TOLERANCE = 1e-5  # max |probability difference| allowed between ONNX Runti
 _LOW_PRECISION = {"mixed_bfloat16", "mixed_float16", "bfloat16", "float16"}
 METADATA_KEY = "meshfit"  # ONNX metadata entry: JSON with class_names, input_shape, source_sha256
 _ONNX_PACKAGES = ("tensorflow", "tf2onnx", "onnx", "onnxruntime")
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+class ModelUnreadable(MeshfitError):
+    """A .keras file that is not a Keras 3 model meshfit can load (safely)."""
 
 
 # ----------------------------------------------------------------------------------- Keras side
@@ -76,16 +82,35 @@ def _default_device_is_cpu(keras) -> bool:
     return False
 
 
+def check_keras_file(path: str) -> None:
+    """A ModelUnreadable unless `path` is a readable zip archive, as every .keras file is
+    (Keras' own message for other files is 'File not found')."""
+    hint = "pass a .keras file written by Keras 3"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_HDF5_SIGNATURE))
+        archive = zipfile.is_zipfile(path)
+    except OSError as e:
+        raise ModelUnreadable(f"cannot read Keras model {path} ({e.strerror or e}); {hint}") from None
+    if head == _HDF5_SIGNATURE:
+        raise ModelUnreadable(f"{path} is an HDF5 file (Keras 2's .h5 format), not a .keras "
+                              "archive; save it as .keras with Keras 3 first")
+    if not archive:
+        raise ModelUnreadable(f"{path} is not a .keras model (a zip archive); {hint}")
+
+
 def load_keras_model(path: str):
-    """A .keras model loaded on the CPU, without its optimizer."""
+    """A .keras model loaded on the CPU, without its optimizer (in Keras' safe mode: no Python
+    code from the file, such as Lambda layers, is run)."""
+    check_keras_file(path)
     keras = import_keras()
     try:
         with on_cpu(keras):
-            return keras.saving.load_model(path, compile=False)
+            return keras.saving.load_model(path, compile=False, safe_mode=True)
     except Exception as e:  # Keras raises many kinds for bad files (ValueError, OSError, ...)
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise MeshfitError(f"cannot load Keras model {path} ({why}); "
-                           "pass a .keras file written by Keras 3") from e
+        raise ModelUnreadable(f"cannot load Keras model {path} ({why}); "
+                              "pass a .keras file written by Keras 3") from e
 
 
 def float32_model(model):
@@ -151,6 +176,9 @@ def export_onnx(source: str | os.PathLike, out: str | None = None) -> str:
     backend here.
     """
     files = _keras_source(source)
+    if out is None and os.path.exists(files.onnx_path) and not written_by_meshfit(files.onnx_path):
+        raise MeshfitError(f"{files.onnx_path} exists and was not written by meshfit; it is left "
+                           "alone: choose where to write with --out X.onnx")
     out = out or files.onnx_path
     if not out.endswith(".onnx"):
         raise MeshfitError(f"--out {out} must end in .onnx for --format onnx")
@@ -158,11 +186,28 @@ def export_onnx(source: str | os.PathLike, out: str | None = None) -> str:
     missing = [m for m in _ONNX_PACKAGES if not installed(m)]
     if missing:
         raise MeshfitError(f"ONNX export needs {', '.join(missing)}: pip install 'meshfit[onnx]'")
-    if loaded_backend() in (None, "tensorflow"):
-        _export_onnx_here(files, out)
-    else:
-        _export_onnx_in_child(files, out)
+    from meshfit import progress
+
+    with progress.task(f"exporting {files.keras_path} to ONNX"):  # one long step: time so far
+        if loaded_backend() in (None, "tensorflow"):
+            _export_onnx_here(files, out)
+        else:
+            _export_onnx_in_child(files, out)
     return out
+
+
+def written_by_meshfit(onnx_path: str) -> bool:
+    """Whether `onnx_path` is an ONNX file carrying meshfit's export metadata (so meshfit may
+    replace it); False for anyone else's file and for files that are not ONNX."""
+    if not installed("onnx"):
+        return False
+    import onnx
+
+    try:
+        proto = onnx.load(onnx_path, load_external_data=False)
+    except Exception:  # protobuf and OS errors of many kinds
+        return False
+    return any(p.key == METADATA_KEY for p in proto.metadata_props)
 
 
 def _keras_source(source: str | os.PathLike) -> rundir.ModelFiles:
@@ -170,6 +215,7 @@ def _keras_source(source: str | os.PathLike) -> rundir.ModelFiles:
     if files.keras_path is None:
         raise MeshfitError(f"{files.source} has no .keras model to export; pass a run directory "
                            "or a .keras file")
+    check_keras_file(files.keras_path)  # before Keras and TensorFlow are imported
     return files
 
 

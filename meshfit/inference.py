@@ -8,7 +8,8 @@ which outputs softmax probabilities.
 Fast path: ONNX Runtime on an ONNX copy of the model, cached beside it (run/model.onnx, or X.onnx
 beside a bare X.keras) and exported on first use. It imports no keras, jax or tensorflow, so a
 cold `meshfit predict` answers in well under a second. The copy records the SHA-256 of the .keras
-file it came from and is exported again when that file changes. Without onnxruntime, or when the
+file it came from and is exported again when that file changes; an .onnx file there that meshfit
+did not write is never replaced (the model then runs on Keras). Without onnxruntime, or when the
 copy cannot be written, the model runs on Keras (same probabilities, slower start).
 """
 
@@ -16,14 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from PIL import Image
 
 from meshfit import export as export_lib
 from meshfit import rundir
@@ -39,8 +38,11 @@ _IMAGE_MODES = {1: "L", 3: "RGB"}
 # ----------------------------------------------------------------------------------- images
 
 def load_image(path: str, input_shape: Sequence[int]) -> np.ndarray:
-    """One image file as the model's input: uint8 (H, W, C), converted to RGB or grey and resized
-    (bilinear) to the model's height and width, as the training datasets were prepared."""
+    """One image file as the model's input: uint8 (H, W, C), converted to RGB or grey (transparent
+    parts over white) and resized (bilinear) to the model's height and width, as the training
+    datasets were prepared."""
+    from meshfit.datasets import image_pixels
+
     height, width, channels = (int(d) for d in input_shape)
     mode = _IMAGE_MODES.get(channels)
     if mode is None:
@@ -49,16 +51,27 @@ def load_image(path: str, input_shape: Sequence[int]) -> np.ndarray:
     if not os.path.isfile(path):
         raise MeshfitError(f"image {path} not found or not a file; pass PNG or JPEG files")
     try:
-        with Image.open(path) as im:
-            im = im.convert(mode)
-            if im.size != (width, height):
-                im = im.resize((width, height), Image.Resampling.BILINEAR)
-            pixels = np.asarray(im, dtype=np.uint8)
+        pixels = image_pixels(path, mode, (width, height))
     except Exception as e:  # Pillow raises many kinds (UnidentifiedImageError, OSError, ...)
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise MeshfitError(f"cannot read image {path} as {mode} ({why}); "
                            "pass a PNG or JPEG file") from e
     return pixels[..., None] if channels == 1 else pixels
+
+
+def check_model(path: str | os.PathLike) -> None:
+    """A one-line MeshfitError unless `path` names a model (run directory, .keras or .onnx) whose
+    .keras file, if any, is a zip archive; quick: nothing is loaded."""
+    files = rundir.locate_model(path)
+    if files.keras_path:
+        export_lib.check_keras_file(files.keras_path)
+
+
+def check_images(paths: Sequence[str]) -> None:
+    """A one-line MeshfitError for the first path that is not an image file Pillow can decode
+    (checked before any model is loaded or exported)."""
+    for path in paths:
+        load_image(path, (1, 1, 1))
 
 
 def load_images(paths: Sequence[str], input_shape: Sequence[int]) -> np.ndarray:
@@ -107,19 +120,18 @@ def load_predictor(path: str | os.PathLike, backend: str = "auto", export: bool 
     if backend not in BACKENDS:
         raise MeshfitError(f"unknown backend {backend!r}; use one of: {', '.join(BACKENDS)}")
     files = rundir.locate_model(path)
+    if files.keras_path:
+        export_lib.check_keras_file(files.keras_path)
     if backend == "keras" or (backend == "auto" and not installed("onnxruntime")):
-        if backend == "auto":
-            warnings.warn("onnxruntime is not installed, predicting with Keras (slow start); "
-                          "pip install onnxruntime", stacklevel=2)
-        return _keras_predictor(files)
+        return _keras_predictor(files)  # the result's "backend" says which ran
     session = _current_session(files, threads)
     if session is None and export and files.keras_path:
         why = _cannot_export(files)
-        if why is None:
-            print(f"meshfit: exporting {files.keras_path} to {files.onnx_path} for fast CPU "
-                  "inference (once)", file=sys.stderr, flush=True)
+        if why is None:  # once; a terminal shows a bar while it runs
             try:
                 export_lib.export_onnx(files.source, files.onnx_path)
+            except export_lib.ModelUnreadable:
+                raise  # Keras cannot load it either
             except MeshfitError as e:
                 if backend == "onnx":
                     raise
@@ -144,6 +156,9 @@ def _cannot_export(files: ModelFiles) -> str | None:
     missing = [m for m in ("tensorflow", "tf2onnx", "onnx") if not installed(m)]
     if missing:
         return f"{', '.join(missing)} not installed (pip install 'meshfit[onnx]')"
+    if os.path.exists(files.onnx_path) and not export_lib.written_by_meshfit(files.onnx_path):
+        return (f"{files.onnx_path} exists and was not written by meshfit, so it is left alone "
+                "(export elsewhere with `meshfit export MODEL --out X.onnx` and predict with X.onnx)")
     folder = os.path.dirname(os.path.abspath(files.onnx_path))
     if not os.access(folder, os.W_OK):
         return (f"{folder} is not writable (export elsewhere with `meshfit export MODEL --out "
@@ -170,7 +185,7 @@ def _current_session(files: ModelFiles, threads: int | None = None):
         session = ort.InferenceSession(files.onnx_path, options, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types for bad files
         if files.keras_path:
-            return None  # unreadable cached copy: export it again
+            return None  # not a usable copy: exported again if meshfit wrote it (_cannot_export)
         why = str(e).splitlines()[0]
         raise MeshfitError(f"cannot load ONNX model {files.onnx_path} ({why}); "
                            "export it again with `meshfit export`") from e

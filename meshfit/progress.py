@@ -1,7 +1,8 @@
 """Live progress bars on terminals (rich), and nothing at all elsewhere (logs, pipes, CI).
 
   bars(stream)      whether `stream` (default stdout) is a terminal that can draw them;
-  track(...)        wraps any long loop (evaluation batches, export, downloads) in a bar;
+  track(...)        wraps any long loop in a bar;
+  task(...)         a bar advanced by hand (evaluation batches, export stages, downloaded bytes);
   ProgressBar(...)  a Keras callback: step/total, loss, samples/s and ETA within each epoch. The bar
                     is transient: removed at epoch end, so the epoch line of EpochReport stays.
 
@@ -10,11 +11,12 @@ This module imports neither Keras nor rich at the top; `ProgressBar` is made on 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
-from typing import Iterable, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -45,6 +47,35 @@ def track(iterable: Iterable[T], total: int | None = None, description: str = "w
         return iterable
     return rich_track(iterable, description=description, total=total, console=console,
                       transient=True, refresh_per_second=4)
+
+
+@contextlib.contextmanager
+def task(description: str, total: float | None = None, data_bytes: bool = False,
+         console=None) -> Iterator[Callable[[float], None]]:
+    """Inside the block, `advance(n)` moves a transient bar on by n of `total` (None: unknown);
+    with data_bytes the units are bytes (sizes and speed shown). Drawn only on a terminal
+    (console, or stdout when bars() says so); elsewhere advance does nothing."""
+    if (console is None and not bars()) or (console is not None and not _can_draw(console)):
+        yield lambda n=1: None
+        return
+    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress,
+                               TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    counts = (DownloadColumn(), TransferSpeedColumn()) if data_bytes else (MofNCompleteColumn(),)
+    columns = (BarColumn(), *counts, TimeRemainingColumn()) if total else (BarColumn(), TimeElapsedColumn())
+    progress = Progress(TextColumn(description), *columns, console=console, transient=True,
+                        refresh_per_second=4)
+    bar = progress.add_task(description, total=total)
+    with progress:
+        yield lambda n=1: progress.advance(bar, n)
+
+
+def counted(items: Iterable[T], advance: Callable[[float], None]) -> Iterator[T]:
+    """`items`, calling advance(1) as each is taken."""
+    for item in items:
+        advance(1)
+        yield item
 
 
 def _floats(logs) -> dict[str, float]:

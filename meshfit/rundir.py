@@ -4,7 +4,7 @@ A run directory (default runs/<recipe>-<YYYYmmdd-HHMMSS>/) holds
   config.json   the run specification (meshfit.spec), written first so a killed run can resume
   recipe.py     the recipe file trained (recipe files and --data runs only; its SHA-256 is in
                 config.json), so resume, eval and export work after the original moves
-  checkpoints/  the full training state, see meshfit.checkpoints
+  checkpoints/  the full training state, one folder per checkpoint, see meshfit.checkpoints
   model.keras   the trained model (raw 0-255 pixels in, class probabilities out)
   model.onnx    its ONNX copy for fast CPU inference (written by predict or export)
   history.json  per-epoch train and test loss/accuracy, time, samples/s, MFU
@@ -34,7 +34,9 @@ MODEL, ONNX, CURVES = "model.keras", "model.onnx", "curves.png"
 CHECKPOINTS, TENSORBOARD, LOCK = "checkpoints", "tensorboard", ".lock"
 RECIPE = "recipe.py"
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8,})$")  # checkpoints/ckpt-<global step>
-CHECKPOINT_STATE = "state.json"  # written last: a checkpoint folder holding it is complete
+CHECKPOINT_STATE = "state.json"  # where training stands (see meshfit.checkpoints)
+CHECKPOINT_ARRAYS = "arrays.npz"  # the variables (meshfit 0.1 called them state.npz)
+CHECKPOINT_MANIFEST = "manifest.json"  # written last, atomically: its checkpoint is complete
 HINT = "pass a run directory written by meshfit train"
 
 
@@ -129,8 +131,12 @@ def atomic_path(out: str, suffix: str = "") -> Iterator[str]:
     os.umask(umask)
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
-        os.replace(tmp, out)
+        try:
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
+            os.replace(tmp, out)
+        except OSError as e:
+            raise MeshfitError(f"cannot write {out} ({e.strerror or e}); choose a writable "
+                               "directory") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -222,8 +228,17 @@ def locate_run(run_or_model: str | os.PathLike) -> tuple[str, str]:
     return run, model_path
 
 
+def checkpoint_complete(path: str) -> bool:
+    """Whether the checkpoint folder `path` was committed: it holds a manifest, or it was written
+    by meshfit 0.1 (state.json and no arrays.npz), which committed a folder by renaming it."""
+    if os.path.isfile(os.path.join(path, CHECKPOINT_MANIFEST)):
+        return True
+    return os.path.isfile(os.path.join(path, CHECKPOINT_STATE)) and \
+        not os.path.exists(os.path.join(path, CHECKPOINT_ARRAYS))
+
+
 def list_checkpoints(directory: str | os.PathLike) -> list[str]:
-    """Complete checkpoints in `directory`, oldest first (temporary folders are ignored)."""
+    """Committed checkpoints in `directory`, oldest first (folders cut short are left out)."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return []
@@ -231,6 +246,22 @@ def list_checkpoints(directory: str | os.PathLike) -> list[str]:
     for name in os.listdir(directory):
         match = CHECKPOINT_NAME.match(name)
         path = os.path.join(directory, name)
-        if match and os.path.isfile(os.path.join(path, CHECKPOINT_STATE)):
+        if match and checkpoint_complete(path):
             found.append((int(match.group(1)), path))
     return [path for _, path in sorted(found)]
+
+
+def resume_target(path: str) -> tuple[str, str | None]:
+    """(run directory, checkpoint folder or None) for `--resume PATH`: a run directory, or one of
+    its checkpoints (RUN/checkpoints/ckpt-00000012, also written ckpt-12)."""
+    path = os.path.normpath(os.fspath(path))
+    parent, name = os.path.split(path)
+    match = re.fullmatch(r"ckpt-(\d+)", name)
+    if not match or os.path.basename(parent) != CHECKPOINTS:
+        return path, None
+    full = os.path.join(parent, f"ckpt-{int(match.group(1)):08d}")
+    if not checkpoint_complete(full):
+        have = ", ".join(os.path.basename(p) for p in list_checkpoints(parent)) or "none"
+        raise MeshfitError(f"{path} is not a complete checkpoint (complete ones: {have}); name one "
+                           "of those, or the run directory to resume from its newest")
+    return os.path.dirname(parent) or ".", full

@@ -19,6 +19,7 @@ import io
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,18 +225,41 @@ def write_recipe(run: str, recipe: recipes.Recipe) -> None:
             f.write(recipe.text)
 
 
-def restore(model, run: str, steps: int, labels: np.ndarray) -> dict[str, Any]:
-    """Load the run's newest checkpoint into the model; return its state (see checkpoints.restore)."""
+def restore(model, run: str, steps: int, labels: np.ndarray,
+            checkpoint: str | None = None) -> dict[str, Any]:
+    """Load a checkpoint into the model; return its state (see checkpoints.restore).
+
+    checkpoint: the one to load (as named on --resume); default the newest intact one: a damaged
+    newer one is skipped with a warning (the run then repeats the steps it had saved). A run
+    stopped before its first checkpoint starts from the beginning (its weights are those of a
+    new run with its seed), recorded as resumed from checkpoint "none".
+    """
     directory = os.path.join(run, rundir.CHECKPOINTS)
-    newest = checkpoints.latest(directory)
-    if newest is None:
-        raise MeshfitError(f"{directory} has no checkpoint to resume from; start a new run")
-    state = checkpoints.restore(model, newest)
+    candidates = [checkpoint] if checkpoint else checkpoints.list_checkpoints(directory)[::-1]
+    if not candidates:  # stopped before its first checkpoint: nothing to load, start again
+        warnings.warn(f"{run} has no checkpoint yet; training it from the start", stacklevel=2)
+        return {"epoch": 0, "step": 0, "history": [], "metrics_values": [],
+                "path": os.path.join(directory, "none")}
+    for i, path in enumerate(candidates):
+        try:
+            state = checkpoints.restore(model, path)
+            if not isinstance(state.get("history"), list):
+                raise checkpoints.CheckpointDamaged(f"checkpoint {path} is damaged (its state.json "
+                                                    "lacks the history)")
+            break
+        except checkpoints.CheckpointDamaged as e:
+            if i + 1 == len(candidates):
+                if checkpoint:
+                    raise
+                raise MeshfitError(f"no intact checkpoint in {directory} (the oldest: {e}); "
+                                   "start a new run") from None
+            warnings.warn(f"{e}; resuming from {os.path.basename(candidates[i + 1])} instead",
+                          stacklevel=2)
     if state["steps_per_epoch"] != steps:
-        raise MeshfitError(f"{newest} was taken at {state['steps_per_epoch']} steps per epoch but "
+        raise MeshfitError(f"{path} was taken at {state['steps_per_epoch']} steps per epoch but "
                            f"this run has {steps}; resume with the same data")
     _build_metrics(model, labels[:1])
-    state["path"] = newest
+    state["path"] = path
     return state
 
 
@@ -475,6 +499,7 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
     command = command or spec.python_command(recipe=recipe, epochs=epochs, batch_size=batch_size,
                                              precision=precision, data_dir=data_dir, out=out,
                                              seed=seed, resume=resume)
+    resume, resume_checkpoint = rundir.resume_target(resume) if resume else (resume, None)
     saved, saved_config = spec.read(resume) if resume is not None else (None, None)
     if saved is not None:
         from_python = isinstance(recipe, recipes.Recipe) and not saved.recipe_file
@@ -535,7 +560,7 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
 
         cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
         with rundir.lock(run) if chief else contextlib.nullcontext():
-            resume_state = (restore(model, run, steps, data.labels(dataset.train))
+            resume_state = (restore(model, run, steps, data.labels(dataset.train), resume_checkpoint)
                             if saved is not None else None)
             history = list(resume_state["history"]) if resume_state else []
             own_callbacks = None
@@ -618,15 +643,28 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices
     strategy = connect(require=require, simulate=simulate_devices, engine=engine, verbose=verbose)
     import keras
 
+    from meshfit import export, progress
+
     dataset = data.load(recipe, data_dir or saved.data_dir, saved.seed, saved.dataset)
     name, split = ("test", dataset.test) if dataset.test is not None else ("validation", dataset.validation)
     if split is None:
         raise MeshfitError(f"{run}'s data has no test set and no validation split to evaluate on")
     batch = math.ceil(saved.global_batch / strategy.replicas) * strategy.replicas
+    export.check_keras_file(model_path)
     with strategy.scope():
-        model = keras.saving.load_model(model_path, compile=False)
-        scores = evaluate_model(model, data.eval_batches(dataset, split, batch), data.labels(split),
-                                recipe.make_loss(), recipe.tta_flip)
+        try:
+            model = keras.saving.load_model(model_path, compile=False, safe_mode=True)
+        except Exception as e:  # Keras raises many kinds for bad files (ValueError, OSError, ...)
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise MeshfitError(f"cannot load Keras model {model_path} ({why}); pass a run "
+                               "directory written by meshfit train") from e
+        batches = data.eval_batches(dataset, split, batch)
+        passes = 2 if recipe.tta_flip else 1
+        with progress.task("evaluating", total=len(batches) * passes) as advance:
+            iterate = batches.iterate  # counted as predict takes each batch, for the bar
+            batches.iterate = lambda *a, **k: progress.counted(iterate(*a, **k), advance)
+            scores = evaluate_model(model, batches, data.labels(split), recipe.make_loss(),
+                                    recipe.tta_flip)
     return {f"{name}_accuracy": scores["accuracy"], f"{name}_loss": scores["loss"], "split": name,
             "samples": data.size(split), "recipe": recipe.name, "model": model_path,
             "engine": strategy.engine, "replicas": strategy.replicas, "platform": strategy.platform}

@@ -124,3 +124,182 @@ def test_resume_of_a_directory_with_a_foreign_config_is_one_line(tmp_path):
         out = run_meshfit("train", "--resume", str(run), env=cli_env(tmp_path), timeout=120)
         one_line_error(out, str(run))
     shutil.rmtree(run)
+
+
+# ------------------------------------------------------------------ checkpoints: commit and damage
+
+def _dense_model(strategy):
+    import keras
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, activation="softmax")])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _kernel(model):
+    import keras
+
+    return keras.ops.convert_to_numpy(model.trainable_variables[0]).copy()
+
+
+def test_a_checkpoint_is_committed_by_its_manifest_never_by_renaming_a_folder(strategy, tmp_path,
+                                                                             monkeypatch):
+    model = _dense_model(strategy)
+    real_replace = os.replace
+
+    def no_folder_renames(src, dst, *args, **kwargs):
+        if os.path.isdir(src):
+            raise OSError(38, "Function not implemented")  # gcsfuse without --rename-dir-limit
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", no_folder_renames)
+    monkeypatch.setattr(os, "replace", no_folder_renames)
+    path = checkpoints.save(tmp_path, model, epoch=0, step=3, steps_per_epoch=10)
+    assert sorted(os.listdir(path)) == ["arrays.npz", "manifest.json", "state.json"]
+    checkpoints.verify(path)
+    os.remove(os.path.join(path, "manifest.json"))  # a save cut short before its commit
+    assert checkpoints.list_checkpoints(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage", ["truncated arrays", "flipped byte", "no manifest field",
+                                    "state lacks a field"])
+def test_a_damaged_checkpoint_is_refused_before_any_variable_changes(strategy, tmp_path, damage):
+    model = _dense_model(strategy)
+    path = checkpoints.save(tmp_path, model, epoch=0, step=3, steps_per_epoch=10)
+    arrays, state = os.path.join(path, "arrays.npz"), os.path.join(path, "state.json")
+    if damage == "truncated arrays":
+        os.truncate(arrays, 100)
+    elif damage == "flipped byte":
+        data = bytearray(open(arrays, "rb").read())
+        data[len(data) // 2] ^= 1
+        open(arrays, "wb").write(bytes(data))
+    elif damage == "no manifest field":
+        open(os.path.join(path, "manifest.json"), "w").write('{"format": 2}')
+    else:  # with a manifest that matches, as a hand-edited file would not
+        import json
+
+        content = json.load(open(state))
+        del content["steps_per_epoch"]
+        open(state, "w").write(json.dumps(content))
+        manifest = json.load(open(os.path.join(path, "manifest.json")))
+        manifest["files"]["state.json"] = {"bytes": os.path.getsize(state),
+                                           "sha256": rundir.file_sha256(state)}
+        open(os.path.join(path, "manifest.json"), "w").write(json.dumps(manifest))
+    model.trainable_variables[0].assign(np.zeros((3, 2)))
+    with pytest.raises(checkpoints.CheckpointDamaged, match=f"checkpoint {path} is damaged"):
+        checkpoints.restore(model, path)
+    np.testing.assert_array_equal(_kernel(model), np.zeros((3, 2)))
+
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint_with_a_warning(strategy, tmp_path):
+    from meshfit import training
+
+    model = _dense_model(strategy)
+    directory = tmp_path / "checkpoints"
+    first = checkpoints.save(directory, model, epoch=0, step=1, steps_per_epoch=10,
+                             extra={"history": []})
+    kernel = _kernel(model)
+    model.trainable_variables[0].assign(np.ones((3, 2)))
+    newest = checkpoints.save(directory, model, epoch=0, step=2, steps_per_epoch=10,
+                              extra={"history": []})
+    os.truncate(os.path.join(newest, "arrays.npz"), 10)
+    labels = np.zeros(4, np.int32)
+    with pytest.warns(UserWarning, match="ckpt-00000002 is damaged.*resuming from ckpt-00000001"):
+        state = training.restore(model, str(tmp_path), 10, labels)
+    assert state["path"] == first and (state["epoch"], state["step"]) == (0, 1)
+    np.testing.assert_array_equal(_kernel(model), kernel)
+    with pytest.raises(checkpoints.CheckpointDamaged):  # named on --resume: no fallback
+        training.restore(model, str(tmp_path), 10, labels, newest)
+    # the resumed run writes step 2 again over the damaged folder
+    again = checkpoints.save(directory, model, epoch=0, step=2, steps_per_epoch=10)
+    checkpoints.verify(again)
+
+
+def test_resume_can_name_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "run-0.1.0"), run)
+    named = str(run / "checkpoints" / "ckpt-00000006")
+    assert rundir.resume_target(named) == (str(run), named)
+    assert rundir.resume_target(str(run / "checkpoints" / "ckpt-6")) == (str(run), named)
+    assert rundir.resume_target(str(run)) == (str(run), None)
+    with pytest.raises(MeshfitError, match="complete ones: ckpt-00000006, ckpt-00000008"):
+        rundir.resume_target(str(run / "checkpoints" / "ckpt-7"))
+
+
+def test_meshfit_0_1_checkpoints_are_still_complete_and_readable():
+    legacy = os.path.join(os.path.dirname(__file__), "data", "run-0.1.0", "checkpoints")
+    found = rundir.list_checkpoints(legacy)
+    assert [os.path.basename(p) for p in found] == ["ckpt-00000006", "ckpt-00000008"]
+    checkpoints.verify(found[-1])
+    assert checkpoints.read_state(found[-1])["format"] == 1
+    assert "model/00000" in checkpoints.read_arrays(found[-1])
+
+
+# ----------------------------------------------------------------------------- loaders and models
+
+def test_a_cifar_label_too_large_for_64_bits_is_one_line(tmp_path):
+    folder = tmp_path / "cifar10" / datasets.CIFAR_DIR
+    folder.mkdir(parents=True)
+    x = np.zeros((10, 32, 32, 3), np.uint8)
+    for name in datasets.CIFAR_FILES:
+        datasets.write_cifar_batch(folder / name, x, [2 ** 70] * 10 if name == "test_batch" else range(10))
+    with pytest.raises(MeshfitError, match="test_batch.*not a list of integers"):
+        datasets.load("cifar10", str(tmp_path), download=False)
+
+
+def test_an_idx_decompression_bomb_is_refused_early(tmp_path):
+    import zlib
+
+    root = tmp_path / "fashion-mnist"
+    write_idx_dataset(root)
+    pack = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    header = bytes([0, 0, 8, 3]) + (128).to_bytes(4, "big") + (28).to_bytes(4, "big") * 2
+    data = pack.compress(header) + b"".join(pack.compress(bytes(1 << 24)) for _ in range(16))
+    (root / datasets.IDX_FILES[0]).write_bytes(data + pack.flush())  # 256 MB of zeros in 250 KB
+    with pytest.raises(MeshfitError, match="more than 100352 data bytes"):
+        datasets.load("fashion_mnist", str(tmp_path), download=False)
+
+
+def test_an_empty_training_set_is_named_as_such(tmp_path):
+    write_idx_dataset(tmp_path / "fashion-mnist", n_train=0)
+    with pytest.raises(MeshfitError, match="has no training images"):
+        datasets.load("fashion_mnist", str(tmp_path), download=False)
+
+
+def test_a_transparent_background_reads_as_white(tmp_path):
+    from PIL import Image
+
+    from meshfit import inference
+
+    picture = np.zeros((8, 8, 4), np.uint8)  # transparent black...
+    picture[2:6, 2:6] = (255, 0, 0, 255)  # ...around an opaque red square
+    Image.fromarray(picture, "RGBA").save(tmp_path / "a.png")
+    rgb = inference.load_image(str(tmp_path / "a.png"), (8, 8, 3))
+    assert tuple(rgb[0, 0]) == (255, 255, 255) and tuple(rgb[3, 3]) == (255, 0, 0)
+
+
+@pytest.mark.parametrize("content,message", [(os.urandom(2000), "is not a .keras model"),
+                                             (b"\x89HDF\r\n\x1a\n" + bytes(100), "is an HDF5 file")])
+def test_a_keras_file_that_is_not_one_says_so(tmp_path, content, message):
+    path = tmp_path / "model.keras"
+    path.write_bytes(content)
+    out = run_meshfit("export", str(path), env=cli_env(tmp_path), timeout=120)
+    one_line_error(out, message)
+
+
+def test_export_leaves_a_users_own_onnx_beside_the_keras_file(tmp_path):
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "net.keras", "w") as z:
+        z.writestr("config.json", "{}")
+    (tmp_path / "net.onnx").write_bytes(b"the user's own model")
+    out = run_meshfit("export", str(tmp_path / "net.keras"), env=cli_env(tmp_path), timeout=120)
+    one_line_error(out, "was not written by meshfit", "--out")
+    assert (tmp_path / "net.onnx").read_bytes() == b"the user's own model"
+
+
+def test_a_bad_argument_is_one_line(tmp_path):
+    out = run_meshfit("train", "--epochs", "many", env=cli_env(tmp_path), timeout=120)
+    one_line_error(out, "argument --epochs: invalid int value: 'many'")

@@ -26,7 +26,7 @@ def newest_state(run):
 
 def final_arrays(run):
     """The arrays of a finished run's last checkpoint (model, optimizer and metrics variables)."""
-    path = os.path.join(run, "checkpoints", f"ckpt-{2 * STEPS:08d}", "state.npz")
+    path = os.path.join(run, "checkpoints", f"ckpt-{2 * STEPS:08d}", "arrays.npz")
     with np.load(path) as z:
         return {k: z[k] for k in z.files}
 
@@ -201,7 +201,7 @@ def test_interrupted_write_leaves_the_previous_checkpoint(strategy, tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         checkpoints.save(directory, model, epoch=0, step=2, steps_per_epoch=10)
     monkeypatch.undo()
-    # A crash that left debris behind: a temporary folder and a folder without state.json.
+    # A crash that left debris behind: a temporary folder and a folder without a manifest.
     (directory / ".tmp-leftover").mkdir()
     (directory / "ckpt-00000003").mkdir()
     assert checkpoints.latest(directory) == first
@@ -252,6 +252,25 @@ def test_resume_of_a_folder_without_a_run_is_a_clear_error(tmp_path):
 
     with pytest.raises(MeshfitError, match="has no config.json"):
         train(resume=str(tmp_path))
+
+
+@pytest.mark.slow  # with finished_run
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_to_identical_weights(finished_run,
+                                                                                  tmp_path):
+    import shutil
+
+    from meshfit.training import train
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(finished_run, copy)
+    newest = os.path.join(copy, "checkpoints", f"ckpt-{2 * STEPS:08d}")
+    os.truncate(os.path.join(newest, "arrays.npz"), 1000)  # a kill mid-copy, a bad disk
+    with pytest.warns(UserWarning, match=f"ckpt-{2 * STEPS:08d} is damaged.*resuming from "
+                                         f"ckpt-{STEPS:08d}"):
+        train(resume=copy, verbose=False)
+    assert_identical(finished_run, copy)  # epoch 2 trained again, its checkpoint written again
+    config = json.loads(open(os.path.join(copy, "config.json")).read())
+    assert config["resumed"][-1]["checkpoint"] == f"ckpt-{STEPS:08d}"
 
 
 @pytest.mark.slow  # with finished_run

@@ -24,7 +24,9 @@ def legacy(tmp_path):
 
 
 def arrays_of(checkpoint):
-    with np.load(os.path.join(checkpoint, "state.npz")) as z:
+    """A checkpoint's arrays: arrays.npz since the manifest format, state.npz in meshfit 0.1's."""
+    name = "arrays.npz" if os.path.exists(os.path.join(checkpoint, "arrays.npz")) else "state.npz"
+    with np.load(os.path.join(checkpoint, name)) as z:
         return {k: z[k] for k in z.files}
 
 

@@ -74,3 +74,17 @@ def test_bar_on_a_terminal_shows_steps_and_speed(strategy):
     assert "epoch 1/2" in text and "epoch 2/2" in text
     assert "6/6" in text and "samples/s" in text and "loss " in text
     assert bar._progress is None  # stopped: the transient bar is erased at each epoch end
+
+
+def test_task_draws_on_a_terminal_only(capsys):
+    from rich.console import Console
+
+    from meshfit.progress import counted, task
+
+    out = io.StringIO()
+    with task("evaluating", total=3, console=Console(file=out, force_terminal=True)) as advance:
+        assert list(counted([1, 2, 3], advance)) == [1, 2, 3]
+    assert "evaluating" in out.getvalue()
+    with task("downloading", total=None, data_bytes=True) as advance:  # pytest's stdout: no terminal
+        advance(1 << 20)
+    assert capsys.readouterr().out == ""
