@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfit import __version__, checkpoints, data, planning, recipes, rundir, spec
+from meshfit import __version__, data, planning, recipes, rundir, spec
 from meshfit.errors import MeshfitError
 from meshfit.profiling import profiling_steps
 from meshfit.spec import RunSpec
@@ -234,6 +234,8 @@ def restore(model, run: str, steps: int, labels: np.ndarray,
     stopped before its first checkpoint starts from the beginning (its weights are those of a
     new run with its seed), recorded as resumed from checkpoint "none".
     """
+    from meshfit import checkpoints  # imports Keras: only after connect() chose the engine
+
     directory = os.path.join(run, rundir.CHECKPOINTS)
     candidates = [checkpoint] if checkpoint else checkpoints.list_checkpoints(directory)[::-1]
     if not candidates:  # stopped before its first checkpoint: nothing to load, start again
@@ -381,6 +383,8 @@ def fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[in
     The rest of a cut epoch runs with steps per dispatch dividing its step count.
     SIGTERM/SIGINT make the checkpointer save and raise TrainingInterrupted.
     """
+    from meshfit import checkpoints  # imports Keras: only after connect() chose the engine
+
     from meshfit import jax_loop
 
     epoch, step = start
@@ -547,7 +551,7 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
 
     import keras
 
-    from meshfit import cluster, tf_microbatch
+    from meshfit import checkpoints, cluster, tf_microbatch
     from meshfit.report import EpochReport
 
     with strategy.scope():

@@ -75,3 +75,16 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_only_the_entry_point_imports_the_command_line():
     importers = {m for m, imports in import_graph().items() if "meshfit.cli" in imports}
     assert importers == {"meshfit.__main__"}
+
+
+def test_the_command_line_imports_no_keras_before_choosing_the_engine():
+    """Keras fixes its backend, and TensorFlow its oneDNN setting, when first imported: the modules
+    a command loads before meshfit.connect() must not import them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, meshfit.cli, meshfit.training, meshfit.data, meshfit.recipes; "
+            "loaded = [m for m in ('keras', 'tensorflow', 'jax') if m in sys.modules]; "
+            "assert not loaded, loaded")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
