@@ -24,7 +24,7 @@ images whose predictions are dropped, so one compiled step serves all batches.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -342,17 +342,27 @@ class EvalBatches:
         return outputs[:self.num_samples]
 
 
-def predict(model, data, batch: int | None = None, tta_flip: bool = False) -> np.ndarray:
+def predict(model, data, batch: int | None = None, tta_flip: bool = False,
+            advance: Callable[[float], None] | None = None) -> np.ndarray:
     """Model outputs for every sample (N rows) of `data`: an EvalBatches (or any object with its
     iterate, trim and len, such as imagefolder.FolderEvalBatches), or images with `batch`.
 
     tta_flip: average the outputs for each image and its mirror image (for a model whose outputs
     are probabilities, the average probabilities).
+    advance: called with 1 as each batch is taken (a meshfit.progress.task bar's).
     """
     batches = data if hasattr(data, "iterate") else EvalBatches(data, batch)
-    outputs = _predict(model, batches.iterate(), steps=len(batches))
+
+    def each(flip: bool = False):
+        if advance is None:
+            return batches.iterate(flip=flip)
+        from meshfit import progress
+
+        return progress.counted(batches.iterate(flip=flip), advance)
+
+    outputs = _predict(model, each(), steps=len(batches))
     if tta_flip:
-        mirrored = _predict(model, batches.iterate(flip=True), steps=len(batches))
+        mirrored = _predict(model, each(flip=True), steps=len(batches))
         outputs = (outputs + mirrored) / 2
     return batches.trim(np.asarray(outputs))
 

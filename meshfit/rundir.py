@@ -181,6 +181,11 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def text_sha256(text: str) -> str:
+    """SHA-256 of a text's UTF-8 bytes, hex: file_sha256 of the file it is written to."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 @dataclass(frozen=True)
 class ModelFiles:
     """Where a model's files are: the .keras source (if any), its ONNX copy and its run config."""

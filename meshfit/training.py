@@ -41,13 +41,13 @@ def _loss_value(loss, labels: np.ndarray, outputs: np.ndarray) -> float:
     return float(np.mean(keras.ops.convert_to_numpy(fn(labels, outputs))))
 
 
-def evaluate_model(model, batches, labels: np.ndarray, loss,
-                   tta_flip: bool = False) -> dict[str, float]:
+def evaluate_model(model, batches, labels: np.ndarray, loss, tta_flip: bool = False,
+                   advance=None) -> dict[str, float]:
     """{"accuracy", "loss"}: accuracy and mean loss over every sample of `batches` (a
-    pipeline.EvalBatches or imagefolder.FolderEvalBatches)."""
+    pipeline.EvalBatches or imagefolder.FolderEvalBatches); advance: see pipeline.predict."""
     from meshfit import pipeline
 
-    outputs = pipeline.predict(model, batches, tta_flip=tta_flip)
+    outputs = pipeline.predict(model, batches, tta_flip=tta_flip, advance=advance)
     accuracy = float(np.mean(np.argmax(outputs, axis=-1) == labels.reshape(-1)))
     return {"accuracy": accuracy, "loss": _loss_value(loss, labels, outputs)}
 
@@ -203,18 +203,11 @@ def make_spec(request: Request, strategy, dataset, *, steps: int, global_batch: 
         data_dir=spec.absolute(request.data_dir), validation_split=r.validation_split,
         evaluated_on=per_epoch[0] if per_epoch else "none",
         recipe_file=rundir.RECIPE if r.text is not None else None,
-        recipe_sha256=text_sha256(r.text) if r.text is not None else None,
+        recipe_sha256=rundir.text_sha256(r.text) if r.text is not None else None,
         recipe_source=r.file, augment=r.augment, crop_padding=r.crop_padding,
         flips=r.flips, tta_flip=r.tta_flip, checkpoint_every=request.checkpoint_every,
         keep_checkpoints=request.keep_checkpoints, meshfit_version=__version__,
         keras_version=keras.__version__, command=command)
-
-
-def text_sha256(text: str) -> str:
-    """The SHA-256 of a text's UTF-8 bytes (what rundir.file_sha256 gives for its file)."""
-    import hashlib
-
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def write_recipe(run: str, recipe: recipes.Recipe) -> None:
@@ -665,10 +658,8 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices
         batches = data.eval_batches(dataset, split, batch)
         passes = 2 if recipe.tta_flip else 1
         with progress.task("evaluating", total=len(batches) * passes) as advance:
-            iterate = batches.iterate  # counted as predict takes each batch, for the bar
-            batches.iterate = lambda *a, **k: progress.counted(iterate(*a, **k), advance)
             scores = evaluate_model(model, batches, data.labels(split), recipe.make_loss(),
-                                    recipe.tta_flip)
+                                    recipe.tta_flip, advance)
     return {f"{name}_accuracy": scores["accuracy"], f"{name}_loss": scores["loss"], "split": name,
             "samples": data.size(split), "recipe": recipe.name, "model": model_path,
             "engine": strategy.engine, "replicas": strategy.replicas, "platform": strategy.platform}
