@@ -318,24 +318,33 @@ def test_two_processes_train_the_same_model_as_one(data_dir, single_process_run,
             np.testing.assert_array_equal(copy, copies[0])
 
 
-@pytest.mark.slow
-def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_process_run, tmp_path):
-    run = str(tmp_path / "run")
+def launch_until_first_checkpoint(data_dir, run):
+    """A 2-process, 50-epoch training job, running once its epoch-1 checkpoint exists:
+    (job, its stdout and stderr lines as read so far, the reader thread, the processes' pids)."""
     first_checkpoint = os.path.join(run, "checkpoints", "ckpt-00000004")  # after epoch 1 (4 steps)
     command = [sys.executable, "-m", "meshfit", *launch_args(
         "meshfit", "train", *TRAIN, "--epochs", "50", "--data-dir", data_dir, "--out", run,
         "--checkpoint-every", "epoch")]
-    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    stderr: list[str] = []
-    reader = threading.Thread(target=lambda: stderr.extend(job.stderr), daemon=True)
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(job.stdout), daemon=True)
     reader.start()
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not os.path.isdir(first_checkpoint) and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if job.poll() is not None:
+        reader.join(timeout=10)
+        raise AssertionError("".join(output)[-3000:])
+    pids = re.search(r"pids (\d+) (\d+)", "".join(output)).groups()
+    return job, output, reader, [int(p) for p in pids]
+
+
+@pytest.mark.slow
+def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_process_run, tmp_path):
+    run = str(tmp_path / "run")
+    job, output, reader, pids = launch_until_first_checkpoint(data_dir, run)
     try:
-        deadline = time.monotonic() + JOB_TIMEOUT
-        while not os.path.isdir(first_checkpoint) and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert job.poll() is None, "".join(stderr)[-3000:]
-        pids = re.search(r"pids (\d+) (\d+)", "".join(stderr)).groups()
-        os.kill(int(pids[1]), signal.SIGKILL)  # process 1 dies mid-run
+        os.kill(pids[1], signal.SIGKILL)  # process 1 dies mid-run
         killed = time.monotonic()
         job.wait(timeout=120)
         stopped_after = time.monotonic() - killed
@@ -345,7 +354,7 @@ def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_pro
     reader.join(timeout=10)
     assert stopped_after < launch.GRACE_SECONDS + 30
     assert job.returncode != 0
-    assert "meshfit: error: process 1 of 2 failed with SIGKILL (exit code -9)" in "".join(stderr)
+    assert "meshfit: error: process 1 of 2 failed with SIGKILL (exit code -9)" in "".join(output)
 
     from meshfit import checkpoints
 
@@ -365,21 +374,9 @@ def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_pro
 def test_sigterm_to_one_process_stops_both_at_one_step_and_the_run_resumes(data_dir, single_process_run,
                                                                           tmp_path):
     run = str(tmp_path / "run")
-    first_checkpoint = os.path.join(run, "checkpoints", "ckpt-00000004")
-    command = [sys.executable, "-m", "meshfit", *launch_args(
-        "meshfit", "train", *TRAIN, "--epochs", "50", "--data-dir", data_dir, "--out", run,
-        "--checkpoint-every", "epoch")]
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(job.stdout), daemon=True)
-    reader.start()
+    job, output, reader, pids = launch_until_first_checkpoint(data_dir, run)
     try:
-        deadline = time.monotonic() + JOB_TIMEOUT
-        while not os.path.isdir(first_checkpoint) and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert job.poll() is None, "".join(output)[-3000:]
-        pids = re.search(r"pids (\d+) (\d+)", "".join(output)).groups()
-        os.kill(int(pids[1]), signal.SIGTERM)  # a preemption notice reaching one host only
+        os.kill(pids[1], signal.SIGTERM)  # a preemption notice reaching one host only
         assert job.wait(timeout=120) == 143
     finally:
         if job.poll() is None:
