@@ -16,9 +16,11 @@ meshfit.tf_bias_gradient).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
+import tempfile
 import warnings
 
 from meshfit import env
@@ -27,6 +29,30 @@ from meshfit.errors import MeshfitError
 ENGINES = ("auto", "jax", "tensorflow")
 _MULTI_DEVICE_ENGINES = ("jax",)
 ONEDNN = "TF_ENABLE_ONEDNN_OPTS"  # TensorFlow reads it once, when it is imported
+# Lines TensorFlow's C++ code writes to stderr while it loads, whatever TF_CPP_MIN_LOG_LEVEL says
+# (twice, once per shared library): dropped, every other line is passed on.
+_LOAD_NOTICES = (b"All log messages before absl::InitializeLog() is called",
+                 b"oneDNN custom operations are on")
+
+
+@contextlib.contextmanager
+def _load_notices_dropped():
+    """Capture file descriptor 2 for the block, then write back all but TensorFlow's load notices."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().splitlines(keepends=True)
+            kept = b"".join(line for line in lines if not any(n in line for n in _LOAD_NOTICES))
+            if kept:
+                os.write(2, kept)
 
 
 def installed(module: str) -> bool:
@@ -92,7 +118,9 @@ def activate(engine: str):
                           "the meshfit command line, so a run resumed there is not bit-identical; "
                           f"import meshfit first or set {ONEDNN}=1", stacklevel=3)
         os.environ.setdefault(ONEDNN, "1")  # oneDNN kernels: 2-4x faster CNNs on x86
-    import keras
+    loading_tensorflow = engine == "tensorflow" and "tensorflow" not in sys.modules
+    with _load_notices_dropped() if loading_tensorflow else contextlib.nullcontext():
+        import keras
 
     if keras.backend.backend() != engine:
         raise MeshfitError(
