@@ -20,8 +20,10 @@ Bad data, decided once:
     at a reduced scale (libjpeg's DCT scaling, as Pillow's draft mode; slightly different from a
     full decode then resize).
 JPEGs are decoded by libjpeg-turbo through simplejpeg, which needs no GIL (the same pixels as
-Pillow for RGB; for channels=1 libjpeg's luma, within 1 of Pillow's convert("L")); every other
-file, CMYK JPEGs and JPEGs simplejpeg refuses go through Pillow.
+Pillow for RGB; for channels=1 libjpeg's luma, within 1 of Pillow's convert("L")). 8-bit grey and
+RGB PNGs without transparency are decoded by libspng through pyspng (the same pixels as Pillow,
+about 8x less CPU time for small images: 9 vs 72 us for a 28x28 digit). Every other file, CMYK
+JPEGs and files these decoders refuse go through Pillow.
 
 Training batches follow pipeline.TrainBatches exactly: epoch e visits the files in the
 permutation drawn from (seed, e), `steps_per_epoch` global batches, the last partial one
@@ -220,7 +222,11 @@ def load_image(path: str, image_size: tuple[int, int], channels: int,
     try:
         with open(path, "rb") as f:
             data = f.read()
-        if not (data[:3] == b"\xff\xd8\xff" and _decode_jpeg(data, out)):
+        if data[:3] == b"\xff\xd8\xff":
+            decoded = _decode_jpeg(data, out)
+        else:
+            decoded = data[:8] == PNG_SIGNATURE and _decode_png(data, out)
+        if not decoded:
             _decode_with_pillow(data, out)
     except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, ValueError...)
         raise MeshfitError(f"cannot decode image {path} ({_reason(e)}); fix or remove it") from None
@@ -249,6 +255,39 @@ def _decode_jpeg(data: bytes, out: np.ndarray) -> bool:
     except ValueError:
         return False  # e.g. a truncated file: Pillow decodes it or names the problem
     _resize(array, out)
+    return True
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_PNG_GREY, _PNG_RGB = 0, 2  # IHDR colour types pyspng decodes here
+
+
+def _decode_png(data: bytes, out: np.ndarray) -> bool:
+    """Decode an 8-bit grey or RGB PNG without transparency into `out` with libspng (pyspng);
+    False where Pillow must do it (no pyspng, other colour types or depths, transparency, RGB to
+    grey, or data libspng refuses)."""
+    try:
+        import pyspng
+    except ImportError:
+        return False
+    if len(data) < 33 or data[12:16] != b"IHDR" or data[24] != 8 or b"tRNS" in data:
+        return False
+    colour = data[25]
+    channels = out.shape[2]
+    if colour not in (_PNG_GREY, _PNG_RGB) or (colour == _PNG_RGB and channels == 1):
+        return False  # Pillow's luma for RGB to grey
+    try:
+        array = pyspng.load(data)
+    except (RuntimeError, ValueError):
+        return False  # e.g. a truncated file: Pillow decodes it or names the problem
+    if array.ndim == 2:
+        array = array[..., None]
+    if channels == 3 and array.shape[2] == 1:
+        array = np.repeat(array, 3, axis=2)
+    if array.shape == out.shape:
+        out[...] = array
+    else:
+        _resize(array, out)
     return True
 
 

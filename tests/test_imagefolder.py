@@ -105,6 +105,26 @@ def test_every_mode_and_size_decodes_to_the_asked_shape(tmp_path):
     assert one.shape == (2, 3, 1)
 
 
+def test_pngs_decode_to_the_same_pixels_as_pillow(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (9, 13, 3), np.uint8)
+    images = {"grey": Image.fromarray(pixels[..., 0], "L"), "rgb": Image.fromarray(pixels, "RGB"),
+              "grey-alpha": Image.fromarray(pixels, "RGB").convert("LA"),
+              "rgb-alpha": Image.fromarray(np.dstack([pixels, pixels[..., :1]]), "RGBA")}
+    files = []
+    for name, image in images.items():
+        for interlace in (False, True):
+            files.append(tmp_path / f"{name}-{interlace}.png")
+            image.save(files[-1], interlace=interlace)
+    files.append(tmp_path / "truncated.png")  # pixels Pillow decodes in part: the same bytes in both
+    files[-1].write_bytes(files[0].read_bytes()[:-12])
+    shapes = [((9, 13), 1), ((9, 13), 3), ((5, 7), 1), ((5, 7), 3)]
+    fast = {(f, s): imagefolder.load_image(str(f), *s) for f in files for s in shapes}
+    monkeypatch.setattr(imagefolder, "_decode_png", lambda data, out: False)  # Pillow for all
+    for (f, shape), array in fast.items():
+        assert np.array_equal(array, imagefolder.load_image(str(f), *shape)), (f.name, shape)
+
+
 def test_a_file_that_fails_to_decode_is_a_one_line_error_naming_it(tmp_path):
     write_folder(tmp_path, {"a": 2, "b": 2})
     bad = tmp_path / "b" / "001.png"
