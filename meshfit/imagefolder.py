@@ -44,6 +44,7 @@ import concurrent.futures
 import functools
 import io
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -115,6 +116,11 @@ def scan(path: str | os.PathLike, class_names: tuple[str, ...] | None = None) ->
         files += found
         labels += [label] * len(found)
         skipped += left_out
+    if skipped:
+        images = [(p, why) for p, why in skipped if why.startswith("unreadable")]
+        path, why = (images or skipped)[0]
+        warnings.warn(f"skipped {len(skipped)} file(s) of {root} that are not readable images "
+                      f"({len(images)} unreadable image(s)); e.g. {path}: {why}", stacklevel=2)
     return Folder(root, classes, tuple(files), np.asarray(labels, dtype=np.int32), tuple(skipped))
 
 

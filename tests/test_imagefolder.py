@@ -46,7 +46,8 @@ def test_scan_sorts_classes_and_files_and_skips_what_it_cannot_read(tmp_path):
     (tmp_path / "a" / "notes.txt").write_text("not an image")
     (tmp_path / "b" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     (tmp_path / "b" / ".DS_Store").write_bytes(b"\0")
-    found = imagefolder.scan(tmp_path)
+    with pytest.warns(UserWarning, match=r"skipped 2 file\(s\) .* \(1 unreadable image\(s\)\); e\.g\. .*broken\.png"):
+        found = imagefolder.scan(tmp_path)
     assert found.root == str(tmp_path) and found.class_names == ("a", "b")
     names = [os.path.relpath(f, tmp_path) for f in found.files]
     assert names == ["a/000.png", "a/001.png", "a/002.png", "a/more/deep.jpg", "b/000.png", "b/001.png"]
