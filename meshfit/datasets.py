@@ -34,13 +34,11 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
-import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
-from PIL import Image
 
 from meshfit import env, progress
 from meshfit.errors import MeshfitError
@@ -88,7 +86,6 @@ PUBLISHED = {
     ("fashion_mnist", IDX_FILES[3]): ("bb300cfdad3c16e7a12a480ee83cd310", 5148),
 }
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 MAX_IDX_BYTES = 1 << 30  # an IDX file larger than this (20x MNIST's 47 MB) is refused, unpacked or not
 
 
@@ -182,46 +179,33 @@ def cifar10(data_dir: str | os.PathLike | None = None, download: bool = True) ->
 
 def image_folder(path: str | os.PathLike, image_size: tuple[int, int],
                  validation_split: float = 0.2, seed: int = 0, channels: int = 3) -> Dataset:
-    """Load a user's images, one sub-folder per class (PNG/JPEG), as a `Dataset`.
+    """A user's images, one sub-folder per class, loaded whole into memory as a `Dataset`.
 
-    Class names are the sorted sub-folder names. Each image is converted to RGB (channels=3) or
-    grey (channels=1) and resized to image_size = (height, width) pixels, bilinear. In every class
-    round(n * validation_split) images, chosen at random with `seed`, go to x_test/y_test (at
-    least one stays in train); both splits are then shuffled with the same seed.
+    For folders that fit in memory; `meshfit train --data` and recipes naming a folder stream them
+    from disk instead. Files, conversions (RGB for channels=3, grey for 1; resized bilinear to
+    image_size = (height, width) pixels) and the split are meshfit.imagefolder's: unreadable files
+    are skipped with a warning, and in every class round(n * validation_split) images chosen with
+    `seed` go to x_test/y_test. Both splits are then shuffled with `seed`.
     """
-    path = os.fspath(path)
-    if channels not in (1, 3):
-        raise MeshfitError(f"channels must be 1 (grey) or 3 (RGB), got {channels}")
+    from meshfit import imagefolder
+
+    size = imagefolder.check_image_size(image_size, channels)
     if not 0.0 <= validation_split < 1.0:
         raise MeshfitError(f"validation_split must be in [0, 1), got {validation_split}")
-    height, width = (int(s) for s in image_size) if len(image_size) == 2 else (0, 0)
-    if height <= 0 or width <= 0:
-        raise MeshfitError(f"image_size must be two positive pixel counts, got {image_size}")
-    if not os.path.isdir(path):
-        raise MeshfitError(f"image folder {path} does not exist or is not a folder")
-    classes = sorted(d for d in os.listdir(path)
-                     if os.path.isdir(os.path.join(path, d)) and not d.startswith("."))
-    if not classes:
-        raise MeshfitError(f"{path} has no class sub-folders; put each class's images in "
-                           f"{path}/<class name>/")
+    found = imagefolder.scan(path)
+    train, held = imagefolder.split(found, validation_split, seed)
     rng = np.random.default_rng(seed)
-    train, test = [], []
-    for label, cls in enumerate(classes):
-        folder = os.path.join(path, cls)
-        files = sorted(f for f in os.listdir(folder)
-                       if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith("."))
-        if not files:
-            raise MeshfitError(f"class folder {folder} has no images "
-                               f"({', '.join(IMAGE_EXTENSIONS)})")
-        images = [_read_image(os.path.join(folder, f), (width, height), channels) for f in files]
-        n_test = min(int(len(images) * validation_split + 0.5), len(images) - 1)
-        order = rng.permutation(len(images))
-        test += [(images[i], label) for i in order[:n_test]]
-        train += [(images[i], label) for i in order[n_test:]]
-    x_train, y_train = _stack(train, rng, (height, width, channels))
-    x_test, y_test = _stack(test, rng, (height, width, channels))
-    return Dataset(x_train, y_train, x_test, y_test, tuple(classes),
-                   os.path.basename(os.path.normpath(path)))
+
+    def arrays(folder):
+        order = rng.permutation(len(folder)) if folder is not None else np.zeros(0, np.int64)
+        x = np.empty((len(order), *size, channels), np.uint8)
+        for row, i in enumerate(order):
+            imagefolder.load_image(folder.files[i], size, channels, out=x[row])
+        return x, (folder.labels[order] if folder is not None else np.zeros(0, np.int32))
+
+    (x_train, y_train), (x_test, y_test) = arrays(train), arrays(held)
+    return Dataset(x_train, y_train, x_test, y_test, found.class_names,
+                   os.path.basename(found.root))
 
 
 def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
@@ -455,38 +439,6 @@ def _read_cifar(folder: str) -> Dataset:
                            f"class counts {counts.tolist()}, expected {full // k} each")
     return Dataset(np.ascontiguousarray(x_train), y_train.astype(np.int32),
                    np.ascontiguousarray(x_test), y_test.astype(np.int32), class_names, "cifar10")
-
-
-def image_pixels(path: str, mode: str, size_wh: tuple[int, int]) -> np.ndarray:
-    """An image file as uint8 pixels of Pillow `mode` ("RGB" or "L") and size (width, height),
-    resized bilinear; transparent parts are laid over white, as viewers show them. Raises
-    Pillow's errors (also for images of more pixels than Image.MAX_IMAGE_PIXELS)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        with Image.open(path) as im:
-            if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
-                rgba = im.convert("RGBA")
-                im = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-                im.alpha_composite(rgba)
-            im = im.convert(mode)
-            if im.size != tuple(size_wh):
-                im = im.resize(size_wh, Image.Resampling.BILINEAR)
-            return np.asarray(im, dtype=np.uint8)
-
-
-def _read_image(path: str, size_wh: tuple[int, int], channels: int) -> np.ndarray:
-    try:
-        a = image_pixels(path, "RGB" if channels == 3 else "L", size_wh)
-    except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, ValueError...)
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise MeshfitError(f"cannot read image {path} ({why}); fix or remove it") from e
-    return a[..., None] if channels == 1 else a
-
-
-def _stack(pairs: list, rng: np.random.Generator, shape: tuple) -> tuple[np.ndarray, np.ndarray]:
-    order = rng.permutation(len(pairs))
-    x = np.stack([pairs[i][0] for i in order]) if pairs else np.zeros((0, *shape), np.uint8)
-    return x, np.array([pairs[i][1] for i in order], dtype=np.int32)
 
 
 # ----------------------------------------------------------------------------------- downloading

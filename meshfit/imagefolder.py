@@ -20,7 +20,8 @@ Bad data, decided once:
     at a reduced scale (libjpeg's DCT scaling, as Pillow's draft mode; slightly different from a
     full decode then resize).
 JPEGs are decoded by libjpeg-turbo through simplejpeg, which needs no GIL (the same pixels as
-Pillow for RGB; for channels=1 libjpeg's luma, within 1 of Pillow's convert("L")). 8-bit grey and
+Pillow for RGB; for channels=1 libjpeg's luma channel, which can differ from Pillow's
+convert("L") of the decoded RGB by a few levels where the colour subsampling blurs, e.g. 6 on noise). 8-bit grey and
 RGB PNGs without transparency are decoded by libspng through pyspng (the same pixels as Pillow,
 about 8x less CPU time for small images: 9 vs 72 us for a 28x28 digit). Every other file, CMYK
 JPEGs and files these decoders refuse go through Pillow.
@@ -235,8 +236,18 @@ def load_image(path: str, image_size: tuple[int, int], channels: int,
         if not decoded:
             _decode_with_pillow(data, out)
     except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, ValueError...)
-        raise MeshfitError(f"cannot decode image {path} ({_reason(e)}); fix or remove it") from None
+        raise MeshfitError(f"cannot read image {path} ({_reason(e)}); fix or remove it") from None
     return out
+
+
+def _check_pixels(width: int, height: int) -> None:
+    """A ValueError for an image of more pixels than Pillow's MAX_IMAGE_PIXELS (a decompression
+    bomb: a small file that would decode to gigabytes)."""
+    from PIL import Image
+
+    if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
+        raise ValueError(f"{width}x{height} pixels, more than the {Image.MAX_IMAGE_PIXELS:,} "
+                         "allowed (PIL.Image.MAX_IMAGE_PIXELS)")
 
 
 def _decode_jpeg(data: bytes, out: np.ndarray) -> bool:
@@ -249,6 +260,10 @@ def _decode_jpeg(data: bytes, out: np.ndarray) -> bool:
     height, width, channels = out.shape
     try:
         rows, cols, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return False  # e.g. a truncated file: Pillow decodes it or names the problem
+    _check_pixels(cols, rows)
+    try:
         if colorspace not in ("Gray", "YCbCr", "RGB"):
             return False  # CMYK, YCCK: Pillow converts them
         space = "RGB" if channels == 3 else "GRAY"
@@ -278,6 +293,7 @@ def _decode_png(data: bytes, out: np.ndarray) -> bool:
         return False
     if len(data) < 33 or data[12:16] != b"IHDR" or data[24] != 8 or b"tRNS" in data:
         return False
+    _check_pixels(int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big"))
     colour = data[25]
     channels = out.shape[2]
     if colour not in (_PNG_GREY, _PNG_RGB) or (colour == _PNG_RGB and channels == 1):
@@ -302,6 +318,7 @@ def _decode_with_pillow(data: bytes, out: np.ndarray) -> None:
 
     height, width, channels = out.shape
     with Image.open(io.BytesIO(data)) as im:
+        _check_pixels(im.width, im.height)
         if im.format == "JPEG" and im.width >= 2 * width and im.height >= 2 * height:
             im.draft(None, (width, height))
         im = _convert(im, "RGB" if channels == 3 else "L")

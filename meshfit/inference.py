@@ -32,31 +32,22 @@ from meshfit.rundir import ModelFiles
 
 BACKENDS = ("auto", "onnx", "keras")
 KERAS_BATCH = 256  # images per Keras call in the fallback
-_IMAGE_MODES = {1: "L", 3: "RGB"}
 
 
 # ----------------------------------------------------------------------------------- images
 
 def load_image(path: str, input_shape: Sequence[int]) -> np.ndarray:
-    """One image file as the model's input: uint8 (H, W, C), converted to RGB or grey (transparent
-    parts over white) and resized (bilinear) to the model's height and width, as the training
-    datasets were prepared."""
-    from meshfit.datasets import image_pixels
+    """One image file as the model's input: uint8 (H, W, C), decoded, converted and resized exactly
+    as image folders are for training (meshfit.imagefolder.load_image)."""
+    from meshfit import imagefolder
 
     height, width, channels = (int(d) for d in input_shape)
-    mode = _IMAGE_MODES.get(channels)
-    if mode is None:
+    if channels not in (1, 3):
         raise MeshfitError(f"cannot convert {path} to the model's {channels} channels; "
                            "meshfit predict reads images as RGB (3 channels) or grey (1)")
     if not os.path.isfile(path):
         raise MeshfitError(f"image {path} not found or not a file; pass PNG or JPEG files")
-    try:
-        pixels = image_pixels(path, mode, (width, height))
-    except Exception as e:  # Pillow raises many kinds (UnidentifiedImageError, OSError, ...)
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise MeshfitError(f"cannot read image {path} as {mode} ({why}); "
-                           "pass a PNG or JPEG file") from e
-    return pixels[..., None] if channels == 1 else pixels
+    return imagefolder.load_image(path, (height, width), channels)
 
 
 def check_model(path: str | os.PathLike) -> None:

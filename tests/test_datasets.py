@@ -388,10 +388,17 @@ def test_image_folder_grey_and_no_split(tmp_path):
     assert ds.name == "imgs"
 
 
-def test_image_folder_unreadable_image_names_the_file(tmp_path):
-    make_image_folder(tmp_path / "imgs")
+def test_image_folder_skips_unreadable_files_with_a_warning_and_names_undecodable_ones(tmp_path):
+    _, counts = make_image_folder(tmp_path / "imgs")
     (tmp_path / "imgs" / "dog" / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
-    with pytest.raises(MeshfitError, match="broken.jpg"):
+    with pytest.warns(UserWarning, match="broken.jpg"):
+        ds = image_folder(tmp_path / "imgs", (8, 8), validation_split=0.0)
+    assert len(ds.x_train) == sum(counts.values())
+    cut = tmp_path / "imgs" / "dog" / "cut.png"  # its header reads, its pixels do not
+    noise = np.random.default_rng(0).integers(0, 256, (32, 32, 3), np.uint8)
+    Image.fromarray(noise).save(cut)
+    cut.write_bytes(cut.read_bytes()[:1500])
+    with pytest.raises(MeshfitError, match="cut.png"):
         image_folder(tmp_path / "imgs", (8, 8))
 
 
@@ -404,7 +411,7 @@ def test_image_folder_errors(tmp_path):
     make_image_folder(tmp_path / "imgs")
     (tmp_path / "imgs" / "fish").mkdir()
     (tmp_path / "imgs" / "fish" / "readme.txt").write_text("no images here")
-    with pytest.raises(MeshfitError, match="fish has no images"):
+    with pytest.raises(MeshfitError, match="fish has no readable images"):
         image_folder(tmp_path / "imgs", (8, 8))
 
 

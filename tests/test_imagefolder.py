@@ -126,6 +126,22 @@ def test_pngs_decode_to_the_same_pixels_as_pillow(tmp_path, monkeypatch):
         assert np.array_equal(array, imagefolder.load_image(str(f), *shape)), (f.name, shape)
 
 
+def test_an_image_of_too_many_pixels_is_refused_before_decoding(tmp_path):
+    import struct
+    import zlib
+
+    def chunk(kind, body):
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    bomb = tmp_path / "bomb.png"  # 40000 x 40000 grey (1.6 GB decoded) in a few hundred bytes
+    bomb.write_bytes(imagefolder.PNG_SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", 40000, 40000, 8, 0, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(bytes(40001 * 64))) + chunk(b"IEND", b""))
+    for channels in (1, 3):
+        with pytest.raises(MeshfitError, match="40000x40000 pixels, more than") as error:
+            imagefolder.load_image(str(bomb), (28, 28), channels)
+        assert str(bomb) in str(error.value) and "\n" not in str(error.value)
+
+
 def test_a_file_that_fails_to_decode_is_a_one_line_error_naming_it(tmp_path):
     write_folder(tmp_path, {"a": 2, "b": 2})
     bad = tmp_path / "b" / "001.png"

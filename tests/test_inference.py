@@ -182,7 +182,8 @@ def test_bare_keras_file_reads_any_image_as_the_models_input(tmp_path):
     x = inference.load_images([str(picture)], predictor.input_shape)
     assert x.shape == (1, 28, 28, 1) and x.dtype == np.uint8
     grey = np.asarray(Image.open(picture).convert("L").resize((28, 28), Image.Resampling.BILINEAR))
-    np.testing.assert_array_equal(x[0, ..., 0], grey)
+    # decoded as image folders are for training: libjpeg's luma, close to Pillow's convert("L")
+    assert np.abs(x[0, ..., 0].astype(int) - grey).mean() < 0.5
     np.testing.assert_allclose(predictor.predict_files([str(picture)]), predictor.predict(x))
 
 
