@@ -4,6 +4,7 @@ A checkpoint is a folder RUN/checkpoints/ckpt-<global step, 8 digits>/ holding
   arrays.npz     every variable as a numpy array: the model's (weights, batch-norm statistics and
                  the SeedGenerator states that drive Dropout, which Keras' own weights files leave
                  out), the optimizer's (step count, moments) and the metrics' running totals;
+                 and any extra arrays of the run (a recipe callback's best weights), "extra/KEY";
   state.json     where training stands (epoch, step within it, global step, steps per epoch), the
                  seed (with the epoch and step it fixes the data order and augmentation), the
                  metrics history so far, the run's settings, and each variable's name, shape, dtype;
@@ -53,6 +54,7 @@ STATE_ARRAYS, STATE_JSON = rundir.CHECKPOINT_ARRAYS, rundir.CHECKPOINT_STATE
 MANIFEST, LEGACY_ARRAYS = rundir.CHECKPOINT_MANIFEST, "state.npz"
 STATE_FIELDS = ("epoch", "step", "global_step", "steps_per_epoch", "variables")
 GROUPS = ("model", "optimizer", "metrics")
+EXTRA = "extra"  # arrays.npz keys "extra/KEY": Checkpointer's extra_arrays
 
 
 class TrainingInterrupted(MeshfitError):
@@ -133,10 +135,12 @@ def _describe(path: str) -> dict[str, Any]:
 
 
 def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
-         extra: dict[str, Any] | None = None, keep: int = 3) -> str:
+         extra: dict[str, Any] | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
+         keep: int = 3) -> str:
     """Write the full training state after `step` steps of epoch `epoch` (0-based); return its folder.
 
     extra: JSON-serializable data stored with it (e.g. seed, history, run settings).
+    extra_arrays: numpy arrays stored with the variables (restore returns them as "extra_arrays").
     An intact checkpoint of the same global step that already exists is kept as it is; a damaged
     one is written again.
     """
@@ -157,6 +161,7 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
             value = _host_value(v)
             arrays[f"{group}/{i:05d}"] = value
             variables[group].append([v.path, list(value.shape), str(value.dtype)])
+    arrays.update({f"{EXTRA}/{key}": np.asarray(value) for key, value in (extra_arrays or {}).items()})
     state = {"format": FORMAT, "epoch": epoch, "step": step, "global_step": global_step,
              "steps_per_epoch": steps_per_epoch, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
              **(extra or {}), "variables": variables}
@@ -305,7 +310,7 @@ def restore(model, path: str | os.PathLike) -> dict[str, Any]:
     checkpoint raises CheckpointDamaged and leaves the model as it was.
     Returns the checkpoint's state (state.json) with the metrics' arrays under "metrics_values":
     metrics variables exist only once fit has started, so `Checkpointer(resume_state=...)` puts
-    them back at the start of the resumed epoch.
+    them back at the start of the resumed epoch; and the extra arrays under "extra_arrays".
     """
     path = os.fspath(path)
     verify(path)
@@ -321,6 +326,7 @@ def restore(model, path: str | os.PathLike) -> dict[str, Any]:
         _assign(groups[group], arrays, group)
     count = len(state["variables"]["metrics"])
     state["metrics_values"] = [arrays[f"metrics/{i:05d}"] for i in range(count)]
+    state["extra_arrays"] = {k[len(EXTRA) + 1:]: v for k, v in arrays.items() if k.startswith(EXTRA + "/")}
     return state
 
 
@@ -334,14 +340,14 @@ class Checkpointer(keras.callbacks.Callback):
     first dispatch boundary at or past it, with several steps per dispatch), or when
     every_seconds have passed since the last save (either, both or neither); always at epoch end
     unless epoch_end=False. keep: how many checkpoints to keep. extra(): JSON data saved with each
-    checkpoint (seed, history, settings). resume_state: what `restore` returned, when resuming
-    mid-epoch. write: False on processes other than 0 (they sync state but write nothing).
+    checkpoint (seed, history, settings); extra_arrays(): numpy arrays saved with it (a recipe
+    callback's best weights). resume_state: what `restore` returned, when resuming mid-epoch. write: False on processes other than 0 (they sync state but write nothing).
     In a job of several processes a stop requested on any of them stops all at the same step.
     """
 
     def __init__(self, directory: str | os.PathLike, steps_per_epoch: int, *,
                  every_steps: int | None = None, every_seconds: float | None = None,
-                 epoch_end: bool = True, keep: int = 3, extra=None,
+                 epoch_end: bool = True, keep: int = 3, extra=None, extra_arrays=None,
                  resume_state: dict[str, Any] | None = None, write: bool = True):
         super().__init__()
         self.directory = os.fspath(directory)
@@ -349,6 +355,7 @@ class Checkpointer(keras.callbacks.Callback):
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.epoch_end, self.keep = epoch_end, keep
         self.extra = extra or (lambda: {})
+        self.extra_arrays = extra_arrays or (lambda: {})
         self.write = write
         self.last_saved: str | None = None
         self.stop_signal: int | None = None
@@ -369,7 +376,7 @@ class Checkpointer(keras.callbacks.Callback):
             return None
         self.last_saved = save(self.directory, self.model, epoch=epoch, step=step,
                                steps_per_epoch=self.steps_per_epoch, extra=self.extra(),
-                               keep=self.keep)
+                               extra_arrays=self.extra_arrays(), keep=self.keep)
         return self.last_saved
 
     def agreed_stop(self, settle: bool = False) -> int | None:

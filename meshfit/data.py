@@ -2,9 +2,13 @@
 
 A recipe's `dataset` is a built-in name (loaded whole into memory by meshfit.datasets), a folder of
 images with one sub-folder per class (streamed from disk by meshfit.imagefolder, never loaded
-whole), or a callable returning arrays (kept in memory). Either way a split is (x, y) arrays or an
-imagefolder.Folder, and its batches follow the same rule: batch (epoch, step) is a pure function of
-(seed, epoch, step), so a resumed run sees exactly the batches an uninterrupted one would.
+whole), or a callable `dataset(seed)` returning arrays (kept in memory) or a dict of streamed
+sources (a PyDataset, tf.data, Grain or a generator function per split: see meshfit.streams).
+A split is (x, y) arrays, an imagefolder.Folder, or a streams.Source (train) / streams.EvalSource
+(validation, test). Arrays and folders follow one rule: batch (epoch, step) is a pure function of
+(seed, epoch, step), so a resumed run sees exactly the batches an uninterrupted one would; so do
+index-based streams (PyDataset, grain.MapDataset), while other streams resume by reading the
+epoch again and skipping what was trained (exact when they are deterministic).
 
 Validation: with `validation_split` F > 0, a share F of the training data (drawn with the seed) is
 held out for the per-epoch val_* metrics and the test set is scored once at the end. With F = 0,
@@ -23,7 +27,7 @@ import numpy as np
 from meshfit import datasets
 from meshfit.errors import MeshfitError
 
-Split = Any  # (x, y) numpy arrays, or a meshfit.imagefolder.Folder
+Split = Any  # (x, y) numpy arrays, a meshfit.imagefolder.Folder, a streams.Source or EvalSource
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,8 +48,15 @@ class RunData:
 
     @property
     def streamed(self) -> bool:
-        """True when the images are read from disk batch by batch."""
+        """True when the training data is read batch by batch (a folder or a recipe's source)."""
         return not isinstance(self.train, tuple)
+
+    @property
+    def from_source(self) -> bool:
+        """True when the training data is a recipe's own streamed source (meshfit.streams)."""
+        from meshfit import streams
+
+        return isinstance(self.train, streams.Source)
 
     @property
     def per_epoch(self) -> tuple[str, Split] | None:
@@ -92,7 +103,12 @@ def load(recipe, data_dir: str | None, seed: int, source: str | None = None) -> 
         path = source if source and os.path.isabs(source) else folder_path(recipe.dataset, recipe.file)
         return _folder(recipe, path, seed)
     if how == "callable":
-        loaded = _call(recipe.dataset, seed)
+        result = recipe.dataset(seed)
+        from meshfit import streams
+
+        if streams.is_streams(result):
+            return _streams(recipe, result, source_of(recipe))
+        loaded = _arrays(result)
         name = source_of(recipe)
     else:
         loaded = datasets.load(recipe.dataset, data_dir)
@@ -119,17 +135,49 @@ def _folder(recipe, path: str, seed: int) -> RunData:
                    splits["train"], splits["validation"], splits["test"])
 
 
-def _call(function: Callable, seed: int) -> datasets.Dataset:
-    """A recipe's dataset callable's result as a Dataset (class names "0".."K-1" unless given)."""
-    result = function(seed)
+def _streams(recipe, parts: dict, name: str) -> RunData:
+    """A recipe's streamed sources {"train", "validation", "test", "class_names"} as RunData."""
+    from meshfit import streams
+
+    unknown = sorted(set(map(str, parts)) - set(streams.KEYS))
+    if unknown or parts.get("train") is None:
+        problem = f"has the unknown keys {', '.join(unknown)}" if unknown else "has no \"train\" source"
+        raise MeshfitError(f"the dict the recipe's dataset callable returned {problem}; give "
+                           "{\"train\": ..., \"validation\": ... or None, \"test\": ... or None, "
+                           "\"class_names\": [...]}")
+    class_names = tuple(str(c) for c in parts.get("class_names") or ())
+    if len(class_names) < 2:
+        raise MeshfitError("the dict the recipe's dataset callable returned needs \"class_names\": "
+                           "a list of at least two class names, one per label 0..K-1")
+    if recipe.validation_split:
+        raise MeshfitError("validation_split holds out arrays or folder images, not a streamed "
+                           "source; return a \"validation\" source instead")
+    if recipe.augment != "none":
+        raise MeshfitError(f"augment={recipe.augment!r} applies to arrays and folders; augment "
+                           "inside the recipe's streamed source")
+    train = streams.Source(parts["train"], "train")
+    x = train.first()[0]
+    if recipe.input_shape is None and not hasattr(x, "shape"):
+        raise MeshfitError("the recipe's train source yields x that is not one array; set "
+                           "input_shape on the Recipe")
+    input_shape = tuple(recipe.input_shape or x.shape[1:])
+    evaluated = {key: streams.EvalSource(parts[key], key, len(class_names))
+                 for key in ("validation", "test") if parts.get(key) is not None}
+    return RunData(name, class_names, input_shape, train, evaluated.get("validation"),
+                   evaluated.get("test"))
+
+
+def _arrays(result) -> datasets.Dataset:
+    """A recipe's dataset callable's arrays as a Dataset (class names "0".."K-1" unless given)."""
     if isinstance(result, datasets.Dataset):
         return result
     try:
         (x_train, y_train), (x_test, y_test) = result
     except (TypeError, ValueError) as e:
         raise MeshfitError(f"the recipe's dataset callable returned {type(result).__name__}; return "
-                           "((x_train, y_train), (x_test, y_test)) arrays or a "
-                           "meshfit.datasets.Dataset") from e
+                           "((x_train, y_train), (x_test, y_test)) arrays, a "
+                           "meshfit.datasets.Dataset or a dict of streamed sources "
+                           "{\"train\": ..., \"test\": ..., \"class_names\": [...]}") from e
     arrays = [np.asarray(a) for a in (x_train, y_train, x_test, y_test)]
     for i in (0, 2):
         if arrays[i].ndim == 3:  # grey images without a channel axis, as keras.datasets.mnist's
@@ -157,13 +205,26 @@ def split_arrays(x: np.ndarray, y: np.ndarray, fraction: float, seed: int):
 
 
 def size(split: Split) -> int:
-    """Samples in a split."""
+    """Samples in a split (not for a streamed train source, whose size is not known)."""
     return len(split[0]) if isinstance(split, tuple) else len(split)
 
 
 def labels(split: Split) -> np.ndarray:
-    """The int32 labels of every sample of a split, in order."""
+    """The int32 labels of every sample of a split, in order (of a streamed train source: its
+    first batch's)."""
+    from meshfit import streams
+
+    if isinstance(split, streams.Source):
+        return np.asarray(split.first()[1]).reshape(-1).astype(np.int32)
     return split[1] if isinstance(split, tuple) else split.labels
+
+
+def stream_batches(data: RunData, seed: int, replicas: int, steps: int | None):
+    """The training batches of a recipe's streamed source (streams.TrainStream), planned: its
+    global batch and steps per epoch come from the source."""
+    from meshfit import streams
+
+    return streams.TrainStream(data.train, seed, replicas, steps)
 
 
 def train_batches(data: RunData, recipe, global_batch: int, seed: int, steps: int | None):
@@ -181,6 +242,10 @@ def train_batches(data: RunData, recipe, global_batch: int, seed: int, steps: in
 
 def eval_batches(data: RunData, split: Split, batch: int):
     """Batches covering every sample of `split` once (the last one zero-padded)."""
+    from meshfit import streams
+
+    if isinstance(split, streams.EvalSource):
+        return streams.EvalStream(split, batch)
     if data.streamed:
         from meshfit import imagefolder
 

@@ -534,10 +534,20 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
         strategy.replicas, strategy.platform, strategy.device_kind, global_batch=asked_batch,
         per_core_batch=the_recipe.per_core_batch, rounding=batch_rounding and saved is None)
     dataset = data.load(the_recipe, request.data_dir, request.seed, saved.dataset if saved else None)
-    train_samples = data.size(dataset.train)
-    global_batch = fit_batch_to_data(global_batch, train_samples, strategy.replicas,
-                                     planned=not asked_batch and not the_recipe.per_core_batch)
-    steps = plan_steps(the_recipe, train_samples, global_batch)
+    stream = None
+    if dataset.from_source:  # the source sets the batch and, counted, the steps
+        stream = data.stream_batches(dataset, request.seed, strategy.replicas,
+                                     the_recipe.steps_per_epoch)
+        if request.batch_size and request.batch_size != stream.global_batch:
+            raise MeshfitError(f"the recipe's train source yields batches of {stream.global_batch} "
+                               f"samples on {strategy.replicas} replica(s), not --batch-size "
+                               f"{request.batch_size}; batch the source itself")
+        global_batch, steps = stream.global_batch, stream.steps_per_epoch
+    else:
+        train_samples = data.size(dataset.train)
+        global_batch = fit_batch_to_data(global_batch, train_samples, strategy.replicas,
+                                         planned=not asked_batch and not the_recipe.per_core_batch)
+        steps = plan_steps(the_recipe, train_samples, global_batch)
     dispatch = planning.steps_per_dispatch(strategy.platform, strategy.engine, steps or 1,
                                            steps_per_dispatch)
     start_session(strategy, request.seed)
@@ -548,10 +558,13 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
     from meshfit.report import EpochReport
 
     with strategy.scope():
-        batches = data.train_batches(dataset, the_recipe, global_batch, request.seed, steps)
+        batches = stream if stream is not None else data.train_batches(
+            dataset, the_recipe, global_batch, request.seed, steps)
         steps = batches.steps_per_epoch
         model = build(the_recipe, dataset, steps, request.epochs, dispatch)
         slices = tf_microbatch.choose(model, global_batch, request.micro_batches, strategy.engine)
+        if stream is not None:  # every batch needs a row per slice
+            slices = stream.slices = min(slices, stream.smallest_batch or slices)
         run_spec = make_spec(request, strategy, dataset, steps=steps, global_batch=global_batch,
                              dispatch=dispatch, slices=slices, command=command)
 
@@ -564,8 +577,9 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
             if the_recipe.callbacks is not None:
                 from meshfit.callbacks import RecipeCallbacks
 
-                own_callbacks = RecipeCallbacks(the_recipe.callbacks(),
-                                                resume_state.get("callbacks") if resume_state else None)
+                own_callbacks = RecipeCallbacks(
+                    the_recipe.callbacks(), resume_state.get("callbacks") if resume_state else None,
+                    resume_state.get("extra_arrays") if resume_state else None, epochs=request.epochs)
             if chief:
                 write_recipe(run, the_recipe)
                 write_config(run, run_spec, saved_config, resume_state, command)
@@ -580,7 +594,8 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
                 every_seconds=every_seconds, epoch_end=at_epoch_end, keep=run_spec.keep_checkpoints,
                 resume_state=resume_state, write=chief,
                 extra=lambda: {"seed": run_spec.seed, "history": history, "config": run_spec.to_dict(),
-                               "callbacks": own_callbacks.state() if own_callbacks else []})
+                               "callbacks": own_callbacks.state() if own_callbacks else []},
+                extra_arrays=lambda: own_callbacks.arrays() if own_callbacks else {})
             loss = the_recipe.make_loss()
             watch = monitoring(run, chief, verbose, report, global_batch, steps, tensorboard,
                                log_every, profile_steps)

@@ -289,3 +289,45 @@ def test_data_needs_an_image_size_and_no_recipe(tmp_path):
         out = run_meshfit("train", *args, env=env)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert message in out.stderr.strip().splitlines()[-1]
+
+
+def test_early_stopping_restores_the_same_best_weights_after_a_resume(tmp_path):
+    """EarlyStopping(restore_best_weights=True) keeps its best weights (arrays) through a
+    checkpoint: a run stopped mid-epoch 2 and resumed ends with the uninterrupted run's weights,
+    both the restored best (model.keras) and the last epoch's (the final checkpoint)."""
+    import signal
+
+    import keras
+
+    from meshfit import checkpoints
+    from meshfit.checkpoints import TrainingInterrupted
+    from meshfit.training import train
+
+    recipe = write_recipe(tmp_path, epochs=3, callbacks=True)
+    text = open(recipe).read().replace(  # epoch 1 is the best; never stops early
+        "patience=1, min_delta=100.0)", "patience=5, min_delta=100.0, restore_best_weights=True)")
+    open(recipe, "w").write(text)
+
+    class StopAt(keras.callbacks.Callback):  # SIGTERM at epoch 2, step 3: save and stop there
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 3):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    options = dict(simulate_devices=8, engine="jax", verbose=False, tensorboard=False,
+                   checkpoint_every="epoch")
+    train(recipe, out=str(tmp_path / "whole"), **options)
+    with pytest.raises(TrainingInterrupted):
+        train(recipe, out=str(tmp_path / "cut"), callbacks=[StopAt()], **options)
+    train(resume=str(tmp_path / "cut"), **options)
+    for run in ("whole", "cut"):
+        assert [r["epoch"] for r in json.load(open(tmp_path / run / rundir.HISTORY))] == [1, 2, 3]
+    weights = [keras.saving.load_model(tmp_path / run / rundir.MODEL).get_weights()
+               for run in ("whole", "cut")]
+    assert all(np.array_equal(a, b) for a, b in zip(*weights))
+    last = [checkpoints.read_arrays(checkpoints.latest(tmp_path / run / rundir.CHECKPOINTS))
+            for run in ("whole", "cut")]
+    assert not [k for k in last[0] if not np.array_equal(last[0][k], last[1][k])]
+    assert not np.array_equal(last[0]["model/00000"], weights[0][0])  # the best is not the last

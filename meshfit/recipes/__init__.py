@@ -52,7 +52,9 @@ class Recipe:
     sub-folder per class (a path relative to the recipe file, read from disk batch by batch; with
     train/ and test/ or val/ sub-folders used as given), or a callable `dataset(seed)` returning
     `((x_train, y_train), (x_test, y_test))` uint8 image arrays (N, H, W, C) and integer labels,
-    as keras.datasets' load_data() does, or a meshfit.datasets.Dataset.
+    as keras.datasets' load_data() does, a meshfit.datasets.Dataset, or a dict of streamed
+    sources {"train": ..., "validation": ... or None, "test": ... or None, "class_names": [...]}
+    (a PyDataset, tf.data.Dataset, Grain dataset or generator function each; see meshfit.streams).
     image_size: (height, width) pixels that folder images are resized to; channels: 1 (grey) or 3.
     validation_split: the share of the training data held out for the per-epoch val_* metrics
     (the test set is then scored once, at the end); 0 evaluates on the test set every epoch, as
