@@ -504,8 +504,10 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
         the_recipe = dataclasses.replace(the_recipe, steps_per_epoch=saved.steps_per_epoch,
                                          validation_split=saved.validation_split)
         asked = recipe.name if isinstance(recipe, recipes.Recipe) else recipe
-        if asked and recipes.is_file(asked):
-            asked = recipes.load_file(asked).name
+        if asked and recipes.is_file(asked):  # the run's own copy trains; the file only names it
+            same = (saved.recipe_sha256 and os.path.isfile(asked)
+                    and rundir.file_sha256(asked) == saved.recipe_sha256)
+            asked = saved.recipe if same else recipes.load_file(asked).name
         spec.check_resume(saved, resume, recipe=asked, batch_size=batch_size, seed=seed,
                           precision=precision)
     else:

@@ -117,6 +117,22 @@ def test_early_stopping_decides_after_a_resume_as_without_it(tmp_path):
     assert resumed["test_accuracy"] == pytest.approx(whole["test_accuracy"], abs=1e-6)
 
 
+def test_resuming_with_the_recipe_file_runs_only_the_runs_copy(tmp_path):
+    """`meshfit train FILE --resume RUN` with the file unchanged does not execute FILE again (its
+    hash names it); the run's copy alone trains."""
+    from meshfit.training import train
+
+    recipe, counter = write_recipe(tmp_path, epochs=2), tmp_path / "executed"
+    with open(recipe, "a") as f:
+        f.write(f"open({str(counter)!r}, 'a').write('x')\n")
+    train(recipe, out=str(tmp_path / "run"), epochs=1, engine="jax", verbose=False,
+          tensorboard=False)
+    counter.write_text("")
+    train(recipe, resume=str(tmp_path / "run"), epochs=2, engine="jax", verbose=False,
+          tensorboard=False)
+    assert counter.read_text() == "x"
+
+
 @pytest.mark.parametrize("text, message", [
     ("x = 1\n", "defines no RECIPE = meshfit.Recipe(...)"),
     ("import meshfit\n\nRECIPE = 1 / 0\n", ".py:3 failed: ZeroDivisionError"),
