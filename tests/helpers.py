@@ -108,3 +108,22 @@ def read_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return {tag: sorted(points) for tag, points in scalars.items()}
+
+
+# Recipe-file text for tests that write recipe files (the file must `import os`): a callback that
+# SIGKILLs the run at the start of the train batch KILL_AT="epoch,batch" names.
+KILL_AT_CALLBACKS = '''def callbacks():
+    import signal
+
+    import keras
+
+    class KillAt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if f"{self.epoch},{batch}" == os.environ.get("KILL_AT"):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return [KillAt()]
+'''

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 from PIL import Image
-from helpers import cli_env, run_meshfit
+from helpers import KILL_AT_CALLBACKS, cli_env, run_meshfit
 
 from meshfit import data, recipes, rundir, spec
 from meshfit.errors import MeshfitError
@@ -206,21 +206,7 @@ def optimizer(steps_per_epoch, epochs):
     return keras.optimizers.Adam(0.01)
 
 
-def callbacks():
-    import signal
-
-    import keras
-
-    class KillAt(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_begin(self, batch, logs=None):
-            if f"{self.epoch},{batch}" == os.environ.get("KILL_AT"):
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    return [KillAt()]
-
+''' + KILL_AT_CALLBACKS + '''
 
 RECIPE = meshfit.Recipe(name="pets", dataset="pets", image_size=(12, 12), channels=3,
                         build_model=build_model, optimizer=optimizer, epochs=2, global_batch=8,

@@ -7,10 +7,25 @@ import signal
 
 import numpy as np
 import pytest
-from helpers import cli_env, run_meshfit
+from helpers import KILL_AT_CALLBACKS, cli_env, run_meshfit
 
 from meshfit import checkpoints, data, recipes, rundir
 from meshfit.errors import MeshfitError
+
+# The model and optimizer of the test recipes: logistic regression on 8x8 images.
+DENSE_MODEL = '''def build_model(input_shape, num_classes):
+    import keras
+
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Rescaling(1 / 127.5, offset=-1),
+                             keras.layers.Flatten(), keras.layers.Dropout(0.2),
+                             keras.layers.Dense(num_classes, activation="softmax")])
+
+
+def optimizer(steps_per_epoch, epochs):
+    import keras
+
+    return keras.optimizers.Adam(0.01)
+'''
 
 # 203 training images in batches of 16: 12 of 16 and a last one of 11, cut to 8 on 8 devices.
 # Test batches of 16 (45 images: the last of 13). callbacks() SIGKILLs its process at $KILL_AT.
@@ -49,35 +64,9 @@ def dataset(seed):
             "class_names": ["dark", "bright"]}
 
 
-def build_model(input_shape, num_classes):
-    import keras
+''' + DENSE_MODEL + '''
 
-    return keras.Sequential([keras.Input(input_shape), keras.layers.Rescaling(1 / 127.5, offset=-1),
-                             keras.layers.Flatten(), keras.layers.Dropout(0.2),
-                             keras.layers.Dense(num_classes, activation="softmax")])
-
-
-def optimizer(steps_per_epoch, epochs):
-    import keras
-
-    return keras.optimizers.Adam(0.01)
-
-
-def callbacks():
-    import signal
-
-    import keras
-
-    class KillAt(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_begin(self, batch, logs=None):
-            if f"{self.epoch},{batch}" == os.environ.get("KILL_AT"):
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    return [KillAt()]
-
+''' + KILL_AT_CALLBACKS + '''
 
 RECIPE = meshfit.Recipe(name="streamy", dataset=dataset, build_model=build_model,
                         optimizer=optimizer, epochs=2, callbacks=callbacks)
@@ -171,19 +160,7 @@ def dataset(seed):
     return {"train": train, "validation": validation, "class_names": ["dark", "bright"]}
 
 
-def build_model(input_shape, num_classes):
-    import keras
-
-    return keras.Sequential([keras.Input(input_shape), keras.layers.Rescaling(1 / 127.5, offset=-1),
-                             keras.layers.Flatten(), keras.layers.Dropout(0.2),
-                             keras.layers.Dense(num_classes, activation="softmax")])
-
-
-def optimizer(steps_per_epoch, epochs):
-    import keras
-
-    return keras.optimizers.Adam(0.01)
-
+''' + DENSE_MODEL + '''
 
 RECIPE = meshfit.Recipe(name="tfdata", dataset=dataset, build_model=build_model,
                         optimizer=optimizer, epochs=2)
