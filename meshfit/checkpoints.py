@@ -44,7 +44,7 @@ from typing import Any, Iterator
 import keras
 import numpy as np
 
-from meshfit import cluster, rundir
+from meshfit import cluster, launch_status, rundir
 from meshfit.errors import MeshfitError
 from meshfit.rundir import list_checkpoints
 
@@ -386,6 +386,7 @@ class Checkpointer(keras.callbacks.Callback):
         the previous call (or, with settle, at any call until now); every process calls this at
         the same points of training.
         """
+        launch_status.advance()  # progress for meshfit launch's watchdog, before the vote may wait
         if self._vote is None:
             return self.stop_signal
         signum = self._vote.cast(self.stop_signal or 0)

@@ -24,6 +24,8 @@ In the job every process passes the same global data or batches: `fit_arguments(
 `Strategy.fit`) cuts them to each process's rows, `predict()` gathers outputs that Keras' predict
 cannot, `barrier()` lines the processes up.
 A process that fails leaves at once (`exit_failed()`), so its peers are not left waiting for it.
+Under `meshfit launch`, `join()` leaves a marker for the launcher (meshfit.launch_status), which
+then names a process that never arrived.
 `Vote` lets the processes agree on a number (e.g. "stop, on this signal") without a host sync.
 """
 
@@ -40,7 +42,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from meshfit import env
+from meshfit import env, launch_status
 from meshfit.errors import MeshfitError
 
 SHUTDOWN_TIMEOUT_SECONDS = 300  # how long finished processes wait at exit for the slowest one
@@ -158,6 +160,7 @@ def join(environ=os.environ) -> Job | None:
         raise MeshfitError(f"cannot join the {job.num_processes}-process job ({job.source}): JAX "
                            "already started; call meshfit.connect() before anything else uses JAX")
     init_timeout = _seconds_env(env.INIT_TIMEOUT, 300, environ)
+    launch_status.joining(job.process_id)  # under meshfit launch: tells the launcher this one arrived
     if job.coordinator and job.process_id != 0 and not _reachable(job.coordinator, init_timeout):
         raise MeshfitError(
             f"cannot reach the coordinator {job.coordinator} within {init_timeout} s (this is process "
@@ -476,6 +479,7 @@ def predict(model, batches: Iterable[Any]):
     other = [v.value for v in model.non_trainable_variables]
     outputs = []
     for batch in batches:
+        launch_status.advance()  # progress for meshfit launch's watchdog, before the batch may wait
         x = batch[0] if isinstance(batch, tuple) and len(batch) == 1 else batch
         result = call(trainable, other, jax.tree.map(to_global, x))
         outputs.append(multihost_utils.process_allgather(result, tiled=True))

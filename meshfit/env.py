@@ -12,6 +12,11 @@
   MESHFIT_LOCAL_DEVICE_IDS   the local devices this process uses, e.g. "0"
   MESHFIT_INIT_TIMEOUT       seconds to wait for every process to join (default 300)
   MESHFIT_HEARTBEAT_TIMEOUT  seconds of silence after which a process counts as dead (default 60)
+  MESHFIT_STALL_TIMEOUT      meshfit launch: seconds without training progress in any process,
+                             after the first step, before the job counts as hung and is stopped
+                             (default 600; 0: never)
+  MESHFIT_LAUNCH_STATUS      set by meshfit launch: the folder of its processes' status files
+                             (meshfit.launch_status)
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ PROCESS_ID = "MESHFIT_PROCESS_ID"
 LOCAL_DEVICE_IDS = "MESHFIT_LOCAL_DEVICE_IDS"
 INIT_TIMEOUT = "MESHFIT_INIT_TIMEOUT"
 HEARTBEAT_TIMEOUT = "MESHFIT_HEARTBEAT_TIMEOUT"
+STALL_TIMEOUT = "MESHFIT_STALL_TIMEOUT"
+LAUNCH_STATUS = "MESHFIT_LAUNCH_STATUS"
 
 
 def read_int(name: str, environ: Mapping[str, str] = os.environ, example: int = 2) -> int | None:

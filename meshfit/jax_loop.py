@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from meshfit import launch_status
 from meshfit.planning import check_steps_per_dispatch
 
 
@@ -131,6 +132,7 @@ class _TrainFunction:
             self._compile(state)
         if not all(a.committed for a in jax.tree.leaves(state)):
             state = jax.device_put(state, self._shardings)  # one compiled program, not two
+        launch_status.advance()  # for meshfit launch's watchdog: reading batches may wait for other hosts
         batches = []
         for batch in iterator:
             batches.append(batch)
@@ -138,6 +140,7 @@ class _TrainFunction:
                 break
         if not batches:
             raise StopIteration
+        launch_status.advance(len(batches))  # and so may the dispatch (no device sync here)
         if self._multi is not None and len(batches) == self.steps and _same_shapes(batches):
             logs, state = self._multi(state, batches)
         else:

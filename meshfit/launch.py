@@ -10,6 +10,16 @@ and waits. When a process exits non-zero or is killed, the others get SIGTERM an
 process that exits 130 or 143 (stopped on SIGINT/SIGTERM after an agreed save, see
 meshfit.checkpoints) first gets its peers `GRACE_SECONDS` to stop the same way.
 
+Two faults leave every process alive, so the launcher watches the status files its processes
+write into a folder of their own (MESHFIT_LAUNCH_STATUS, see meshfit.launch_status):
+- a process that never reaches `meshfit.connect` (its peers give up joining after
+  MESHFIT_INIT_TIMEOUT): the line names it, as the one without a join marker; should no process
+  give up, the launcher stops the job `GRACE_SECONDS` after that timeout itself;
+- a process that hangs alive (deadlocked, stuck in Python: JAX's heartbeats go on, its peers wait
+  in a collective for ever): once the first training step is reported, when no process makes
+  progress for MESHFIT_STALL_TIMEOUT seconds (default 600, 0: never) the job is stopped (exit
+  code 124) and the process furthest behind (fewest steps) is named as the one that hung.
+
 Nothing outlives the launcher: SIGTERM, SIGHUP or Ctrl-C stop the processes as above, a second
 Ctrl-C kills them at once, and on Linux each process gets SIGKILL when the launcher dies (even by
 SIGKILL). The coordinator and gloo listen on 127.0.0.1 only. On a real multi-host job run the
@@ -23,21 +33,25 @@ import contextlib
 import ctypes
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import IO, Iterator, Sequence
 
-from meshfit import env
+from meshfit import env, launch_status
 from meshfit.errors import MeshfitError
 
 GRACE_SECONDS = 10.0  # between SIGTERM and SIGKILL when stopping the other processes
 TAIL_LINES = 20  # lines of a failed process's output shown when only process 0 is shown
 KEPT_LINES = 200  # lines of each process's output kept to find why it failed
 INIT_TIMEOUT_SECONDS = 120  # local processes start together, so joining should be quick
+STALL_TIMEOUT_SECONDS = 600  # no training progress in any process for this long: the job hung
+POLL_SECONDS = 1.0  # how often the launcher reads its processes' status files
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a process that stopped after saving
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -63,9 +77,15 @@ def command_line(command: Sequence[str]) -> list[str]:
 
 
 def process_environment(index: int, processes: int, port: int, devices_per_process: int,
-                        base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of process `index`: the job's MESHFIT_* variables over `base`."""
+                        base: dict[str, str] | None = None, status: str | None = None) -> dict[str, str]:
+    """The environment of process `index`: the job's MESHFIT_* variables over `base`.
+
+    status: the folder for the processes' status files (MESHFIT_LAUNCH_STATUS), if any.
+    """
     variables = dict(os.environ if base is None else base)
+    variables.pop(env.LAUNCH_STATUS, None)
+    if status is not None:
+        variables[env.LAUNCH_STATUS] = status
     variables.pop(env.LOCAL_DEVICE_IDS, None)
     variables.update({
         env.COORDINATOR: f"127.0.0.1:{port}",
@@ -182,7 +202,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
 
     show: "all" prefixes every line with "[i] "; "first" shows process 0's lines as they are and
     the last lines of any other process that fails. timeout: stop everything after so many
-    seconds (None: no limit). A process dying stops the others within `grace` seconds.
+    seconds (None: no limit). A process dying stops the others within `grace` seconds; so does a
+    process that never joins or a job that stops progressing (MESHFIT_STALL_TIMEOUT).
     """
     if processes < 1:
         raise MeshfitError(f"--processes must be at least 1, got {processes}")
@@ -194,6 +215,9 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
         raise MeshfitError(f"unknown --show {show!r}; use all or first")
     argv = command_line(command)
     port = port or free_port()
+    stall_timeout = env.read_int(env.STALL_TIMEOUT, example=STALL_TIMEOUT_SECONDS)
+    stall_timeout = STALL_TIMEOUT_SECONDS if stall_timeout is None else stall_timeout
+    init_timeout = env.read_int(env.INIT_TIMEOUT) or INIT_TIMEOUT_SECONDS  # as the processes get it
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, _interrupt)  # a stopped launch stops its processes too
@@ -201,13 +225,15 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     started: list[_Process] = []
     codes: dict[int, int] = {}
+    status = tempfile.mkdtemp(prefix="meshfit-launch-")
+    watch = _Watch(status, processes, init_timeout, stall_timeout)
     try:
         for i in range(processes):
-            env = process_environment(i, processes, port, devices_per_process)
+            variables = process_environment(i, processes, port, devices_per_process, status=status)
             shown = show == "all" or i == 0
             prefix = f"[{i}] " if show == "all" else ""
             try:
-                started.append(_Process(i, argv, env, shown, prefix, lock))
+                started.append(_Process(i, argv, variables, shown, prefix, lock))
             except OSError as e:
                 raise MeshfitError(f"cannot start {argv[0]!r} ({e.strerror}); check the command after --") from None
         for p in started:
@@ -217,15 +243,23 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
               file=sys.stderr, flush=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         failure = None
-        for _ in range(processes):
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        while len(codes) < processes:
+            wait = POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
             try:
-                index, code = exits.get(timeout=wait)
+                index, code = exits.get(timeout=max(0.0, wait))
             except queue.Empty:
+                now = time.monotonic()
+                verdict = None
+                if deadline is not None and now >= deadline:
+                    verdict = f"the job ran past --timeout {timeout:g} s"
+                elif failure is None:
+                    verdict = watch.poll(now)
+                if verdict is None:
+                    continue
                 _stop(started, grace)
                 _finish(started)
-                print(f"meshfit: error: the job ran past --timeout {timeout:g} s; stopped all "
-                      f"{processes} processes", file=sys.stderr, flush=True)
+                print(f"meshfit: error: {verdict}; stopped all {processes} processes", file=sys.stderr,
+                      flush=True)
                 return 124
             codes[index] = code
             if code != 0 and failure is None:
@@ -233,6 +267,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
                 _stop(started, grace, patience=grace if code in STOP_CODES else 0.0)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
+        missing = watch.missing()
+        shutil.rmtree(status, ignore_errors=True)
     _finish(started)
     if failure is None:
         return 0
@@ -246,10 +282,80 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
         for line in list(started[index].tail)[-TAIL_LINES:]:
             print(f"[{index}] {line}", file=sys.stderr)
     others = processes - 1
-    print(f"meshfit: error: process {index} of {processes} failed with {describe_exit(code)}"
-          + diagnosis(started[index].tail)
-          + (f"; stopped the other {others} process(es)" if others else ""), file=sys.stderr, flush=True)
+    if missing and index not in missing:  # it was waiting for processes that never came
+        what = (never_joined(missing, processes, watch.init_timeout)
+                + f"; process {index} gave up waiting ({describe_exit(code)})")
+    else:
+        what = f"process {index} of {processes} failed with {describe_exit(code)}"
+        what += diagnosis(started[index].tail)
+    print(f"meshfit: error: {what}" + (f"; stopped the other {others} process(es)" if others else ""),
+          file=sys.stderr, flush=True)
     return code if code > 0 else 128 - code
+
+
+def never_joined(missing: Sequence[int], processes: int, init_timeout: float) -> str:
+    """'process 1 of 2 never joined the job (...)': the processes without a join marker."""
+    who = (f"process {missing[0]} of {processes}" if len(missing) == 1 else
+           f"processes {', '.join(map(str, missing))} of {processes}")
+    they = "it" if len(missing) == 1 else "they"
+    return (f"{who} never joined the job ({they} did not reach meshfit.connect within "
+            f"{init_timeout:g} s; {env.INIT_TIMEOUT})")
+
+
+class _Watch:
+    """The launcher's view of its processes' status files (meshfit.launch_status).
+
+    `poll()` says why the job must be stopped: processes that never joined (INIT_TIMEOUT plus
+    GRACE_SECONDS after the first began joining, should their peers not give up by themselves),
+    or a job without progress for `stall_timeout` seconds (0: never) since the first step.
+    """
+
+    def __init__(self, directory: str, processes: int, init_timeout: float, stall_timeout: float):
+        self.directory, self.processes = directory, processes
+        self.init_timeout, self.stall_timeout = init_timeout, stall_timeout
+        self.first_joined: float | None = None  # when the first process began joining
+        self.progress: dict[int, tuple[int, int]] = {}  # (steps started, reports) of each process
+        self.last_progress: float | None = None  # when any process last progressed, once armed
+
+    def missing(self) -> list[int]:
+        """The processes that never began joining while others did (else [])."""
+        joined = launch_status.joined(self.directory)
+        return sorted(set(range(self.processes)) - joined) if joined else []
+
+    def poll(self, now: float) -> str | None:
+        """A reason to stop the job now, or None."""
+        missing = self.missing()
+        if missing and self.first_joined is None:
+            self.first_joined = now
+        if missing and now - self.first_joined > self.init_timeout + GRACE_SECONDS:
+            return never_joined(missing, self.processes, self.init_timeout)
+        found = launch_status.progress(self.directory)
+        progress = {i: counts[:2] for i, counts in found.items()}
+        armed = self.last_progress is not None or any(c[2] > 1 for c in found.values())
+        if armed and progress != self.progress:  # from a second dispatch: the first compiled
+            self.last_progress = now
+        self.progress = progress
+        if self.stall_timeout and self.last_progress is not None and \
+                now - self.last_progress > self.stall_timeout:
+            return self.hung()
+        return None
+
+    def hung(self) -> str:
+        """Which process hung: the one furthest behind (fewest steps, then fewest reports)."""
+        counts = {i: self.progress.get(i, (0, 0)) for i in range(self.processes)}
+        lowest = min(counts.values())
+        behind = [i for i, c in counts.items() if c == lowest]
+        still = f"no process made progress for {self.stall_timeout:g} s ({env.STALL_TIMEOUT})"
+        if self.processes == 1:
+            return f"process 0 of 1 hung after starting {lowest[0]} training steps: {still}"
+        if len(behind) > 1:
+            return (f"the job hung: {still}, and processes {', '.join(map(str, behind))} stopped at "
+                    f"the same point (after starting {lowest[0]} training steps), so which one hung "
+                    "is not known")
+        most = max(c[0] for i, c in counts.items() if i != behind[0])
+        others = f"the others started {most}" if most > lowest[0] else "the others as many, but got further"
+        return (f"process {behind[0]} of {self.processes} hung after starting {lowest[0]} training "
+                f"steps ({others}): {still}")
 
 
 def diagnosis(lines: Sequence[str]) -> str:

@@ -245,6 +245,137 @@ def test_second_ctrl_c_kills_the_processes_instead_of_abandoning_them():
     assert not left
 
 
+# ------------------------------------------------------------- processes that never join or hang
+
+def test_watch_names_the_process_furthest_behind_once_none_progresses(tmp_path):
+    watch = launch._Watch(str(tmp_path), 3, init_timeout=5, stall_timeout=30)
+    for i in range(3):  # in the first dispatch (compiling) for a long time: not armed yet
+        (tmp_path / f"progress-{i}").write_text("1 2 1\n")  # steps started, reports, dispatches
+    assert watch.poll(0.0) is None and watch.poll(1000.0) is None
+    for i, counts in enumerate(["13 40 13", "12 38 12", "13 41 13"]):
+        (tmp_path / f"progress-{i}").write_text(counts + "\n")
+    assert watch.poll(1001.0) is None and watch.poll(1030.0) is None
+    assert watch.poll(1031.5) == ("process 1 of 3 hung after starting 12 training steps (the others "
+                                  "started 13): no process made progress for 30 s (MESHFIT_STALL_TIMEOUT)")
+    (tmp_path / "progress-1").write_text("13 40 13\n")  # it moved on: a new 30 s
+    assert watch.poll(1040.0) is None
+    assert watch.poll(1071.0).startswith("the job hung: no process made progress for 30 s (MESHFIT_STALL_"
+                                         "TIMEOUT), and processes 0, 1 stopped at the same point")
+    (tmp_path / "progress-0").write_text("13 42 13\n")
+    assert watch.poll(1072.0) is None
+    assert watch.poll(1103.0).startswith("process 1 of 3 hung after starting 13 training steps (the "
+                                         "others as many, but got further)")
+
+
+def test_watch_names_processes_that_never_joined(tmp_path):
+    watch = launch._Watch(str(tmp_path), 3, init_timeout=5, stall_timeout=0)
+    assert watch.poll(0.0) is None and watch.missing() == []  # none has begun joining yet
+    (tmp_path / "joining-0").touch()
+    assert watch.poll(1.0) is None and watch.missing() == [1, 2]
+    assert watch.poll(1.0 + 5 + launch.GRACE_SECONDS + 0.5) == (
+        "processes 1, 2 of 3 never joined the job (they did not reach meshfit.connect within 5 s; "
+        "MESHFIT_INIT_TIMEOUT)")
+    for i in (1, 2):
+        (tmp_path / f"joining-{i}").touch()
+    (tmp_path / "progress-0").write_text("5 6 5\n")
+    assert watch.poll(100.0) is None and watch.poll(10_000.0) is None  # stall_timeout 0: never
+
+
+def test_training_reports_progress_before_reading_batches_and_before_each_dispatch(strategy, monkeypatch):
+    import keras
+
+    from meshfit import jax_loop, launch_status
+
+    reports = []
+    monkeypatch.setattr(launch_status, "advance", lambda steps=0: reports.append(steps))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    jax_loop.install(model, 2)
+    x, y = np.zeros((40, 4), "float32"), np.zeros((40, 2), "float32")
+    strategy.fit(model, x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)  # 5 steps, 2 per dispatch
+    assert reports == [0, 2, 0, 2, 0, 1]  # before reading the batches, then their steps before the dispatch
+
+
+def test_status_folder_is_given_to_the_processes_and_removed_after():
+    out = run_meshfit("launch", "--processes", "2", "--", sys.executable, "-c",
+                      "import os; print(os.environ['MESHFIT_LAUNCH_STATUS'])", timeout=60)
+    assert out.returncode == 0, out.stderr
+    folders = {line.split()[1] for line in out.stdout.splitlines()}
+    assert len(folders) == 1 and not os.path.exists(folders.pop())
+    bad = run_meshfit("launch", "--processes", "2", "--", sys.executable, "-c", "pass",
+                      env={"MESHFIT_STALL_TIMEOUT": "ten"}, timeout=60)
+    assert bad.returncode == 2 and "MESHFIT_STALL_TIMEOUT='ten' is not a whole number" in bad.stderr
+
+
+NEVER_STARTS = ("import os, sys, time\n"
+                "if os.environ['MESHFIT_PROCESS_ID'] == '1':\n"
+                "    time.sleep(600)  # alive, but never runs meshfit\n"
+                "os.execv(sys.executable, [sys.executable, '-m', 'meshfit', 'info'])\n")
+
+
+def test_a_process_that_never_joins_is_named_and_the_job_ends():
+    start = time.monotonic()
+    out = run_meshfit("launch", "--processes", "2", "--", sys.executable, "-c", NEVER_STARTS,
+                      env={"MESHFIT_INIT_TIMEOUT": "3"}, timeout=120)
+    seconds = time.monotonic() - start
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "meshfit: error: process 1 of 2 never joined the job (it did not reach meshfit.connect within 3 s; "
+        "MESHFIT_INIT_TIMEOUT); process 0 gave up waiting"), out.stderr[-3000:]
+    assert seconds < 3 + launch.GRACE_SECONDS + 45  # the join timeout, the grace, start-up
+    pids = [int(p) for p in re.search(r"pids (\d+) (\d+)", out.stderr).groups()]
+    assert not [p for p in pids if alive(p)]
+
+
+# Process 1 hangs alive in Python at step 5 (JAX's heartbeats go on); process 0 then waits in the
+# next collective for ever. The progress report comes before each collective, as in meshfit.jax_loop.
+HANGS = """
+import os, time, meshfit
+from meshfit import cluster, launch_status
+meshfit.connect(verbose=False)
+vote = cluster.Vote()
+for step in range(1000):
+    if os.environ["MESHFIT_PROCESS_ID"] == "1" and step == 5:
+        print("hanging", flush=True)
+        while True:
+            time.sleep(0.1)
+    launch_status.advance(1)
+    vote.cast(1)
+    vote.settle()
+"""
+LAUNCH_WITH_SHORT_GRACE = ("import sys; from meshfit.launch import launch; "
+                           "sys.exit(launch(sys.argv[1:], 2, grace=2))")
+
+
+def test_a_hung_process_is_named_and_the_job_ends_after_the_stall_timeout(tmp_path):
+    stall, grace = 3, 2
+    with open(tmp_path / "stderr", "w+") as stderr:
+        job = subprocess.Popen([sys.executable, "-c", LAUNCH_WITH_SHORT_GRACE, sys.executable, "-c", HANGS],
+                               stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+                               env=dict(os.environ, MESHFIT_STALL_TIMEOUT=str(stall)))
+        try:
+            for line in job.stdout:
+                if line == "[1] hanging\n":
+                    break
+            hung = time.monotonic()
+            code = job.wait(timeout=120)
+            seconds = time.monotonic() - hung
+        finally:
+            if job.poll() is None:
+                job.kill()
+        stderr.seek(0)
+        text = stderr.read()
+    assert code == 124, text[-3000:]
+    assert text.strip().splitlines()[-1] == (
+        "meshfit: error: process 1 of 2 hung after starting 5 training steps (the others started 6): no "
+        "process made progress for 3 s (MESHFIT_STALL_TIMEOUT); stopped all 2 processes")
+    # the stall timeout, the progress files' and the launcher's 1 s periods, SIGTERM to SIGKILL
+    assert seconds < stall + 2 * launch.POLL_SECONDS + grace + 10
+    pids = [int(p) for p in re.search(r"pids (\d+) (\d+)", text).groups()]
+    assert not [p for p in pids if alive(p)]
+
+
 LISTENING = """
 import os, meshfit
 from meshfit import cluster
