@@ -21,10 +21,12 @@ Bad data, decided once:
     full decode then resize).
 JPEGs are decoded by libjpeg-turbo through simplejpeg, which needs no GIL (the same pixels as
 Pillow for RGB; for channels=1 libjpeg's luma channel, which can differ from Pillow's
-convert("L") of the decoded RGB by a few levels where the colour subsampling blurs, e.g. 6 on noise). 8-bit grey and
-RGB PNGs without transparency are decoded by libspng through pyspng (the same pixels as Pillow,
-about 8x less CPU time for small images: 9 vs 72 us for a 28x28 digit). Every other file, CMYK
-JPEGs and files these decoders refuse go through Pillow.
+convert("L") of the decoded RGB by a few levels where the colour subsampling blurs, e.g. 6 on
+noise). Small PNGs (at most SMALL_PNG_PIXELS, 8-bit grey or RGB, no transparency) are decoded by
+libspng through pyspng: the same pixels as Pillow for an eighth of the CPU time (9 vs 72 us for a
+28x28 digit, where Pillow's per-call overhead dominates). pyspng holds the GIL while it decodes,
+so larger PNGs go through Pillow, which decodes in parallel threads. Every other file, CMYK JPEGs
+and files these decoders refuse go through Pillow too.
 
 Training batches follow pipeline.TrainBatches exactly: epoch e visits the files in the
 permutation drawn from (seed, e), `steps_per_epoch` global batches, the last partial one
@@ -32,8 +34,9 @@ dropped; flip-crop parameters come from (seed, epoch, step). So batch (epoch, st
 function of (seed, epoch, step), and equals TrainBatches' batch on the same images in memory.
 
 Decoding runs on a pool of threads (simplejpeg and Pillow release the GIL while they decode and
-resize), a few images per task, with PREFETCH_BATCHES batches decoded ahead of the one being used: memory holds a
-few batches, whatever the folder's size. (Measured against Grain and tf.data: BENCHMARKS.md,
+resize; one thread for images too cheap to gain from more, see _Decoder), a few images per task,
+with PREFETCH_BATCHES batches decoded ahead of the one being used: memory holds a few batches,
+whatever the folder's size. (Measured against Grain and tf.data: BENCHMARKS.md,
 "Input pipeline: image folders".) In a job of several processes each process decodes only its
 own rows of every global batch (cluster.local_rows).
 """
@@ -45,6 +48,7 @@ import concurrent.futures
 import functools
 import io
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -58,7 +62,11 @@ from meshfit.pipeline import CROP_PADDING
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 PREFETCH_BATCHES = 2  # batches decoded ahead of the one being used
 MAX_CHUNK = 32  # images per decoding task at most
+MEASURED_IMAGES = 256  # images decoded on one thread before choosing the number of threads
+CHEAP_IMAGE_SECONDS = 100e-6  # CPU time per image below which decoding stays on one thread
 HEADER_BYTES = 65536  # bytes read at scan to check a JPEG's header
+READ_BYTES = 1 << 20  # a file is read in pieces of this many bytes
+SMALL_PNG_PIXELS = 64 * 64  # larger PNGs go through Pillow (pyspng holds the GIL while it decodes)
 SPLIT_NAMES = {"train": ("train",), "validation": ("val", "validation"), "test": ("test",)}
 
 
@@ -227,8 +235,7 @@ def load_image(path: str, image_size: tuple[int, int], channels: int,
     if out is None:
         out = np.empty((height, width, channels), np.uint8)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = _read(path)
         if data[:3] == b"\xff\xd8\xff":
             decoded = _decode_jpeg(data, out)
         else:
@@ -238,6 +245,21 @@ def load_image(path: str, image_size: tuple[int, int], channels: int,
     except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, ValueError...)
         raise MeshfitError(f"cannot read image {path} ({_reason(e)}); fix or remove it") from None
     return out
+
+
+def _read(path: str) -> bytes:
+    """A file's bytes, with os.read (a third of the CPU time of open().read() for small files)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.read(fd, READ_BYTES)
+        if len(data) < READ_BYTES:
+            return data
+        chunks = [data]
+        while chunk := os.read(fd, READ_BYTES):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _check_pixels(width: int, height: int) -> None:
@@ -293,7 +315,10 @@ def _decode_png(data: bytes, out: np.ndarray) -> bool:
         return False
     if len(data) < 33 or data[12:16] != b"IHDR" or data[24] != 8 or b"tRNS" in data:
         return False
-    _check_pixels(int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big"))
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    _check_pixels(width, height)
+    if width * height > SMALL_PNG_PIXELS:
+        return False  # Pillow: it decodes without the GIL, so in parallel threads
     colour = data[25]
     channels = out.shape[2]
     if colour not in (_PNG_GREY, _PNG_RGB) or (colour == _PNG_RGB and channels == 1):
@@ -356,23 +381,44 @@ def default_workers() -> int:
 
 
 class _Decoder:
-    """Decodes lists of files into uint8 batches on a thread pool, a few images per task."""
+    """Decodes lists of files into uint8 batches on a thread pool, a few images per task.
+
+    workers: threads; by default one until MEASURED_IMAGES images are decoded, then one per core
+    if an image took at least CHEAP_IMAGE_SECONDS of CPU time. Cheaper images (small PNGs, tiny
+    JPEGs) stay on one thread: their time goes mostly to Python code that holds the GIL, and a
+    second thread only contends for it (28x28 PNG digits on 2 cores: 38 CPU-us and 27,000
+    images/s on one thread, 76 CPU-us and 16,000 images/s on two).
+    """
 
     def __init__(self, image_size: tuple[int, int], channels: int, workers: int | None):
         self.image_size, self.channels = image_size, channels
-        self.workers = max(1, int(workers or default_workers()))
+        self.workers = max(1, int(workers)) if workers else 1
+        self._adapt = not workers and default_workers() > 1
+        self._costs: list[tuple[float, int]] = []  # (thread CPU seconds, images) of decoded chunks
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The pool, grown to one thread per core once decoding proves costly enough."""
+        if self._adapt and sum(n for _, n in self._costs) >= MEASURED_IMAGES:
+            self._adapt = False
+            seconds = sum(t for t, _ in self._costs) / sum(n for _, n in self._costs)
+            if seconds >= CHEAP_IMAGE_SECONDS:
+                self.workers = default_workers()
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)  # its queued tasks still run
+                self._pool = None
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, "meshfit-decode")
+        return self._pool
 
     def submit(self, files: Sequence[str], rows: int | None = None,
                transform: Callable[[np.ndarray, slice], np.ndarray] | None = None) -> Callable[[], np.ndarray]:
         """Start decoding `files` into an array of `rows` images (zeros after the files); returns a
         function that waits and gives the array. transform(images, rows) rewrites a decoded chunk."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, "meshfit-decode")
+        pool = self._threads()
         out = np.zeros((rows or len(files), *self.image_size, self.channels), np.uint8)
         chunk = max(1, min(MAX_CHUNK, -(-len(files) // (2 * self.workers))))
-        futures = [self._pool.submit(self._decode, files, slice(i, min(i + chunk, len(files))), out,
-                                     transform)
+        futures = [pool.submit(self._decode, files, slice(i, min(i + chunk, len(files))), out, transform)
                    for i in range(0, len(files), chunk)]
 
         def result() -> np.ndarray:
@@ -388,8 +434,11 @@ class _Decoder:
         return result
 
     def _decode(self, files, where: slice, out: np.ndarray, transform) -> None:
+        started = time.thread_time()
         for i in range(where.start, where.stop):
             load_image(files[i], self.image_size, self.channels, out[i])
+        if self._adapt:
+            self._costs.append((time.thread_time() - started, where.stop - where.start))
         if transform is not None:
             out[where] = transform(out[where], where)
 

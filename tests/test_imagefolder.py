@@ -246,6 +246,24 @@ def test_iterate_keeps_only_a_few_batches_in_flight(folder, monkeypatch):
     stream.close()
 
 
+@pytest.mark.parametrize("cheap_below, threads", [(1.0, 1), (0.0, 4)])
+def test_decoding_grows_to_a_thread_per_core_only_for_costly_images(folder, monkeypatch, cheap_below,
+                                                                   threads):
+    found, _, _ = folder
+    monkeypatch.setattr(imagefolder, "default_workers", lambda: 4)
+    monkeypatch.setattr(imagefolder, "MEASURED_IMAGES", 8)
+    monkeypatch.setattr(imagefolder, "CHEAP_IMAGE_SECONDS", cheap_below)
+    batches = imagefolder.FolderTrainBatches(found, SIZE, 3, 2)
+    assert batches._decoder.workers == 1  # until MEASURED_IMAGES are decoded
+    stream = batches.iterate()
+    taken = [next(stream) for _ in range(15)]
+    stream.close()
+    assert batches._decoder.workers == threads
+    for step, (x, y) in enumerate(taken):  # the same batches whatever the threads
+        expected = batches.batch(step // len(batches), step % len(batches))
+        assert np.array_equal(x, expected[0]) and np.array_equal(y, expected[1])
+
+
 def test_each_process_decodes_only_its_rows(folder, monkeypatch):
     found, _, _ = folder
     whole = imagefolder.FolderTrainBatches(found, SIZE, 3, 8, augment="flip-crop").batch(1, 1)
