@@ -248,13 +248,14 @@ def load_image(path: str, image_size: tuple[int, int], channels: int,
 
 
 def _read(path: str) -> bytes:
-    """A file's bytes, with os.read (a third of the CPU time of open().read() for small files)."""
+    """A file's bytes, with os.read: half the CPU time of open().read() for small files."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        data = os.read(fd, READ_BYTES)
-        if len(data) < READ_BYTES:
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size + 1)
+        if len(data) == size:  # the whole file, the usual case
             return data
-        chunks = [data]
+        chunks = [data]  # a short read, or a file that grew: read on to its end
         while chunk := os.read(fd, READ_BYTES):
             chunks.append(chunk)
         return b"".join(chunks)
