@@ -282,7 +282,14 @@ def write_config(run: str, run_spec: RunSpec, saved_config: dict | None, resume_
 EVALUATION_NOTES = {  # what announce says about the per-epoch val_* metrics
     "test": "val_* on the test set each epoch, as the tutorials did; ",
     "validation": "val_* on a held-out validation split, the test set scored at the end; ",
-    "none": "no validation data (set validation_split); "}
+    "none": "no validation data (set validation_split); ",
+    "test-own": "val_* on the test set each epoch (no validation split or source given); "}
+
+
+def evaluation_note(run_spec: RunSpec) -> str:
+    """What the start line says about val_*: built-in recipes follow the tutorials, recipe files do not."""
+    own = run_spec.evaluated_on == "test" and run_spec.recipe_file
+    return EVALUATION_NOTES.get("test-own" if own else run_spec.evaluated_on, "")
 
 
 def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state) -> None:
@@ -300,7 +307,7 @@ def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state) -
         per_dispatch += f", gradients summed over {run_spec.micro_batches} cache-sized micro-batches"
     print(f"training {run_spec.recipe}: {run_spec.epochs} epoch(s) x {run_spec.steps_per_epoch} steps "
           f"of {run_spec.global_batch} images (global batch){per_dispatch}, seed {run_spec.seed}; "
-          f"{EVALUATION_NOTES.get(run_spec.evaluated_on, '')}run directory {run}", flush=True)
+          f"{evaluation_note(run_spec)}run directory {run}", flush=True)
 
 
 class _EpochEnd:

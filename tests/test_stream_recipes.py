@@ -124,6 +124,7 @@ def test_pydataset_recipe_trains_on_the_default_engine(tmp_path):
     assert metrics["engine"] == "tensorflow" and metrics["replicas"] == 1
     assert metrics["steps_per_epoch"] == 13 and metrics["test_accuracy"] >= 0.95, metrics
     assert "does not split" not in out.stderr
+    assert "val_* on the test set each epoch (no validation split or source given)" in out.stdout
     scored = run_meshfit("eval", run, "--json", env=cli_env(tmp_path, engine="tensorflow"))
     assert scored.returncode == 0, scored.stderr
     assert json.loads(scored.stdout.strip().splitlines()[-1])["test_accuracy"] == pytest.approx(
