@@ -341,7 +341,8 @@ class Checkpointer(keras.callbacks.Callback):
     every_seconds have passed since the last save (either, both or neither); always at epoch end
     unless epoch_end=False. keep: how many checkpoints to keep. extra(): JSON data saved with each
     checkpoint (seed, history, settings); extra_arrays(): numpy arrays saved with it (a recipe
-    callback's best weights). resume_state: what `restore` returned, when resuming mid-epoch. write: False on processes other than 0 (they sync state but write nothing).
+    callback's best weights). resume_state: what `restore` returned, when resuming mid-epoch.
+    write: False on processes other than 0 (they sync state but write nothing).
     In a job of several processes a stop requested on any of them stops all at the same step.
     """
 
