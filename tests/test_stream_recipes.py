@@ -12,7 +12,14 @@ from helpers import KILL_AT_CALLBACKS, cli_env, run_meshfit
 from meshfit import checkpoints, data, recipes, rundir
 from meshfit.errors import MeshfitError
 
-# The model and optimizer of the test recipes: logistic regression on 8x8 images.
+# The data, model and optimizer of the test recipes: bright or dark 8x8 images, logistic regression.
+IMAGES = '''def images(seed, n):
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 2, n)
+    x = np.clip(70 + 110 * labels[:, None, None, None] + rng.normal(0, 30, (n, 8, 8, 1)), 0, 255)
+    return x.astype("uint8"), labels.astype("int32")
+'''
+
 DENSE_MODEL = '''def build_model(input_shape, num_classes):
     import keras
 
@@ -39,12 +46,7 @@ import meshfit
 BATCH = 16
 
 
-def images(seed, n):
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, 2, n)
-    x = np.clip(70 + 110 * labels[:, None, None, None] + rng.normal(0, 30, (n, 8, 8, 1)), 0, 255)
-    return x.astype("uint8"), labels.astype("int32")
-
+''' + IMAGES + '''
 
 def dataset(seed):
     import keras
@@ -138,12 +140,7 @@ import numpy as np
 import meshfit
 
 
-def images(seed, n):
-    rng = np.random.default_rng(seed)
-    labels = rng.integers(0, 2, n)
-    x = np.clip(70 + 110 * labels[:, None, None, None] + rng.normal(0, 30, (n, 8, 8, 1)), 0, 255)
-    return x.astype("uint8"), labels.astype("int32")
-
+''' + IMAGES + '''
 
 def dataset(seed):
     import tensorflow as tf
