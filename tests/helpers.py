@@ -4,6 +4,7 @@ Fixtures are in conftest.py; these are the plain functions and constants the tes
 """
 
 import glob
+import json
 import os
 import struct
 import subprocess
@@ -108,6 +109,26 @@ def read_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
             for value in event.summary.value:
                 scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
     return {tag: sorted(points) for tag, points in scalars.items()}
+
+
+def drop_state_field(checkpoint: str, field: str) -> None:
+    """Remove `field` from a checkpoint's state.json and update its manifest entry to match, as a
+    hand edit that keeps the checksums right would: only the state's own check can find it."""
+    from meshfit import rundir
+
+    state = os.path.join(checkpoint, rundir.CHECKPOINT_STATE)
+    manifest_path = os.path.join(checkpoint, rundir.CHECKPOINT_MANIFEST)
+    with open(state) as f:
+        content = json.load(f)
+    del content[field]
+    with open(state, "w") as f:
+        f.write(json.dumps(content))
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest["files"][rundir.CHECKPOINT_STATE] = {"bytes": os.path.getsize(state),
+                                                  "sha256": rundir.file_sha256(state)}
+    with open(manifest_path, "w") as f:
+        f.write(json.dumps(manifest))
 
 
 # Recipe-file text for tests that write recipe files (the file must `import os`): a callback that

@@ -6,7 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import cli_env, run_meshfit, write_idx_dataset
+from helpers import cli_env, drop_state_field, run_meshfit, write_idx_dataset
 
 from meshfit import checkpoints, datasets, rundir
 from meshfit.errors import MeshfitError
@@ -168,7 +168,7 @@ def test_a_checkpoint_is_committed_by_its_manifest_never_by_renaming_a_folder(st
 def test_a_damaged_checkpoint_is_refused_before_any_variable_changes(strategy, tmp_path, damage):
     model = _dense_model(strategy)
     path = checkpoints.save(tmp_path, model, epoch=0, step=3, steps_per_epoch=10)
-    arrays, state = os.path.join(path, "arrays.npz"), os.path.join(path, "state.json")
+    arrays = os.path.join(path, "arrays.npz")
     if damage == "truncated arrays":
         os.truncate(arrays, 100)
     elif damage == "flipped byte":
@@ -178,15 +178,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_variable_changes(strategy, t
     elif damage == "no manifest field":
         open(os.path.join(path, "manifest.json"), "w").write('{"format": 2}')
     else:  # with a manifest that matches, as a hand-edited file would not
-        import json
-
-        content = json.load(open(state))
-        del content["steps_per_epoch"]
-        open(state, "w").write(json.dumps(content))
-        manifest = json.load(open(os.path.join(path, "manifest.json")))
-        manifest["files"]["state.json"] = {"bytes": os.path.getsize(state),
-                                           "sha256": rundir.file_sha256(state)}
-        open(os.path.join(path, "manifest.json"), "w").write(json.dumps(manifest))
+        drop_state_field(path, "steps_per_epoch")
     model.trainable_variables[0].assign(np.zeros((3, 2)))
     with pytest.raises(checkpoints.CheckpointDamaged, match=f"checkpoint {path} is damaged"):
         checkpoints.restore(model, path)

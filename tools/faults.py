@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from helpers import write_idx_dataset  # noqa: E402
+from helpers import drop_state_field, write_idx_dataset  # noqa: E402
 
 from meshfit import datasets  # noqa: E402
 from meshfit.errors import MeshfitError  # noqa: E402
@@ -705,13 +705,7 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
             elif damage == "truncated manifest":
                 os.truncate(os.path.join(newest, "manifest.json"), 10)
             elif damage == "state lacking a field":  # rewritten with a matching manifest
-                content = json.load(open(state))
-                del content["steps_per_epoch"]
-                open(state, "w").write(json.dumps(content))
-                manifest = json.load(open(os.path.join(newest, "manifest.json")))
-                manifest["files"]["state.json"] = {"bytes": os.path.getsize(state),
-                                                   "sha256": rundir.file_sha256(state)}
-                open(os.path.join(newest, "manifest.json"), "w").write(json.dumps(manifest))
+                drop_state_field(newest, "steps_per_epoch")
             else:
                 os.remove(arrays)
             identical(f"resume with a {damage} newest checkpoint", run)
