@@ -16,6 +16,13 @@ from meshfit import cluster, env
 from meshfit.errors import MeshfitError
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
+# Several CPU devices: each device's work runs on XLA:CPU's intra-op pool (a thread per device),
+# and with Eigen's multi-threaded convolutions and matmuls a device's all-reduce runs as the
+# continuation of pool tasks, parking pool threads that another device's work needs: the process
+# aborts after 40 s ("Termination timeout for 'all reduce'"; 7 of 8 stress runs before, 0 of 8
+# after, BENCHMARKS.md). Single-threaded kernels keep each device's work on its own thread; with
+# more devices than cores, intra-op threads had nothing to add.
+_SINGLE_THREADED_KERNELS = "--xla_cpu_multi_thread_eigen=false"
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,16 @@ def simulate_devices(count: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+def keep_cpu_collectives_safe() -> None:
+    """Before JAX starts with several CPU devices (ours or the user's XLA_FLAGS), ask XLA:CPU for
+    single-threaded kernels, unless the user set that flag (see _SINGLE_THREADED_KERNELS)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    count = re.search(rf"{_COUNT_FLAG}=(\d+)", flags)
+    if (count and int(count.group(1)) > 1 and "xla_cpu_multi_thread_eigen" not in flags
+            and not cluster.jax_started()):
+        os.environ["XLA_FLAGS"] = f"{flags} {_SINGLE_THREADED_KERNELS}".strip()
+
+
 def requested_simulation(simulate: int | None) -> int | None:
     """The simulated device count asked for by argument, else by $MESHFIT_SIMULATE_DEVICES."""
     if simulate is not None:
@@ -89,6 +106,7 @@ def discover(simulate: int | None = None, require: str | None = None) -> DeviceI
     simulate = requested_simulation(simulate)
     if simulate is not None:
         simulate_devices(simulate)
+    keep_cpu_collectives_safe()
     cluster.join()  # a multi-host job must be joined before JAX starts its backends
     import jax
 

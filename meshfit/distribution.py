@@ -37,6 +37,8 @@ class Strategy:
     platform = property(lambda self: self.info.platform, doc="'tpu', 'gpu' or 'cpu'.")
     device_kind = property(lambda self: self.info.device_kind, doc="e.g. 'TPU v4' or the CPU model.")
     hosts = property(lambda self: self.info.hosts, doc="Processes (hosts) in the job.")
+    distribution = property(lambda self: self._distribution,
+                            doc="The Keras distribution (JAX on several devices), else None.")
 
     @property
     def replicas(self) -> int:
@@ -50,12 +52,16 @@ class Strategy:
         return peak * self.replicas if peak else None
 
     def activate(self) -> None:
-        """Make this strategy's distribution and precision the global Keras ones."""
+        """Make this strategy's distribution and precision the global Keras ones, and this the
+        strategy plain `model.fit`/`evaluate`/`predict` run under (see meshfit.keras_hooks)."""
         import keras
+
+        from meshfit import keras_hooks
 
         keras.config.set_dtype_policy(planning.keras_policy(self.precision))
         if self.engine == "jax":
             keras.distribution.set_distribution(self._distribution)  # None on one device
+        keras_hooks.set_active(self)
 
     @contextlib.contextmanager
     def scope(self) -> Iterator["Strategy"]:
@@ -63,7 +69,10 @@ class Strategy:
         Keras distribution and dtype policy in force before are restored on exit."""
         import keras
 
+        from meshfit import keras_hooks
+
         policy, distribution = keras.config.dtype_policy(), keras.distribution.distribution()
+        strategy = keras_hooks.active()
         self.activate()
         try:
             yield self
@@ -71,6 +80,7 @@ class Strategy:
             keras.config.set_dtype_policy(policy)
             if self.engine == "jax":
                 keras.distribution.set_distribution(distribution)
+            keras_hooks.set_active(strategy)
 
     def global_batch(self, per_core: int, rounding: bool = True) -> int:
         """Global batch for `per_core` samples per core, rounded to the hardware multiple."""
@@ -107,20 +117,23 @@ class Strategy:
     def fit(self, model, x=None, y=None, *, batch_size: int | None = None, epochs: int = 1,
             callbacks: list | None = None, verbose: int = 0, report: bool = True,
             micro_batches: int | str = "auto", **kwargs):
-        """`model.fit` with every batch split across the replicas and the per-epoch report on.
+        """`model.fit` under this strategy, with the global batch checked and the report on.
 
-        x: numpy arrays (with y and batch_size, the global batch: checked to split across the
-        replicas), or any source Keras reads, yielding (x, y) or (x, y, sample_weight) global
+        Plain `model.fit` after `connect()` already runs on every replica with the per-epoch
+        report (see meshfit.keras_hooks); this adds: `batch_size` (the global batch) checked to
+        split across the replicas, the report even with verbose=0 (report=False: none), and
+        micro-batches on TensorFlow (slices each batch's gradient is summed over; 'auto':
+        cache-sized on a CPU; 1: whole batches; with slices, every batch needs at least that
+        many samples, and a shorter one is cut with a warning).
+        x: numpy arrays, or any source Keras reads yielding (x, y) or (x, y, sample_weight) global
         batches: a tf.data.Dataset, a keras.utils.PyDataset, a generator or other iterator, a
-        grain.MapDataset / IterDataset. validation_data likewise.
-        A last batch that does not split across the replicas is cut to the largest multiple of
-        them, with one warning naming the samples left out (arrays: before fit; streams: as the
-        batch comes, every epoch); see meshfit.sources for why it is not padded. A generator
-        (read only once) trains one epoch unless steps_per_epoch is given.
-        micro_batches: slices each batch's gradient is summed over ('auto': cache-sized on a CPU;
-        1: whole batches); with slices, every batch needs at least that many samples.
+        grain.MapDataset / IterDataset; validation_data likewise. On one host a batch that does
+        not split across the replicas is computed whole on every device (exact); on several
+        hosts, where each process feeds its own rows, it is cut to the largest multiple of the
+        replicas with one warning (see meshfit.sources). A generator (read only once) trains one
+        epoch unless steps_per_epoch is given.
         """
-        from meshfit import sources, tf_microbatch
+        from meshfit import keras_hooks, sources, tf_microbatch
         from meshfit.report import EpochReport
 
         callbacks = list(callbacks or [])
@@ -129,15 +142,13 @@ class Strategy:
             batch_size = self.check_batch(batch_size)
         if report and self.info.process_index == 0 and not any(isinstance(c, EpochReport) for c in callbacks):
             callbacks.append(EpochReport(batch_size=batch_size, strategy=self))
-        if self.engine == "jax" and model.train_function is None:  # on-device k-step loop
-            from meshfit import jax_loop
-
-            jax_loop.install(model, model.steps_per_execution)
         if self.engine == "tensorflow" and tf_microbatch.installed(model) != slices:
             tf_microbatch.install(model, slices)
-        with self.scope(), warnings.catch_warnings():
+        with self.scope(), warnings.catch_warnings(), (
+                contextlib.nullcontext() if report else keras_hooks.report_off()):
             if not (self.hosts > 1 and getattr(x, "process_local", False)):  # else it yields its own rows
-                x, y, kwargs = sources.prepare(x, y, batch_size, self.replicas, slices, epochs, kwargs)
+                cut_to = self.replicas if self.hosts > 1 else 1  # one host: the placement copes
+                x, y, kwargs = sources.prepare(x, y, batch_size, cut_to, slices, epochs, kwargs)
             if self.hosts > 1:  # each process feeds its own rows of every global batch
                 from meshfit import cluster
 

@@ -106,11 +106,12 @@ def install(model, steps: int = 1) -> None:
 class _TrainFunction:
     """Keras' JAX `train_function(state, iterator)`, running k steps per call on the device."""
 
+    _meshfit_waits = True  # it finishes its own dispatches where needed (finish_dispatch)
+
     def __init__(self, model, steps: int):
         self.model = model
         self.steps = steps
         self._shardings = None
-        self._wait = False
         self._multi = None
         self._single = None
 
@@ -118,8 +119,6 @@ class _TrainFunction:
         import jax
 
         self._shardings = jax.tree.map(lambda a: a.sharding, state)
-        devices = {d for a in jax.tree.leaves(state) for d in a.sharding.device_set}
-        self._wait = len(devices) > 1 and next(iter(devices)).platform == "cpu"
         self._single = jax.jit(self.model.train_step, donate_argnums=0,
                                out_shardings=(None, self._shardings))
         if self.steps > 1:
@@ -146,11 +145,23 @@ class _TrainFunction:
         else:
             for batch in batches:
                 logs, state = self._single(state, batch)
-        if self._wait:
-            # Several CPU devices (simulated): XLA:CPU collectives can deadlock with more than one
-            # program in flight on a machine with fewer cores than devices, so finish each dispatch.
-            jax.block_until_ready(logs)
+        finish_dispatch(logs)
         return logs, state
+
+
+def finish_dispatch(outputs) -> None:
+    """Wait for a dispatched program's outputs when they live on several CPU devices.
+
+    XLA:CPU runs each device's part of a program on one pool with a thread per device, and a
+    collective waits for all of them; with two collective programs in flight the pool can fill
+    with parts of both and the process aborts (see meshfit.keras_hooks). One at a time cannot.
+    """
+    import jax
+
+    leaf = next((t for t in jax.tree.leaves(outputs) if isinstance(t, jax.Array)), None)
+    devices = leaf.sharding.device_set if leaf is not None else ()
+    if len(devices) > 1 and next(iter(devices)).platform == "cpu":
+        jax.block_until_ready(outputs)
 
 
 def _same_shapes(batches) -> bool:

@@ -2,8 +2,9 @@
 last batch (43) does not split 8 ways, from numpy arrays, tf.data, a PyDataset, a generator and
 Grain datasets; on 8 simulated devices, on one, on the TensorFlow engine and on 2 processes.
 
-On 8 replicas the short batch is cut to 40, so every source trains on the first 1,000 samples in
-the same batches as arrays: the same weights, and a metric that counts rows counts 1,000.
+On one host the short batch is computed whole on every device (meshfit.keras_hooks), so every
+source trains on all 1,003 samples and ends with the weights one device gets. On 2 processes,
+where each feeds its own rows, it is cut to 40: the weights of the first 1,000 samples.
 """
 
 import dataclasses
@@ -24,8 +25,7 @@ from meshfit.distribution import Strategy
 from meshfit.errors import MeshfitError
 
 SAMPLES, BATCH, FEATURES, CLASSES = 1003, 64, 4, 3
-KEPT = 1000  # on 8 replicas: 15 batches of 64 and the last 43 cut to 40
-CUT_WARNING = "a batch of 43 samples does not split across 8 replicas: using 40 of them"
+KEPT = 1000  # on 2 processes x 4 devices: 15 batches of 64 and the last 43 cut to 40
 
 rng = np.random.default_rng(0)
 X = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
@@ -107,15 +107,24 @@ def fit(strategy, model, x, y=None, **kwargs):
     return history.history, [str(w.message) for w in caught], weights.weights
 
 
+def one_device(strategy):
+    """The first of the 8 simulated devices alone, as a Strategy."""
+    return Strategy(dataclasses.replace(strategy.info, devices=strategy.info.devices[:1], devices_per_host=1),
+                    "jax", "float32")
+
+
 @pytest.fixture(scope="module")
-def array_weights():
-    """Weights after each of 2 epochs of the arrays (trimmed to 1,000) on the 8 devices: the reference."""
+def one_device_weights():
+    """Weights after each of 2 epochs of the arrays on one device: the reference."""
     from helpers import connect_eight_devices
 
-    model = tiny_model(connect_eight_devices())
-    history, messages, weights = fit(connect_eight_devices(), model, X, Y, batch_size=BATCH, epochs=2)
-    assert any("dropping the last 3 of 1003 samples" in m for m in messages)
-    assert history["seen"] == [KEPT, KEPT]
+    one = one_device(connect_eight_devices())
+    try:
+        history, messages, weights = fit(one, tiny_model(one), X, Y, batch_size=BATCH, epochs=2)
+    finally:
+        connect_eight_devices()
+    assert history["seen"] == [SAMPLES, SAMPLES]
+    assert not any("split" in m for m in messages)
     return weights
 
 
@@ -124,29 +133,32 @@ def assert_same_weights(a, b):
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_every_source_trains_on_eight_devices_with_the_last_batch_cut(strategy, array_weights, kind):
+@pytest.mark.parametrize("kind", ["arrays"] + KINDS)
+def test_every_source_trains_every_sample_on_eight_devices(strategy, one_device_weights, kind):
     epochs = 1 if kind == "generator" else 2  # a generator is read once
     model = tiny_model(strategy)
-    history, messages, weights = fit(strategy, model, make_source(kind), epochs=epochs)
-    assert history["seen"] == [KEPT] * epochs
+    if kind == "arrays":
+        history, messages, weights = fit(strategy, model, X, Y, batch_size=BATCH, epochs=epochs)
+    else:
+        history, messages, weights = fit(strategy, model, make_source(kind), epochs=epochs)
+    assert history["seen"] == [SAMPLES] * epochs
     assert all(np.isfinite(history["loss"]))
-    assert sum(CUT_WARNING in m for m in messages) == 1  # one warning, not one per epoch
+    assert not any("split" in m for m in messages)  # a short last batch is normal: no warning
     assert not any("ran out of data" in m for m in messages)  # the source's end is the epoch's end
     assert not np.allclose(weights[0][0], INITIAL[0])
-    for epoch in range(epochs):  # the same samples in the same batches as the arrays
-        assert_same_weights(weights[epoch], array_weights[epoch])
+    for epoch in range(epochs):  # the same samples in the same batches as on one device
+        assert_same_weights(weights[epoch], one_device_weights[epoch])
 
 
-def test_validation_sources_are_cut_too(strategy):
+def test_validation_sources_score_every_sample(strategy):
     import tensorflow as tf
 
     model = tiny_model(strategy)
     validation = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH)
     history, _, _ = fit(strategy, model, Batches(), epochs=2, validation_data=validation)
-    assert history["val_seen"] == [KEPT, KEPT]
+    assert history["val_seen"] == [SAMPLES, SAMPLES]
     history, _, _ = fit(strategy, model, X, Y, batch_size=BATCH, validation_data=generator(X[:99], Y[:99]))
-    assert history["val_seen"] == [96]  # 64 and 35 cut to 32
+    assert history["val_seen"] == [99]
 
 
 def test_weighted_batches_with_dict_inputs(strategy):
@@ -157,26 +169,23 @@ def test_weighted_batches_with_dict_inputs(strategy):
     stream = (({"features": X[i:i + BATCH]}, Y[i:i + BATCH], weights[i:i + BATCH])
               for i in range(0, SAMPLES, BATCH))
     history, _, _ = fit(strategy, from_stream, stream)
-    assert history["seen"] == [KEPT]
+    assert history["seen"] == [SAMPLES]
     assert_same_weights(from_stream.get_weights(), from_arrays.get_weights())
 
 
-def test_a_batch_smaller_than_the_replicas_is_left_out(strategy):
+def test_fewer_samples_than_replicas_train(strategy):
     x, y = X[:965], Y[:965]  # 15 batches of 64, then 5: fewer than the 8 replicas
     history, messages, _ = fit(strategy, tiny_model(strategy), generator(x, y))
-    assert history["seen"] == [960]
-    assert any("a batch of 5 samples does not split across 8 replicas: using 0" in m for m in messages)
+    assert history["seen"] == [965]
+    history, messages, _ = fit(strategy, tiny_model(strategy), X[:3], Y[:3], batch_size=BATCH)
+    assert history["seen"] == [3]
+    assert sum("a batch of 3 samples does not split across 8 devices" in m for m in messages) == 1
 
 
-def test_one_device_trains_every_sample(strategy):
-    one = Strategy(dataclasses.replace(strategy.info, devices=strategy.info.devices[:1], devices_per_host=1),
-                   "jax", "float32")
-    try:
-        history, messages, _ = fit(one, tiny_model(one), Batches(), epochs=2)
-    finally:
-        strategy.activate()
-    assert history["seen"] == [SAMPLES, SAMPLES]
-    assert not any("does not split" in m for m in messages)
+def test_a_batch_size_that_does_not_split_is_named_once(strategy):
+    history, messages, _ = fit(strategy, tiny_model(strategy), generator(batch=60), epochs=1)
+    assert history["seen"] == [SAMPLES]
+    assert sum("a batch of 60 samples does not split across 8 devices" in m for m in messages) == 1
 
 
 def test_a_generator_without_steps_trains_one_epoch_only(strategy):
@@ -188,7 +197,7 @@ def test_a_generator_without_steps_trains_one_epoch_only(strategy):
             yield from generator()
 
     history, _, _ = fit(strategy, tiny_model(strategy), forever(), epochs=2, steps_per_epoch=16)
-    assert history["seen"] == [KEPT, KEPT]
+    assert history["seen"] == [SAMPLES, SAMPLES]
 
 
 def test_unreadable_sources_are_one_line_errors(strategy):
@@ -254,7 +263,7 @@ LAUNCH_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_two_processes_cut_streams_as_one_process_does(array_weights, tmp_path):
+def test_two_processes_cut_streams_to_the_first_thousand_samples(strategy, tmp_path):
     script = tmp_path / "fit_streams.py"
     script.write_text(LAUNCH_SCRIPT)
     out = run_meshfit("launch", "--processes", "2", "--devices-per-process", "4", "--timeout", "240", "--",
@@ -264,6 +273,7 @@ def test_two_processes_cut_streams_as_one_process_does(array_weights, tmp_path):
     assert len(results) == 2
     for result in results:
         assert result == {"replicas": 8, "seen": {"generator": [KEPT], "PyDataset": [KEPT]}}
+    _, _, cut = fit(strategy, tiny_model(strategy), X[:KEPT], Y[:KEPT], batch_size=BATCH)
     for kind in ("generator", "PyDataset"):
         saved = np.load(tmp_path / f"{kind}.npz")
-        assert_same_weights([saved[k] for k in saved.files], array_weights[0])
+        assert_same_weights([saved[k] for k in saved.files], cut[0])
