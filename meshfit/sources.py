@@ -1,21 +1,25 @@
-"""Data sources for `Strategy.fit`: arrays, tf.data, PyDataset, generators, Grain, each batch splittable.
+"""Data sources for `Strategy.fit`: arrays, tf.data, PyDataset, generators, Grain, each batch cut
+where it must be.
 
-Data parallelism splits every batch along its first axis across the replicas, so a batch whose
-size is not a multiple of the replicas cannot be placed (JAX fails with an IndivisibleError deep
-inside the step). Arrays are cut before `fit` (`trim_last_batch`). Every other source Keras reads
-(`tf.data.Dataset`, `keras.utils.PyDataset`, generators and other iterators, `grain.MapDataset`,
-`grain.IterDataset`, `grain.DataLoader`) goes through `SplitBatches`: Keras' own adapter for that
-source, with each batch cut as it comes to the largest multiple of the replicas. So a stream of
-1,003 samples in batches of 64 trains 960 + 40 samples per epoch on 8 replicas; the 3 left out are
-named in one warning. On several hosts each cut batch is then cut again to this process's rows.
+On one host no cut is needed: a batch that does not split across the replicas is computed whole
+on every device (meshfit.keras_hooks). Two cases still need cutting. On several hosts each
+process feeds its own rows of every global batch, so a short batch must split across all
+devices. On TensorFlow, micro-batches need at least one sample per slice. Arrays are cut before
+`fit` (`trim_last_batch`). Every other source Keras reads (`tf.data.Dataset`,
+`keras.utils.PyDataset`, generators and other iterators, `grain.MapDataset`, `grain.IterDataset`,
+`grain.DataLoader`) goes through `SplitBatches`: Keras' own adapter for that source, with each
+batch cut as it comes. So a stream of 1,003 samples in batches of 64 trains 960 + 40 samples per
+epoch on 2 hosts of 4 devices; the 3 left out are named in one warning. On several hosts each
+cut batch is then cut again to this process's rows. `SplitBatches` also turns Keras' errors for
+sources it cannot read into one line.
 
 Why cut and not pad the short batch with zero-weight samples (which would keep one compiled
 shape and every sample): padding is exact only for the gradient. Keras counts padded rows in
 metrics that take no sample weight (`accuracy`), weights each batch's loss by its row count in
 the reported mean, and layers that mix samples (batch normalization) and custom `train_step`s
-that ignore weights would see them. Cutting keeps every figure exact and matches what arrays do;
-its cost is one more compilation of the step for the short shape, once per `fit` (measured in
-BENCHMARKS.md). A batch smaller than the replicas (or than the micro-batches) is left out whole.
+that ignore weights would see them. Cutting keeps every figure exact. Its cost is one more
+compilation of the step for the short shape, once per `fit` (measured in BENCHMARKS.md). A
+batch smaller than the replicas (or than the micro-batches) is left out whole.
 """
 
 from __future__ import annotations
@@ -167,6 +171,15 @@ def prepare(x: Any, y: Any, batch_size: int | None, replicas: int, slices: int, 
     A generator, read only once, needs steps_per_epoch to train more than one epoch.
     """
     kwargs = dict(kwargs)
+    if kwargs.get("validation_split") and kwargs.get("validation_data") is None and is_arrays(
+            x, y, kwargs.get("sample_weight")):
+        # Split first, as Keras' fit does, so that only the training part is cut.
+        from keras.src.trainers.data_adapters import array_slicing
+
+        (x, y, weights), kwargs["validation_data"] = array_slicing.train_validation_split(
+            (x, y, kwargs.get("sample_weight")), validation_split=kwargs.pop("validation_split"))
+        if weights is not None:
+            kwargs["sample_weight"] = weights
     validation = kwargs.get("validation_data")
     if is_arrays(x, y, kwargs.get("sample_weight")):
         if batch_size is not None:
