@@ -17,6 +17,7 @@ Results: BENCHMARKS.md, section 2.
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -83,7 +84,7 @@ def run(multi_threaded: bool, wait: bool, timeout: float = 300) -> list[float] |
         text = log.read()
     if child.returncode != 0 or "DONE" not in text:
         raise RuntimeError(f"the run failed (exit {child.returncode}):\n{text[-2000:]}")
-    return [float(line.split()[1]) for line in text.splitlines() if line.startswith("EPOCH_SECONDS")][1:]
+    return [float(s) for s in re.findall(r"EPOCH_SECONDS ([0-9.]+)", text)][1:]  # Keras' bar shares lines
 
 
 def main() -> None:

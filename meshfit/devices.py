@@ -18,10 +18,11 @@ from meshfit.errors import MeshfitError
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Several CPU devices: each device's work runs on XLA:CPU's intra-op pool (a thread per device),
 # and with Eigen's multi-threaded convolutions and matmuls a device's all-reduce runs as the
-# continuation of pool tasks, parking pool threads that another device's work needs: the process
-# aborts after 40 s ("Termination timeout for 'all reduce'"; 7 of 8 stress runs before, 0 of 8
-# after, BENCHMARKS.md). Single-threaded kernels keep each device's work on its own thread; with
-# more devices than cores, intra-op threads had nothing to add.
+# continuation of pool tasks, parking pool threads that another device's work needs, so the
+# process can abort after 40 s ("Termination timeout for 'all reduce'"). Single-threaded kernels
+# keep each device's work on its own thread; with one program in flight (meshfit.keras_hooks) no
+# stress run hung (BENCHMARKS.md, section 2). With more devices than cores, intra-op threads had
+# nothing to add.
 _SINGLE_THREADED_KERNELS = "--xla_cpu_multi_thread_eigen=false"
 
 

@@ -8,7 +8,7 @@ ONNX export is Keras' own `model.export(format="onnx")` on the TensorFlow backen
 .keras file is backend-independent, so a model trained on JAX exports the same way; when this
 process already runs Keras on another backend the export runs in a child process with
 KERAS_BACKEND=tensorflow. Every ONNX file is checked against Keras on random images before it is
-written (max difference of probabilities <= 1e-5) and carries meshfit's metadata: class names,
+written (max difference of probabilities <= 1e-4) and carries meshfit's metadata: class names,
 input shape and the SHA-256 of the .keras file it came from.
 """
 
@@ -30,7 +30,10 @@ from meshfit.engine import installed, loaded_backend
 from meshfit.errors import MeshfitError
 
 FORMATS = ("keras", "onnx")
-ONNX_TOLERANCE = 1e-5  # max |probability difference| allowed between ONNX Runtime and Keras
+# Max |probability difference| allowed between ONNX Runtime and Keras: float rounding of different
+# kernels (oneDNN in TF, MLAS in ONNX Runtime) reached 1.3e-5 on a CIFAR-10 CNN on an AMD EPYC; a
+# wrong conversion differs by 1e-3 or more.
+ONNX_TOLERANCE = 1e-4
 _LOW_PRECISION = {"mixed_bfloat16", "mixed_float16", "bfloat16", "float16"}
 METADATA_KEY = "meshfit"  # ONNX metadata entry: JSON with class_names, input_shape, source_sha256
 _ONNX_PACKAGES = ("tensorflow", "tf2onnx", "onnx", "onnxruntime")

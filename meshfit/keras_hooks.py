@@ -10,13 +10,16 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   IndivisibleError. Every sample counts exactly as on one device (no cut, no padding: see
   meshfit.sources for why padding is not exact); the price is one more compilation for that
   shape and that batch computed on every device rather than split.
-- One program in flight (JAX, several CPU devices): XLA:CPU runs each device's part of a
-  program on one pool with a thread per device, and a collective waits for all of them. With
-  two collective programs in flight (say the last validation step and the next train step,
-  which do not depend on each other), the pool can fill with parts of both, each waiting for a
+- One program in flight (JAX, several CPU devices): XLA:CPU runs every device's part of a
+  program on one intra-op pool with a thread per device, and an all-reduce blocks its thread
+  until every device has arrived. With two collective programs in flight (say the last
+  validation step and the next train step, which do not depend on each other), or with a
+  collective run as the continuation of pool tasks, the pool can fill with threads waiting for a
   part that has no thread left: the process aborts after 40 s ("Termination timeout for
   'all reduce'"). So each train, test and predict dispatch is finished before the next one
-  starts (cost measured in BENCHMARKS.md). Real TPUs and GPUs keep asynchronous dispatch.
+  starts (`jax_loop.finish_dispatch`), and meshfit.devices asks XLA:CPU for single-threaded
+  kernels; either alone still hung in a stress test, both never did (BENCHMARKS.md, section 2,
+  with the cost). Real TPUs and GPUs keep asynchronous dispatch.
 - `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given) and, on JAX,
   meshfit's on-device k-step loop (`meshfit.jax_loop`), as `Strategy.fit` has them.
 
@@ -39,9 +42,7 @@ import keras
 _active = None  # the Strategy activated last, or None
 _report_off = contextvars.ContextVar("meshfit_report_off", default=False)
 _fit_batches = contextvars.ContextVar("meshfit_fit_batches", default=None)  # inside fit: rows seen
-_MAKE_FUNCTIONS = ("make_train_function", "make_test_function", "make_predict_function")
-_FUNCTIONS = {"make_train_function": "train_function", "make_test_function": "test_function",
-              "make_predict_function": "predict_function"}
+_FUNCTIONS = ("train_function", "test_function", "predict_function")  # each made by make_<name>
 
 
 def set_active(strategy) -> None:
@@ -83,8 +84,8 @@ def _install() -> None:
     from keras.src.backend.jax import distribution_lib  # Keras places every batch through it
 
     distribution_lib.distribute_data_input = _placement_hook(distribution_lib.distribute_data_input)
-    for name in _MAKE_FUNCTIONS:
-        setattr(trainer, name, _make_function_hook(getattr(trainer, name), _FUNCTIONS[name]))
+    for name in _FUNCTIONS:
+        setattr(trainer, f"make_{name}", _make_function_hook(getattr(trainer, f"make_{name}"), name))
 
 
 def _placement_hook(place: Callable) -> Callable:
@@ -165,12 +166,13 @@ def _fit_hook(fit: Callable) -> Callable:
             return fit(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         arguments = bound.arguments
-        callbacks = list(arguments.get("callbacks") or [])
+        callbacks = arguments.get("callbacks") or []
         from meshfit.report import EpochReport
 
         if (arguments.get("verbose", "auto") != 0 and not _report_off.get()
-                and strategy.info.process_index == 0
+                and strategy.info.process_index == 0 and isinstance(callbacks, (list, tuple))
                 and not any(isinstance(c, EpochReport) for c in callbacks)):
+            callbacks = list(callbacks)
             callbacks.append(EpochReport(batch_size=_batch_size(arguments), strategy=strategy))
             arguments["callbacks"] = callbacks
         if (strategy.engine == "jax" and self.train_function is None and self.jit_compile

@@ -94,9 +94,9 @@ def test_cli_predict_prints_the_class_keras_gives(cifar_run):
     assert (run / "model.onnx").is_file()  # exported on first predict and cached
     for row, p in zip(result["predictions"], expected):
         assert row["label"] == CLASS_NAMES[int(np.argmax(p))]
-        np.testing.assert_allclose(row["probabilities"], p, atol=1e-5)
+        np.testing.assert_allclose(row["probabilities"], p, atol=export.ONNX_TOLERANCE)
         np.testing.assert_allclose([t["probability"] for t in row["top_k"]],
-                                   np.sort(p)[::-1][:3], atol=1e-5)
+                                   np.sort(p)[::-1][:3], atol=export.ONNX_TOLERANCE)
 
 
 def test_cli_predict_top_k_text_and_show_picture(cifar_run, tmp_path):
@@ -127,9 +127,9 @@ def test_onnx_runtime_equals_keras(cifar_run):
     x = smooth_images(16, seed=3)
     p_fast, p_slow = fast.predict(x), slow.predict(x)
     assert p_fast.shape == (16, 10) and p_fast.dtype == np.float32
-    np.testing.assert_allclose(p_fast, p_slow, atol=1e-5)
+    np.testing.assert_allclose(p_fast, p_slow, atol=export.ONNX_TOLERANCE)
     assert len(set(p_fast.argmax(1))) > 1  # the images get different answers
-    np.testing.assert_allclose(fast.predict(x[0]), p_slow[:1], atol=1e-5)  # one (H, W, C) image
+    np.testing.assert_allclose(fast.predict(x[0]), p_slow[:1], atol=export.ONNX_TOLERANCE)  # one (H, W, C) image
 
 
 def test_changed_keras_model_makes_the_onnx_copy_stale(cifar_run, tmp_path):
@@ -165,7 +165,7 @@ def test_mixed_bfloat16_model_exports_as_float32(tmp_path):
     assert export.export_onnx(source) == str(tmp_path / "mlp.onnx")  # child process on TF
     onnx_predictor = inference.load_predictor(source, backend="onnx", export=False)
     assert onnx_predictor.class_names == tuple(str(i) for i in range(10))  # bare file: indices
-    np.testing.assert_allclose(onnx_predictor.predict(x), p_float32, atol=1e-5)
+    np.testing.assert_allclose(onnx_predictor.predict(x), p_float32, atol=export.ONNX_TOLERANCE)
 
 
 def test_bare_keras_file_reads_any_image_as_the_models_input(tmp_path):
