@@ -105,6 +105,17 @@ def recipe_of_run(run: str, saved: RunSpec) -> recipes.Recipe:
     return recipes.load_file(path)
 
 
+def engine_first(simulate_devices: int | None, engine: str | None, require: str | None) -> None:
+    """Find the devices and import Keras with the engine a run on them uses, before a recipe file
+    runs: Keras fixes its backend at its first import, so a file importing keras at its top then
+    gets that backend (connect() later finds it already chosen)."""
+    from meshfit import devices
+    from meshfit import engine as engine_lib
+
+    info = devices.discover(simulate=simulate_devices, require=require)
+    engine_lib.activate(engine_lib.choose(engine, info.platform, info.device_count))
+
+
 def specify(the_recipe: recipes.Recipe, *, epochs: int | None, batch_size: int | None, seed: int | None,
             precision: str | None, data_dir: str | None, engine: str | None,
             simulate_devices: int | None, checkpoint_every: str | int | None,
@@ -507,6 +518,8 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
     saved, saved_config = spec.read(resume) if resume is not None else (None, None)
     if saved is not None:
         from_python = isinstance(recipe, recipes.Recipe) and not saved.recipe_file
+        if not from_python:
+            engine_first(simulate_devices or saved.simulated_devices, engine or saved.engine, require)
         the_recipe = recipe if from_python else recipe_of_run(resume, saved)
         the_recipe = dataclasses.replace(the_recipe, steps_per_epoch=saved.steps_per_epoch,
                                          validation_split=saved.validation_split)
@@ -518,6 +531,8 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
         spec.check_resume(saved, resume, recipe=asked, batch_size=batch_size, seed=seed,
                           precision=precision)
     else:
+        if isinstance(recipe, str) and recipes.is_file(recipe):
+            engine_first(simulate_devices, engine, require)
         the_recipe = recipe if isinstance(recipe, recipes.Recipe) else recipes.load(recipe)
         changes = {"steps_per_epoch": steps_per_epoch, "validation_split": validation_split}
         the_recipe = dataclasses.replace(the_recipe, **{k: v for k, v in changes.items() if v is not None})
@@ -657,11 +672,11 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices
     """
     run, model_path = rundir.locate_run(run_or_model)
     saved, _ = spec.read(run)
-    recipe = recipe_of_run(run, saved)
 
     from meshfit.distribution import connect
 
     strategy = connect(require=require, simulate=simulate_devices, engine=engine, verbose=verbose)
+    recipe = recipe_of_run(run, saved)  # a recipe file runs after Keras has its engine
     import keras
 
     from meshfit import export, progress
