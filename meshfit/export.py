@@ -102,8 +102,9 @@ def check_keras_file(path: str) -> None:
 def load_keras_model(path: str, run: str | None = None, recipe=None,
                      distributed: bool = False):
     """A .keras model without its optimizer, loaded on the CPU (distributed: under the active
-    distribution instead), in Keras' safe mode (no Python code from the file, such as Lambda layers, is
-    run); one naming classes of its run's recipe file is rebuilt by that recipe (meshfit.models).
+    distribution instead), in Keras' safe mode (no Python code from the file, such as Lambda
+    layers, is run); one naming classes of its run's recipe file is rebuilt by that recipe
+    (meshfit.models).
 
     run: the run directory whose model.keras `path` is (None for a bare .keras file); recipe: the
     run's recipe when already loaded.
@@ -126,7 +127,8 @@ def load_float32(files: rundir.ModelFiles):
     Keras' float32 default), or loaded and converted with float32_model."""
     run = models.run_of(files.keras_path, files.config)
     model = load_keras_model(files.keras_path, run)
-    return model if run is not None and models.needs_recipe(files.keras_path) else float32_model(model)
+    rebuilt = run is not None and models.needs_recipe(files.keras_path)
+    return model if rebuilt else float32_model(model)
 
 
 def float32_model(model):
@@ -182,7 +184,8 @@ def export_keras(source: str | os.PathLike, out: str | None = None) -> str:
     why = models.unsaveable(model)
     if why:
         raise MeshfitError(f"Keras cannot save model {type(model).__name__} as a .keras file of "
-                           f"its own ({why}); give its classes a get_config(), or use --format onnx")
+                           f"its own ({why}); give its classes a get_config(), or use --format "
+                           "onnx")
     with rundir.atomic_path(out, ".keras") as tmp, on_cpu(keras):
         model.save(tmp)
     return out

@@ -61,12 +61,14 @@ def save(model, path: str) -> None:
 
 
 def needs_recipe(keras_path: str) -> bool:
-    """Whether the .keras file's config names a class from outside Keras (a recipe's own)."""
+    """Whether the .keras file's model config names a class from outside Keras (a recipe's own;
+    the loss and optimizer in its compile config are not loaded, so they do not count)."""
     try:
         with zipfile.ZipFile(keras_path) as archive:
             config = json.loads(archive.read("config.json"))
     except (OSError, KeyError, ValueError, zipfile.BadZipFile):
         return False  # not readable as such: Keras' own loader says why
+    config.pop("compile_config", None)
     return any(module.split(".")[0] not in _KERAS_MODULES for module in _modules(config))
 
 
@@ -83,19 +85,15 @@ def _modules(config):
 
 
 def rebuild(run: str, keras_path: str, recipe=None):
-    """The model of `run` built by its recipe file's build_model, with the weights of
-    `keras_path`, computing in the active dtype policy (float32 unless a strategy set another).
+    """The model of `run` (trained from a recipe file) built by that file's build_model, with
+    the weights of `keras_path`, computing in the active dtype policy (float32 unless a strategy
+    set another).
 
     recipe: the run's recipe, when already loaded (else its copy, RUN/recipe.py, is run).
     """
-    import keras
-
     from meshfit import spec, training
 
     saved, _ = spec.read(run)
-    if not saved.recipe_file:
-        raise MeshfitError(f"{keras_path} holds custom classes but {run} was not trained from a "
-                           "recipe file that defines them; load it in Python with those classes")
     recipe = recipe or training.recipe_of_run(run, saved)
     shape = tuple(saved.input_shape)
     try:
@@ -111,6 +109,6 @@ def rebuild(run: str, keras_path: str, recipe=None):
 
 
 def run_of(keras_path: str, config: dict) -> str | None:
-    """The run directory of a model.keras with its config.json beside it, else None."""
+    """The run directory of a model.keras beside the config.json of a run trained from a recipe
+    file (config), else None."""
     return os.path.dirname(os.path.abspath(keras_path)) if config.get("recipe_file") else None
-

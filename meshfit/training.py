@@ -202,8 +202,9 @@ def build(recipe: recipes.Recipe, dataset, steps: int, epochs: int, dispatch_ste
 
 
 def check_saveable(model, recipe: recipes.Recipe) -> None:
-    """A one-line MeshfitError, before training, for a model that could not be written at the end:
-    one Keras cannot serialize, from a recipe without a file to rebuild it from (see meshfit.models)."""
+    """A one-line MeshfitError, before training, for a model that could not be written at the
+    end: one Keras cannot serialize, from a recipe without a file to rebuild it from (see
+    meshfit.models)."""
     from meshfit import models
 
     why = models.unsaveable(model) if recipe.text is None else None
@@ -538,8 +539,9 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
     saved, saved_config = spec.read(resume) if resume is not None else (None, None)
     if saved is not None:
         from_python = isinstance(recipe, recipes.Recipe) and not saved.recipe_file
-        if not from_python:
-            engine_first(simulate_devices or saved.simulated_devices, engine or saved.engine, require)
+        if saved.recipe_file:
+            engine_first(simulate_devices or saved.simulated_devices, engine or saved.engine,
+                         require)
         the_recipe = recipe if from_python else recipe_of_run(resume, saved)
         the_recipe = dataclasses.replace(the_recipe, steps_per_epoch=saved.steps_per_epoch,
                                          validation_split=saved.validation_split)
@@ -615,8 +617,8 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
 
         cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
         with rundir.lock(run) if chief else contextlib.nullcontext():
-            resume_state = (restore(model, run, steps, data.labels(dataset.train), resume_checkpoint,
-                                    dataset.num_classes)
+            resume_state = (restore(model, run, steps, data.labels(dataset.train),
+                                    resume_checkpoint, dataset.num_classes)
                             if saved is not None else None)
             history = list(resume_state["history"]) if resume_state else []
             own_callbacks = None
@@ -707,7 +709,8 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices
         raise MeshfitError(f"{run}'s data has no test set and no validation split to evaluate on")
     batch = math.ceil(saved.global_batch / strategy.replicas) * strategy.replicas
     with strategy.scope():
-        model = export.load_keras_model(model_path, run, recipe, distributed=True)
+        model = export.load_keras_model(model_path, run if saved.recipe_file else None, recipe,
+                                        distributed=True)
         batches = data.eval_batches(dataset, split, batch)
         passes = 2 if recipe.tta_flip else 1
         with progress.task("evaluating", total=len(batches) * passes) as advance:

@@ -160,7 +160,8 @@ class TransformerBlock(layers.Layer):
         super().__init__(**kwargs)
         self.embed_dim, self.num_heads, self.ff_dim = embed_dim, num_heads, ff_dim
         self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
-        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"), layers.Dense(embed_dim)])
+        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"),
+                                     layers.Dense(embed_dim)])
         self.norm1, self.norm2 = layers.LayerNormalization(), layers.LayerNormalization()
 
     def call(self, inputs):
@@ -243,6 +244,19 @@ def test_vit_with_custom_layers_and_keras_at_the_top_trains_on_eight_devices(tmp
     assert result["backend"] == "onnxruntime" and result["predictions"][0]["label"] == "1"
 
 
+def test_several_devices_with_keras_backend_tensorflow_are_refused_in_one_line(tmp_path):
+    """KERAS_BACKEND=tensorflow (one device in meshfit) and --simulate-devices 4: exit 2 and one
+    line naming the fix, before the recipe file runs; never a run on 1 replica."""
+    recipe = tmp_path / "vit.py"
+    recipe.write_text(VIT)
+    out = run_meshfit("train", str(recipe), "--simulate-devices", "4", "--out",
+                      str(tmp_path / "run"), env={**cli_env(tmp_path), "KERAS_BACKEND": "tensorflow"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "meshfit: error: KERAS_BACKEND=tensorflow is set, which trains on one device")
+    assert "KERAS_BACKEND=jax" in out.stderr and not os.path.exists(tmp_path / "run")
+
+
 def test_distiller_with_its_own_compile_trains_evaluates_predicts_and_resumes(tmp_path):
     """A subclassed model without get_config, compiled by the recipe's compile(): saved as its
     weights, rebuilt by build_model for eval, predict and export; --resume extends the run."""
@@ -276,7 +290,7 @@ def test_a_model_keras_cannot_save_without_a_recipe_file_is_refused_before_train
     path = tmp_path / "distill.py"
     path.write_text(DISTILLER)
     recipe = dataclasses.replace(recipes.load_file(path), text=None, file=None)
-    with pytest.raises(MeshfitError, match="Keras cannot save model Distiller .*get_config") as error:
+    with pytest.raises(MeshfitError, match="cannot save model Distiller .*get_config") as error:
         train(recipe, out=str(tmp_path / "run"), verbose=False, tensorboard=False)
     assert "\n" not in str(error.value)
     assert not os.path.exists(tmp_path / "run" / rundir.CONFIG)
