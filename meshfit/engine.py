@@ -83,11 +83,15 @@ def choose(requested: str | None, platform: str, device_count: int) -> str:
         raise MeshfitError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}")
     loaded = loaded_backend()
     if requested == "auto":
-        if loaded:
-            return loaded
-        if os.environ.get("KERAS_BACKEND"):
-            return os.environ["KERAS_BACKEND"]
-        return fastest(platform, device_count)
+        chosen = loaded or os.environ.get("KERAS_BACKEND") or fastest(platform, device_count)
+        if device_count > 1 and chosen not in _MULTI_DEVICE_ENGINES:  # never 1 replica silently
+            why = (f"Keras was already imported with the {chosen} backend" if loaded else
+                   f"KERAS_BACKEND={chosen} is set")
+            raise MeshfitError(
+                f"{why}, which trains on one device in meshfit, but {device_count} {platform} "
+                "devices are in use; let meshfit choose the engine before keras is imported "
+                "(import meshfit and call meshfit.connect() first, or set KERAS_BACKEND=jax)")
+        return chosen
     if loaded and loaded != requested:
         raise MeshfitError(
             f"too late to switch to engine {requested}: Keras was already imported with the "

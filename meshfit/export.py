@@ -25,7 +25,7 @@ from typing import Iterator
 
 import numpy as np
 
-from meshfit import rundir
+from meshfit import models, rundir
 from meshfit.engine import installed, loaded_backend
 from meshfit.errors import MeshfitError
 
@@ -102,18 +102,36 @@ def check_keras_file(path: str) -> None:
         raise ModelUnreadable(f"{path} is not a .keras model (a zip archive); {hint}")
 
 
-def load_keras_model(path: str):
-    """A .keras model loaded on the CPU, without its optimizer (in Keras' safe mode: no Python
-    code from the file, such as Lambda layers, is run)."""
+def load_keras_model(path: str, run: str | None = None, recipe=None,
+                     distributed: bool = False):
+    """A .keras model without its optimizer, loaded on the CPU (distributed: under the active
+    distribution instead), in Keras' safe mode (no Python code from the file, such as Lambda
+    layers, is run); one naming classes of its run's recipe file is rebuilt by that recipe
+    (meshfit.models).
+
+    run: the run directory whose model.keras `path` is (None for a bare .keras file); recipe: the
+    run's recipe when already loaded.
+    """
     check_keras_file(path)
     keras = import_keras()
-    try:
-        with on_cpu(keras):
+    with contextlib.nullcontext() if distributed else on_cpu(keras):
+        if run is not None and models.needs_recipe(path):
+            return models.rebuild(run, path, recipe)
+        try:
             return keras.saving.load_model(path, compile=False, safe_mode=True)
-    except Exception as e:  # Keras raises many kinds for bad files (ValueError, OSError, ...)
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelUnreadable(f"cannot load Keras model {path} ({why}); "
-                              "pass a .keras file written by Keras 3") from e
+        except Exception as e:  # Keras raises many kinds for bad files (ValueError, OSError, ...)
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ModelUnreadable(f"cannot load Keras model {path} ({why}); pass a .keras file "
+                                  "written by Keras 3, or the run directory it came from") from e
+
+
+def load_float32(files: rundir.ModelFiles):
+    """The model of `files` on the CPU computing in float32: rebuilt by its run's recipe (under
+    Keras' float32 default), or loaded and converted with float32_model."""
+    run = models.run_of(files.keras_path, files.config)
+    model = load_keras_model(files.keras_path, run)
+    rebuilt = run is not None and models.needs_recipe(files.keras_path)
+    return model if rebuilt else float32_model(model)
 
 
 def float32_model(model):
@@ -165,7 +183,12 @@ def export_keras(source: str | os.PathLike, out: str | None = None) -> str:
         raise MeshfitError(f"--out {out} must end in .keras for --format keras")
     _refuse_to_overwrite(files, out)
     keras = import_keras()
-    model = float32_model(load_keras_model(files.keras_path))
+    model = load_float32(files)
+    why = models.unsaveable(model)
+    if why:
+        raise MeshfitError(f"Keras cannot save model {type(model).__name__} as a .keras file of "
+                           f"its own ({why}); give its classes a get_config(), or use --format "
+                           "onnx")
     with rundir.atomic_path(out, ".keras") as tmp, on_cpu(keras):
         model.save(tmp)
     return out
@@ -233,8 +256,8 @@ def _export_onnx_here(files: rundir.ModelFiles, out: str) -> None:
     import onnxruntime as ort
 
     keras = import_keras("tensorflow")
-    model = float32_model(load_keras_model(files.keras_path))
-    shape = tuple(int(d) for d in model.input_shape[1:])
+    model = load_float32(files)
+    shape = tuple(int(d) for d in files.config.get("input_shape") or model.input_shape[1:])
     x = np.random.default_rng(0).integers(0, 256, (8, *shape)).astype(np.float32)
     with on_cpu(keras):
         expected = np.asarray(model(x, training=False))  # also marks the model as called

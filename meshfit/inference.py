@@ -217,9 +217,10 @@ def _keras_predictor(files: ModelFiles) -> Predictor:
         raise MeshfitError(f"{files.source} has no .keras model for the Keras backend; "
                            "use --backend onnx")
     keras = export_lib.import_keras()
-    model = export_lib.float32_model(export_lib.load_keras_model(files.keras_path))
+    model = export_lib.load_float32(files)
     shape = files.config.get("input_shape") or model.input_shape[1:]
-    names = _class_names(files, None, model.output_shape[-1])
+    classes = model.output_shape[-1] if hasattr(model, "output_shape") else None  # subclassed: none
+    names = _class_names(files, None, classes)
 
     def run(x: np.ndarray) -> np.ndarray:
         with export_lib.on_cpu(keras):

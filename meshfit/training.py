@@ -105,6 +105,17 @@ def recipe_of_run(run: str, saved: RunSpec) -> recipes.Recipe:
     return recipes.load_file(path)
 
 
+def engine_first(simulate_devices: int | None, engine: str | None, require: str | None) -> None:
+    """Find the devices and import Keras with the engine a run on them uses, before a recipe file
+    runs: Keras fixes its backend at its first import, so a file importing keras at its top then
+    gets that backend (connect() later finds it already chosen)."""
+    from meshfit import devices
+    from meshfit import engine as engine_lib
+
+    info = devices.discover(simulate=simulate_devices, require=require)
+    engine_lib.activate(engine_lib.choose(engine, info.platform, info.device_count))
+
+
 def specify(the_recipe: recipes.Recipe, *, epochs: int | None, batch_size: int | None, seed: int | None,
             precision: str | None, data_dir: str | None, engine: str | None,
             simulate_devices: int | None, checkpoint_every: str | int | None,
@@ -180,9 +191,27 @@ def build(recipe: recipes.Recipe, dataset, steps: int, epochs: int, dispatch_ste
     model = recipe.build_model(tuple(recipe.input_shape or dataset.input_shape), dataset.num_classes)
     if recipe.prepare is not None:
         recipe.prepare(model, dataset)
-    model.compile(optimizer=recipe.optimizer(steps, epochs), loss=recipe.make_loss(),
-                  metrics=["accuracy"], steps_per_execution=dispatch_steps)
+    optimizer = recipe.optimizer(steps, epochs)
+    if recipe.compile is None:
+        model.compile(optimizer=optimizer, loss=recipe.make_loss(), metrics=["accuracy"],
+                      steps_per_execution=dispatch_steps)
+    else:  # the model's own compile signature (a subclassed model's)
+        recipe.compile(model, optimizer)
+        model.steps_per_execution = dispatch_steps
     return model
+
+
+def check_saveable(model, recipe: recipes.Recipe) -> None:
+    """A one-line MeshfitError, before training, for a model that could not be written at the
+    end: one Keras cannot serialize, from a recipe without a file to rebuild it from (see
+    meshfit.models)."""
+    from meshfit import models
+
+    why = models.unsaveable(model) if recipe.text is None else None
+    if why:
+        raise MeshfitError(f"Keras cannot save model {type(model).__name__} ({why}); give its "
+                           "classes a get_config(), or train it from a recipe file, whose run "
+                           "rebuilds it with build_model")
 
 
 def make_spec(request: Request, strategy, dataset, *, steps: int, global_batch: int,
@@ -218,14 +247,15 @@ def write_recipe(run: str, recipe: recipes.Recipe) -> None:
             f.write(recipe.text)
 
 
-def restore(model, run: str, steps: int, labels: np.ndarray,
-            checkpoint: str | None = None) -> dict[str, Any]:
+def restore(model, run: str, steps: int, labels: np.ndarray, checkpoint: str | None = None,
+            classes: int | None = None) -> dict[str, Any]:
     """Load a checkpoint into the model; return its state (see checkpoints.restore).
 
     checkpoint: the one to load (as named on --resume); default the newest intact one: a damaged
     newer one is skipped with a warning (the run then repeats the steps it had saved). A run
     stopped before its first checkpoint starts from the beginning (its weights are those of a
-    new run with its seed), recorded as resumed from checkpoint "none".
+    new run with its seed), recorded as resumed from checkpoint "none". classes: the width of
+    the outputs of a subclassed model, which has no output_shape.
     """
     from meshfit import checkpoints  # imports Keras: only after connect() chose the engine
 
@@ -253,14 +283,15 @@ def restore(model, run: str, steps: int, labels: np.ndarray,
     if state["steps_per_epoch"] != steps:
         raise MeshfitError(f"{path} was taken at {state['steps_per_epoch']} steps per epoch but "
                            f"this run has {steps}; resume with the same data")
-    _build_metrics(model, labels[:1])
+    _build_metrics(model, labels[:1], classes)
     state["path"] = path
     return state
 
 
-def _build_metrics(model, labels: np.ndarray) -> None:
+def _build_metrics(model, labels: np.ndarray, classes: int | None) -> None:
     """Create the compiled metrics' variables now (Keras/TF makes them at the first step)."""
-    outputs = np.zeros((len(labels),) + tuple(model.output_shape[1:]), "float32")
+    shape = model.output_shape[1:] if hasattr(model, "output_shape") else (classes,)
+    outputs = np.zeros((len(labels),) + tuple(shape), "float32")
     model.compute_metrics(None, labels, outputs)
 
 
@@ -449,11 +480,12 @@ def totals(history: list[dict[str, Any]]) -> dict[str, Any]:
 
 def write_results(run: str, model, history: list, metrics: dict[str, Any]) -> None:
     """model.keras, history.json, metrics.json and curves.png in the run directory."""
+    from meshfit import models
     from meshfit.distribution import without_distribution
 
     with rundir.atomic_path(os.path.join(run, rundir.MODEL), ".keras") as tmp:
         with without_distribution():  # saving alone under the multi-host mesh would wait for the others
-            model.save(tmp)
+            models.save(model, tmp)
     rundir.write_json(os.path.join(run, rundir.HISTORY), history)
     rundir.write_json(os.path.join(run, rundir.METRICS), metrics)
     name, accuracy, _, _ = headline(metrics)
@@ -507,6 +539,9 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
     saved, saved_config = spec.read(resume) if resume is not None else (None, None)
     if saved is not None:
         from_python = isinstance(recipe, recipes.Recipe) and not saved.recipe_file
+        if saved.recipe_file:
+            engine_first(simulate_devices or saved.simulated_devices, engine or saved.engine,
+                         require)
         the_recipe = recipe if from_python else recipe_of_run(resume, saved)
         the_recipe = dataclasses.replace(the_recipe, steps_per_epoch=saved.steps_per_epoch,
                                          validation_split=saved.validation_split)
@@ -518,6 +553,8 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
         spec.check_resume(saved, resume, recipe=asked, batch_size=batch_size, seed=seed,
                           precision=precision)
     else:
+        if isinstance(recipe, str) and recipes.is_file(recipe):
+            engine_first(simulate_devices, engine, require)
         the_recipe = recipe if isinstance(recipe, recipes.Recipe) else recipes.load(recipe)
         changes = {"steps_per_epoch": steps_per_epoch, "validation_split": validation_split}
         the_recipe = dataclasses.replace(the_recipe, **{k: v for k, v in changes.items() if v is not None})
@@ -571,6 +608,7 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
             dataset, the_recipe, global_batch, request.seed, steps)
         steps = batches.steps_per_epoch
         model = build(the_recipe, dataset, steps, request.epochs, dispatch)
+        check_saveable(model, the_recipe)
         slices = tf_microbatch.choose(model, global_batch, request.micro_batches, strategy.engine)
         if stream is not None:  # every batch needs a row per slice
             slices = stream.slices = min(slices, stream.smallest_batch or slices)
@@ -579,7 +617,8 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
 
         cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
         with rundir.lock(run) if chief else contextlib.nullcontext():
-            resume_state = (restore(model, run, steps, data.labels(dataset.train), resume_checkpoint)
+            resume_state = (restore(model, run, steps, data.labels(dataset.train),
+                                    resume_checkpoint, dataset.num_classes)
                             if saved is not None else None)
             history = list(resume_state["history"]) if resume_state else []
             own_callbacks = None
@@ -657,13 +696,11 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices
     """
     run, model_path = rundir.locate_run(run_or_model)
     saved, _ = spec.read(run)
-    recipe = recipe_of_run(run, saved)
 
     from meshfit.distribution import connect
 
     strategy = connect(require=require, simulate=simulate_devices, engine=engine, verbose=verbose)
-    import keras
-
+    recipe = recipe_of_run(run, saved)  # a recipe file runs after Keras has its engine
     from meshfit import export, progress
 
     dataset = data.load(recipe, data_dir or saved.data_dir, saved.seed, saved.dataset)
@@ -671,14 +708,9 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices
     if split is None:
         raise MeshfitError(f"{run}'s data has no test set and no validation split to evaluate on")
     batch = math.ceil(saved.global_batch / strategy.replicas) * strategy.replicas
-    export.check_keras_file(model_path)
     with strategy.scope():
-        try:
-            model = keras.saving.load_model(model_path, compile=False, safe_mode=True)
-        except Exception as e:  # Keras raises many kinds for bad files (ValueError, OSError, ...)
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise MeshfitError(f"cannot load Keras model {model_path} ({why}); pass a run "
-                               "directory written by meshfit train") from e
+        model = export.load_keras_model(model_path, run if saved.recipe_file else None, recipe,
+                                        distributed=True)
         batches = data.eval_batches(dataset, split, batch)
         passes = 2 if recipe.tta_flip else 1
         with progress.task("evaluating", total=len(batches) * passes) as advance:

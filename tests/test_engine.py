@@ -192,3 +192,18 @@ def test_same_recipe_learns_the_same_on_each_engine():
         accuracy[name] = result["accuracy"]
     assert min(accuracy.values()) > 0.9, accuracy
     assert abs(accuracy["jax"] - accuracy["tensorflow"]) < 0.08, accuracy
+
+
+def test_auto_never_picks_a_one_device_engine_for_several_devices(monkeypatch):
+    """Keras imported (or KERAS_BACKEND set) with TensorFlow before meshfit chose: several
+    devices are refused in one line naming the fix, never trained on with 1 replica."""
+    monkeypatch.delenv("MESHFIT_ENGINE", raising=False)
+    monkeypatch.setattr(engine, "loaded_backend", lambda: "tensorflow")
+    with pytest.raises(meshfit.MeshfitError, match="already imported with the tensorflow backend"
+                       ".* 4 cpu devices .*KERAS_BACKEND=jax"):
+        engine.choose(None, "cpu", 4)
+    assert engine.choose(None, "cpu", 1) == "tensorflow"
+    monkeypatch.setattr(engine, "loaded_backend", lambda: None)
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    with pytest.raises(meshfit.MeshfitError, match="KERAS_BACKEND=tensorflow is set"):
+        engine.choose("auto", "cpu", 8)

@@ -46,7 +46,14 @@ class Recipe:
     i.e. translations up to that many pixels, and horizontal flips, on the device); flips:
     "random", or "alternate" (each image mirrored every other epoch; see meshfit.pipeline).
     prepare(model, dataset): optional, called after the model is built and before training
-    (e.g. a data-dependent first-layer initialization).
+    (e.g. a data-dependent first-layer initialization, or fitting a distillation teacher;
+    dataset.train is the (x, y) training arrays).
+    compile(model, optimizer): optional, compiles the model instead of meshfit's
+    `model.compile(optimizer, loss=loss, metrics=["accuracy"])`, for a model with its own
+    compile signature (a subclassed Distiller); optimizer is optimizer()'s result.
+    Custom layers and subclassed models (keras.ops code, train_step/compute_loss) train as any
+    model; eval, predict and export rebuild them from the run's copy of the recipe file and load
+    the trained weights (see meshfit.models: the copy is trusted code, it ran at training time).
     tta_flip: evaluate on each image and its mirror image, averaging the probabilities.
     dataset: a built-in name (mnist, fashion_mnist, cifar10), a folder of images with one
     sub-folder per class (a path relative to the recipe file, read from disk batch by batch; with
@@ -61,8 +68,8 @@ class Recipe:
     the tutorials did.
     callbacks: optional `callbacks()` returning a list of Keras callbacks (EarlyStopping,
     ReduceLROnPlateau, ModelCheckpoint...); their state is saved in checkpoints and restored by
-    --resume. Import keras inside functions, never at the top of a recipe file, so that meshfit
-    chooses the Keras backend first.
+    --resume. meshfit chooses the Keras backend before it runs a recipe file, so the file may
+    import keras at its top and define layer and model classes there.
     file, text: the recipe file it was read from and the text that ran (None for built-in
     recipes); a run copies the text into its directory, so it resumes after the file is moved.
     """
@@ -81,6 +88,7 @@ class Recipe:
     crop_padding: int = CROP_PADDING
     flips: str = "random"
     prepare: Callable[..., None] | None = None
+    compile: Callable[[Any, Any], None] | None = None
     tta_flip: bool = False
     input_shape: tuple[int, ...] | None = None
     image_size: tuple[int, int] | None = None
