@@ -180,6 +180,19 @@ def without_distribution() -> Iterator[None]:
         keras.distribution.set_distribution(active)
 
 
+def start_engine(simulate: int | None, engine: str | None,
+                 require: str | None) -> tuple[devices_lib.DeviceInfo, str]:
+    """Find the devices and import Keras with the engine for them; returns (devices, engine).
+
+    `connect()` starts with it; a recipe file is run only after it, so that a file importing
+    keras at its top gets the backend its run uses (Keras fixes it at its first import).
+    """
+    info = devices_lib.discover(simulate=simulate, require=require)
+    chosen = engine_lib.choose(engine, info.platform, info.device_count)
+    engine_lib.activate(chosen)
+    return info, chosen
+
+
 def connect(require: str | None = None, simulate: int | None = None, precision: str = "auto",
             engine: str | None = None, verbose: bool = True) -> Strategy:
     """Find the devices, pick engine and precision, print what was found, return the Strategy.
@@ -190,9 +203,7 @@ def connect(require: str | None = None, simulate: int | None = None, precision: 
     engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
     """
     planning.check_precision(precision)  # reject unknown names before any slow work
-    info = devices_lib.discover(simulate=simulate, require=require)
-    chosen = engine_lib.choose(engine, info.platform, info.device_count)
-    engine_lib.activate(chosen)
+    info, chosen = start_engine(simulate, engine, require)
     if info.hosts > 1:
         from meshfit import cluster
 

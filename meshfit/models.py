@@ -91,10 +91,10 @@ def rebuild(run: str, keras_path: str, recipe=None):
 
     recipe: the run's recipe, when already loaded (else its copy, RUN/recipe.py, is run).
     """
-    from meshfit import spec, training
+    from meshfit import spec
 
     saved, _ = spec.read(run)
-    recipe = recipe or training.recipe_of_run(run, saved)
+    recipe = recipe or recipe_of_run(run, saved)
     shape = tuple(saved.input_shape)
     try:
         model = recipe.build_model(shape, saved.num_classes)
@@ -112,3 +112,22 @@ def run_of(keras_path: str, config: dict) -> str | None:
     """The run directory of a model.keras beside the config.json of a run trained from a recipe
     file (config), else None."""
     return os.path.dirname(os.path.abspath(keras_path)) if config.get("recipe_file") else None
+
+
+def recipe_of_run(run: str, saved):
+    """The recipe a run was trained with: its own copy of a recipe file, else the built-in one.
+
+    saved: the run's RunSpec (config.json).
+    """
+    from meshfit import recipes, rundir
+
+    if not saved.recipe_file:
+        return recipes.get(saved.recipe)
+    path = os.path.join(run, saved.recipe_file)
+    if not os.path.isfile(path):
+        raise MeshfitError(f"{path} is missing (the run was trained from {saved.recipe_source}); "
+                           "copy that recipe file there")
+    if saved.recipe_sha256 and rundir.file_sha256(path) != saved.recipe_sha256:
+        raise MeshfitError(f"{path} was changed after the run started (its SHA-256 differs from "
+                           "config.json's); undo the change, or train the edited file as a new run")
+    return recipes.load_file(path)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfit import __version__, data, planning, recipes, rundir, spec
+from meshfit import __version__, data, models, planning, recipes, rundir, spec
 from meshfit.errors import MeshfitError
 from meshfit.profiling import profiling_steps
 from meshfit.spec import RunSpec
@@ -89,31 +89,6 @@ class Request:
     checkpoint_every: str
     keep_checkpoints: int
     micro_batches: int | str
-
-
-def recipe_of_run(run: str, saved: RunSpec) -> recipes.Recipe:
-    """The recipe a run was trained with: its own copy of a recipe file, else the built-in one."""
-    if not saved.recipe_file:
-        return recipes.get(saved.recipe)
-    path = os.path.join(run, saved.recipe_file)
-    if not os.path.isfile(path):
-        raise MeshfitError(f"{path} is missing (the run was trained from {saved.recipe_source}); "
-                           "copy that recipe file there")
-    if saved.recipe_sha256 and rundir.file_sha256(path) != saved.recipe_sha256:
-        raise MeshfitError(f"{path} was changed after the run started (its SHA-256 differs from "
-                           "config.json's); undo the change, or train the edited file as a new run")
-    return recipes.load_file(path)
-
-
-def engine_first(simulate_devices: int | None, engine: str | None, require: str | None) -> None:
-    """Find the devices and import Keras with the engine a run on them uses, before a recipe file
-    runs: Keras fixes its backend at its first import, so a file importing keras at its top then
-    gets that backend (connect() later finds it already chosen)."""
-    from meshfit import devices
-    from meshfit import engine as engine_lib
-
-    info = devices.discover(simulate=simulate_devices, require=require)
-    engine_lib.activate(engine_lib.choose(engine, info.platform, info.device_count))
 
 
 def specify(the_recipe: recipes.Recipe, *, epochs: int | None, batch_size: int | None, seed: int | None,
@@ -205,8 +180,6 @@ def check_saveable(model, recipe: recipes.Recipe) -> None:
     """A one-line MeshfitError, before training, for a model that could not be written at the
     end: one Keras cannot serialize, from a recipe without a file to rebuild it from (see
     meshfit.models)."""
-    from meshfit import models
-
     why = models.unsaveable(model) if recipe.text is None else None
     if why:
         raise MeshfitError(f"Keras cannot save model {type(model).__name__} ({why}); give its "
@@ -480,7 +453,6 @@ def totals(history: list[dict[str, Any]]) -> dict[str, Any]:
 
 def write_results(run: str, model, history: list, metrics: dict[str, Any]) -> None:
     """model.keras, history.json, metrics.json and curves.png in the run directory."""
-    from meshfit import models
     from meshfit.distribution import without_distribution
 
     with rundir.atomic_path(os.path.join(run, rundir.MODEL), ".keras") as tmp:
@@ -535,14 +507,16 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
     command = command or spec.python_command(recipe=recipe, epochs=epochs, batch_size=batch_size,
                                              precision=precision, data_dir=data_dir, out=out,
                                              seed=seed, resume=resume)
+    from meshfit.distribution import connect, start_engine  # no Keras until an engine is chosen
+
     resume, resume_checkpoint = rundir.resume_target(resume) if resume else (resume, None)
     saved, saved_config = spec.read(resume) if resume is not None else (None, None)
     if saved is not None:
         from_python = isinstance(recipe, recipes.Recipe) and not saved.recipe_file
         if saved.recipe_file:
-            engine_first(simulate_devices or saved.simulated_devices, engine or saved.engine,
+            start_engine(simulate_devices or saved.simulated_devices, engine or saved.engine,
                          require)
-        the_recipe = recipe if from_python else recipe_of_run(resume, saved)
+        the_recipe = recipe if from_python else models.recipe_of_run(resume, saved)
         the_recipe = dataclasses.replace(the_recipe, steps_per_epoch=saved.steps_per_epoch,
                                          validation_split=saved.validation_split)
         asked = recipe.name if isinstance(recipe, recipes.Recipe) else recipe
@@ -554,7 +528,7 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
                           precision=precision)
     else:
         if isinstance(recipe, str) and recipes.is_file(recipe):
-            engine_first(simulate_devices, engine, require)
+            start_engine(simulate_devices, engine, require)
         the_recipe = recipe if isinstance(recipe, recipes.Recipe) else recipes.load(recipe)
         changes = {"steps_per_epoch": steps_per_epoch, "validation_split": validation_split}
         the_recipe = dataclasses.replace(the_recipe, **{k: v for k, v in changes.items() if v is not None})
@@ -569,8 +543,6 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
     run = resume or rundir.new(out, the_recipe.name)  # checked before any slow work
     if resume:
         rundir.check_writable(resume)
-
-    from meshfit.distribution import connect
 
     strategy = connect(require=require, simulate=request.simulate_devices, engine=request.engine,
                        precision=request.precision, verbose=verbose)
@@ -700,7 +672,7 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices
     from meshfit.distribution import connect
 
     strategy = connect(require=require, simulate=simulate_devices, engine=engine, verbose=verbose)
-    recipe = recipe_of_run(run, saved)  # a recipe file runs after Keras has its engine
+    recipe = models.recipe_of_run(run, saved)  # a recipe file runs after Keras has its engine
     from meshfit import export, progress
 
     dataset = data.load(recipe, data_dir or saved.data_dir, saved.seed, saved.dataset)
