@@ -31,7 +31,7 @@ class Strategy:
     """
 
     def __init__(self, info: devices_lib.DeviceInfo, engine: str, precision: str,
-                 sharding: str = "data", fsdp_min_bytes: int = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
+                 sharding: str | None = "data", fsdp_min_bytes: int = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
                  device_memory: int | None = None, layout_map=None):
         self.info = info
         self.engine = engine
@@ -143,7 +143,7 @@ class Strategy:
             "sharding": self.sharding,
             "sharding_asked": self.sharding_asked,
             "fsdp_min_bytes": self.fsdp_min_bytes,
-            "device_memory": memory_plan.device_memory(self, self.device_memory),
+            "device_memory": memory_plan.device_bytes(self, self.device_memory),
         }
 
     def report(self) -> str:
@@ -219,7 +219,7 @@ def without_distribution() -> Iterator[None]:
 
 
 def connect(require: str | None = None, simulate: int | None = None, precision: str = "auto",
-            engine: str | None = None, verbose: bool = True, sharding: str = "auto",
+            engine: str | None = None, verbose: bool = True, sharding: str | None = "auto",
             fsdp_min_bytes: int | str = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
             device_memory: int | str | None = None, layout_map=None) -> Strategy:
     """Find the devices, pick engine and precision, print what was found, return the Strategy.
