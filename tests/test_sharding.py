@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import cli_env, connect_eight_devices, run_meshfit
+from helpers import connect_eight_devices
 
 from meshfit import rundir, sharding
 from meshfit.distribution import Strategy
@@ -151,51 +151,46 @@ def wide_recipe(tmp_path_factory):
     return str(path)
 
 
-def test_too_big_for_data_parallel_is_refused_in_one_line(wide_recipe, tmp_path):
-    out = run_meshfit("train", wide_recipe, "--simulate-devices", "8", "--sharding", "data",
-                      "--out", str(tmp_path / "run"), *MEMORY, env=cli_env(tmp_path))
-    assert out.returncode == 2, out.stderr
-    last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("meshfit: error:") and "per device with --sharding data" in last
-    assert "a device has 4.0 MB" in last and "--sharding fsdp" in last and "Traceback" not in out.stderr
-    plan = run_meshfit("plan", wide_recipe, "--simulate-devices", "8", "--json", *MEMORY,
-                       env=cli_env(tmp_path))
-    assert plan.returncode == 0, plan.stderr
-    result = json.loads(plan.stdout.strip().splitlines()[-1])
-    assert result["sharding"] == "fsdp" and result["device_memory"] == 4_000_000
-    modes = result["modes"]
-    assert modes["data"]["fits"] is False and modes["fsdp"]["fits"] is True
-    assert modes["fsdp"]["weights"] * 4 < modes["data"]["weights"]
-    assert modes["fsdp"]["largest_per_core_batch"] >= 8
-
-
-def test_auto_trains_fsdp_and_the_run_is_usable(strategy, wide_recipe, tmp_path):
-    from meshfit.training import evaluate, train
+def test_too_big_for_data_parallel_is_refused_then_trained_with_fsdp(strategy, wide_recipe, tmp_path,
+                                                                      capsys):
+    """In this process (the CLI's main on the same 8 devices): --sharding data is refused in one
+    line (exit 2); plan reports both modes; the default trains fsdp, and its run evaluates,
+    resumes from today's (gathered) checkpoints, predicts and exports on the CPU."""
+    from meshfit import cli, export, inference
 
     run = str(tmp_path / "run")
-    options = dict(simulate_devices=8, engine="jax", device_memory="4MB", fsdp_min_size="100KB",
-                   verbose=False, tensorboard=False)
+    devices = ["--simulate-devices", "8", "--engine", "jax"]
     try:
-        metrics = train(wide_recipe, out=run, **options)
+        assert cli.main(["train", wide_recipe, *devices, "--sharding", "data", "--out", run, *MEMORY]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("meshfit: error:"), err
+        assert "per device with --sharding data" in err[0] and "a device has 4.0 MB" in err[0]
+        assert "--sharding fsdp" in err[0]
+        assert cli.main(["plan", wide_recipe, *devices, "--json", *MEMORY]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["sharding"] == "fsdp" and result["device_memory"] == 4_000_000
+        modes = result["modes"]
+        assert modes["data"]["fits"] is False and modes["fsdp"]["fits"] is True
+        assert modes["fsdp"]["weights"] * 4 < modes["data"]["weights"]
+        assert modes["fsdp"]["largest_per_core_batch"] >= 8
+
+        assert cli.main(["train", wide_recipe, *devices, "--out", run, "--no-tensorboard", *MEMORY]) == 0
         config = json.load(open(os.path.join(run, rundir.CONFIG)))
-        assert metrics["sharding"] == config["sharding"] == "fsdp"
-        assert json.load(open(os.path.join(run, rundir.METRICS)))["sharding"] == "fsdp"
-        resumed = train(None, resume=run, epochs=2, **options)  # today's gathered checkpoints
-        assert resumed["sharding"] == "fsdp" and resumed["resumed"]
-        scores = evaluate(run, simulate_devices=8, engine="jax")
+        metrics = json.load(open(os.path.join(run, rundir.METRICS)))
+        assert config["sharding"] == metrics["sharding"] == "fsdp"
+        assert cli.main(["train", "--resume", run, "--epochs", "2", "--no-tensorboard", *devices,
+                         *MEMORY]) == 0
+        metrics = json.load(open(os.path.join(run, rundir.METRICS)))
+        assert metrics["sharding"] == "fsdp" and metrics["resumed"] and metrics["epochs"] == 2
+        assert cli.main(["eval", run, *devices, "--json"]) == 0
+        scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert scores["samples"] == 40 and 0 <= scores["test_accuracy"] <= 1
     finally:
         connect_eight_devices()
-    from PIL import Image
-
-    image = str(tmp_path / "x.png")
-    Image.fromarray(np.full((16, 16), 120, "uint8")).save(image)
-    predicted = run_meshfit("predict", run, image, "--backend", "keras", "--json", env=cli_env(tmp_path))
-    assert predicted.returncode == 0, predicted.stderr
-    assert len(json.loads(predicted.stdout.strip().splitlines()[-1])["predictions"]) == 1
-    exported = run_meshfit("export", run, "--format", "keras", "--out", str(tmp_path / "m.keras"),
-                           env=cli_env(tmp_path))
-    assert exported.returncode == 0, exported.stderr
+    images = np.random.default_rng(0).integers(0, 256, (3, 16, 16, 1)).astype("float32")
+    probabilities = inference.load_predictor(run, backend="keras").predict(images)
+    assert probabilities.shape == (3, 10) and np.allclose(probabilities.sum(axis=1), 1, atol=1e-4)
+    assert os.path.isfile(export.export_keras(run, str(tmp_path / "served.keras")))
 
 
 def test_old_config_without_sharding_reads_as_data():
