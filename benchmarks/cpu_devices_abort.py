@@ -10,7 +10,7 @@ counts) in a fresh process per run, for the four combinations, alternating, and 
 combination the runs that hung (caught at XLA's 20 s "may be stuck" warning and killed) and the
 median epoch time of the runs that finished (epochs 2-4: no compilation).
 
-    python benchmarks/cpu_devices_abort.py [--rounds 8]
+    python benchmarks/cpu_devices_abort.py [--rounds 8] [--configs 3 4]
 
 Results: BENCHMARKS.md, section 2.
 """
@@ -90,11 +90,15 @@ def run(multi_threaded: bool, wait: bool, timeout: float = 300) -> list[float] |
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--configs", type=int, nargs="+", default=[1, 2, 3, 4],
+                        help="which of the four combinations to run, by their place in the list (1-4)")
     args = parser.parse_args()
-    hung = {name: 0 for name in CONFIGS}
-    epochs: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    names = [list(CONFIGS)[i - 1] for i in args.configs]
+    hung = {name: 0 for name in names}
+    epochs: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(args.rounds):
-        for name, (multi_threaded, wait) in CONFIGS.items():
+        for name in names:
+            multi_threaded, wait = CONFIGS[name]
             seconds = run(multi_threaded, wait)
             if seconds is None:
                 hung[name] += 1
@@ -102,8 +106,9 @@ def main() -> None:
                 epochs[name].extend(seconds)
             print(f"round {round_ + 1}: {name}: {'hung' if seconds is None else f'{statistics.median(seconds):.3f} s/epoch'}",
                   file=sys.stderr, flush=True)
-    base = statistics.median(epochs["meshfit (both)"]) if epochs["meshfit (both)"] else None
-    for name in CONFIGS:
+    both = epochs.get("meshfit (both)")
+    base = statistics.median(both) if both else None
+    for name in names:
         median = statistics.median(epochs[name]) if epochs[name] else None
         ratio = f"{median / base:.3f}x meshfit's" if (median and base) else "n/a"
         print(f"{name:<30} hung {hung[name]} of {args.rounds}   epoch "

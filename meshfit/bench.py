@@ -47,6 +47,7 @@ from typing import Any
 from meshfit import devices as devices_lib
 from meshfit import engine as engine_lib
 from meshfit import planning, recipes, rundir
+from meshfit import sharding as sharding_lib
 from meshfit.errors import MeshfitError
 
 DEFAULT_REPEATS = 5
@@ -55,7 +56,7 @@ BENCH_ENGINES = ("jax", "tensorflow")
 PATHS = ("plain", "meshfit")
 TENSORBOARD_PATH = "meshfit+tensorboard"
 COLUMNS = ("recipe", "engine", "path", "precision", "batch", "steps_per_dispatch", "micro_batches",
-           "replicas", "ms_per_step", "samples_per_s", "mfu", "compile_s", "vs_plain", "vs_fastest",
+           "sharding", "replicas", "ms_per_step", "samples_per_s", "mfu", "compile_s", "vs_plain", "vs_fastest",
            "vs_meshfit",
            "flops_per_step", "auto_engine", "platform", "device_kind", "repeats", "steps_per_repeat",
            "rounds")
@@ -67,13 +68,20 @@ def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
           precisions: list[str] | None = None, batch_sizes: list[int] | None = None,
           steps_per_dispatch: list[int] | None = None, simulate_devices: int | None = None,
           repeats: int = DEFAULT_REPEATS, steps: int = DEFAULT_STEPS, rounds: int = 1,
-          out: str | None = None, tensorboard: bool = False) -> dict:
+          out: str | None = None, tensorboard: bool = False, sharding: str | None = None,
+          fsdp_min_bytes: int | str = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
+          device_memory: int | str | None = None) -> dict:
     """Run the benchmark (one process per engine, path and round) and write its files; returns
     the results.
 
-    Lists left as None take the defaults described in `meshfit bench --help`.
+    Lists left as None take the defaults described in `meshfit bench --help`. sharding,
+    fsdp_min_bytes, device_memory: the meshfit path's, as for meshfit.connect (plain Keras stays
+    data-parallel).
     """
     the_recipe = recipes.load(recipe)
+    sharding = sharding_lib.check_mode(sharding)
+    fsdp_min_bytes = sharding_lib.parse_size(fsdp_min_bytes, "--fsdp-min-size")
+    device_memory = sharding_lib.parse_size(device_memory)
     for name in precisions or []:
         planning.resolve_precision(name, "cpu")
     for name in engines or []:
@@ -90,7 +98,8 @@ def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
             engines = ["jax"]  # only JAX runs several devices in meshfit
     spec = {"recipe": the_recipe.file or the_recipe.name, "precisions": precisions, "batch_sizes": batch_sizes,
             "steps_per_dispatch": steps_per_dispatch, "simulate": simulate_devices,
-            "repeats": repeats, "steps": steps}
+            "repeats": repeats, "steps": steps, "sharding": sharding,
+            "fsdp_min_bytes": fsdp_min_bytes, "device_memory": device_memory}
     rows, machine, skipped, unable = [], None, [], set()
     for _ in range(rounds):
         for engine in (e for e in engines if e not in unable):
@@ -211,7 +220,7 @@ def _cell(row: dict[str, Any], column: str) -> str:
 
 _TABLE = (("engine", "engine"), ("path", "path"), ("precision", "precision"), ("batch", "batch"),
           ("steps_per_dispatch", "steps/dispatch"), ("micro_batches", "micro-batches"),
-          ("ms_per_step", "ms/step"),
+          ("sharding", "sharding"), ("ms_per_step", "ms/step"),
           ("samples_per_s", "samples/s"), ("mfu", "MFU"), ("compile_s", "compile s"),
           ("vs_plain", "vs plain"), ("vs_fastest", "vs fastest"), ("vs_meshfit", "vs meshfit"))
 
@@ -354,7 +363,7 @@ def _worker(spec: dict) -> None:
     import keras
     import numpy as np
 
-    from meshfit import jax_loop, tf_microbatch
+    from meshfit import jax_loop, memory_plan, tf_microbatch
     from meshfit.report import EpochReport, train_step_flops
 
     recipe = recipes.load(spec["recipe"])
@@ -379,18 +388,29 @@ def _worker(spec: dict) -> None:
         for batch in batches:
             for k in dispatches:
                 steps = -(-spec["steps"] // k) * k
-                keras.backend.clear_session()  # (no keras.utils.set_random_seed: it would import TensorFlow)
+                def reset(chosen=None):
+                    keras.backend.clear_session()  # (no keras.utils.set_random_seed: it would import TensorFlow)
+                    if chosen is not None:
+                        chosen.activate()
+
+                def build():
+                    model = (recipe.build_model(shape, classes) if classes else recipe.build_model(shape))
+                    model.compile(optimizer=recipe.optimizer(steps, repeats + 1), loss=recipe.make_loss(),
+                                  metrics=["accuracy"], steps_per_execution=1 if strategy else k)
+                    return model
+
+                reset()
                 strategy = None
                 if path != "plain":
-                    strategy = Strategy(info, engine, precision)
-                    strategy.activate()
+                    strategy = Strategy(info, engine, precision, spec["sharding"],
+                                        spec["fsdp_min_bytes"], spec["device_memory"])
+                    strategy, _ = memory_plan.settle(strategy, build, batch, reset, verbose=False)
+                    reset(strategy)
                 else:
                     keras.config.set_dtype_policy(planning.keras_policy(precision))
                     if engine == "jax" and replicas > 1:
                         keras.distribution.set_distribution(keras.distribution.DataParallel())
-                model = (recipe.build_model(shape, classes) if classes else recipe.build_model(shape))
-                model.compile(optimizer=recipe.optimizer(steps, repeats + 1), loss=recipe.make_loss(),
-                              metrics=["accuracy"], steps_per_execution=1 if strategy else k)
+                model = build()
                 rng = np.random.default_rng(0)
                 x = rng.integers(0, 256, (steps * batch, *shape), dtype=np.uint8)
                 y = rng.integers(0, model.output_shape[-1], steps * batch).astype(np.int32)
@@ -416,7 +436,7 @@ def _worker(spec: dict) -> None:
                 step_seconds = median / steps
                 row = {"recipe": recipe.name, "engine": engine, "path": path, "precision": precision,
                        "batch": batch, "steps_per_dispatch": k, "micro_batches": slices,
-                       "replicas": replicas,
+                       "sharding": strategy.sharding if strategy else "data", "replicas": replicas,
                        "ms_per_step": 1000 * step_seconds, "samples_per_s": batch / step_seconds,
                        "mfu": flops / step_seconds / peak if (flops and peak) else None,
                        "compile_s": max(timer.seconds[0] - median, 0.0), "flops_per_step": flops or None,

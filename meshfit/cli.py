@@ -26,6 +26,7 @@ COMMANDS = {
     "predict": "classify image files on the CPU",
     "export": "export a trained model for CPU serving (keras or onnx)",
     "bench": "time the train step per engine, precision and batch size",
+    "plan": "the memory per device of a recipe's train step, replicated and sharded (fsdp)",
     "launch": "start N local processes of a multi-host job",
     "runs": "list run directories side by side: settings, progress, accuracy, speed",
     "recipe": "print a built-in recipe as a file to start one's own from",
@@ -49,6 +50,25 @@ def add_device_arguments(parser: argparse.ArgumentParser, precision: bool = True
                         help="Keras backend: auto, jax or tensorflow (default: auto)")
     parser.add_argument("--require", choices=("tpu", "gpu", "cpu"),
                         help="fail unless this platform is present")
+
+
+def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
+    """--sharding, --fsdp-min-size and --device-memory (see meshfit.sharding, meshfit.memory_plan)."""
+    parser.add_argument("--sharding", metavar="S",
+                        help="auto, data or fsdp: variables replicated (data) or the large ones "
+                             "sharded over the devices (fsdp); auto: fsdp only when the replicated "
+                             "step does not fit the device memory (default: auto; on --resume the run's)")
+    parser.add_argument("--fsdp-min-size", default="1MiB", metavar="SIZE",
+                        help="with fsdp: shard floating-point variables of at least SIZE (default: 1MiB)")
+    parser.add_argument("--device-memory", metavar="SIZE",
+                        help="memory of one device to plan with, e.g. 48MB or 16GB (default: the "
+                             "device's own figure on TPUs and GPUs; unknown on CPUs)")
+
+
+def sharding_options(args: argparse.Namespace) -> dict:
+    """The connect() keywords of add_sharding_arguments' flags."""
+    return {"sharding": args.sharding, "fsdp_min_bytes": args.fsdp_min_size,
+            "device_memory": args.device_memory}
 
 
 def add_json_argument(parser: argparse.ArgumentParser, what: str = "the results") -> None:
@@ -79,6 +99,7 @@ def comma_counts(text: str | None, flag: str) -> list[int] | None:
 
 def add_info_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arguments(parser)
+    add_sharding_arguments(parser)
     add_json_argument(parser, "the report")
 
 
@@ -87,7 +108,8 @@ def run_info(args: argparse.Namespace) -> int:
     from meshfit.distribution import connect
 
     strategy = connect(require=args.require, simulate=args.simulate_devices,
-                       precision=args.precision, engine=args.engine, verbose=not args.json)
+                       precision=args.precision, engine=args.engine, verbose=not args.json,
+                       **sharding_options(args))
     if args.json:
         print(json.dumps(strategy.describe()))
     return 0
@@ -145,6 +167,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trace train steps START to STOP with the engine's profiler into "
                              "RUN/tensorboard (view in TensorBoard's profile tab or Perfetto)")
     add_device_arguments(parser)
+    add_sharding_arguments(parser)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -169,7 +192,9 @@ def run_train(args: argparse.Namespace) -> int:
                         batch_rounding=not args.no_batch_rounding, verbose=True, command=command,
                         tensorboard=not args.no_tensorboard, log_every=args.log_every,
                         profile=args.profile, steps_per_epoch=args.steps_per_epoch,
-                        validation_split=None if args.data else args.validation_split)
+                        validation_split=None if args.data else args.validation_split,
+                        sharding=args.sharding, fsdp_min_size=args.fsdp_min_size,
+                        device_memory=args.device_memory)
     except MeshfitError as err:
         if not hasattr(err, "exit_code"):  # only TrainingInterrupted has its own exit code
             raise
@@ -343,6 +368,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"write {bench.JPEG_FOLDER_IMAGES:,} CIFAR-10 training images as JPEGs "
                              "(--image-size, default 160 160) in DIR/<class>/, for --input")
     parser.add_argument("--data-dir", help="with --make-jpeg-folder: where CIFAR-10 is")
+    add_sharding_arguments(parser)
     add_json_argument(parser, "the results (not a table)")
 
 
@@ -366,7 +392,7 @@ def run_bench(args: argparse.Namespace) -> int:
                          simulate_devices=args.simulate_devices, repeats=args.repeats,
                          steps=bench.DEFAULT_STEPS if args.steps is None else args.steps,
                          rounds=1 if args.rounds is None else args.rounds, out=args.out,
-                         tensorboard=args.tensorboard)
+                         tensorboard=args.tensorboard, **sharding_options(args))
     if args.json:
         print(json.dumps(result))
     else:
@@ -393,6 +419,40 @@ def run_bench_input(args: argparse.Namespace) -> int:
     else:
         print(bench.format_input_table(result))
         print("wrote " + os.path.join(result["out"], "bench.json"))
+    return 0
+
+
+# --------------------------------------------------------------------------------------- plan
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from meshfit import recipes
+
+    parser.add_argument("recipe", nargs="?", metavar="RECIPE",
+                        help=f"a built-in recipe or a recipe file (default: {recipes.DEFAULT})")
+    parser.add_argument("--batch-size", type=int, metavar="GLOBAL",
+                        help="global batch over all devices (default: the recipe's)")
+    parser.add_argument("--data-dir", metavar="DIR",
+                        help="where the dataset is, for recipes whose data says their shape")
+    add_device_arguments(parser)
+    add_sharding_arguments(parser)
+    add_json_argument(parser, "the plan")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Compile the recipe's train step per sharding (never run it) and print the bytes per device."""
+    from meshfit import memory_plan
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise MeshfitError(f"--batch-size must be at least 1, got {args.batch_size}")
+    result = memory_plan.plan_recipe(args.recipe, simulate_devices=args.simulate_devices,
+                                     batch_size=args.batch_size, precision=args.precision,
+                                     engine=args.engine, require=args.require,
+                                     data_dir=args.data_dir, verbose=not args.json,
+                                     **sharding_options(args))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print("\n".join(memory_plan.summary_lines(result, result["sharding"])))
     return 0
 
 

@@ -1,8 +1,9 @@
-"""`connect()` and `Strategy`: one model replicated on every device, each taking 1/N of a batch.
+"""`connect()` and `Strategy`: one model on every device, each taking 1/N of a batch.
 
 On JAX this is Keras' own `keras.distribution.DataParallel` over a `jax.sharding` mesh: variables
 are replicated, every global batch is split along its first axis, and XLA inserts the gradient
-all-reduce. Nothing here writes a collective by hand.
+all-reduce. With sharding="fsdp" the large variables are sharded over the same devices instead
+(meshfit.sharding). Nothing here writes a collective by hand.
 """
 
 from __future__ import annotations
@@ -15,24 +16,55 @@ from typing import Any, Iterator
 from meshfit import devices as devices_lib
 from meshfit import engine as engine_lib
 from meshfit import planning
+from meshfit import sharding as sharding_lib
+from meshfit.errors import MeshfitError
 
 
 class Strategy:
-    """The devices in use, the engine and precision chosen, and the batch plan."""
+    """The devices in use, the engine and precision chosen, the batch plan and the sharding.
 
-    def __init__(self, info: devices_lib.DeviceInfo, engine: str, precision: str):
+    sharding: 'data' (replicated variables), 'fsdp' (large variables sharded, see
+    meshfit.sharding) or 'auto' (data-parallel until a memory plan picks: see `with_sharding`).
+    fsdp_min_bytes: under fsdp, variables smaller than this stay replicated.
+    device_memory: bytes per device to plan with (None: the device's own figure, where known).
+    layout_map: optional keras.distribution.LayoutMap whose entries win over the fsdp rule.
+    """
+
+    def __init__(self, info: devices_lib.DeviceInfo, engine: str, precision: str,
+                 sharding: str | None = "data", fsdp_min_bytes: int = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
+                 device_memory: int | None = None, layout_map=None):
         self.info = info
         self.engine = engine
         self.precision = precision
         self.per_core_multiple = planning.batch_multiple(info.platform, info.device_kind)
+        self.sharding_asked = sharding_lib.check_mode(sharding)
+        self.fsdp_min_bytes = fsdp_min_bytes
+        self.device_memory = device_memory
+        self.layout_map = layout_map
+        self.sharding = "data" if self.sharding_asked == "auto" else self.sharding_asked
         self._distribution = None
-        if engine == "jax" and len(info.devices) > 1:
-            import keras
-
+        distributed = engine == "jax" and len(info.devices) > 1
+        if self.sharding == "fsdp" and not distributed:
+            warnings.warn("sharding fsdp needs several devices on the JAX engine; with "
+                          f"{len(info.devices)} device(s) on {engine} every variable is whole on "
+                          "each device (data-parallel)", stacklevel=2)
+            self.sharding = "data"
+        if self.sharding == "fsdp" and info.hosts > 1:
+            raise MeshfitError("sharding fsdp on several hosts needs sharded checkpoints, which "
+                               "meshfit does not write yet; use --sharding data")
+        if distributed:
             # Multi-host: each process feeds its own rows of every batch (see fit), no auto-sharding.
             # One device needs no distribution; Keras' distributed input path would cost ~0.3 ms/step.
-            self._distribution = keras.distribution.DataParallel(devices=list(info.devices),
-                                                                 auto_shard_dataset=False)
+            self._distribution = sharding_lib.distribution(list(info.devices), self.sharding,
+                                                           fsdp_min_bytes, layout_map)
+
+    def with_sharding(self, sharding: str) -> "Strategy":
+        """This strategy on the same devices with another sharding ('data' or 'fsdp'), e.g. the
+        one a memory plan chose for 'auto'; activate it before building the model."""
+        chosen = Strategy(self.info, self.engine, self.precision, sharding, self.fsdp_min_bytes,
+                          self.device_memory, self.layout_map)
+        chosen.sharding_asked = self.sharding_asked
+        return chosen
 
     platform = property(lambda self: self.info.platform, doc="'tpu', 'gpu' or 'cpu'.")
     device_kind = property(lambda self: self.info.device_kind, doc="e.g. 'TPU v4' or the CPU model.")
@@ -93,6 +125,8 @@ class Strategy:
 
     def describe(self) -> dict[str, Any]:
         """The discovery report as plain data (what `meshfit info --json` prints)."""
+        from meshfit import memory_plan
+
         return {
             "platform": self.platform,
             "device_kind": self.device_kind,
@@ -106,6 +140,10 @@ class Strategy:
             "keras_policy": planning.keras_policy(self.precision),
             "per_core_batch_multiple": self.per_core_multiple,
             "peak_flops": self.peak_flops,
+            "sharding": self.sharding,
+            "sharding_asked": self.sharding_asked,
+            "fsdp_min_bytes": self.fsdp_min_bytes,
+            "device_memory": memory_plan.device_bytes(self, self.device_memory),
         }
 
     def report(self) -> str:
@@ -194,22 +232,34 @@ def start_engine(simulate: int | None, engine: str | None,
 
 
 def connect(require: str | None = None, simulate: int | None = None, precision: str = "auto",
-            engine: str | None = None, verbose: bool = True) -> Strategy:
+            engine: str | None = None, verbose: bool = True, sharding: str | None = "auto",
+            fsdp_min_bytes: int | str = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
+            device_memory: int | str | None = None, layout_map=None) -> Strategy:
     """Find the devices, pick engine and precision, print what was found, return the Strategy.
 
     require: 'tpu' or 'gpu' to fail unless that platform is present.
     simulate: run on this many JAX CPU devices (also $MESHFIT_SIMULATE_DEVICES).
     precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32).
     engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
+    sharding: 'auto', 'data' or 'fsdp' (see meshfit.sharding). 'auto' is data-parallel here;
+      `meshfit train` plans the model's memory and switches to fsdp when the replicated step
+      does not fit (Python: `strategy.with_sharding(meshfit.memory_plan.plan(...)["choice"])`).
+    fsdp_min_bytes: under fsdp, floating-point variables of at least this size ('1MiB', bytes)
+      are sharded. device_memory: bytes per device to plan with ('16GB'; default: the device's).
+    layout_map: a keras.distribution.LayoutMap whose entries win over the fsdp rule.
     """
     planning.check_precision(precision)  # reject unknown names before any slow work
+    sharding_lib.check_mode(sharding)
+    fsdp_min_bytes = sharding_lib.parse_size(fsdp_min_bytes, "--fsdp-min-size")
+    device_memory = sharding_lib.parse_size(device_memory)
     info, chosen = start_engine(simulate, engine, require)
     if info.hosts > 1:
         from meshfit import cluster
 
         cluster.agree_on_seed()  # the same initial weights on every host
     strategy = Strategy(info, chosen, planning.resolve_precision(precision, info.platform,
-                                                                 info.compute_capability))
+                                                                 info.compute_capability),
+                        sharding, fsdp_min_bytes, device_memory, layout_map)
     strategy.activate()
     if verbose and info.process_index == 0:
         print(strategy.report(), flush=True)

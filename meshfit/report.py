@@ -75,7 +75,26 @@ def discovery_text(d: dict[str, Any]) -> str:
         ("per-core batch", f"multiple of {d['per_core_batch_multiple']}"),
         ("peak", peak),
     ]
+    if "sharding" in d:
+        rows.append(("sharding", sharding_text(d)))
     return "meshfit connected\n" + "\n".join(f"  {k:<17}{v}" for k, v in rows)
+
+
+def sharding_text(d: dict[str, Any]) -> str:
+    """The discovery report's sharding row: the mode and why (see meshfit.sharding)."""
+    from meshfit.sharding import format_bytes
+
+    memory = d.get("device_memory")
+    known = f"{format_bytes(memory)} per device" if memory else "device memory unknown"
+    if d["sharding_asked"] == "auto" and d["replicas"] > 1 and d["engine"] == "jax":
+        why = ("planned per model when training: fsdp if the replicated step does not fit"
+               if memory else "data-parallel (set --device-memory to plan)")
+        return f"auto ({known}): {why}"
+    if d["sharding"] == "fsdp":
+        return (f"fsdp (asked; float variables >= {format_bytes(d['fsdp_min_bytes'])} sharded over "
+                f"{d['replicas']} devices, the rest replicated; {known})")
+    why = "asked" if d["sharding_asked"] == "data" else "one replica"
+    return f"data (every variable replicated; {why}; {known})"
 
 
 def format_epoch_line(epoch: int, epochs: int, logs: dict[str, Any], stats: dict[str, Any]) -> str:

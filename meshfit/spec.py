@@ -58,6 +58,7 @@ class RunSpec:
     meshfit_version: str = ""
     keras_version: str = ""
     command: str = ""
+    sharding: str = "data"  # how variables were laid out: data (replicated) or fsdp (meshfit.sharding)
 
     def to_dict(self) -> dict[str, Any]:
         """The specification as JSON-ready data, in field order."""

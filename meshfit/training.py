@@ -209,7 +209,7 @@ def make_spec(request: Request, strategy, dataset, *, steps: int, global_batch: 
         recipe_source=r.file, augment=r.augment, crop_padding=r.crop_padding,
         flips=r.flips, tta_flip=r.tta_flip, checkpoint_every=request.checkpoint_every,
         keep_checkpoints=request.keep_checkpoints, meshfit_version=__version__,
-        keras_version=keras.__version__, command=command)
+        keras_version=keras.__version__, command=command, sharding=strategy.sharding)
 
 
 def write_recipe(run: str, recipe: recipes.Recipe) -> None:
@@ -476,7 +476,9 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
           batch_rounding: bool = True, callbacks: list | None = None, verbose: bool = True,
           command: str | None = None, tensorboard: bool = True, log_every: int = 10,
           profile: str | None = None, steps_per_epoch: int | None = None,
-          validation_split: float | None = None) -> dict[str, Any]:
+          validation_split: float | None = None, sharding: str | None = None,
+          fsdp_min_size: int | str | None = None,
+          device_memory: int | str | None = None) -> dict[str, Any]:
     """Train `recipe` (default fashion-mnist-cnn), write its run directory, return its metrics.
 
     recipe: a built-in recipe's name, a recipe file's path, or a Recipe.
@@ -501,6 +503,9 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
     tensorboard: write TensorBoard scalars to RUN/tensorboard (train/* every `log_every` steps,
       epoch/*, speed/*). profile: "START:STOP" traces those global train steps into
       RUN/tensorboard/plugins/profile. A live progress bar is drawn when stdout is a terminal.
+    sharding, fsdp_min_size, device_memory: as for meshfit.connect (a resumed run keeps its
+      sharding unless given); 'auto' (default) trains fsdp when the device memory is known and
+      the replicated step does not fit (meshfit.memory_plan), and a mode that cannot fit is refused.
     Raises TrainingInterrupted (a MeshfitError; exit_code 143 or 130) after SIGTERM/SIGINT,
     once the state is saved.
     """
@@ -544,8 +549,13 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
     if resume:
         rundir.check_writable(resume)
 
+    from meshfit import memory_plan, sharding as sharding_lib
+
     strategy = connect(require=require, simulate=request.simulate_devices, engine=request.engine,
-                       precision=request.precision, verbose=verbose)
+                       precision=request.precision, verbose=verbose,
+                       sharding=sharding or (saved.sharding if saved else "auto"),
+                       fsdp_min_bytes=fsdp_min_size or sharding_lib.DEFAULT_FSDP_MIN_BYTES,
+                       device_memory=device_memory)
     chief = strategy.info.process_index == 0
     asked_batch = request.batch_size or the_recipe.global_batch
     global_batch = planning.plan_global_batch(
@@ -568,6 +578,9 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
         steps = plan_steps(the_recipe, train_samples, global_batch)
     dispatch = planning.steps_per_dispatch(strategy.platform, strategy.engine, steps or 1,
                                            steps_per_dispatch)
+    strategy, _ = memory_plan.settle(
+        strategy, lambda: build(the_recipe, dataset, steps or 1, request.epochs, dispatch),
+        global_batch, lambda s: start_session(s, request.seed), verbose)
     start_session(strategy, request.seed)
 
     import keras

@@ -1,0 +1,203 @@
+"""Sharding (meshfit.sharding) and the memory plan (meshfit.memory_plan) on 8 simulated devices:
+fsdp holds 1/8 of the large state per device and trains to data-parallel's weights; a model too
+big for data parallelism under --device-memory is refused with --sharding data and trained with
+fsdp by default; its run evaluates, predicts, exports and resumes."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+from helpers import connect_eight_devices
+
+from meshfit import rundir, sharding
+from meshfit.distribution import Strategy
+from meshfit.errors import MeshfitError
+
+MIN_BYTES = 100_000  # lowered from 1 MiB so that the tiny models' large kernels are sharded
+SMALL_SLACK = 64_000  # bytes of small replicated variables allowed beyond 1/8
+
+
+def mlp():
+    import keras
+
+    return keras.Sequential([keras.Input((256,)), keras.layers.Dense(512, activation="relu"),
+                             keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
+
+
+def cnn():
+    import keras
+
+    return keras.Sequential([keras.Input((8, 8, 4)), keras.layers.Conv2D(128, 3, padding="same"),
+                             keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                             keras.layers.Conv2D(128, 3, padding="same"),
+                             keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                             keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+
+
+def attention():
+    import keras
+
+    tokens = keras.Input((16,), dtype="int32")
+    h = keras.layers.Embedding(1000, 128)(tokens)
+    h = h + keras.layers.MultiHeadAttention(4, 64)(h, h)
+    h = keras.layers.LayerNormalization()(h)
+    h = keras.layers.Dense(256, activation="relu")(h)
+    return keras.Model(tokens, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h)))
+
+
+def data_for(name):
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 10, 64)
+    if name == "attention":
+        return rng.integers(0, 1000, (64, 16)).astype("int32"), y
+    shape = {"mlp": (256,), "cnn": (8, 8, 4)}[name]
+    return rng.normal(size=(64, *shape)).astype("float32"), y
+
+
+def trained(strategy, name):
+    """The model `name` built under `strategy`, after 2 epochs of plain fit (4 steps of 32)."""
+    import keras
+
+    strategy.activate()
+    keras.utils.set_random_seed(0)
+    model = {"mlp": mlp, "cnn": cnn, "attention": attention}[name]()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = data_for(name)
+    model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+    return model
+
+
+def device0_bytes(variables) -> int:
+    total = 0
+    for v in variables:
+        shard = v.value.addressable_shards[0]
+        assert shard.device == v.value.sharding.mesh.devices.flat[0]
+        total += int(np.prod(shard.data.shape)) * v.value.dtype.itemsize
+    return total
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "attention"])
+def test_fsdp_holds_an_eighth_and_trains_as_data_parallel(strategy, name):
+    fsdp = Strategy(strategy.info, "jax", "float32", "fsdp", MIN_BYTES)
+    try:
+        sharded = trained(fsdp, name)
+        state = sharded.variables + sharded.optimizer.variables
+        whole = sum(int(np.prod(v.shape)) * 4 for v in state)
+        assert device0_bytes(state) <= 1.05 * whole / 8 + SMALL_SLACK
+        moments = [v for v in sharded.optimizer.variables if "kernel_momentum" in v.path]
+        assert any(v.value.sharding.spec != (None,) * len(v.shape) and "batch" in v.value.sharding.spec
+                   for v in moments)  # Adam's moments follow their weights
+        replicated = trained(strategy.with_sharding("data"), name)
+        assert all(v.value.sharding.is_fully_replicated for v in replicated.variables)
+        for a, b in zip(sharded.get_weights(), replicated.get_weights(), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    finally:
+        connect_eight_devices()
+
+
+def test_rule_sizes_and_modes():
+    assert sharding.shard_axis((512, 512), "float32", 8, 1 << 20) == 1  # tie: the trailing one
+    assert sharding.shard_axis((1024, 24), "float32", 8, 1) == 0
+    assert sharding.shard_axis((1001, 12), "float32", 8, 1) is None  # nothing divides by 8
+    assert sharding.shard_axis((4096,), "int32", 8, 1) is None
+    assert sharding.shard_axis((256, 256), "float32", 8, 1 << 20) is None  # under the threshold
+    assert sharding.parse_size("48MB") == 48_000_000 and sharding.parse_size("1MiB") == 1 << 20
+    for bad in ("12XB", "-1GB", "0"):
+        with pytest.raises(MeshfitError, match="size|at least"):
+            sharding.parse_size(bad)
+    with pytest.raises(MeshfitError, match="unknown sharding 'zero'"):
+        sharding.check_mode("zero")
+
+
+RECIPE = '''import numpy as np
+
+import meshfit
+
+
+def dataset(seed):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 10, 296)
+    x = np.clip(20 * labels[:, None, None, None] + rng.normal(0, 40, (296, 16, 16, 1)), 0, 255)
+    return (x[:256].astype("uint8"), labels[:256]), (x[256:].astype("uint8"), labels[256:])
+
+
+def build_model(input_shape, num_classes):
+    import keras
+
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Rescaling(1 / 255),
+                             keras.layers.Flatten(), keras.layers.Dense(512, activation="relu"),
+                             keras.layers.Dense(512, activation="relu"),
+                             keras.layers.Dense(num_classes, activation="softmax")])
+
+
+def optimizer(steps_per_epoch, epochs):
+    import keras
+
+    return keras.optimizers.Adam(1e-3)
+
+
+RECIPE = meshfit.Recipe(name="wide", dataset=dataset, build_model=build_model,
+                        optimizer=optimizer, epochs=1, global_batch=64)
+'''
+MEMORY = ["--device-memory", "4MB", "--fsdp-min-size", "100KB"]  # data needs ~8 MB, fsdp ~1.2 MB
+
+
+@pytest.fixture(scope="module")
+def wide_recipe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wide") / "wide.py"
+    path.write_text(RECIPE)
+    return str(path)
+
+
+def test_too_big_for_data_parallel_is_refused_then_trained_with_fsdp(strategy, wide_recipe, tmp_path,
+                                                                      capsys):
+    """In this process (the CLI's main on the same 8 devices): --sharding data is refused in one
+    line (exit 2); plan reports both modes; the default trains fsdp, and its run evaluates,
+    resumes from today's (gathered) checkpoints, predicts and exports on the CPU."""
+    from meshfit import cli, export, inference
+
+    run = str(tmp_path / "run")
+    devices = ["--simulate-devices", "8", "--engine", "jax"]
+    try:
+        assert cli.main(["train", wide_recipe, *devices, "--sharding", "data", "--out", run, *MEMORY]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("meshfit: error:"), err
+        assert "per device with --sharding data" in err[0] and "a device has 4.0 MB" in err[0]
+        assert "--sharding fsdp" in err[0]
+        assert cli.main(["plan", wide_recipe, *devices, "--json", *MEMORY]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["sharding"] == "fsdp" and result["device_memory"] == 4_000_000
+        modes = result["modes"]
+        assert modes["data"]["fits"] is False and modes["fsdp"]["fits"] is True
+        assert modes["fsdp"]["weights"] * 4 < modes["data"]["weights"]
+        assert modes["fsdp"]["largest_per_core_batch"] >= 8
+
+        assert cli.main(["train", wide_recipe, *devices, "--out", run, "--no-tensorboard", *MEMORY]) == 0
+        config = json.load(open(os.path.join(run, rundir.CONFIG)))
+        metrics = json.load(open(os.path.join(run, rundir.METRICS)))
+        assert config["sharding"] == metrics["sharding"] == "fsdp"
+        assert cli.main(["train", "--resume", run, "--epochs", "2", "--no-tensorboard", *devices,
+                         *MEMORY]) == 0
+        metrics = json.load(open(os.path.join(run, rundir.METRICS)))
+        assert metrics["sharding"] == "fsdp" and metrics["resumed"] and metrics["epochs"] == 2
+        assert cli.main(["eval", run, *devices, "--json"]) == 0
+        scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert scores["samples"] == 40 and 0 <= scores["test_accuracy"] <= 1
+    finally:
+        connect_eight_devices()
+    images = np.random.default_rng(0).integers(0, 256, (3, 16, 16, 1)).astype("float32")
+    probabilities = inference.load_predictor(run, backend="keras").predict(images)
+    assert probabilities.shape == (3, 10) and np.allclose(probabilities.sum(axis=1), 1, atol=1e-4)
+    assert os.path.isfile(export.export_keras(run, str(tmp_path / "served.keras")))
+
+
+def test_old_config_without_sharding_reads_as_data():
+    from meshfit.spec import RunSpec
+
+    fields = {"recipe": "r", "dataset": "d", "class_names": ["a"], "input_shape": [1], "num_classes": 1,
+              "epochs": 1, "steps_per_epoch": 1, "global_batch": 8, "steps_per_dispatch": 1,
+              "micro_batches": 1, "seed": 0, "precision": "float32", "engine": "jax", "replicas": 8,
+              "platform": "cpu", "device_kind": "cpu"}
+    assert RunSpec.from_dict(fields).sharding == "data"
