@@ -42,7 +42,7 @@ def main() -> None:
 
     recipe = recipes.get(args.recipe)
     batch = recipe.global_batch or recipe.per_core_batch
-    shape = bench.input_shape(recipe)
+    shape = recipes.input_shape(recipe)
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (args.steps * batch, *shape), dtype=np.uint8)
     y = rng.integers(0, 10, args.steps * batch).astype(np.int32)

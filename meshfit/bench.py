@@ -60,7 +60,6 @@ COLUMNS = ("recipe", "engine", "path", "precision", "batch", "steps_per_dispatch
            "vs_meshfit",
            "flops_per_step", "auto_engine", "platform", "device_kind", "repeats", "steps_per_repeat",
            "rounds")
-DATASET_SHAPES = {"mnist": (28, 28, 1), "fashion_mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
 _ROW, _MACHINE, _ERROR = "meshfit-bench-row ", "meshfit-bench-machine ", "meshfit-bench-error "
 
 
@@ -299,18 +298,6 @@ def default_batch(recipe: recipes.Recipe, platform: str, device_kind: str, repli
                                       per_core_batch=recipe.per_core_batch)
 
 
-def input_shape(recipe: recipes.Recipe) -> tuple[int, ...]:
-    """(height, width, channels) of the recipe's images."""
-    if recipe.input_shape:
-        return tuple(recipe.input_shape)
-    if recipe.image_size:
-        return (*recipe.image_size, recipe.channels)
-    if recipe.dataset in DATASET_SHAPES:
-        return DATASET_SHAPES[recipe.dataset]
-    raise MeshfitError(f"recipe {recipe.name} does not say its image shape; set "
-                       "input_shape=(height, width, channels) on its Recipe to bench it")
-
-
 def _epoch_timer():
     import keras
 
@@ -373,9 +360,9 @@ def _worker(spec: dict) -> None:
                "simulated": info.simulated, "cpu": devices_lib.cpu_model(), "auto_engine": auto_engine,
                "keras": keras.__version__, "python": sys.version.split()[0]}
     print(_MACHINE + json.dumps(machine), flush=True)
-    shape = input_shape(recipe)
+    shape = recipes.input_shape(recipe)
     # Built-in datasets' classes; the synthetic recipe keeps its model's own head; others: 10.
-    classes = len(_class_names(recipe.dataset)) or (None if recipe.dataset == "synthetic" else 10)
+    classes = len(recipes.dataset_class_names(recipe.dataset)) or (None if recipe.dataset == "synthetic" else 10)
     precisions = spec["precisions"] or [recipe.precision]
     batches = [planning.split_global_batch(b, replicas) for b in spec["batch_sizes"] or []] or \
         [default_batch(recipe, info.platform, info.device_kind, replicas)]
@@ -619,12 +606,6 @@ def _input_worker(spec: dict) -> None:
     print(f"bench: input {spec['path']}: {row['images_per_s']:,.0f} images/s, "
           f"{row['cpu_us_per_image']:.0f} CPU-us/image, peak RSS {row['peak_rss_mb']:,.0f} MB",
           file=sys.stderr, flush=True)
-
-
-def _class_names(dataset: str) -> tuple[str, ...]:
-    from meshfit import datasets
-
-    return datasets.CLASS_NAMES.get(dataset, ())
 
 
 def _worker_main(argv: list[str]) -> int:

@@ -440,11 +440,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Compile the recipe's train step per sharding (never run it) and print the bytes per device."""
-    from meshfit import memory_plan
+    from meshfit import memory_plan, training
 
     if args.batch_size is not None and args.batch_size < 1:
         raise MeshfitError(f"--batch-size must be at least 1, got {args.batch_size}")
-    result = memory_plan.plan_recipe(args.recipe, simulate_devices=args.simulate_devices,
+    result = training.plan_memory(args.recipe, simulate_devices=args.simulate_devices,
                                      batch_size=args.batch_size, precision=args.precision,
                                      engine=args.engine, require=args.require,
                                      data_dir=args.data_dir, verbose=not args.json,

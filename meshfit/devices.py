@@ -83,6 +83,19 @@ def keep_cpu_collectives_safe() -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {_SINGLE_THREADED_KERNELS}".strip()
 
 
+def memory_bytes(info: DeviceInfo, asked: int | None = None) -> int | None:
+    """Bytes of memory of one device: `asked` (--device-memory), else the device's own
+    `memory_stats()['bytes_limit']` (TPUs and GPUs), else None (CPUs)."""
+    if asked is not None:
+        return asked
+    try:
+        stats = info.devices[0].memory_stats() if info.devices else None
+        limit = (stats or {}).get("bytes_limit")
+        return int(limit) if limit else None
+    except Exception:  # a backend without memory statistics
+        return None
+
+
 def requested_simulation(simulate: int | None) -> int | None:
     """The simulated device count asked for by argument, else by $MESHFIT_SIMULATE_DEVICES."""
     if simulate is not None:

@@ -125,8 +125,6 @@ class Strategy:
 
     def describe(self) -> dict[str, Any]:
         """The discovery report as plain data (what `meshfit info --json` prints)."""
-        from meshfit import memory_plan
-
         return {
             "platform": self.platform,
             "device_kind": self.device_kind,
@@ -143,7 +141,7 @@ class Strategy:
             "sharding": self.sharding,
             "sharding_asked": self.sharding_asked,
             "fsdp_min_bytes": self.fsdp_min_bytes,
-            "device_memory": memory_plan.device_bytes(self, self.device_memory),
+            "device_memory": devices_lib.memory_bytes(self.info, self.device_memory),
         }
 
     def report(self) -> str:

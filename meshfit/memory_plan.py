@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from meshfit import sharding
+from meshfit import devices, sharding
 from meshfit.errors import MeshfitError
 
 
@@ -40,19 +40,6 @@ class ModePlan:
     def replicated_share(self) -> float:
         """Share of the whole state that is replicated on every device (0..1)."""
         return self.replicated / self.state if self.state else 0.0
-
-
-def device_bytes(strategy, asked: int | None = None) -> int | None:
-    """Bytes of memory of one device: `asked` (--device-memory), else the device's own
-    `memory_stats()['bytes_limit']` (TPUs and GPUs), else None (CPUs)."""
-    if asked is not None:
-        return asked
-    try:
-        stats = strategy.info.devices[0].memory_stats() if strategy.info.devices else None
-        limit = (stats or {}).get("bytes_limit")
-        return int(limit) if limit else None
-    except Exception:  # a backend without memory statistics
-        return None
 
 
 def step_arguments(model, batch_size: int, mesh=None, specs: dict | None = None,
@@ -261,7 +248,7 @@ def settle(strategy, make_model, global_batch: int, reset, verbose: bool = True)
     `reset(strategy)` (a fresh seeded session); build the model again under the returned strategy.
     Without several JAX devices, or for data-parallel with unknown device memory, nothing is planned.
     """
-    memory = device_bytes(strategy, strategy.device_memory)
+    memory = devices.memory_bytes(strategy.info, strategy.device_memory)
     if strategy.distribution is None or (strategy.sharding_asked != "fsdp" and memory is None):
         return strategy, None
     sharded = strategy.with_sharding("fsdp")
@@ -278,43 +265,3 @@ def settle(strategy, make_model, global_batch: int, reset, verbose: bool = True)
     if warning:
         warnings.warn(warning, stacklevel=2)
     return (strategy if mode == strategy.sharding else strategy.with_sharding(mode)), result
-
-
-def plan_recipe(recipe: str | None = None, *, simulate_devices: int | None = None,
-                batch_size: int | None = None, sharding: str | None = "auto",
-                fsdp_min_bytes: int | str = sharding.DEFAULT_FSDP_MIN_BYTES,
-                device_memory: int | str | None = None, precision: str | None = None,
-                engine: str | None = None, require: str | None = None,
-                data_dir: str | None = None, verbose: bool = True) -> dict[str, Any]:
-    """`meshfit plan`: the memory plan of a recipe's train step on these devices (both modes,
-    the largest per-core batch that fits each), without training. Returns `plan`'s dict with
-    "recipe" and "sharding" (the mode `meshfit train` would use with this `sharding`)."""
-    import types
-
-    from meshfit import bench, data, planning, recipes, training
-    from meshfit.distribution import connect
-
-    the_recipe = recipes.load(recipe)
-    strategy = connect(require=require, simulate=simulate_devices, engine=engine or "jax",
-                       precision=the_recipe.precision if precision in (None, "auto") else precision,
-                       verbose=verbose, sharding=sharding, fsdp_min_bytes=fsdp_min_bytes,
-                       device_memory=device_memory)
-    if strategy.engine != "jax":
-        raise MeshfitError("meshfit plan compiles the train step with JAX; use --engine jax")
-    global_batch = planning.plan_global_batch(
-        strategy.replicas, strategy.platform, strategy.device_kind,
-        global_batch=batch_size or the_recipe.global_batch, per_core_batch=the_recipe.per_core_batch)
-    classes = len(bench._class_names(the_recipe.dataset)) if isinstance(the_recipe.dataset, str) else 0
-    if classes and the_recipe.prepare is None:
-        shape = types.SimpleNamespace(input_shape=bench.input_shape(the_recipe), num_classes=classes)
-    else:  # the recipe's own data says its shape and classes (or its prepare needs the data)
-        shape = data.load(the_recipe, data_dir, 0)
-    planned = strategy.with_sharding("fsdp") if strategy.distribution is not None else strategy
-    training.start_session(planned, 0)
-    with planned.scope():
-        model = training.build(the_recipe, shape, 1, the_recipe.epochs, 1)
-    memory = device_bytes(strategy, strategy.device_memory)
-    result = plan(model, planned, global_batch, memory, largest=memory is not None)
-    asked = strategy.sharding_asked
-    result.update(recipe=the_recipe.name, sharding=result["choice"] if asked == "auto" else asked)
-    return result

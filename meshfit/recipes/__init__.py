@@ -22,6 +22,7 @@ from typing import Any, Callable
 from meshfit.errors import MeshfitError
 from meshfit.pipeline import CROP_PADDING
 
+DATASET_SHAPES = {"mnist": (28, 28, 1), "fashion_mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
 DEFAULT = "fashion-mnist-cnn"  # what `meshfit train` and `meshfit bench` run without a name
 _MODULES = {
     "fashion-mnist-cnn": "fashion_mnist_cnn",
@@ -175,3 +176,22 @@ def source(name: str) -> str:
     spec = importlib.util.find_spec(f"meshfit.recipes.{_MODULES[name]}")
     with open(spec.origin, encoding="utf-8") as f:
         return f.read()
+
+
+def input_shape(recipe: Recipe) -> tuple[int, ...]:
+    """(height, width, channels) of the recipe's images, where the recipe or its dataset says."""
+    if recipe.input_shape:
+        return tuple(recipe.input_shape)
+    if recipe.image_size:
+        return (*recipe.image_size, recipe.channels)
+    if recipe.dataset in DATASET_SHAPES:
+        return DATASET_SHAPES[recipe.dataset]
+    raise MeshfitError(f"recipe {recipe.name} does not say its image shape; set "
+                       "input_shape=(height, width, channels) on its Recipe")
+
+
+def dataset_class_names(dataset: Any) -> tuple[str, ...]:
+    """The class names of a built-in dataset (by name), else ()."""
+    from meshfit import datasets
+
+    return datasets.CLASS_NAMES.get(dataset, ()) if isinstance(dataset, str) else ()
