@@ -1,16 +1,22 @@
 """Plain `model.fit` on 8 simulated CPU devices: how often it hangs and what the fix costs.
 
-XLA:CPU can deadlock in an all-reduce on several CPU devices (meshfit.keras_hooks, meshfit.devices):
-it aborts after 40 s with "Termination timeout for 'all reduce'". meshfit prevents it two ways,
-single-threaded XLA:CPU kernels (`--xla_cpu_multi_thread_eigen=false`, set before JAX starts) and
-one program in flight (each train/test/predict dispatch finished before the next). This runs a
-user's plain Keras program (a two-convolution CNN, 4,096 random 28x28 images, batch 128,
+XLA:CPU can deadlock in an all-reduce on several CPU devices and abort after 40 s ("Termination
+timeout for 'all reduce'"). meshfit finishes each train/test/predict dispatch before the next
+(one program in flight; meshfit.keras_hooks). A second remedy was tried and not adopted:
+single-threaded XLA:CPU kernels (`--xla_cpu_multi_thread_eigen=false`). This runs a user's plain
+Keras program (a two-convolution CNN, 4,096 random 28x28 images, batch 128,
 `validation_split=0.125`, Keras' progress bar, 4 epochs, then `evaluate` and `predict` on odd
 counts) in a fresh process per run, for the four combinations, alternating, and prints per
 combination the runs that hung (caught at XLA's 20 s "may be stuck" warning and killed) and the
-median epoch time of the runs that finished (epochs 2-4: no compilation).
+median epoch time of the runs that finished (epochs 2-4: no compilation), as a ratio to meshfit's.
 
     python benchmarks/cpu_devices_abort.py [--rounds 8] [--configs 3 4]
+    python benchmarks/cpu_devices_abort.py --cost [--rounds 8]
+
+--cost measures the wait's price in one process: the same CNN trains 2 x rounds epochs without
+validation (train steps depend on each other's weights, so they never overlap and the run cannot
+hang either way), alternating epochs with and without the wait; it prints the median epoch
+time of each and their ratio.
 
 Results: BENCHMARKS.md, section 2.
 """
@@ -26,10 +32,10 @@ import textwrap
 import time
 
 CONFIGS = {  # name: (multi-threaded kernels, finish each dispatch)
-    "before (Keras' defaults)": (True, False),
-    "single-threaded kernels only": (False, False),
-    "one program in flight only": (True, True),
-    "meshfit (both)": (False, True),
+    "Keras' defaults": (True, False),
+    "single-threaded kernels": (False, False),
+    "meshfit: one program in flight": (True, True),
+    "both": (False, True),
 }
 
 CHILD = textwrap.dedent("""
@@ -65,6 +71,42 @@ CHILD = textwrap.dedent("""
 """)
 
 
+COST_CHILD = textwrap.dedent("""
+    import statistics, sys, time
+    import meshfit
+    strategy = meshfit.connect(simulate=8, verbose=False)
+    import keras, numpy as np
+    from meshfit import jax_loop, report
+    finish = jax_loop.finish_dispatch
+    rng = np.random.default_rng(0)
+    x = rng.random((4096, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, 4096)
+    times = {True: [], False: []}
+
+    class Alternate(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.wait = epoch % 2 == 1
+            jax_loop.finish_dispatch = finish if self.wait else (lambda outputs: None)
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            report.wait_for_device(self.model)
+            if epoch >= 2:  # epochs 0 and 1 compile
+                times[self.wait].append(time.perf_counter() - self.start)
+
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((28, 28, 1)), keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(), keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.Flatten(), keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, batch_size=128, epochs=2 + 2 * int(sys.argv[1]), verbose=0, callbacks=[Alternate()])
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    print(f"epoch with the wait {on:.3f} s, without {off:.3f} s: {on / off:.3f}x "
+          f"({len(times[True])} epochs each, alternating)")
+""")
+
+
 def run(multi_threaded: bool, wait: bool, timeout: float = 300) -> list[float] | None:
     """One fresh process: its epoch times after the first, or None if it hung."""
     env = dict(os.environ, WAIT="1" if wait else "0",
@@ -92,7 +134,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--configs", type=int, nargs="+", default=[1, 2, 3, 4],
                         help="which of the four combinations to run, by their place in the list (1-4)")
+    parser.add_argument("--cost", action="store_true", help="the wait's price, in one process")
     args = parser.parse_args()
+    if args.cost:
+        subprocess.run([sys.executable, "-c", COST_CHILD, str(args.rounds)], check=True)
+        return
     names = [list(CONFIGS)[i - 1] for i in args.configs]
     hung = {name: 0 for name in names}
     epochs: dict[str, list[float]] = {name: [] for name in names}
@@ -106,8 +152,8 @@ def main() -> None:
                 epochs[name].extend(seconds)
             print(f"round {round_ + 1}: {name}: {'hung' if seconds is None else f'{statistics.median(seconds):.3f} s/epoch'}",
                   file=sys.stderr, flush=True)
-    both = epochs.get("meshfit (both)")
-    base = statistics.median(both) if both else None
+    ours = epochs.get("meshfit: one program in flight")
+    base = statistics.median(ours) if ours else None
     for name in names:
         median = statistics.median(epochs[name]) if epochs[name] else None
         ratio = f"{median / base:.3f}x meshfit's" if (median and base) else "n/a"

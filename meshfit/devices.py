@@ -16,14 +16,6 @@ from meshfit import cluster, env
 from meshfit.errors import MeshfitError
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
-# Several CPU devices: each device's work runs on XLA:CPU's intra-op pool (a thread per device),
-# and with Eigen's multi-threaded convolutions and matmuls a device's all-reduce runs as the
-# continuation of pool tasks, parking pool threads that another device's work needs, so the
-# process can abort after 40 s ("Termination timeout for 'all reduce'"). Single-threaded kernels
-# keep each device's work on its own thread; with one program in flight (meshfit.keras_hooks) no
-# stress run hung (BENCHMARKS.md, section 2). With more devices than cores, intra-op threads had
-# nothing to add.
-_SINGLE_THREADED_KERNELS = "--xla_cpu_multi_thread_eigen=false"
 
 
 @dataclass(frozen=True)
@@ -73,16 +65,6 @@ def simulate_devices(count: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def keep_cpu_collectives_safe() -> None:
-    """Before JAX starts with several CPU devices (ours or the user's XLA_FLAGS), ask XLA:CPU for
-    single-threaded kernels, unless the user set that flag (see _SINGLE_THREADED_KERNELS)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    count = re.search(rf"{_COUNT_FLAG}=(\d+)", flags)
-    if (count and int(count.group(1)) > 1 and "xla_cpu_multi_thread_eigen" not in flags
-            and not cluster.jax_started()):
-        os.environ["XLA_FLAGS"] = f"{flags} {_SINGLE_THREADED_KERNELS}".strip()
-
-
 def memory_bytes(info: DeviceInfo, asked: int | None = None) -> int | None:
     """Bytes of memory of one device: `asked` (--device-memory), else the device's own
     `memory_stats()['bytes_limit']` (TPUs and GPUs), else None (CPUs)."""
@@ -120,7 +102,6 @@ def discover(simulate: int | None = None, require: str | None = None) -> DeviceI
     simulate = requested_simulation(simulate)
     if simulate is not None:
         simulate_devices(simulate)
-    keep_cpu_collectives_safe()
     cluster.join()  # a multi-host job must be joined before JAX starts its backends
     import jax
 

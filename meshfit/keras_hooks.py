@@ -11,15 +11,15 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   meshfit.sources for why padding is not exact); the price is one more compilation for that
   shape and that batch computed on every device rather than split.
 - One program in flight (JAX, several CPU devices): XLA:CPU runs every device's part of a
-  program on one intra-op pool with a thread per device, and an all-reduce blocks its thread
-  until every device has arrived. With two collective programs in flight (say the last
-  validation step and the next train step, which do not depend on each other), or with a
-  collective run as the continuation of pool tasks, the pool can fill with threads waiting for a
-  part that has no thread left: the process aborts after 40 s ("Termination timeout for
-  'all reduce'"). So each train, test and predict dispatch is finished before the next one
-  starts (`jax_loop.finish_dispatch`), and meshfit.devices asks XLA:CPU for single-threaded
-  kernels; either alone still hung in a stress test, both never did (BENCHMARKS.md, section 2,
-  with the cost). Real TPUs and GPUs keep asynchronous dispatch.
+  program on one pool with a thread per device, and an all-reduce blocks its thread until every
+  device has arrived. With two collective programs in flight (say the last validation step and
+  the next train step, which do not depend on each other) the pool can fill with threads
+  waiting for parts that have no thread left, and the process aborts after 40 s ("Termination
+  timeout for 'all reduce'"). With one program at a time, at most one thread fewer than the
+  devices can wait, so one is always free. So each train, test and predict dispatch is finished
+  before the next one starts (`jax_loop.finish_dispatch`): 0 of 13 stress runs hung, against 4 of
+  5 with Keras' defaults (BENCHMARKS.md, section 2, with the cost). Real TPUs and GPUs keep
+  asynchronous dispatch.
 - `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given) and, on JAX,
   meshfit's on-device k-step loop (`meshfit.jax_loop`), as `Strategy.fit` has them.
 

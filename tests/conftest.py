@@ -7,9 +7,7 @@ Tests marked `slow` take more than about 20 s each on a 2-core CPU: `pytest -m "
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
-# The kernel flag is what meshfit.connect() adds itself (devices.keep_cpu_collectives_safe); set
-# here too in case a test starts JAX before connecting (test_keras_hooks checks meshfit adds it).
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
