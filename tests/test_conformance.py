@@ -21,10 +21,7 @@ Four families (CNN, ViT, Distiller, text transformer) also run through the CLI f
 """
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -40,6 +37,10 @@ SAMPLES, BATCH, EPOCHS = 203, 32, 2  # validation_split=0.2: 162 train (5 x 32 +
 EVAL = 41  # evaluate and predict: 32 + 9, the validation shapes (no more compilations)
 VALIDATION_SPLIT = 0.2
 RTOL, ATOL = 1e-4, 1e-6  # float rounding: the 8 devices sum the batch in another order
+# After 12 Adam steps the weights carry that rounding, amplified where a difference of nearly equal
+# numbers is taken (BatchNormalization's variance E[x^2] - E[x]^2): a single sample's outputs show
+# it unaveraged (conv1d_batchnorm: 1.2e-4 relative). Losses and metrics are held to RTOL.
+PREDICT_RTOL, PREDICT_ATOL = 1e-3, 1e-5
 
 rng = np.random.default_rng(0)
 
@@ -550,9 +551,9 @@ def take(x, n):
     return keras.tree.map_structure(lambda a: a[:n], x)
 
 
-def assert_close(a, b, what):
-    np.testing.assert_allclose(np.asarray(a, "float64"), np.asarray(b, "float64"), rtol=RTOL,
-                               atol=ATOL, err_msg=what)
+def assert_close(a, b, what, rtol=RTOL, atol=ATOL):
+    np.testing.assert_allclose(np.asarray(a, "float64"), np.asarray(b, "float64"), rtol=rtol,
+                               atol=atol, err_msg=what)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -586,14 +587,37 @@ def test_family_trains_evaluates_and_predicts_on_eight_devices_as_on_one(eight, 
     for n, a, b in zip((1, 3, EVAL), p1, p8):
         for u, v in zip(keras.tree.flatten(a), keras.tree.flatten(b), strict=True):
             assert u.shape[0] == v.shape[0] == n
-            assert_close(v, u, f"{name}: predict() on {n} samples on 8 devices vs 1")
-    assert output.count("Epoch 2/2") >= 2  # Keras' default progress output, on 1 and on 8 devices
+            assert_close(v, u, f"{name}: predict() on {n} samples on 8 devices vs 1", PREDICT_RTOL,
+                         PREDICT_ATOL)
+    # Default verbose: Keras' progress and meshfit's per-epoch report, on 1 and on 8 devices.
+    assert output.count("Epoch 2/2") == 2, output[-2000:]
+    assert len(re.findall(r"^epoch 2/2  .*loss .* ms/step", output, re.M)) == 2, output[-2000:]
 
 
 def steps(family, data):
     samples = len(keras.tree.flatten(data[0][0])[0])
     train = int(np.floor(samples * (1.0 - family.fit.get("validation_split", 0.0))))  # as Keras
     return -(-train // BATCH)
+
+
+def test_the_comparison_sees_the_last_partial_batch_dropped(eight):
+    """The tolerance is float rounding, not more: training without the epoch's last 2 samples
+    (what cutting the batch that does not split 8 ways would do) fails the history comparison."""
+    family = Family(dense_net, pair(features), {"validation_data": features(VALIDATION, 7)})
+    (x, y), evaluation = family.data()
+    one = one_device(eight)
+    keras.utils.set_random_seed(0)
+    with one.scope():
+        initial = family.build().get_weights()
+    try:
+        whole, cut = (train_and_use(one, family, initial, ((x[:n], y[:n]), evaluation), True)
+                      for n in (5 * BATCH + 2, 5 * BATCH))
+        whole, cut = whole[0], cut[0]  # the histories
+    finally:
+        connect_eight_devices()
+    for key in ("loss", "val_loss"):
+        with pytest.raises(AssertionError):
+            assert_close(cut[key], whole[key], key)
 
 
 # ------------------------------------------------------------------------------- the CLI runs
@@ -662,7 +686,6 @@ RECIPE = meshfit.Recipe(name="NAME", dataset=dataset, build_model=BUILD, optimiz
 
 def recipe_text(name):
     import inspect
-    import re
 
     family = CLI_FAMILIES[name]
     values = {"NAME": name, "DATA": family.data, "BUILD": family.build_model, "SAMPLES": SAMPLES,
