@@ -525,11 +525,14 @@ def eight():
 
 
 def train_and_use(strategy, family, initial, data, fit_in_scope):
-    """Build (same initial weights, same seed), fit with default verbose, evaluate, predict."""
+    """Build (from `initial` weights, or as seed 1 makes them when None), fit with default
+    verbose and seed 2, evaluate, predict; also returns the initial weights."""
     (x, y), (x_eval, y_eval) = data
     keras.utils.set_random_seed(1)
     with strategy.scope():
         model = family.build()
+        if initial is None:
+            initial = model.get_weights()
         model.set_weights(initial)
     kwargs = dict(family.fit)
     source = kwargs.pop("source", None)
@@ -547,7 +550,7 @@ def train_and_use(strategy, family, initial, data, fit_in_scope):
         history = model.fit(x, y, epochs=EPOCHS, shuffle=False, callbacks=[read_loss], **kwargs)
         scores = model.evaluate(x_eval, y_eval, batch_size=BATCH, return_dict=True)
         predictions = [model.predict(take(x_eval, n)) for n in (1, 3, EVAL)]
-    return history.history, batch_losses, scores, predictions
+    return history.history, batch_losses, scores, predictions, initial
 
 
 def take(x, n):
@@ -563,19 +566,15 @@ def assert_close(a, b, what, rtol=RTOL, atol=ATOL):
 def test_family_trains_evaluates_and_predicts_on_eight_devices_as_on_one(eight, name, capsys):
     family = FAMILIES[name]
     data = family.data()
-    one = one_device(eight)
-    keras.utils.set_random_seed(0)
-    with one.scope():
-        initial = family.build().get_weights()
     try:
-        single = train_and_use(one, family, initial, data, fit_in_scope=True)
+        single = train_and_use(one_device(eight), family, None, data, fit_in_scope=True)
     finally:
         connect_eight_devices()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. "a batch of 2 samples does not split"
-        several = train_and_use(eight, family, initial, data, fit_in_scope=False)
+        several = train_and_use(eight, family, single[-1], data, fit_in_scope=False)
     output = capsys.readouterr().out
-    (h1, b1, s1, p1), (h8, b8, s8, p8) = single, several
+    (h1, b1, s1, p1, _), (h8, b8, s8, p8, _) = single, several
 
     assert set(h1) == set(h8) and h1, (h1, h8)
     for key in h1:
@@ -608,14 +607,9 @@ def test_the_comparison_sees_the_last_partial_batch_dropped(eight):
     (what cutting the batch that does not split 8 ways would do) fails the history comparison."""
     family = Family(dense_net, pair(features), {"validation_data": features(VALIDATION, 7)})
     (x, y), evaluation = family.data()
-    one = one_device(eight)
-    keras.utils.set_random_seed(0)
-    with one.scope():
-        initial = family.build().get_weights()
     try:
-        whole, cut = (train_and_use(one, family, initial, ((x[:n], y[:n]), evaluation), True)
-                      for n in (5 * BATCH + 2, 5 * BATCH))
-        whole, cut = whole[0], cut[0]  # the histories
+        whole, cut = (train_and_use(one_device(eight), family, None, ((x[:n], y[:n]), evaluation),
+                                    True)[0] for n in (5 * BATCH + 2, 5 * BATCH))  # the histories
     finally:
         connect_eight_devices()
     for key in ("loss", "val_loss"):
