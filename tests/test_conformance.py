@@ -7,15 +7,15 @@ device. Each family below is a tiny version of a keras.io example written as its
 dict inputs and outputs, an LSTM, BatchNormalization, Dropout, PyDataset and tf.data input). Each
 is trained from the same initial weights and seed on one device and on the 8 simulated devices
 with plain `model.fit` (default verbose, shuffle=False, 2 epochs) on an odd number of samples:
-the last training batch (162 = 5 x 32 + 2 after validation_split=0.2 of 203) and the validation
-remainder (41 = 32 + 9) do not split 8 ways, so they exercise meshfit's whole-batch placement.
+the last training batch (140 = 4 x 32 + 12 after validation_split=0.2 of 175) and the validation
+remainder (35 = 32 + 3) do not split 8 ways, so they exercise meshfit's whole-batch placement.
 The suite requires, to float rounding (RTOL):
 
 - the same per-epoch history (loss, metrics, val_*) on 1 and 8 devices: a dropped, padded or
   double-counted sample, or another Dropout mask, moves it well beyond rounding (the last test
-  shows that dropping the 2-sample batch fails the comparison);
+  shows that dropping a short last batch fails the comparison);
 - the same per-batch loss seen by a callback reading `float(logs["loss"])` every batch;
-- the same `evaluate` on 41 samples, and `predict` on 1, 3 and 41 samples returning every sample
+- the same `evaluate` on 35 samples, and `predict` on 1, 3 and 35 samples returning every sample
   with the same outputs (to PREDICT_RTOL: see there);
 - Keras' progress output and meshfit's per-epoch line under the default verbose.
 
@@ -42,11 +42,11 @@ from helpers import cli_env, connect_eight_devices, run_meshfit
 from keras import layers, ops
 from test_sources import one_device
 
-SAMPLES, BATCH, EPOCHS = 203, 32, 2  # validation_split=0.2: 162 train (5 x 32 + 2), 41 val (32 + 9)
-EVAL = 41  # evaluate and predict: 32 + 9, the validation shapes (no more compilations)
+SAMPLES, BATCH, EPOCHS = 175, 32, 2  # validation_split=0.2: 140 train (4 x 32 + 12), 35 val (32 + 3)
+EVAL = 35  # evaluate and predict: 32 + 3, the validation shapes and predict's 3 (no more compilations)
 VALIDATION_SPLIT = 0.2
 RTOL, ATOL = 1e-4, 1e-6  # float rounding: the 8 devices sum the batch in another order
-# After 12 Adam steps the weights carry that rounding, amplified where a difference of nearly equal
+# After 10 Adam steps the weights carry that rounding, amplified where a difference of nearly equal
 # numbers is taken (BatchNormalization's variance E[x^2] - E[x]^2): a single sample's outputs show
 # it unaveraged (conv1d_batchnorm: 1.2e-4 relative). Losses and metrics are held to RTOL.
 PREDICT_RTOL, PREDICT_ATOL = 1e-3, 1e-5
@@ -472,7 +472,7 @@ class ExamplesBatches(keras.utils.PyDataset):
         return self.x[low:high], self.y[low:high]
 
 
-VALIDATION = 41  # the held-out samples of validation_data: 32 + 9
+VALIDATION = EVAL  # the held-out samples of validation_data
 
 
 def from_pydataset(x, y):
@@ -513,7 +513,7 @@ FAMILIES = {
     "pydataset": Family(dense_net, pair(features), {"source": from_pydataset}),
     "tf_data": Family(dense_net, pair(features), {"source": from_tf_data}),
     "dropout_uneven_split": Family(lambda: dense_net(dropout=0.3), pair(features),
-                                   {"validation_split": 0.15}),  # 172 train (5 x 32 + 12), 31 val
+                                   {"validation_split": 0.15}),  # 148 train (4 x 32 + 20), 27 val
 }
 
 
@@ -571,7 +571,7 @@ def test_family_trains_evaluates_and_predicts_on_eight_devices_as_on_one(eight, 
     finally:
         connect_eight_devices()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # e.g. "a batch of 2 samples does not split"
+        warnings.simplefilter("ignore")  # e.g. "a batch of 12 samples does not split"
         several = train_and_use(eight, family, single[-1], data, fit_in_scope=False)
     output = capsys.readouterr().out
     (h1, b1, s1, p1, _), (h8, b8, s8, p8, _) = single, several
