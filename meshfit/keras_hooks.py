@@ -166,14 +166,15 @@ def _fit_hook(fit: Callable) -> Callable:
             return fit(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         arguments = bound.arguments
-        callbacks = arguments.get("callbacks") or []
-        from meshfit.report import EpochReport
+        callbacks = arguments.get("callbacks")
+        if callbacks is None or isinstance(callbacks, (list, tuple)):  # a CallbackList stays as given
+            from meshfit.report import EpochReport
 
-        if (arguments.get("verbose", "auto") != 0 and not _report_off.get()
-                and strategy.info.process_index == 0 and isinstance(callbacks, (list, tuple))
-                and not any(isinstance(c, EpochReport) for c in callbacks)):
-            callbacks = list(callbacks)
-            callbacks.append(EpochReport(batch_size=_batch_size(arguments), strategy=strategy))
+            callbacks, verbose = list(callbacks or []), arguments.get("verbose", "auto")
+            if (verbose != 0 and not _report_off.get() and strategy.info.process_index == 0
+                    and not any(isinstance(c, EpochReport) for c in callbacks)):
+                callbacks.append(EpochReport(batch_size=_batch_size(arguments), strategy=strategy))
+            _progress_bar_first(callbacks, verbose)
             arguments["callbacks"] = callbacks
         if (strategy.engine == "jax" and self.train_function is None and self.jit_compile
                 and not self.run_eagerly):
@@ -187,6 +188,19 @@ def _fit_hook(fit: Callable) -> Callable:
             _fit_batches.reset(token)
 
     return hooked_fit
+
+
+def _progress_bar_first(callbacks: list, verbose) -> None:
+    """Put Keras' progress bar (verbose != 0) before the first EpochReport in `callbacks`. Keras
+    appends its bar after the given callbacks, so at an epoch's end the report would print its
+    line into the middle of the bar's unfinished one; a ProgbarLogger among the callbacks is the
+    one Keras uses, so placed first it ends its line first."""
+    from meshfit.report import EpochReport
+
+    first = next((i for i, c in enumerate(callbacks) if isinstance(c, EpochReport)), None)
+    if first is not None and verbose != 0 and not any(
+            isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
+        callbacks.insert(first, keras.callbacks.ProgbarLogger())
 
 
 def _batch_size(arguments: dict[str, Any]) -> int | None:

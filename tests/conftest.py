@@ -7,7 +7,7 @@ Tests marked `slow` take more than about 20 s each on a 2-core CPU: `pytest -m "
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
