@@ -703,22 +703,8 @@ def write_inputs(folder, name, count=3):
     return paths, x[:count]
 
 
-def needs_helper_cli(why):
-    return pytest.mark.xfail(reason=f"needs helper-cli: {why}", strict=False)
-
-
 @pytest.mark.slow  # three meshfit processes: about 40 s on 2 idle cores
-@pytest.mark.parametrize("name", [
-    "cnn",
-    # With helper-cli's branch as of dacd4d2 the distiller passes; vit and text_transformer still
-    # fail in predict's automatic ONNX export (meshfit/export.py, _export_onnx_here), with a traceback:
-    pytest.param("vit", marks=needs_helper_cli(
-        "eval/predict of custom layers; then onnxruntime rejects the export's Erfc (gelu)")),
-    pytest.param("distiller", marks=needs_helper_cli("Recipe(compile=) for a custom compile")),
-    pytest.param("text_transformer", marks=needs_helper_cli(
-        "eval/predict of custom layers; then the ONNX export probes with pixels 0..255, "
-        "outside the Embedding's 50 tokens")),
-])
+@pytest.mark.parametrize("name", list(CLI_FAMILIES))
 def test_recipe_file_trains_on_eight_devices_then_evaluates_and_predicts(tmp_path, name):
     recipe = tmp_path / f"{name}.py"
     recipe.write_text(recipe_text(name))
