@@ -28,9 +28,9 @@ def mlp():
 def cnn():
     import keras
 
-    return keras.Sequential([keras.Input((8, 8, 4)), keras.layers.Conv2D(128, 3, padding="same"),
+    return keras.Sequential([keras.Input((8, 8, 4)), keras.layers.Conv2D(64, 3, padding="same"),
                              keras.layers.BatchNormalization(), keras.layers.ReLU(),
-                             keras.layers.Conv2D(128, 3, padding="same"),
+                             keras.layers.Conv2D(64, 3, padding="same"),
                              keras.layers.BatchNormalization(), keras.layers.ReLU(),
                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
 
