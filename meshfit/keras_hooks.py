@@ -20,7 +20,8 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   before the next one starts (`jax_loop.finish_dispatch`): 0 of 13 stress runs hung, against 4 of
   5 with Keras' defaults (BENCHMARKS.md, section 2, with the cost). Real TPUs and GPUs keep
   asynchronous dispatch.
-- `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given) and, on JAX,
+- `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given; in a Jupyter
+  kernel with verbose left at "auto", meshfit's live bar and Keras' one line per epoch) and, on JAX,
   meshfit's on-device k-step loop (`meshfit.jax_loop`), as `Strategy.fit` has them.
 
 `Strategy.activate` installs the hooks once per process; each does nothing unless the strategy
@@ -167,8 +168,16 @@ def _fit_hook(fit: Callable) -> Callable:
         bound = signature.bind(self, *args, **kwargs)
         arguments = bound.arguments
         callbacks = arguments.get("callbacks") or []
+        from meshfit import progress
         from meshfit.report import EpochReport
 
+        if (arguments.get("verbose", "auto") == "auto" and strategy.info.process_index == 0
+                and isinstance(callbacks, (list, tuple)) and progress.notebook()):
+            # A notebook: meshfit's bar redrawn in place, and Keras' one line per epoch, rather
+            # than Keras' bar, whose carriage returns pile up in the saved output.
+            callbacks = [progress.ProgressBar(_batch_size(arguments)), *callbacks]
+            arguments["verbose"] = 2
+            arguments["callbacks"] = callbacks
         if (arguments.get("verbose", "auto") != 0 and not _report_off.get()
                 and strategy.info.process_index == 0 and isinstance(callbacks, (list, tuple))
                 and not any(isinstance(c, EpochReport) for c in callbacks)):
