@@ -72,10 +72,17 @@ def run_notebook(name: str, cwd, **parameters) -> str:
         "\n".join(f"{key} = {value!r}" for key, value in parameters.items())))
     env = environment({**ONE_CPU, "MESHFIT_OFFLINE": "1", "MESHFIT_DATA": None,
                        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
-    client = NotebookClient(nb, kernel_name="python3", timeout=120,
-                            resources={"metadata": {"path": str(cwd)}})
+    displayed = []  # the text of every display and display update the kernel sent
+
+    class Client(NotebookClient):
+        def process_message(self, msg, cell, cell_index):
+            if msg["msg_type"] in ("display_data", "update_display_data"):
+                displayed.append(msg["content"]["data"].get("text/plain", ""))
+            return super().process_message(msg, cell, cell_index)
+
+    client = Client(nb, kernel_name="python3", timeout=120, resources={"metadata": {"path": str(cwd)}})
     client.execute(env=env, cwd=str(cwd))
-    run_notebook.last = nb
+    run_notebook.last, run_notebook.displayed = nb, displayed
     return "".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                    for out in cell.outputs if out.output_type == "stream")
 
@@ -96,6 +103,12 @@ def test_fashion_mnist_notebook(notebook_data, tmp_path):
                            data_dir=notebook_data)
     assert accuracy(printed) > 0.5, printed  # 10 classes: chance is 0.1
     assert "samples/s" in printed  # meshfit's epoch line under plain model.fit
+    # The live bar: one output redrawn in place, emptied at each epoch's end for the epoch line;
+    # no carriage-return progress in the printed text.
+    bars = [text for text in run_notebook.displayed if text.startswith("epoch ")]
+    assert any(text.startswith("epoch 1/3") for text in bars), run_notebook.displayed
+    assert any(text.startswith("epoch 3/3") for text in bars), run_notebook.displayed
+    assert run_notebook.displayed.count("") >= 3 and "\r" not in printed
 
 
 def test_cifar10_notebook_classifies_one_image_on_the_cpu(notebook_data, tmp_path):
