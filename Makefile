@@ -6,7 +6,7 @@ DATA ?= ../shared/data
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,onnx,test]'
+	$(PY) -m pip install -q -e '.[cpu,onnx,test,docs]'
 	touch $@
 
 .PHONY: install train test

@@ -55,10 +55,14 @@ def simulate_devices(count: int) -> None:
         have = jax.devices()
         if have[0].platform == "cpu" and len(have) == count:
             return
+        from meshfit import progress
+
+        where = ("restart the kernel and call" if progress.notebook() else
+                 f"set {env.SIMULATE_DEVICES}={count} before starting Python, or call")
         raise MeshfitError(
             f"cannot simulate {count} devices: JAX already started with {len(have)} "
-            f"{have[0].platform} device(s); set {env.SIMULATE_DEVICES}={count} before starting Python, "
-            f"or call meshfit.connect(simulate={count}) before anything else uses JAX"
+            f"{have[0].platform} device(s) in this process; {where} "
+            f"meshfit.connect(simulate={count}) before anything else uses JAX"
         )
     flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
     os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={count}".strip()

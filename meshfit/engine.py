@@ -84,19 +84,19 @@ def choose(requested: str | None, platform: str, device_count: int) -> str:
     loaded = loaded_backend()
     if requested == "auto":
         chosen = loaded or os.environ.get("KERAS_BACKEND") or fastest(platform, device_count)
-        if device_count > 1 and chosen not in _MULTI_DEVICE_ENGINES:  # never 1 replica silently
+        # Never a one-CPU engine on several devices or an accelerator (1 replica, silently).
+        if chosen not in _MULTI_DEVICE_ENGINES and (device_count > 1 or platform != "cpu"):
             why = (f"Keras was already imported with the {chosen} backend" if loaded else
                    f"KERAS_BACKEND={chosen} is set")
-            raise MeshfitError(
-                f"{why}, which trains on one device in meshfit, but {device_count} {platform} "
-                "devices are in use; let meshfit choose the engine before keras is imported "
-                "(import meshfit and call meshfit.connect() first, or set KERAS_BACKEND=jax)")
+            fix = (_restart_fix("jax") if loaded else
+                   "let meshfit choose the engine: unset KERAS_BACKEND or set KERAS_BACKEND=jax")
+            raise MeshfitError(f"{why}, which trains on one CPU device in meshfit, but "
+                               f"{device_count} {platform} device(s) are in use; {fix}")
         return chosen
     if loaded and loaded != requested:
         raise MeshfitError(
             f"too late to switch to engine {requested}: Keras was already imported with the "
-            f"{loaded} backend; call meshfit.connect(engine={requested!r}) before importing keras, "
-            f"or set KERAS_BACKEND={requested}"
+            f"{loaded} backend; {_restart_fix(requested)}"
         )
     if requested not in _MULTI_DEVICE_ENGINES and (device_count > 1 or platform != "cpu"):
         raise MeshfitError(
@@ -109,6 +109,19 @@ def choose(requested: str | None, platform: str, device_count: int) -> str:
 
 
 _PACKAGES = {"jax": "jax", "tensorflow": "tensorflow-cpu"}
+
+
+def _restart_fix(backend: str) -> str:
+    """How to get Keras on `backend` once it was imported with another: a new process (in a
+    notebook, a restarted kernel) that imports meshfit first or sets KERAS_BACKEND."""
+    from meshfit import progress
+
+    if progress.notebook():
+        return (f"restart the kernel (Colab: Runtime > Restart session), then run `import meshfit` "
+                f"and meshfit.connect() before `import keras`, or set "
+                f"os.environ['KERAS_BACKEND'] = '{backend}' before importing keras")
+    return (f"import meshfit and call meshfit.connect() before importing keras, or set "
+            f"KERAS_BACKEND={backend}")
 
 
 def activate(engine: str):

@@ -275,10 +275,19 @@ def format_results(rows: list[dict]) -> str:
 
 
 def save_figure(path: str, images: np.ndarray, rows: list[dict]) -> None:
-    """A PNG with each image (as the model saw it) beside bars of its top-k probabilities."""
-    from matplotlib.figure import Figure
+    """A PNG at `path` of `figure(images, rows)`."""
+    try:
+        figure(images, rows).savefig(path, dpi=100)
+    except OSError as e:
+        raise MeshfitError(f"cannot write {path} ({e}); choose a writable path for --show") from e
 
-    fig = Figure(figsize=(7, 1.8 * len(rows) + 0.3), layout="constrained")
+
+def figure(images: np.ndarray, rows: list[dict]):
+    """A matplotlib Figure of each image (as the model saw it) beside bars of its top-k
+    probabilities; `rows` as `results` returns them. A notebook cell ending with it shows it."""
+    from meshfit import figures
+
+    fig = figures.new(figsize=(7, 1.8 * len(rows) + 0.3), layout="constrained")
     axes = fig.subplots(len(rows), 2, squeeze=False, width_ratios=(1, 2))
     for (ax_img, ax_bar), image, row in zip(axes, images, rows):
         grey = image.shape[-1] == 1
@@ -292,10 +301,7 @@ def save_figure(path: str, images: np.ndarray, rows: list[dict]) -> None:
         ax_bar.set_xlim(0, 1)
         ax_bar.set_title(os.path.basename(row["image"]), fontsize=9)
         ax_bar.tick_params(labelsize=8)
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as e:
-        raise MeshfitError(f"cannot write {path} ({e}); choose a writable path for --show") from e
+    return fig
 
 
 # ----------------------------------------------------------------------------------- benchmark

@@ -20,7 +20,8 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   before the next one starts (`jax_loop.finish_dispatch`): 0 of 13 stress runs hung, against 4 of
   5 with Keras' defaults (BENCHMARKS.md, section 2, with the cost). Real TPUs and GPUs keep
   asynchronous dispatch.
-- `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given) and, on JAX,
+- `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given; in a Jupyter
+  kernel with verbose left at "auto", meshfit's live bar and Keras' one line per epoch) and, on JAX,
   meshfit's on-device k-step loop (`meshfit.jax_loop`), as `Strategy.fit` has them.
 
 `Strategy.activate` installs the hooks once per process; each does nothing unless the strategy
@@ -168,10 +169,17 @@ def _fit_hook(fit: Callable) -> Callable:
         arguments = bound.arguments
         callbacks = arguments.get("callbacks")
         if callbacks is None or isinstance(callbacks, (list, tuple)):  # a CallbackList stays as given
+            from meshfit import progress
             from meshfit.report import EpochReport
 
             callbacks, verbose = list(callbacks or []), arguments.get("verbose", "auto")
-            if (verbose != 0 and not _report_off.get() and strategy.info.process_index == 0
+            chief = strategy.info.process_index == 0
+            if verbose == "auto" and chief and progress.notebook():
+                # A notebook: meshfit's bar redrawn in place, and Keras' one line per epoch, rather
+                # than Keras' bar, whose carriage returns pile up in the saved output.
+                callbacks.insert(0, progress.ProgressBar(_batch_size(arguments)))
+                verbose = arguments["verbose"] = 2
+            if (verbose != 0 and not _report_off.get() and chief
                     and not any(isinstance(c, EpochReport) for c in callbacks)):
                 callbacks.append(EpochReport(batch_size=_batch_size(arguments), strategy=strategy))
             _progress_bar_first(callbacks, verbose)

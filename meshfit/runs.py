@@ -143,17 +143,18 @@ def label(row: dict[str, Any]) -> str:
     return f"{row.get('recipe')} {device} x{row.get('replicas')} {row.get('engine')}"
 
 
-def plot(rows: list[dict[str, Any]], histories: list[list[dict[str, Any]]], path: str) -> None:
-    """A PNG at `path`: test accuracy and loss (solid; train dashed) of each run, against
-    cumulative training seconds and against epochs. `histories` pairs with `rows`."""
-    from matplotlib.figure import Figure
-
+def plot(rows: list[dict[str, Any]], histories: list[list[dict[str, Any]]], path: str | None = None):
+    """The matplotlib Figure of test accuracy and loss (solid; train dashed) of each run, against
+    cumulative training seconds and against epochs, also saved as a PNG at `path` when given.
+    `histories` pairs with `rows`. A notebook cell ending with it shows the figure."""
     from matplotlib.ticker import MaxNLocator
+
+    from meshfit import figures
 
     labels = [label(row) if records else None for row, records in zip(rows, histories)]
     labels = [f"{text} ({os.path.basename(os.path.normpath(row['run']))})" if labels.count(text) > 1
               else text for text, row in zip(labels, rows)]  # runs alike: told apart by folder
-    figure = Figure(figsize=(12, 8), dpi=100, layout="constrained")
+    figure = figures.new(figsize=(12, 8), dpi=100, layout="constrained")
     axes = figure.subplots(2, 2)
     for index, (records, text) in enumerate(zip(histories, labels)):
         if not records:
@@ -179,7 +180,9 @@ def plot(rows: list[dict[str, Any]], histories: list[list[dict[str, Any]]], path
         row_axes[1].xaxis.set_major_locator(MaxNLocator(integer=True))
     if any(histories):
         axes[0][0].legend(fontsize="small")
-    figure.savefig(path)
+    if path is not None:
+        figure.savefig(path)
+    return figure
 
 
 # ------------------------------------------------------------------------------------------ CLI

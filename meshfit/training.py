@@ -370,7 +370,7 @@ def monitoring(run: str, chief: bool, verbose: bool, report, global_batch: int, 
     before, after = [], []
     if profile_steps:
         before.append(profiling.Profile(logdir, *profile_steps, steps_per_epoch=steps))
-    if verbose and progress.bars():
+    if verbose and progress.live():
         before.append(progress.ProgressBar(global_batch))
     if tensorboard:
         from meshfit.tensorboard_log import TensorBoardLog
