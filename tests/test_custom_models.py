@@ -253,7 +253,7 @@ def test_several_devices_with_keras_backend_tensorflow_are_refused_in_one_line(t
                       str(tmp_path / "run"), env={**cli_env(tmp_path), "KERAS_BACKEND": "tensorflow"})
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(
-        "meshfit: error: KERAS_BACKEND=tensorflow is set, which trains on one device")
+        "meshfit: error: KERAS_BACKEND=tensorflow is set, which trains on one CPU device")
     assert "KERAS_BACKEND=jax" in out.stderr and not os.path.exists(tmp_path / "run")
 
 
