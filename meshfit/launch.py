@@ -219,6 +219,10 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
     stall_timeout = STALL_TIMEOUT_SECONDS if stall_timeout is None else stall_timeout
     init_timeout = env.read_int(env.INIT_TIMEOUT) or INIT_TIMEOUT_SECONDS  # as the processes get it
     if threading.current_thread() is threading.main_thread():
+        # Ctrl-C must reach the launcher even when it started with SIGINT ignored or blocked (as
+        # a background job of a non-interactive shell does): Python then installs no handler.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         for signum in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, _interrupt)  # a stopped launch stops its processes too
     lock = threading.Lock()

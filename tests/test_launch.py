@@ -5,6 +5,7 @@ between CPU processes) on small generated Fashion-MNIST files, and compare them 
 of 8 simulated devices.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -199,12 +200,15 @@ def alive(pid):
         return False
 
 
-def start_launch(code, processes=2):
+def start_launch(code, processes=2, sigint_ignored=False):
     """`meshfit launch` of `python -c code` (which prints 'ready'); returns it and its processes'
-    pids once every process is ready."""
+    pids once every process is ready. sigint_ignored: the launcher starts with SIGINT ignored,
+    as a background job of a non-interactive shell does."""
     job = subprocess.Popen([sys.executable, "-m", "meshfit", "launch", "--processes", str(processes),
                             "--", sys.executable, "-c", code], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+                           stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                           if sigint_ignored else None)
     pids = [int(p) for p in re.search(r"pids ([\d ]+)", job.stderr.readline()).group(1).split()]
     ready = [job.stdout.readline() for _ in range(processes)]
     assert all(line.endswith("ready\n") for line in ready), ready
@@ -233,12 +237,22 @@ def test_processes_die_with_a_killed_launcher():
     assert not left
 
 
-def test_second_ctrl_c_kills_the_processes_instead_of_abandoning_them():
-    job, pids = start_launch(IGNORES_SIGTERM)  # processes that would outlive a plain SIGTERM
+@pytest.mark.parametrize("sigint_ignored", [False, True])
+def test_second_ctrl_c_kills_the_processes_instead_of_abandoning_them(sigint_ignored):
+    job, pids = start_launch(IGNORES_SIGTERM, sigint_ignored=sigint_ignored)  # would outlive SIGTERM
     job.send_signal(signal.SIGINT)
     time.sleep(0.5)
     job.send_signal(signal.SIGINT)
-    assert job.wait(timeout=60) == 130
+    try:
+        code = job.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # say how the launcher stood, and leave nothing running
+        with open(f"/proc/{job.pid}/status") as f:
+            masks = " ".join(line.strip() for line in f if line.startswith(("SigIgn", "SigBlk", "SigCgt")))
+        for p in [job.pid, *pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        pytest.fail(f"the launcher outlived two Ctrl-Cs by 60 s ({masks})")
+    assert code == 130
     left = [p for p in pids if alive(p)]  # the launcher has returned: nothing may run now
     for p in left:
         os.kill(p, signal.SIGKILL)
