@@ -24,9 +24,10 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   kernel with verbose left at "auto", meshfit's live bar and Keras' one line per epoch) and, on JAX,
   meshfit's on-device k-step loop (`meshfit.jax_loop`), as `Strategy.fit` has them.
 
-`Strategy.activate` installs the hooks once per process; each does nothing unless the strategy
-that set them is still the active one (and, for the JAX hooks, its distribution is Keras'
-current one), so Keras behaves as usual otherwise. Imports Keras: reached only after connect().
+`Strategy.activate` installs the hooks once per process. The placement and `fit` hooks do
+nothing unless a meshfit strategy is active (for placement, with its distribution Keras' current
+one); the dispatch wait applies wherever a step's outputs live on several CPU devices
+(`jax_loop.finish_dispatch`), so Keras behaves as usual otherwise. Imports Keras: reached only after connect().
 """
 
 from __future__ import annotations
@@ -99,28 +100,26 @@ def _placement_hook(place: Callable) -> Callable:
         shape = getattr(per_process_batch, "shape", ())
         if not shape or not _distributed(strategy) or strategy.hosts > 1:
             return place(per_process_batch, layout, batch_dim_name)
-        if shape[0] % strategy.replicas == 0 and shape[0]:
-            seen = _fit_batches.get()
-            if seen is not None:
-                seen["largest"] = max(shape[0], seen.get("largest", 0))
+        splits = shape[0] % strategy.replicas == 0 and shape[0] > 0
+        _note_batch(shape[0], splits, strategy.replicas)
+        if splits:
             return place(per_process_batch, layout, batch_dim_name)
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
         sharding = getattr(layout, "backend_layout", layout)
-        _warn_if_batch_size(shape[0], strategy.replicas)
         return jax.device_put(per_process_batch, NamedSharding(sharding.mesh, PartitionSpec()))
 
     return distribute_data_input
 
 
-def _warn_if_batch_size(rows: int, replicas: int) -> None:
-    """Once per `fit`: warn when a batch that cannot split is as large as any before it, so the
-    batch size itself does not split (a shorter last batch is normal and needs no word)."""
+def _note_batch(rows: int, splits: bool, replicas: int) -> None:
+    """Inside `fit`, once: warn when a batch that cannot split is as large as any before it, so
+    the batch size itself does not split (a shorter last batch is normal and needs no word)."""
     seen = _fit_batches.get()
     if seen is None:
         return
-    if rows >= seen.get("largest", 0) and not seen.get("warned"):
+    if not splits and rows >= seen.get("largest", 0) and not seen.get("warned"):
         seen["warned"] = True
         warnings.warn(f"a batch of {rows} samples does not split across {replicas} devices: such "
                       f"batches are computed whole on every device (every sample counts, but they "
