@@ -39,10 +39,16 @@ def train_step_flops(model, batch_size: int) -> float | None:
         y = [jax.ShapeDtypeStruct((batch_size,) + tuple(o.shape[1:-1]), "int32") for o in model.outputs]
         data = (x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
         # The lowered (not compiled) step's cost analysis: the same count without a second compile.
-        cost = jax.jit(model.train_step).lower(state, data).cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        flops = float(cost.get("flops", 0.0))
-        return flops if flops > 0 else None
+        # GPUs give none before compiling (seen on an H100, JAX 0.11.2), so the step is then lowered
+        # with the CPU as default device, whose analysis counts the same operations.
+        for device in (None, jax.devices("cpu")[0]):
+            with jax.default_device(device):
+                cost = jax.jit(model.train_step).lower(state, data).cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            flops = float((cost or {}).get("flops", 0.0))
+            if flops > 0:
+                return flops
+        return None
     except Exception:  # a model whose step cannot be lowered this way simply gets "n/a"
         return None
 

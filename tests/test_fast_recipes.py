@@ -8,7 +8,7 @@ import pytest
 from helpers import connect_eight_devices
 
 from meshfit import recipes
-from meshfit.datasets import Dataset
+from meshfit.data import RunData
 from meshfit.distribution import Strategy
 from meshfit.recipes import cifar10_fast, resnet50_synthetic
 
@@ -40,8 +40,10 @@ def prepared(images):
 
 
 def dataset_of(x_train, y_train=None):
+    """The splits as training hands them to a recipe's prepare()."""
     labels = np.zeros(len(x_train), "int32") if y_train is None else y_train
-    return Dataset(x_train, labels, x_train[:8], labels[:8], tuple("0123456789"), "generated")
+    return RunData("generated", tuple("0123456789"), x_train.shape[1:], (x_train, labels), None,
+                   (x_train[:8], labels[:8]))
 
 
 def numpy(tensor):

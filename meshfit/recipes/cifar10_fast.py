@@ -200,7 +200,8 @@ def whitening_kernel(images: np.ndarray, kernel_size: int = 2,
 def prepare(model, dataset) -> None:
     """Set the frozen whitening conv's kernel from the first 5,000 training images."""
     layer = model.get_layer("whiten")
-    layer.kernel.assign(whitening_kernel(dataset.x_train[:WHITENING_IMAGES], layer.kernel.shape[0]))
+    x_train = dataset.train[0]  # in-memory (x, y) arrays
+    layer.kernel.assign(whitening_kernel(x_train[:WHITENING_IMAGES], layer.kernel.shape[0]))
 
 
 def loss():
