@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import time
 from typing import Any, Iterator
 
@@ -48,8 +49,10 @@ from meshfit import cluster, launch_status, rundir
 from meshfit.errors import MeshfitError
 from meshfit.rundir import list_checkpoints
 
-FORMAT = 2  # 1: meshfit 0.1, committed by renaming the folder; 2: committed by manifest.json
-READABLE_FORMATS = (1, 2)
+# 1: meshfit 0.1, committed by renaming the folder; 2: arrays.npz, committed by manifest.json;
+# 3: as 2, with the model's and optimizer's arrays in arrays/ (orbax, each process its shards).
+FORMAT, NPZ_FORMAT = 3, 2
+READABLE_FORMATS = (1, 2, 3)
 STATE_ARRAYS, STATE_JSON = rundir.CHECKPOINT_ARRAYS, rundir.CHECKPOINT_STATE
 MANIFEST, LEGACY_ARRAYS = rundir.CHECKPOINT_MANIFEST, "state.npz"
 STATE_FIELDS = ("epoch", "step", "global_step", "steps_per_epoch", "variables")
@@ -95,6 +98,22 @@ def _host_value(variable) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(value))
 
 
+def gather_for_saving(model) -> None:
+    """Make every variable sharded across processes whole in host memory on each process, so
+    that process 0 alone can write model.keras; every process of the job calls it at the same
+    point, after training (the variables then hold numpy arrays: save, do not train further)."""
+    if keras.backend.backend() != "jax" or not cluster.multi_process():
+        return
+    from jax.experimental import multihost_utils
+
+    for v in [*model.variables, *variable_groups(model)["optimizer"]]:
+        value = v.value
+        if getattr(value, "is_fully_addressable", True) or value.is_fully_replicated:
+            continue
+        # Not v.assign: that would lay the value out over the devices again.
+        v._value = np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
 def _fsync_dir(path: str) -> None:
     """Make a folder's entries durable (where the file system can: not every FUSE mount can)."""
     try:
@@ -134,69 +153,179 @@ def _describe(path: str) -> dict[str, Any]:
     return {"bytes": os.path.getsize(path), "sha256": rundir.file_sha256(path)}
 
 
+def sharded_by_default() -> bool:
+    """True where checkpoints are written by orbax (format 3): on the JAX engine."""
+    return keras.backend.backend() == "jax"
+
+
+class PendingSave:
+    """A checkpoint being written: `result()` waits until it is committed and returns its folder
+    (None on processes that do not commit), raising the write's error if it failed."""
+
+    def __init__(self, path: str, finish=None):
+        self.path = path
+        self._error: BaseException | None = None
+        self._thread = None
+        if finish is not None:
+            self._thread = threading.Thread(target=self._run, args=(finish,), daemon=True,
+                                            name="meshfit-checkpoint")
+            self._thread.start()
+
+    def _run(self, finish) -> None:
+        try:
+            finish()
+        except BaseException as e:  # handed to the thread that waits
+            self._error = e
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def result(self) -> str:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self.path
+
+
 def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
          extra: dict[str, Any] | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
-         keep: int = 3) -> str:
-    """Write the full training state after `step` steps of epoch `epoch` (0-based); return its folder.
+         keep: int = 3, sharded: bool | None = None) -> str:
+    """Write the full training state after `step` steps of epoch `epoch` (0-based); return its
+    folder once committed (see `begin_save` for the arguments)."""
+    return begin_save(directory, model, epoch=epoch, step=step, steps_per_epoch=steps_per_epoch,
+                      extra=extra, extra_arrays=extra_arrays, keep=keep, sharded=sharded,
+                      background=False).result()
+
+
+def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
+               extra: dict[str, Any] | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
+               keep: int = 3, sharded: bool | None = None, background: bool = True,
+               commit: bool = True) -> PendingSave:
+    """Start writing the full training state after `step` steps of epoch `epoch` (0-based).
 
     extra: JSON-serializable data stored with it (e.g. seed, history, run settings).
     extra_arrays: numpy arrays stored with the variables (restore returns them as "extra_arrays").
+    sharded: write the model's and optimizer's arrays with orbax, each process its own shards
+    (format 3; default on JAX), else all in arrays.npz (format 2). With `background`, returns
+    once the arrays are copied off the devices; the files, the manifest and the pruning to the
+    newest `keep` follow in a thread (one save at a time: wait for the previous one first).
+    commit: False on processes other than 0 of a job, which write their shards only (format 3)
+    or nothing (format 2). Every process of a job calls this at the same step.
     An intact checkpoint of the same global step that already exists is kept as it is; a damaged
     one is written again.
     """
     directory = os.fspath(directory)
+    sharded = sharded_by_default() if sharded is None else sharded
     global_step = epoch * steps_per_epoch + step
     final = os.path.join(directory, checkpoint_name(global_step))
     if rundir.checkpoint_complete(final):
         try:
             verify(final)
-            return final
+            return PendingSave(final)
         except CheckpointDamaged:
             pass
+    if not commit and not sharded:
+        return PendingSave(final)
     _sync(model)
-    arrays, variables = {}, {}
+    host_arrays, variables, device_arrays = {}, {}, {}
     for group, values in variable_groups(model).items():
-        variables[group] = []
+        variables[group], device_arrays[group] = [], {}
         for i, v in enumerate(values):
-            value = _host_value(v)
-            arrays[f"{group}/{i:05d}"] = value
-            variables[group].append([v.path, list(value.shape), str(value.dtype)])
-    arrays.update({f"{EXTRA}/{key}": np.asarray(value) for key, value in (extra_arrays or {}).items()})
-    state = {"format": FORMAT, "epoch": epoch, "step": step, "global_step": global_step,
-             "steps_per_epoch": steps_per_epoch, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-             **(extra or {}), "variables": variables}
+            if sharded and group != "metrics":
+                value = v.value
+                device_arrays[group][f"{i:05d}"] = value
+                shape, dtype = tuple(value.shape), str(np.dtype(value.dtype))
+            else:
+                value = _host_value(v)
+                host_arrays[f"{group}/{i:05d}"] = value
+                shape, dtype = value.shape, str(value.dtype)
+            variables[group].append([v.path, list(shape), dtype])
+    host_arrays.update({f"{EXTRA}/{key}": np.asarray(value)
+                        for key, value in (extra_arrays or {}).items()})
+    state = {"format": FORMAT if sharded else NPZ_FORMAT, "epoch": epoch, "step": step,
+             "global_step": global_step, "steps_per_epoch": steps_per_epoch,
+             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra or {}), "variables": variables}
+    state_text = json.dumps(state).encode()  # now: `extra` may change while the files are written
+    writing = None
     try:
-        if os.path.exists(final):  # a save of this step cut short, or a damaged checkpoint
+        if commit and os.path.exists(final):  # a save of this step cut short, or a damaged one
             shutil.rmtree(final)
-        os.makedirs(final)
-        files = {}
-        for name, write in ((STATE_ARRAYS, lambda f: np.savez(f, **arrays)),
-                            (STATE_JSON, lambda f: f.write(json.dumps(state).encode()))):
-            _write_file(os.path.join(final, name), write)
-            files[name] = _describe(os.path.join(final, name))
-        manifest = {"format": FORMAT, "global_step": global_step, "files": files}
-        tmp = os.path.join(final, f".{MANIFEST}.tmp")
-        _write_file(tmp, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-        os.replace(tmp, os.path.join(final, MANIFEST))  # the commit
-        _fsync_dir(final)
-        _fsync_dir(directory)
+        if commit:
+            os.makedirs(final)
+        if sharded:
+            cluster.barrier(f"meshfit: writing {os.path.basename(final)}")  # after the removal
+            from meshfit import sharded_arrays
+
+            writing = sharded_arrays.write(os.path.join(final, sharded_arrays.FOLDER),
+                                           {g: a for g, a in device_arrays.items() if a},
+                                           background=background)
     except BaseException as e:
-        if not rundir.checkpoint_complete(final):
-            shutil.rmtree(final, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise MeshfitError(f"cannot write checkpoint {final} ({e.strerror or e}); the previous "
-                               "checkpoints are intact: free space or fix the directory, then "
-                               "--resume") from None
-        raise
+        _failed(final, directory, e, commit)
+
+    def finish() -> None:
+        try:
+            if writing is not None:
+                writing.wait()
+            if commit:
+                _commit(final, host_arrays, state_text, global_step, sharded)
+        except BaseException as e:
+            _failed(final, directory, e, commit)
+        if commit:
+            _prune(directory, final, keep)
+
+    if not background:
+        finish()
+        return PendingSave(final)
+    return PendingSave(final, finish)
+
+
+def _failed(final: str, directory: str, error: BaseException, commit: bool):
+    """Remove what a failed save left (process 0) and raise its error, one line for an OSError."""
+    if commit and not rundir.checkpoint_complete(final):
+        shutil.rmtree(final, ignore_errors=True)
+    if isinstance(error, OSError):
+        raise MeshfitError(f"cannot write checkpoint {final} ({error.strerror or error}); the "
+                           "previous checkpoints are intact: free space or fix the directory, "
+                           "then --resume") from None
+    raise error
+
+
+def _commit(final: str, host_arrays: dict[str, np.ndarray], state_text: bytes, global_step: int,
+            sharded: bool) -> None:
+    """Write arrays.npz and state.json, then the manifest listing every file (the commit)."""
+    files = {}
+    for name, write in ((STATE_ARRAYS, lambda f: np.savez(f, **host_arrays)),
+                        (STATE_JSON, lambda f: f.write(state_text))):
+        _write_file(os.path.join(final, name), write)
+        files[name] = _describe(os.path.join(final, name))
+    if sharded:
+        from meshfit import sharded_arrays
+
+        folder = os.path.join(final, sharded_arrays.FOLDER)
+        for name in sharded_arrays.files(folder):
+            files[f"{sharded_arrays.FOLDER}/{name}"] = _describe(os.path.join(folder, name))
+    manifest = {"format": FORMAT if sharded else NPZ_FORMAT, "global_step": global_step,
+                "files": files}
+    tmp = os.path.join(final, f".{MANIFEST}.tmp")
+    _write_file(tmp, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    os.replace(tmp, os.path.join(final, MANIFEST))  # the commit
+    _fsync_dir(final)
+    _fsync_dir(os.path.dirname(final))
+
+
+def _prune(directory: str, final: str, keep: int) -> None:
+    """Keep the newest `keep` checkpoints (always `final`); remove what saves cut short left."""
     older = [path for path in list_checkpoints(directory) if path != final]
-    for old in older[:max(len(older) - (keep - 1), 0)] if keep > 0 else []:  # never the one just written
+    for old in older[:max(len(older) - (keep - 1), 0)] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     for name in os.listdir(directory):  # what earlier saves cut short left behind
         path = os.path.join(directory, name)
         cut_short = rundir.CHECKPOINT_NAME.match(name) and not rundir.checkpoint_complete(path)
         if name.startswith(".tmp-") or cut_short:
             shutil.rmtree(path, ignore_errors=True)
-    return final
 
 
 def _damaged(path: str, why: str) -> CheckpointDamaged:
@@ -215,12 +344,14 @@ def verify(path: str | os.PathLike) -> None:
         with open(manifest_path, "rb") as f:
             manifest = json.loads(f.read())
         files = manifest["files"]
-        expected = {name: (int(files[name]["bytes"]), str(files[name]["sha256"]))
-                    for name in (STATE_ARRAYS, STATE_JSON)}
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        expected = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
+        if not {STATE_ARRAYS, STATE_JSON} <= set(expected) or \
+                any(name.startswith("/") or ".." in name.split("/") for name in expected):
+            raise KeyError("files")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise _damaged(path, f"unreadable {MANIFEST}: {type(e).__name__}") from None
     for name, (size, sha256) in expected.items():
-        file = os.path.join(path, name)
+        file = os.path.join(path, *name.split("/"))
         try:
             actual = _describe(file)
         except OSError as e:
@@ -257,9 +388,7 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
-def read_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """A checkpoint's arrays, keyed 'model/00000', 'optimizer/00000', 'metrics/00000'..."""
-    path = os.fspath(path)
+def _read_npz(path: str) -> dict[str, np.ndarray]:
     name = STATE_ARRAYS if os.path.exists(os.path.join(path, STATE_ARRAYS)) else LEGACY_ARRAYS
     try:
         with np.load(os.path.join(path, name), allow_pickle=False) as z:
@@ -267,6 +396,41 @@ def read_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
     except Exception as e:  # zipfile, numpy and OS errors of many kinds
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise _damaged(path, f"cannot read {name}: {why}") from None
+
+
+def _read_sharded(path: str, state: dict[str, Any], targets: dict[str, list]) -> dict[str, Any]:
+    """The orbax-written arrays of a format-3 checkpoint, keyed 'model/00000'..., laid out as
+    `targets` ({group: [sharded_arrays.target_of(...) per variable]})."""
+    from meshfit import sharded_arrays
+
+    tree = {group: {f"{i:05d}": t for i, t in enumerate(items)} for group, items in targets.items()
+            if items}  # as written: without empty groups
+    try:
+        read = sharded_arrays.read(os.path.join(path, sharded_arrays.FOLDER), tree)
+    except Exception as e:  # orbax, tensorstore and OS errors of many kinds
+        why = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise _damaged(path, f"cannot read {sharded_arrays.FOLDER}/: {why}") from None
+    return {f"{group}/{key}": value for group, values in read.items() for key, value in values.items()}
+
+
+def _saved_targets(state: dict[str, Any]) -> dict[str, list]:
+    """numpy targets of the saved shapes and dtypes of a format-3 checkpoint's device arrays."""
+    from meshfit import sharded_arrays
+
+    return {group: [sharded_arrays.target_of(shape, dtype) for _, shape, dtype in state["variables"][group]]
+            for group in ("model", "optimizer")}
+
+
+def read_arrays(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """A checkpoint's arrays as numpy (gathered), keyed 'model/00000', 'optimizer/00000',
+    'metrics/00000'..."""
+    path = os.fspath(path)
+    arrays = _read_npz(path)
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        state = read_state(path)
+        if state["format"] == FORMAT:
+            arrays.update(_read_sharded(path, state, _saved_targets(state)))
+    return arrays
 
 
 def _check_fits(path: str, group: str, saved: list, variables: list) -> None:
@@ -314,12 +478,18 @@ def restore(model, path: str | os.PathLike) -> dict[str, Any]:
     """
     path = os.fspath(path)
     verify(path)
-    state, arrays = read_state(path), read_arrays(path)
-    _check_arrays(path, state, arrays)
+    state, arrays = read_state(path), _read_npz(path)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not optimizer.built:
         optimizer.build(model.trainable_variables)
     groups = variable_groups(model)
+    sharded = state["format"] == FORMAT
+    if sharded:  # every saved variable is listed: check the model first, then read for its layout
+        for group in ("model", "optimizer"):
+            _check_fits(path, group, state["variables"][group], groups[group])
+        arrays.update(_read_sharded(path, state, {group: [_target(v) for v in groups[group]]
+                                                  for group in ("model", "optimizer")}))
+    _check_arrays(path, state, arrays)
     for group in ("model", "optimizer"):
         _check_fits(path, group, state["variables"][group], groups[group])
     for group in ("model", "optimizer"):
@@ -328,6 +498,17 @@ def restore(model, path: str | os.PathLike) -> dict[str, Any]:
     state["metrics_values"] = [arrays[f"metrics/{i:05d}"] for i in range(count)]
     state["extra_arrays"] = {k[len(EXTRA) + 1:]: v for k, v in arrays.items() if k.startswith(EXTRA + "/")}
     return state
+
+
+def _target(variable) -> Any:
+    """How to read a saved array into `variable`: with its sharding on JAX (laid out for the
+    devices there are now), else as numpy."""
+    from meshfit import sharded_arrays
+
+    if keras.backend.backend() == "jax":
+        value = variable.value
+        return sharded_arrays.target_of(tuple(value.shape), str(np.dtype(value.dtype)), value.sharding)
+    return sharded_arrays.target_of(tuple(variable.shape), str(np.dtype(variable.dtype)))
 
 
 # ------------------------------------------------------------------------------------ callback
@@ -342,14 +523,17 @@ class Checkpointer(keras.callbacks.Callback):
     unless epoch_end=False. keep: how many checkpoints to keep. extra(): JSON data saved with each
     checkpoint (seed, history, settings); extra_arrays(): numpy arrays saved with it (a recipe
     callback's best weights). resume_state: what `restore` returned, when resuming mid-epoch.
-    write: False on processes other than 0 (they sync state but write nothing).
+    write: False on processes other than 0 (they write their shards only, or nothing with
+    sharded=False). sharded: see `begin_save` (default: on JAX). background: save while training
+    goes on (the next save, a stop and the end of training wait for it); False waits at each save.
     In a job of several processes a stop requested on any of them stops all at the same step.
     """
 
     def __init__(self, directory: str | os.PathLike, steps_per_epoch: int, *,
                  every_steps: int | None = None, every_seconds: float | None = None,
                  epoch_end: bool = True, keep: int = 3, extra=None, extra_arrays=None,
-                 resume_state: dict[str, Any] | None = None, write: bool = True):
+                 resume_state: dict[str, Any] | None = None, write: bool = True,
+                 sharded: bool | None = None, background: bool = True):
         super().__init__()
         self.directory = os.fspath(directory)
         self.steps_per_epoch = steps_per_epoch
@@ -358,6 +542,8 @@ class Checkpointer(keras.callbacks.Callback):
         self.extra = extra or (lambda: {})
         self.extra_arrays = extra_arrays or (lambda: {})
         self.write = write
+        self.sharded, self.background = sharded, background
+        self._pending: PendingSave | None = None
         self.last_saved: str | None = None
         self.stop_signal: int | None = None
         self._resume = resume_state
@@ -369,15 +555,29 @@ class Checkpointer(keras.callbacks.Callback):
         """Ask training to save and stop at the next step boundary (called by signal handlers)."""
         self.stop_signal = signum
 
-    def save(self, epoch: int, step: int) -> str | None:
-        """Save now, as the state after `step` steps of epoch `epoch`."""
+    def save(self, epoch: int, step: int, wait: bool = False) -> str | None:
+        """Save now, as the state after `step` steps of epoch `epoch`; with `wait`, return once
+        committed. Returns the checkpoint's folder (None on processes other than 0)."""
+        self.wait()
         _sync(self.model)
         self._last_time = time.monotonic()
-        if not self.write:
-            return None
-        self.last_saved = save(self.directory, self.model, epoch=epoch, step=step,
-                               steps_per_epoch=self.steps_per_epoch, extra=self.extra(),
-                               extra_arrays=self.extra_arrays(), keep=self.keep)
+        self._pending = begin_save(self.directory, self.model, epoch=epoch, step=step,
+                                   steps_per_epoch=self.steps_per_epoch, extra=self.extra(),
+                                   extra_arrays=self.extra_arrays(), keep=self.keep,
+                                   sharded=self.sharded, background=self.background,
+                                   commit=self.write)
+        if wait:
+            return self.wait()
+        return self._pending.path if self.write else None
+
+    def wait(self) -> str | None:
+        """Block until the save in progress (if any) is committed, raising its error; return the
+        newest checkpoint saved (None on processes other than 0)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            path = pending.result()
+            if self.write:
+                self.last_saved = path
         return self.last_saved
 
     def agreed_stop(self, settle: bool = False) -> int | None:
@@ -417,7 +617,8 @@ class Checkpointer(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         step = self._offset + batch
         if self.agreed_stop() is not None:
-            self._stop(self.save(self._epoch, step), self._epoch * self.steps_per_epoch + step)
+            self._stop(self.save(self._epoch, step, wait=True),
+                       self._epoch * self.steps_per_epoch + step)
         global_step = self._epoch * self.steps_per_epoch + step
         previous, self._global_step = self._global_step, global_step
         if not batch:
@@ -432,7 +633,10 @@ class Checkpointer(keras.callbacks.Callback):
         if self.epoch_end or stop:
             self.save(epoch + 1, 0)
         if stop:
-            self._stop(self.last_saved, (epoch + 1) * self.steps_per_epoch)
+            self._stop(self.wait(), (epoch + 1) * self.steps_per_epoch)
+
+    def on_train_end(self, logs=None):
+        self.wait()
 
     def _stop(self, path: str | None, global_step: int):
         cluster.barrier("meshfit: stop saved")  # no process exits before process 0 has saved
@@ -465,6 +669,13 @@ def stop_on_signals(checkpointer: Checkpointer,
         pass
     try:
         yield
+        checkpointer.wait()
+    except KeyboardInterrupt:  # at once: a save in flight is left uncommitted
+        raise
+    except BaseException:
+        with contextlib.suppress(Exception):
+            checkpointer.wait()  # commit what was saved before the error
+        raise
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)

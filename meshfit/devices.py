@@ -52,7 +52,7 @@ def simulate_devices(count: int) -> None:
     if cluster.jax_started():
         import jax
 
-        have = jax.devices()
+        have = jax.local_devices()  # this process's: a job of several has more in jax.devices()
         if have[0].platform == "cpu" and len(have) == count:
             return
         from meshfit import progress

@@ -49,9 +49,6 @@ class Strategy:
                           f"{len(info.devices)} device(s) on {engine} every variable is whole on "
                           "each device (data-parallel)", stacklevel=2)
             self.sharding = "data"
-        if self.sharding == "fsdp" and info.hosts > 1:
-            raise MeshfitError("sharding fsdp on several hosts needs sharded checkpoints, which "
-                               "meshfit does not write yet; use --sharding data")
         if distributed:
             # Multi-host: each process feeds its own rows of every batch (see fit), no auto-sharding.
             # One device needs no distribution; Keras' distributed input path would cost ~0.3 ms/step.

@@ -657,6 +657,7 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
                            request.epochs)
             metrics = {**scores, **totals(history), **run_spec.to_dict(),
                        "resumed": saved is not None, "run_dir": run}
+            checkpoints.gather_for_saving(model)  # fsdp on several processes: every process
             if chief:
                 write_results(run, model, history, metrics)
                 if verbose:
