@@ -1,21 +1,30 @@
 """Checkpoints of the full training state, and exact resume.
 
 A checkpoint is a folder RUN/checkpoints/ckpt-<global step, 8 digits>/ holding
-  arrays.npz     every variable as a numpy array: the model's (weights, batch-norm statistics and
-                 the SeedGenerator states that drive Dropout, which Keras' own weights files leave
-                 out), the optimizer's (step count, moments) and the metrics' running totals;
-                 and any extra arrays of the run (a recipe callback's best weights), "extra/KEY";
+  arrays/        on the JAX engine (format 3), the model's and optimizer's variables (weights,
+                 batch-norm statistics, the SeedGenerator states that drive Dropout, which Keras'
+                 own weights files leave out; step count, moments), written by orbax-checkpoint:
+                 each process writes only the shards it holds (see meshfit.sharded_arrays), and
+                 `--resume` reads each array laid out for the devices there are then (another
+                 device count, one process or several, fsdp or data-parallel);
+  arrays.npz     the metrics' running totals and any extra arrays of the run (a recipe callback's
+                 best weights), "extra/KEY"; on TensorFlow (format 2) every variable as well;
   state.json     where training stands (epoch, step within it, global step, steps per epoch), the
                  seed (with the epoch and step it fixes the data order and augmentation), the
-                 metrics history so far, the run's settings, and each variable's name, shape, dtype;
-  manifest.json  the commit: the size and SHA-256 of the two files above.
-The two files are written and fsynced first, then the small manifest atomically replaces any
-earlier one (a file write and rename, never a folder rename, which object-store mounts such as
-gcsfuse do not do atomically). A folder without a manifest is a save cut short: it is ignored and
-removed by the next save. A checkpoint whose files do not match its manifest is damaged: `--resume`
-falls back to the newest one that is intact, with a warning. The newest `keep` are kept.
-Folders written by meshfit 0.1 (state.npz + state.json, committed by renaming the folder, no
-manifest) are still read.
+                 metrics history so far, the callbacks' state, the run's settings, and each
+                 variable's name, shape, dtype;
+  manifest.json  the commit: the size and SHA-256 of every file above (arrays/ included).
+On JAX a save blocks training only while the arrays are copied off the devices; the files are
+written in a background thread, then process 0 writes arrays.npz and state.json (as they were
+at the save), then the small manifest atomically (a file write and rename, never a folder rename,
+which object-store mounts such as gcsfuse do not do atomically; orbax's own folder is marked
+complete by a commit file for the same reason). The next save, a stop and the end of training
+wait for it. A folder without a manifest is a save cut short (a kill mid-write): it is ignored
+and removed by the next save. A checkpoint whose files do not match its manifest is damaged:
+`--resume` falls back to the newest one that is intact, with a warning. The newest `keep` are kept.
+TensorFlow (one CPU device, no shards, no JAX arrays for orbax to write) keeps format 2, written
+at the save. Folders of format 2 and of meshfit 0.1 (state.npz + state.json, committed by
+renaming the folder, no manifest) are still read.
 
 `Checkpointer` (a Keras callback) saves every N steps or seconds and at every epoch end, and after
 a SIGTERM/SIGINT (see `stop_on_signals`) saves at the next step boundary and stops training by
@@ -24,8 +33,9 @@ without logs, so training pays no per-step host synchronization on JAX.
 
 In a multi-process job a signal often reaches one process only (a preemption notice, a Ctrl-C on
 one host), so the processes vote at every dispatch boundary (`cluster.Vote`, one step behind, so
-still without a host sync) and all stop at the same step: process 0 saves, all wait until it has,
-and all raise `TrainingInterrupted` with the same exit code.
+still without a host sync) and all stop at the same step: every process writes its shards,
+process 0 commits, all wait until it has, and all raise `TrainingInterrupted` with the same exit
+code.
 
 This module imports Keras at the top: import it after `meshfit.connect()`.
 """

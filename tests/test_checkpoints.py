@@ -9,7 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from helpers import N_TRAIN, cli_env, environment, run_meshfit
+from helpers import N_TRAIN, cli_env, connect_eight_devices, environment, run_meshfit
 
 from meshfit.errors import MeshfitError
 
@@ -106,13 +106,27 @@ def finished_run(data_dir, tmp_path_factory):
     return run
 
 
-def jax_settings(data_dir):
+@pytest.fixture(scope="module")
+def finished_fsdp_run(data_dir, tmp_path_factory):
+    """finished_run with sharding fsdp: its kernels of 100 KB and more sharded over the 8 devices,
+    in its checkpoints as the shards each device held."""
+    from meshfit.training import train
+
+    run = str(tmp_path_factory.mktemp("runs") / "fsdp")
+    train("mnist-mlp-bf16", out=run, **jax_settings(data_dir, "fsdp"))
+    return run
+
+
+def jax_settings(data_dir, sharding="data"):
     return dict(data_dir=data_dir, epochs=2, batch_size=BATCH, engine="jax", simulate_devices=8,
-                checkpoint_every="epoch", verbose=False)
+                checkpoint_every="epoch", verbose=False, sharding=sharding,
+                fsdp_min_size="100KB")
 
 
 @pytest.mark.slow  # with finished_run
-def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(finished_run, data_dir, tmp_path):
+@pytest.mark.parametrize("sharding", ["data", "fsdp"])
+def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(sharding, data_dir, tmp_path,
+                                                                     request):
     import keras
 
     from meshfit.checkpoints import TrainingInterrupted
@@ -129,7 +143,7 @@ def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(finished_ru
     stopped = str(tmp_path / "stopped")
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(TrainingInterrupted, match=f"meshfit train --resume {stopped}") as info:
-        train("mnist-mlp-bf16", out=stopped, callbacks=[SigtermAt()], **jax_settings(data_dir))
+        train("mnist-mlp-bf16", out=stopped, callbacks=[SigtermAt()], **jax_settings(data_dir, sharding))
     assert info.value.exit_code == 143
     state = newest_state(stopped)
     assert (state["epoch"], state["step"]) == (1, 3)  # the step in flight finished, then it stopped
@@ -137,8 +151,9 @@ def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(finished_ru
     assert any("seed_generator" in name for name, _, _ in state["variables"]["model"])
     assert signal.getsignal(signal.SIGTERM) is handler  # put back
     metrics = train(resume=stopped, verbose=False)
-    assert metrics["resumed"] and metrics["epochs"] == 2
-    assert_identical(finished_run, stopped)
+    assert metrics["resumed"] and metrics["epochs"] == 2 and metrics["sharding"] == sharding
+    assert_identical(request.getfixturevalue("finished_fsdp_run" if sharding == "fsdp" else
+                                             "finished_run"), stopped)
 
 
 @pytest.mark.slow
@@ -277,19 +292,22 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_to_identical_weig
 
 
 @pytest.mark.slow  # with finished_run
-def test_resume_on_fewer_replicas_continues_the_same_run(finished_run, tmp_path):
-    """Epoch 2 of an 8-replica run redone on 4: same batches, so nearly the same weights."""
+@pytest.mark.parametrize("sharding, devices", [("data", 4), ("fsdp", 4), ("fsdp", 1)])
+def test_resume_on_fewer_replicas_continues_the_same_run(sharding, devices, tmp_path, request):
+    """Epoch 2 of an 8-replica run redone on 4 or 1: same batches, so nearly the same weights;
+    an fsdp run's arrays are read laid out for the devices there are now."""
     import shutil
 
+    finished = request.getfixturevalue("finished_fsdp_run" if sharding == "fsdp" else "finished_run")
     copy = str(tmp_path / "copy")
-    shutil.copytree(finished_run, copy)
+    shutil.copytree(finished, copy)
     shutil.rmtree(os.path.join(copy, "checkpoints", f"ckpt-{2 * STEPS:08d}"))  # back to epoch 1's end
-    out = run_meshfit("train", "--resume", copy, "--simulate-devices", "4",
+    out = run_meshfit("train", "--resume", copy, "--simulate-devices", str(devices),
                       env={"MESHFIT_OFFLINE": "1", "XLA_FLAGS": ""})
     assert out.returncode == 0, out.stderr
     assert "epoch 2 step 0" in out.stdout and "began on 8 replica(s)" in out.stdout
-    assert json.loads(open(os.path.join(copy, "metrics.json")).read())["replicas"] == 4
-    original, resumed = final_arrays(finished_run), final_arrays(copy)
+    assert json.loads(open(os.path.join(copy, "metrics.json")).read())["replicas"] == devices
+    original, resumed = final_arrays(finished), final_arrays(copy)
     for key in original:
         if key.startswith("model/"):
             np.testing.assert_allclose(resumed[key], original[key], rtol=1e-3, atol=1e-4, err_msg=key)
@@ -325,3 +343,83 @@ def test_steps_per_dispatch_train_the_same_run_and_resume_mid_dispatch(finished_
     assert metrics["resumed"] and metrics["steps_per_dispatch"] == 8
     assert_close(run)
     assert train(resume=run, epochs=3, steps_per_dispatch=3, verbose=False)["steps_per_dispatch"] == 2
+
+
+def mlp_under(devices, mode, seed=0):
+    """A compiled 32-64-10 MLP with Adam built under `mode` over `devices` (None: no
+    distribution, one device), its optimizer built."""
+    import keras
+
+    from meshfit import sharding
+
+    keras.distribution.set_distribution(sharding.distribution(devices, mode, 1) if devices else None)
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64), keras.layers.Dense(10)])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def test_a_sharded_checkpoint_restores_onto_other_device_counts(strategy, tmp_path):
+    """Written by 8 devices with fsdp (each array's shards, by orbax), read onto 4 devices and one:
+    the same values, each laid out for the devices it is read onto; and back onto 8."""
+    import jax
+    import keras
+
+    from meshfit import checkpoints
+
+    devices = jax.devices()
+    try:
+        model = mlp_under(devices, "fsdp")
+        kernel = model.trainable_variables[0]
+        assert "batch" in kernel.value.sharding.spec  # really sharded over 8
+        path = checkpoints.save(tmp_path, model, epoch=0, step=1, steps_per_epoch=10)
+        assert checkpoints.read_state(path)["format"] == 3
+        assert os.path.isdir(os.path.join(path, "arrays", "ocdbt.process_0"))
+        saved = [keras.ops.convert_to_numpy(v.value) for v in model.variables + model.optimizer.variables]
+        for target in (devices[:4], None, devices):
+            other = mlp_under(target, "fsdp", seed=1)
+            checkpoints.restore(other, path)
+            for v, want in zip(other.variables + other.optimizer.variables, saved, strict=True):
+                np.testing.assert_array_equal(keras.ops.convert_to_numpy(v.value), want, err_msg=v.path)
+            layout = other.trainable_variables[0].value.sharding
+            assert len(layout.device_set) == (len(target) if target else 1)
+            if target:
+                assert "batch" in layout.spec
+    finally:
+        connect_eight_devices()
+
+
+def test_npz_checkpoints_still_resume_on_jax(strategy, tmp_path):
+    """Format 2 (every array in arrays.npz, as before orbax; still what TensorFlow writes)."""
+    import keras
+
+    from meshfit import checkpoints
+
+    model = small_model(strategy, "mnist-mlp-bf16")
+    path = checkpoints.save(tmp_path, model, epoch=0, step=1, steps_per_epoch=10, sharded=False)
+    assert checkpoints.read_state(path)["format"] == 2 and not os.path.exists(os.path.join(path, "arrays"))
+    want = keras.ops.convert_to_numpy(model.trainable_variables[0])
+    model.trainable_variables[0].assign(np.zeros(model.trainable_variables[0].shape))
+    checkpoints.restore(model, path)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(model.trainable_variables[0]), want)
+
+
+def test_a_background_save_counts_only_once_committed(strategy, tmp_path, monkeypatch):
+    """begin_save returns while the files are written; until the manifest is, the folder is not
+    a checkpoint (latest() is the previous one), and a kill there leaves it to be cleared."""
+    import threading
+
+    from meshfit import checkpoints
+
+    model = small_model(strategy, "mnist-mlp-bf16")
+    first = checkpoints.save(tmp_path, model, epoch=0, step=1, steps_per_epoch=10)
+    release, commit = threading.Event(), checkpoints._commit
+    monkeypatch.setattr(checkpoints, "_commit", lambda *a: (release.wait(60), commit(*a)))
+    pending = checkpoints.begin_save(tmp_path, model, epoch=0, step=2, steps_per_epoch=10)
+    assert not pending.done() and checkpoints.latest(tmp_path) == first
+    model.trainable_variables[0].assign(np.zeros(model.trainable_variables[0].shape))  # training goes on
+    release.set()
+    assert pending.result() == checkpoints.latest(tmp_path) != first
+    saved = checkpoints.read_arrays(pending.result())["model/00000"]
+    assert np.abs(saved).sum() > 0  # the state at begin_save, not the zeros written after it

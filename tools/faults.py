@@ -1,6 +1,7 @@
 """Fault harness: bad input, kills and failing storage against meshfit, counted in one table.
 
     python tools/faults.py [--kills 50] [--seed 0] [--work DIR] [--only inputs,kills,faults] [--no-mount]
+                           [--sharded]
 
 Runs in this one process, on tiny generated datasets (MESHFIT_OFFLINE=1, a private HOME), in
 about 10 minutes on 2 CPU cores (the tmpfs cases need root and a container that allows mount;
@@ -92,8 +93,11 @@ def meaningful(stderr: str) -> list[str]:
 
 
 class Harness:
-    def __init__(self, work: str, seed: int):
+    def __init__(self, work: str, seed: int, sharded: bool = False):
         self.work, self.rng = work, random.Random(seed)
+        # --sharded: runs on 8 simulated JAX devices with fsdp, checkpointed by orbax (format 3)
+        self.sharded_args = ["--engine", "jax", "--simulate-devices", "8", "--sharding", "fsdp",
+                             "--fsdp-min-size", "10KB"] if sharded else []
         self.canary = os.path.join(work, "CANARY")
         self.env = {"MESHFIT_OFFLINE": "1", "HOME": work, "MESHFIT_CACHE": os.path.join(work, "cache"),
                     "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
@@ -186,7 +190,8 @@ class Harness:
 
     def train_args(self, out: str, *more: str) -> list[str]:
         return ["train", "--epochs", str(EPOCHS), "--batch-size", str(BATCH), "--data-dir",
-                self.data, "--out", out, "--checkpoint-every", "1", "--no-tensorboard", *more]
+                self.data, "--out", out, "--checkpoint-every", "1", "--no-tensorboard",
+                *self.sharded_args, *more]
 
     # ------------------------------------------------------------------------------ bad inputs
 
@@ -695,6 +700,10 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
             process.communicate()
             newest = checkpoints.latest(os.path.join(run, "checkpoints"))
             arrays, state = os.path.join(newest, "arrays.npz"), os.path.join(newest, "state.json")
+            shards = [os.path.join(root, name) for root, _, names in
+                      os.walk(os.path.join(newest, "arrays")) for name in names]
+            if shards:  # format 3: damage the largest file orbax wrote, the weights' shards
+                arrays = max(shards, key=os.path.getsize)
             if damage == "truncated arrays":
                 os.truncate(arrays, os.path.getsize(arrays) // 2)
             elif damage.startswith("flipped"):
@@ -748,12 +757,15 @@ def main() -> int:
     parser.add_argument("--only", default="inputs,kills,faults", help="comma-separated groups to run")
     parser.add_argument("--no-mount", action="store_true",
                         help="mount no tmpfs (as where mount is refused): a file-size limit stands in")
+    parser.add_argument("--sharded", action="store_true",
+                        help="train on 8 simulated JAX devices with fsdp (orbax checkpoints, "
+                             "written in the background) instead of TensorFlow on one CPU")
     args = parser.parse_args()
     only = set(args.only.split(","))
     work = args.work or tempfile.mkdtemp(prefix="meshfit-faults-")
     os.makedirs(work, exist_ok=True)
     started = time.monotonic()
-    harness = Harness(work, args.seed)
+    harness = Harness(work, args.seed, args.sharded)
     groups: list[Group] = []
     try:
         reference = harness.path("reference")
