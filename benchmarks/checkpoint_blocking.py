@@ -6,9 +6,11 @@ against synchronous saves, on a model with >= 100 MB of state (weights + Adam's 
 
 Builds an MLP of `layers` Dense(width, width) layers under meshfit.connect(simulate=devices,
 engine="jax", sharding=...), trains it one step (so the optimizer state exists), then saves it
-`runs` times each way, alternating (async, sync, sync, async, ...): "blocked" is the time until
-`checkpoints.begin_save` returns (training could go on from then), "committed" until its
-manifest is written. Prints one line per save and the medians, in seconds. Numbers for
+`runs` times each way, alternating (async, sync, npz, npz, sync, async, ...) after one untimed
+save of each: "async" is orbax in the background (format 3, what training does on JAX), "sync"
+the same files written before returning, "npz" the format before orbax (every array gathered to
+process 0 into arrays.npz, format 2). "blocked" is the time until `checkpoints.begin_save` returns
+(training could go on from then), "committed" until its manifest is written. Prints one line per save and the medians, in seconds. Numbers for
 BENCHMARKS.md section 2b.
 """
 
@@ -56,20 +58,24 @@ def main() -> None:
     print(f"model: {args.layers} x Dense({args.width}) + Adam, state {state / 1e6:.1f} MB, "
           f"{args.devices} device(s), sharding {args.sharding}", flush=True)
     root = args.dir or tempfile.mkdtemp(prefix="meshfit-ckpt-bench-")
-    times: dict[str, list[tuple[float, float]]] = {"async": [], "sync": []}
-    order = []
+    modes = ("async", "sync", "npz")
+    times: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
+    order = list(modes)  # untimed: the first save of each kind compiles and allocates
     for i in range(args.runs):
-        order += ["async", "sync"] if i % 2 == 0 else ["sync", "async"]
+        order += modes if i % 2 == 0 else modes[::-1]
     try:
         for step, mode in enumerate(order, 1):
             started = time.perf_counter()
             pending = checkpoints.begin_save(root, model, epoch=0, step=step, steps_per_epoch=10 ** 6,
-                                             keep=2, background=mode == "async")
+                                             keep=2, background=mode == "async",
+                                             sharded=mode != "npz")
             blocked = time.perf_counter() - started
             pending.result()
             committed = time.perf_counter() - started
-            times[mode].append((blocked, committed))
-            print(f"{mode:5s}  blocked {blocked:.3f} s  committed {committed:.3f} s", flush=True)
+            if step > len(modes):
+                times[mode].append((blocked, committed))
+            print(f"{mode:5s}  blocked {blocked:.3f} s  committed {committed:.3f} s"
+                  f"{'' if step > len(modes) else '  (untimed)'}", flush=True)
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
@@ -77,7 +83,8 @@ def main() -> None:
                for mode, t in times.items()}
     for mode, (blocked, committed) in medians.items():
         print(f"median {mode:5s}  blocked {blocked:.3f} s  committed {committed:.3f} s")
-    print(f"async blocks {medians['async'][0] / medians['sync'][0]:.1%} of sync")
+    print(f"async blocks {medians['async'][0] / medians['sync'][0]:.1%} of sync, "
+          f"{medians['async'][0] / medians['npz'][0]:.1%} of npz")
 
 
 if __name__ == "__main__":

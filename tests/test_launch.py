@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from helpers import run_meshfit, write_idx_dataset
 
-from meshfit import cluster, env, launch
+from meshfit import cluster, env, launch, rundir
 from meshfit.errors import MeshfitError
 
 TRAIN = ["fashion-mnist-cnn", "--batch-size", "64", "--seed", "0"]
@@ -464,7 +464,7 @@ def test_two_processes_train_the_same_model_as_one(data_dir, single_process_run,
 
 
 def launch_until_first_checkpoint(data_dir, run):
-    """A 2-process, 50-epoch training job, running once its epoch-1 checkpoint exists:
+    """A 2-process, 50-epoch training job, running once its epoch-1 checkpoint is committed:
     (job, its stdout and stderr lines as read so far, the reader thread, the processes' pids)."""
     first_checkpoint = os.path.join(run, "checkpoints", "ckpt-00000004")  # after epoch 1 (4 steps)
     command = [sys.executable, "-m", "meshfit", *launch_args(
@@ -475,7 +475,8 @@ def launch_until_first_checkpoint(data_dir, run):
     reader = threading.Thread(target=lambda: output.extend(job.stdout), daemon=True)
     reader.start()
     deadline = time.monotonic() + JOB_TIMEOUT
-    while not os.path.isdir(first_checkpoint) and job.poll() is None and time.monotonic() < deadline:
+    while not rundir.checkpoint_complete(first_checkpoint) and job.poll() is None and \
+            time.monotonic() < deadline:  # committed: written by both processes, manifest last
         time.sleep(0.1)
     if job.poll() is not None:
         reader.join(timeout=10)
@@ -507,10 +508,11 @@ def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_pro
     assert newest is not None and checkpoints.read_state(newest)["epoch"] in (1, 2)
     assert checkpoints.read_arrays(newest)  # the last checkpoint is complete and readable
 
-    out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(EPOCHS)),
+    # resumed by one process of 8 devices: each array read from the 2 processes' shards
+    out = run_meshfit("train", "--resume", run, "--epochs", str(EPOCHS), "--simulate-devices", "8",
                       timeout=JOB_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "[0] resuming" in out.stdout
+    assert "resuming" in out.stdout
     assert_same_weights(model_weights(os.path.join(run, "model.keras")),
                         model_weights(os.path.join(single_process_run, "model.keras")))
 
@@ -536,8 +538,14 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_run_resumes(data_
 
     newest = checkpoints.latest(os.path.join(run, "checkpoints"))
     assert checkpoints.read_state(newest)["global_step"] == int(steps[0][1])  # process 0 saved that step
-    out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(EPOCHS)),
+    # resumed with its kernels sharded over the 8 devices of the 2 processes (fsdp)
+    out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(EPOCHS),
+                                   "--sharding", "fsdp", "--fsdp-min-size", "10KB"),
                       timeout=JOB_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
+    final = checkpoints.latest(os.path.join(run, "checkpoints"))
+    assert checkpoints.read_state(final)["config"]["sharding"] == "fsdp"
+    for process in (0, 1):  # each process wrote its own shards
+        assert os.listdir(os.path.join(final, "arrays", f"ocdbt.process_{process}", "d"))
     assert_same_weights(model_weights(os.path.join(run, "model.keras")),
                         model_weights(os.path.join(single_process_run, "model.keras")))

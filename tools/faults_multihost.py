@@ -1,6 +1,6 @@
 """Multi-host fault drill: `meshfit launch --processes 2` jobs hit by the faults of real clusters.
 
-    python tools/faults_multihost.py [--cases sigterm-one,sigkill-one,...] [--work DIR]
+    python tools/faults_multihost.py [--cases sigterm-one,sigkill-one,...] [--work DIR] [--fsdp]
 
 Each case starts a 2-process x 2-device Fashion-MNIST job on small generated data, injects its
 fault once the first checkpoint exists (epoch 1), and measures how long the job takes to end.
@@ -94,9 +94,13 @@ def launch_command(*train_args: str) -> list[str]:
             "--timeout", "600", "--", sys.executable, "-c", WRAPPER, "train", *train_args]
 
 
+SHARDING: list[str] = []  # --fsdp: ["--sharding", "fsdp", "--fsdp-min-size", "10KB"]
+
+
 def train_args(data: str, run: str) -> list[str]:
     return ["fashion-mnist-cnn", "--batch-size", str(BATCH), "--seed", "0", "--epochs", str(EPOCHS),
-            "--data-dir", data, "--out", run, "--checkpoint-every", "epoch", "--no-tensorboard"]
+            "--data-dir", data, "--out", run, "--checkpoint-every", "epoch", "--no-tensorboard",
+            *SHARDING]
 
 
 def weights(run: str) -> list[np.ndarray]:
@@ -123,7 +127,9 @@ def run_case(case: str, data: str, work: str, reference: list[np.ndarray] | None
                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     first = os.path.join(run, "checkpoints", f"ckpt-{TRAIN_IMAGES // BATCH:08d}")
     deadline = time.monotonic() + 300
-    while case != "never-starts" and not os.path.isdir(first) and job.poll() is None \
+    # committed (each process's shards written, then the manifest), not merely begun
+    while case != "never-starts" and not os.path.isfile(os.path.join(first, "manifest.json")) \
+            and job.poll() is None \
             and time.monotonic() < deadline:
         time.sleep(0.1)
     while case == "hang-one" and "FAULT: process 1 hangs" not in open(log.name).read() \
@@ -183,7 +189,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
     parser.add_argument("--work", help="folder for data, runs and logs (default: a temporary one, removed)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="train with --sharding fsdp (kernels of 10 KB and more sharded over the "
+                             "4 devices of the 2 processes, each process writing its own shards)")
     args = parser.parse_args()
+    if args.fsdp:
+        SHARDING[:] = ["--sharding", "fsdp", "--fsdp-min-size", "10KB"]
     cases = args.cases.split(",")
     unknown = set(cases) - set(CASES)
     if unknown:
