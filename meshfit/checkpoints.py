@@ -212,16 +212,17 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
 
 def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
                extra: dict[str, Any] | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
-               keep: int = 3, sharded: bool | None = None, background: bool = True,
+               keep: int = 3, sharded: bool | None = None, background: bool | None = None,
                commit: bool = True) -> PendingSave:
     """Start writing the full training state after `step` steps of epoch `epoch` (0-based).
 
     extra: JSON-serializable data stored with it (e.g. seed, history, run settings).
     extra_arrays: numpy arrays stored with the variables (restore returns them as "extra_arrays").
     sharded: write the model's and optimizer's arrays with orbax, each process its own shards
-    (format 3; default on JAX), else all in arrays.npz (format 2). With `background`, returns
-    once the arrays are copied off the devices; the files, the manifest and the pruning to the
-    newest `keep` follow in a thread (one save at a time: wait for the previous one first).
+    (format 3; default on JAX), else all in arrays.npz (format 2). With `background` (default:
+    when sharded), returns once the arrays are copied off the devices; the files, the manifest
+    and the pruning to the newest `keep` follow in a thread (one save at a time: wait for the
+    previous one first).
     commit: False on processes other than 0 of a job, which write their shards only (format 3)
     or nothing (format 2). Every process of a job calls this at the same step.
     An intact checkpoint of the same global step that already exists is kept as it is; a damaged
@@ -229,6 +230,7 @@ def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, st
     """
     directory = os.fspath(directory)
     sharded = sharded_by_default() if sharded is None else sharded
+    background = sharded if background is None else background
     global_step = epoch * steps_per_epoch + step
     final = os.path.join(directory, checkpoint_name(global_step))
     if rundir.checkpoint_complete(final):
@@ -535,7 +537,8 @@ class Checkpointer(keras.callbacks.Callback):
     callback's best weights). resume_state: what `restore` returned, when resuming mid-epoch.
     write: False on processes other than 0 (they write their shards only, or nothing with
     sharded=False). sharded: see `begin_save` (default: on JAX). background: save while training
-    goes on (the next save, a stop and the end of training wait for it); False waits at each save.
+    goes on (the next save, a stop and the end of training wait for it; default: when sharded);
+    False: each save is committed before training goes on, as on TensorFlow.
     In a job of several processes a stop requested on any of them stops all at the same step.
     """
 
@@ -543,7 +546,7 @@ class Checkpointer(keras.callbacks.Callback):
                  every_steps: int | None = None, every_seconds: float | None = None,
                  epoch_end: bool = True, keep: int = 3, extra=None, extra_arrays=None,
                  resume_state: dict[str, Any] | None = None, write: bool = True,
-                 sharded: bool | None = None, background: bool = True):
+                 sharded: bool | None = None, background: bool | None = None):
         super().__init__()
         self.directory = os.fspath(directory)
         self.steps_per_epoch = steps_per_epoch

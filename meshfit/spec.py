@@ -59,6 +59,7 @@ class RunSpec:
     keras_version: str = ""
     command: str = ""
     sharding: str = "data"  # how variables were laid out: data (replicated) or fsdp (meshfit.sharding)
+    fsdp_min_bytes: int | None = None  # fsdp's threshold (bytes); None: the default (older runs)
 
     def to_dict(self) -> dict[str, Any]:
         """The specification as JSON-ready data, in field order."""

@@ -209,7 +209,8 @@ def make_spec(request: Request, strategy, dataset, *, steps: int, global_batch: 
         recipe_source=r.file, augment=r.augment, crop_padding=r.crop_padding,
         flips=r.flips, tta_flip=r.tta_flip, checkpoint_every=request.checkpoint_every,
         keep_checkpoints=request.keep_checkpoints, meshfit_version=__version__,
-        keras_version=keras.__version__, command=command, sharding=strategy.sharding)
+        keras_version=keras.__version__, command=command, sharding=strategy.sharding,
+        fsdp_min_bytes=strategy.fsdp_min_bytes)
 
 
 def write_recipe(run: str, recipe: recipes.Recipe) -> None:
@@ -504,7 +505,7 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
       epoch/*, speed/*). profile: "START:STOP" traces those global train steps into
       RUN/tensorboard/plugins/profile. A live progress bar is drawn when stdout is a terminal.
     sharding, fsdp_min_size, device_memory: as for meshfit.connect (a resumed run keeps its
-      sharding unless given); 'auto' (default) trains fsdp when the device memory is known and
+      sharding and fsdp threshold unless given); 'auto' (default) trains fsdp when the device memory is known and
       the replicated step does not fit (meshfit.memory_plan), and a mode that cannot fit is refused.
     Raises TrainingInterrupted (a MeshfitError; exit_code 143 or 130) after SIGTERM/SIGINT,
     once the state is saved.
@@ -554,7 +555,8 @@ def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = No
     strategy = connect(require=require, simulate=request.simulate_devices, engine=request.engine,
                        precision=request.precision, verbose=verbose,
                        sharding=sharding or (saved.sharding if saved else "auto"),
-                       fsdp_min_bytes=fsdp_min_size or sharding_lib.DEFAULT_FSDP_MIN_BYTES,
+                       fsdp_min_bytes=fsdp_min_size or (saved.fsdp_min_bytes if saved else None)
+                       or sharding_lib.DEFAULT_FSDP_MIN_BYTES,  # kept on resume: the same program
                        device_memory=device_memory)
     chief = strategy.info.process_index == 0
     asked_batch = request.batch_size or the_recipe.global_batch
