@@ -110,8 +110,8 @@ def finished_run(data_dir, tmp_path_factory):
 def finished_fsdp_run(data_dir, tmp_path_factory):
     """finished_run with sharding fsdp: its kernels of 10 KB and more (both, 1.6 MB and 20 KB)
     sharded over the 8 devices, in its checkpoints as the shards each device held; a resumed run
-    keeps the threshold (with the default 1 MiB the 20 KB kernel would be replicated, another
-    program, other roundings)."""
+    keeps the threshold (with the default 1 MiB the 20 KB kernel would be replicated: another
+    program, which for other models rounds differently)."""
     from meshfit.training import train
 
     run = str(tmp_path_factory.mktemp("runs") / "fsdp")
@@ -154,6 +154,7 @@ def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(sharding, d
     assert signal.getsignal(signal.SIGTERM) is handler  # put back
     metrics = train(resume=stopped, verbose=False)
     assert metrics["resumed"] and metrics["epochs"] == 2 and metrics["sharding"] == sharding
+    assert metrics["fsdp_min_bytes"] == 10_000  # kept: the same variables sharded, the same program
     assert_identical(request.getfixturevalue("finished_fsdp_run" if sharding == "fsdp" else
                                              "finished_run"), stopped)
 
