@@ -58,8 +58,9 @@ def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto, data or fsdp: variables replicated (data) or the large ones "
                              "sharded over the devices (fsdp); auto: fsdp only when the replicated "
                              "step does not fit the device memory (default: auto; on --resume the run's)")
-    parser.add_argument("--fsdp-min-size", default="1MiB", metavar="SIZE",
-                        help="with fsdp: shard floating-point variables of at least SIZE (default: 1MiB)")
+    parser.add_argument("--fsdp-min-size", metavar="SIZE",
+                        help="with fsdp: shard floating-point variables of at least SIZE (default: "
+                             "1MiB; on --resume the run's)")
     parser.add_argument("--device-memory", metavar="SIZE",
                         help="memory of one device to plan with, e.g. 48MB or 16GB (default: the "
                              "device's own figure on TPUs and GPUs; unknown on CPUs)")
@@ -67,7 +68,7 @@ def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
 
 def sharding_options(args: argparse.Namespace) -> dict:
     """The connect() keywords of add_sharding_arguments' flags."""
-    return {"sharding": args.sharding, "fsdp_min_bytes": args.fsdp_min_size,
+    return {"sharding": args.sharding, "fsdp_min_bytes": args.fsdp_min_size or "1MiB",
             "device_memory": args.device_memory}
 
 
