@@ -48,6 +48,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -274,8 +275,8 @@ def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, st
             writing = sharded_arrays.write(os.path.join(final, sharded_arrays.FOLDER),
                                            {g: a for g, a in device_arrays.items() if a},
                                            background=background)
-    except BaseException as e:
-        _failed(final, directory, e, commit)
+    except BaseException as e:  # orbax's threads may still write there: leave it to the next save
+        _failed(final, directory, e, commit and not sharded)
 
     def finish() -> None:
         try:
@@ -291,12 +292,18 @@ def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, st
     if not background:
         finish()
         return PendingSave(final)
-    return PendingSave(final, finish)
+    try:
+        return PendingSave(final, finish)
+    except BaseException:  # e.g. Ctrl-C before the thread started: let orbax's threads end
+        with contextlib.suppress(BaseException):
+            writing.wait()
+        raise
 
 
-def _failed(final: str, directory: str, error: BaseException, commit: bool):
-    """Remove what a failed save left (process 0) and raise its error, one line for an OSError."""
-    if commit and not rundir.checkpoint_complete(final):
+def _failed(final: str, directory: str, error: BaseException, remove: bool):
+    """Remove what a failed save left (with `remove`) and raise its error, one line for an
+    OSError."""
+    if remove and not rundir.checkpoint_complete(final):
         shutil.rmtree(final, ignore_errors=True)
     if isinstance(error, OSError):
         raise MeshfitError(f"cannot write checkpoint {final} ({error.strerror or error}); the "
@@ -556,6 +563,7 @@ class Checkpointer(keras.callbacks.Callback):
         self.extra_arrays = extra_arrays or (lambda: {})
         self.write = write
         self.sharded, self.background = sharded, background
+        self.saving = self.interrupted = False  # see stop_on_signals
         self._pending: PendingSave | None = None
         self.last_saved: str | None = None
         self.stop_signal: int | None = None
@@ -574,11 +582,17 @@ class Checkpointer(keras.callbacks.Callback):
         self.wait()
         _sync(self.model)
         self._last_time = time.monotonic()
-        self._pending = begin_save(self.directory, self.model, epoch=epoch, step=step,
-                                   steps_per_epoch=self.steps_per_epoch, extra=self.extra(),
-                                   extra_arrays=self.extra_arrays(), keep=self.keep,
-                                   sharded=self.sharded, background=self.background,
-                                   commit=self.write)
+        self.saving = True  # a Ctrl-C now waits until the write is handed to its threads
+        try:
+            self._pending = begin_save(self.directory, self.model, epoch=epoch, step=step,
+                                       steps_per_epoch=self.steps_per_epoch, extra=self.extra(),
+                                       extra_arrays=self.extra_arrays(), keep=self.keep,
+                                       sharded=self.sharded, background=self.background,
+                                       commit=self.write)
+        finally:
+            self.saving = False
+        if self.interrupted:
+            raise KeyboardInterrupt
         if wait:
             return self.wait()
         return self._pending.path if self.write else None
@@ -586,9 +600,16 @@ class Checkpointer(keras.callbacks.Callback):
     def wait(self) -> str | None:
         """Block until the save in progress (if any) is committed, raising its error; return the
         newest checkpoint saved (None on processes other than 0)."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is not None:
-            path = pending.result()
+            try:
+                path = pending.result()
+            except KeyboardInterrupt:  # still being written: a later wait waits again
+                raise
+            except BaseException:
+                self._pending = None
+                raise
+            self._pending = None
             if self.write:
                 self.last_saved = path
         return self.last_saved
@@ -666,11 +687,15 @@ def stop_on_signals(checkpointer: Checkpointer,
                     signums=(signal.SIGTERM, signal.SIGINT)) -> Iterator[None]:
     """While inside, SIGTERM/SIGINT make `checkpointer` save and stop at the next step boundary.
 
-    A second signal while stopping raises KeyboardInterrupt at once. Outside the main thread
+    A second signal while stopping raises KeyboardInterrupt at once (after finishing the write
+    of a checkpoint already begun, which a third signal abandons). Outside the main thread
     (where Python cannot install handlers) this does nothing.
     """
     def handler(signum, frame):
         if checkpointer.stop_signal is not None:
+            if checkpointer.saving:  # not inside orbax's own calls: once they have returned
+                checkpointer.interrupted = True
+                return
             raise KeyboardInterrupt
         checkpointer.request_stop(signum)
 
@@ -683,7 +708,13 @@ def stop_on_signals(checkpointer: Checkpointer,
     try:
         yield
         checkpointer.wait()
-    except KeyboardInterrupt:  # at once: a save in flight is left uncommitted
+    except KeyboardInterrupt:  # a save being written is finished first (a third signal cuts
+        with contextlib.suppress(BaseException):  # it short: the folder stays uncommitted)
+            checkpointer.wait()
+        if "orbax" in sys.modules:
+            from meshfit import sharded_arrays
+
+            sharded_arrays.quiet_after_interrupt()
         raise
     except BaseException:
         with contextlib.suppress(Exception):

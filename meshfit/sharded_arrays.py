@@ -14,6 +14,7 @@ Imports JAX and orbax: import it only where the engine is JAX, or to read a chec
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -54,8 +55,21 @@ def write(path: str | os.PathLike, arrays: Tree, *, background: bool = True) -> 
     kind = ocp.AsyncCheckpointer if background else ocp.Checkpointer
     checkpointer = kind(ocp.StandardCheckpointHandler(),
                         temporary_path_class=atomicity.CommitFileTemporaryPath)
-    checkpointer.save(os.path.abspath(os.fspath(path)), args=ocp.args.StandardSave(arrays))
+    try:
+        checkpointer.save(os.path.abspath(os.fspath(path)), args=ocp.args.StandardSave(arrays))
+    except BaseException:  # e.g. Ctrl-C: let orbax's threads end before the interpreter does
+        with contextlib.suppress(BaseException):
+            PendingWrite(checkpointer).wait()
+        raise
     return PendingWrite(checkpointer)
+
+
+def quiet_after_interrupt() -> None:
+    """From now on, drop orbax's log records: after a Ctrl-C its threads may fail on the
+    interpreter's way out, which is expected (that checkpoint stays uncommitted, and ignored)."""
+    import logging
+
+    logging.getLogger("absl").addFilter(lambda record: "orbax" not in record.pathname)
 
 
 def target_of(shape: tuple[int, ...], dtype: str, sharding=None) -> Any:

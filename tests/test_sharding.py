@@ -155,7 +155,7 @@ def test_too_big_for_data_parallel_is_refused_then_trained_with_fsdp(strategy, w
                                                                       capsys):
     """In this process (the CLI's main on the same 8 devices): --sharding data is refused in one
     line (exit 2); plan reports both modes; the default trains fsdp, and its run evaluates,
-    resumes from today's (gathered) checkpoints, predicts and exports on the CPU."""
+    resumes from its sharded checkpoints (with its threshold), predicts and exports on the CPU."""
     from meshfit import cli, export, inference
 
     run = str(tmp_path / "run")
@@ -179,9 +179,10 @@ def test_too_big_for_data_parallel_is_refused_then_trained_with_fsdp(strategy, w
         metrics = json.load(open(os.path.join(run, rundir.METRICS)))
         assert config["sharding"] == metrics["sharding"] == "fsdp"
         assert cli.main(["train", "--resume", run, "--epochs", "2", "--no-tensorboard", *devices,
-                         *MEMORY]) == 0
+                         *MEMORY[:2]]) == 0  # its --fsdp-min-size kept
         metrics = json.load(open(os.path.join(run, rundir.METRICS)))
         assert metrics["sharding"] == "fsdp" and metrics["resumed"] and metrics["epochs"] == 2
+        assert metrics["fsdp_min_bytes"] == 100_000
         assert cli.main(["eval", run, *devices, "--json"]) == 0
         scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert scores["samples"] == 40 and 0 <= scores["test_accuracy"] <= 1
