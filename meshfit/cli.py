@@ -53,7 +53,7 @@ def add_device_arguments(parser: argparse.ArgumentParser, precision: bool = True
 
 
 def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
-    """--sharding, --fsdp-min-size and --device-memory (see meshfit.sharding, meshfit.memory_plan)."""
+    """--sharding, --fsdp-min-size and --device-memory (see meshfit.parallel.sharding, meshfit.parallel.memory_plan)."""
     parser.add_argument("--sharding", metavar="S",
                         help="auto, data or fsdp: variables replicated (data) or the large ones "
                              "sharded over the devices (fsdp); auto: fsdp only when the replicated "
@@ -105,7 +105,7 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_info(args: argparse.Namespace) -> int:
     """The discovery report."""
-    from meshfit.distribution import connect
+    from meshfit.parallel.distribution import connect
 
     strategy = connect(require=args.require, simulate=args.simulate_devices,
                        precision=args.precision, engine=args.engine, verbose=not args.json,
@@ -118,7 +118,9 @@ def run_info(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- train
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshfit import planning, recipes, spec
+    from meshfit.parallel import planning
+    from meshfit import recipes
+    from meshfit.run import spec
 
     parser.add_argument("recipe", nargs="?", metavar="RECIPE",
                         help=f"one of: {', '.join(recipes.names())}, or a recipe file defining "
@@ -141,7 +143,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="train steps per epoch (default: the recipe's, or one pass over the data)")
     parser.add_argument("--batch-size", type=int, metavar="GLOBAL",
                         help="global batch over all replicas (default: the recipe's)")
-    parser.add_argument("--data-dir", metavar="DIR", help="where the dataset is (see meshfit.datasets)")
+    parser.add_argument("--data-dir", metavar="DIR", help="where the dataset is (see meshfit.data.datasets)")
     parser.add_argument("--out", metavar="DIR", help="the run directory (default: runs/<recipe>-<time>)")
     parser.add_argument("--seed", type=int, metavar="S", help="random seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print metrics.json as the last line")
@@ -172,7 +174,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """Train; a stop by SIGTERM/SIGINT (state saved) exits with its own code and one line."""
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     command = shlex.join(["meshfit", *sys.argv[1:]])
     recipe = args.recipe
@@ -238,7 +240,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from meshfit.training import evaluate
+    from meshfit.run.evaluate import evaluate
 
     result = evaluate(args.model, args.data_dir, simulate_devices=args.simulate_devices,
                       engine=args.engine, require=args.require, verbose=not args.json)
@@ -272,7 +274,7 @@ def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
 def run_predict(args: argparse.Namespace) -> int:
     """Classify image files on the CPU."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras fallback on JAX stays on the CPU
-    from meshfit import inference
+    from meshfit.serve import inference
 
     if args.top_k is not None and args.top_k < 1:
         raise MeshfitError(f"--top-k must be at least 1, got {args.top_k}")
@@ -323,7 +325,7 @@ def run_export(args: argparse.Namespace) -> int:
     """Write a float32 model for CPU serving."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras on JAX stays on the CPU
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from meshfit import export
+    from meshfit.serve import export
 
     write = export.export_onnx if args.format == "onnx" else export.export_keras
     print(f"wrote {write(args.model, args.out)}")
@@ -333,7 +335,8 @@ def run_export(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshfit import bench, recipes
+    from meshfit.commands import bench
+    from meshfit import recipes
 
     parser.add_argument("recipe", nargs="?", default=recipes.DEFAULT,
                         help=f"recipe whose model is timed (default: {recipes.DEFAULT})")
@@ -374,7 +377,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Measure, print the table (or JSON) and write the files."""
-    from meshfit import bench
+    from meshfit.commands import bench
 
     if args.make_jpeg_folder:
         count = bench.write_jpeg_folder(args.make_jpeg_folder, args.data_dir,
@@ -404,7 +407,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_bench_input(args: argparse.Namespace) -> int:
     """`meshfit bench --input FOLDER --image-size H W`: the input pipeline alone."""
-    from meshfit import bench
+    from meshfit.commands import bench
 
     if not args.image_size:
         raise MeshfitError("--input needs --image-size H W (the pixels to decode to)")
@@ -440,15 +443,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Compile the recipe's train step per sharding (never run it) and print the bytes per device."""
-    from meshfit import memory_plan, training
+    from meshfit.commands.plan import plan_memory
+    from meshfit.parallel import memory_plan
 
     if args.batch_size is not None and args.batch_size < 1:
         raise MeshfitError(f"--batch-size must be at least 1, got {args.batch_size}")
-    result = training.plan_memory(args.recipe, simulate_devices=args.simulate_devices,
-                                     batch_size=args.batch_size, precision=args.precision,
-                                     engine=args.engine, require=args.require,
-                                     data_dir=args.data_dir, verbose=not args.json,
-                                     **sharding_options(args))
+    result = plan_memory(args.recipe, simulate_devices=args.simulate_devices,
+                         batch_size=args.batch_size, precision=args.precision,
+                         engine=args.engine, require=args.require,
+                         data_dir=args.data_dir, verbose=not args.json,
+                         **sharding_options(args))
     if args.json:
         print(json.dumps(result))
     else:
@@ -474,7 +478,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from meshfit.launch import launch
+    from meshfit.commands.launch import launch
 
     return launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
                   show=args.show, timeout=args.timeout)
@@ -513,7 +517,7 @@ def add_runs_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_runs(args: argparse.Namespace) -> int:
     """The table of runs (finished and unfinished) and, with --plot, their curves."""
-    from meshfit import runs
+    from meshfit.commands import runs
 
     rows = runs.collect(args.dirs)
     print(runs.to_json(rows) if args.json else runs.format_table(rows), flush=True)
@@ -577,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         print("meshfit: interrupted", file=sys.stderr)
         code = 130
     if code:
-        from meshfit.cluster import exit_failed
+        from meshfit.parallel.cluster import exit_failed
 
         exit_failed(code)  # a failed process of a multi-host job must not wait for the others
     return code

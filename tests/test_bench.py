@@ -7,7 +7,7 @@ import os
 import pytest
 from helpers import ONE_CPU, run_meshfit
 
-from meshfit import bench
+from meshfit.commands import bench
 
 TINY = ["--batch-sizes", "8", "--repeats", "2", "--steps", "2"]
 BENCH_TIMEOUT = 400  # seconds

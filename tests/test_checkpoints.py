@@ -19,7 +19,7 @@ STEPS = N_TRAIN // BATCH
 
 
 def newest_state(run):
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     return checkpoints.read_state(checkpoints.latest(os.path.join(run, "checkpoints")))
 
@@ -42,7 +42,7 @@ def assert_identical(run_a, run_b):
         assert [r[key] for r in history_a] == [r[key] for r in history_b], key
 
 
-# Runs `meshfit.training.train` and sends itself `signal` at (epoch, batch) of training.
+# Runs `meshfit.run.train.train` and sends itself `signal` at (epoch, batch) of training.
 # meshfit.connect() comes before `import keras`, as in the CLI: TensorFlow reads its settings
 # (TF_ENABLE_ONEDNN_OPTS) once, when Keras imports it; imported first, TF would run its default,
 # which is oneDNN off on CPUs without AVX512-VNNI/BF16, AVX-VNNI or AMX (e.g. AMD EPYC Zen 2/3),
@@ -52,7 +52,7 @@ SIGNAL_AT = textwrap.dedent("""
     import meshfit
     meshfit.connect(verbose=False)
     import keras
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     class SignalAt(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -99,7 +99,7 @@ def finished_run(data_dir, tmp_path_factory):
 
     Its Dropout makes exact resume depend on the checkpointed SeedGenerator state.
     """
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     run = str(tmp_path_factory.mktemp("runs") / "run")
     train("mnist-mlp-bf16", out=run, **jax_settings(data_dir))
@@ -115,8 +115,8 @@ def jax_settings(data_dir):
 def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(finished_run, data_dir, tmp_path):
     import keras
 
-    from meshfit.checkpoints import TrainingInterrupted
-    from meshfit.training import train
+    from meshfit.run.checkpoints import TrainingInterrupted
+    from meshfit.run.train import train
 
     class SigtermAt(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -185,7 +185,7 @@ def small_model(strategy, recipe="fashion-mnist-cnn"):
 def test_interrupted_write_leaves_the_previous_checkpoint(strategy, tmp_path, monkeypatch):
     import keras
 
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     model = small_model(strategy)
     directory = tmp_path / "checkpoints"
@@ -214,7 +214,7 @@ def test_interrupted_write_leaves_the_previous_checkpoint(strategy, tmp_path, mo
 
 
 def test_keeps_the_newest_checkpoints(strategy, tmp_path):
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     model = small_model(strategy)
     for step in range(1, 6):
@@ -224,7 +224,7 @@ def test_keeps_the_newest_checkpoints(strategy, tmp_path):
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(strategy, tmp_path):
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     path = checkpoints.save(tmp_path, small_model(strategy, "mnist-mlp-bf16"), epoch=0, step=1,
                             steps_per_epoch=10)
@@ -240,7 +240,7 @@ def test_checkpoint_of_another_model_is_a_clear_error(strategy, tmp_path):
     ({"precision": "float32"}, "trained in bfloat16, not float32"),
 ])
 def test_resume_with_other_settings_is_a_clear_error(finished_run, change, message):
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     with pytest.raises(MeshfitError, match=message) as info:
         train(resume=finished_run, **change)
@@ -248,7 +248,7 @@ def test_resume_with_other_settings_is_a_clear_error(finished_run, change, messa
 
 
 def test_resume_of_a_folder_without_a_run_is_a_clear_error(tmp_path):
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     with pytest.raises(MeshfitError, match="has no config.json"):
         train(resume=str(tmp_path))
@@ -259,7 +259,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_to_identical_weig
                                                                                   tmp_path):
     import shutil
 
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     copy = str(tmp_path / "copy")
     shutil.copytree(finished_run, copy)
@@ -299,7 +299,7 @@ def test_steps_per_dispatch_train_the_same_run_and_resume_mid_dispatch(finished_
     with 8 per dispatch, the rest of the cut epoch (4 steps) runs as one dispatch of 4."""
     import shutil
 
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     run = str(tmp_path / "k4")
     settings = {**jax_settings(data_dir), "checkpoint_every": "3"}

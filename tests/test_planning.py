@@ -1,9 +1,9 @@
-"""Planning from the hardware (meshfit.planning): precision and peak FLOP/s."""
+"""Planning from the hardware (meshfit.parallel.planning): precision and peak FLOP/s."""
 
 import pytest
 
 import meshfit
-from meshfit import planning
+from meshfit.parallel import planning
 
 
 def test_precision_auto_and_forced():

@@ -10,7 +10,9 @@ import pytest
 from PIL import Image
 from helpers import KILL_AT_CALLBACKS, cli_env, run_meshfit
 
-from meshfit import data, recipes, rundir, spec
+from meshfit.data import splits as data
+from meshfit import recipes
+from meshfit.run import rundir, spec
 from meshfit.errors import MeshfitError
 
 # A linear model telling bright from dark 8x8 grey images; data from a callable, in memory.
@@ -100,7 +102,7 @@ def test_recipe_file_runs_on_after_the_original_is_moved(tmp_path):
 def test_early_stopping_decides_after_a_resume_as_without_it(tmp_path):
     """A recipe's EarlyStopping keeps its counters through a checkpoint: the run stopped after one
     epoch and resumed stops where the uninterrupted run did (Keras alone would count afresh)."""
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     recipe = write_recipe(tmp_path, epochs=4, callbacks=True)
     whole = train(recipe, out=str(tmp_path / "whole"), simulate_devices=8, engine="jax",
@@ -120,7 +122,7 @@ def test_early_stopping_decides_after_a_resume_as_without_it(tmp_path):
 def test_resuming_with_the_recipe_file_runs_only_the_runs_copy(tmp_path):
     """`meshfit train FILE --resume RUN` with the file unchanged does not execute FILE again (its
     hash names it); the run's copy alone trains."""
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     recipe, counter = write_recipe(tmp_path, epochs=2), tmp_path / "executed"
     with open(recipe, "a") as f:
@@ -171,7 +173,7 @@ def test_validation_split_holds_out_a_seeded_share_of_the_training_data():
 def test_validation_split_is_recorded_and_scored_with_the_test_set(tmp_path):
     """With --validation-split the per-epoch val_* come from held-out training data, the test set
     is scored once at the end, and both land in metrics.json."""
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     recipe = write_recipe(tmp_path, epochs=1)
     metrics = train(recipe, out=str(tmp_path / "run"), validation_split=0.25, simulate_devices=8,
@@ -233,7 +235,7 @@ def test_folder_recipe_killed_at_random_resumes_bit_identical(tmp_path):
     """A recipe file reading a folder of PNGs beside it (relative path, flip-crop, validation split),
     SIGKILLed mid-epoch 2 and resumed from its copy after the original moved: the same weights as
     an uninterrupted run."""
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     write_pets(tmp_path)
     recipe = tmp_path / "pets.py"
@@ -301,9 +303,9 @@ def test_early_stopping_restores_the_same_best_weights_after_a_resume(tmp_path):
 
     import keras
 
-    from meshfit import checkpoints
-    from meshfit.checkpoints import TrainingInterrupted
-    from meshfit.training import train
+    from meshfit.run import checkpoints
+    from meshfit.run.checkpoints import TrainingInterrupted
+    from meshfit.run.train import train
 
     recipe = write_recipe(tmp_path, epochs=3, callbacks=True)
     text = open(recipe).read().replace(  # epoch 1 is the best; never stops early

@@ -1,7 +1,7 @@
 """image-folder: an image classifier for a folder with one sub-folder of images per class.
 
 What `meshfit train --data FOLDER --image-size H W` trains, with no code: the folder is streamed
-from disk batch by batch (meshfit.imagefolder), a share of it is held out for validation (or its
+from disk batch by batch (meshfit.data.folders), a share of it is held out for validation (or its
 train/ and test/ or val/ sub-folders are used as given), precision and batch are planned for the
 devices. Models, from scratch (no weight downloads):
   cnn               images up to 64 pixels a side: Conv(32) -> MaxPool -> Conv(64) -> MaxPool ->
