@@ -167,7 +167,7 @@ def _read_ahead(get: Callable[[int], Any], indices, workers: int, depth: int | N
 class TrainStream:
     """Training batches from a train Source by (epoch, step), each cut to split across `replicas`.
 
-    The contract of pipeline.TrainBatches: `steps_per_epoch`, `global_batch` and
+    The contract of arrays.TrainBatches: `steps_per_epoch`, `global_batch` and
     `iterate(epoch, step)`, endless, from batch `step` of epoch `epoch` on (see the module
     docstring for the order and for how exact a resume is). `smallest_batch`: the fewest rows a
     step has (after the cut; None when not counted). `slices`: micro-batches per batch, set before
@@ -305,7 +305,7 @@ class EvalSource:
 
 
 class EvalStream:
-    """Evaluation batches of an EvalSource: the contract of pipeline.EvalBatches (iterate yields
+    """Evaluation batches of an EvalSource: the contract of arrays.EvalBatches (iterate yields
     `(images,)` of `batch` rows, the last zero-padded; trim keeps the first N rows of outputs).
     trim also checks that the pass yielded the labels of the first one (the source must not shuffle)."""
 
