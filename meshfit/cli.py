@@ -36,33 +36,24 @@ COMMANDS = {
 # ------------------------------------------------------------------------------- shared flags
 
 def add_simulate_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--simulate-devices", type=int, metavar="N",
-                        help="run on N JAX CPU devices standing in for accelerator cores")
+    from meshfit.run import options
+
+    options.add_flags(parser, "simulate_devices")
 
 
 def add_device_arguments(parser: argparse.ArgumentParser, precision: bool = True) -> None:
-    """The flags of commands that connect to devices."""
-    add_simulate_argument(parser)
-    if precision:
-        parser.add_argument("--precision", default="auto",
-                            help="auto, float32, bfloat16 or float16 (default: auto)")
-    parser.add_argument("--engine", default=None,
-                        help="Keras backend: auto, jax or tensorflow (default: auto)")
-    parser.add_argument("--require", choices=("tpu", "gpu", "cpu"),
-                        help="fail unless this platform is present")
+    """The flags of commands that connect to devices (their help: meshfit.run.options)."""
+    from meshfit.run import options
+
+    options.add_flags(parser, "simulate_devices", *(["precision"] if precision else []),
+                      "engine", "require")
 
 
 def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
     """--sharding, --fsdp-min-size and --device-memory (see meshfit.parallel.sharding, meshfit.parallel.memory_plan)."""
-    parser.add_argument("--sharding", metavar="S",
-                        help="auto, data or fsdp: variables replicated (data) or the large ones "
-                             "sharded over the devices (fsdp); auto: fsdp only when the replicated "
-                             "step does not fit the device memory (default: auto; on --resume the run's)")
-    parser.add_argument("--fsdp-min-size", default="1MiB", metavar="SIZE",
-                        help="with fsdp: shard floating-point variables of at least SIZE (default: 1MiB)")
-    parser.add_argument("--device-memory", metavar="SIZE",
-                        help="memory of one device to plan with, e.g. 48MB or 16GB (default: the "
-                             "device's own figure on TPUs and GPUs; unknown on CPUs)")
+    from meshfit.run import options
+
+    options.add_flags(parser, "sharding", "fsdp_min_size", "device_memory")
 
 
 def sharding_options(args: argparse.Namespace) -> dict:
@@ -118,9 +109,9 @@ def run_info(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- train
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshfit.parallel import planning
+    """The recipe, the folder flags (--data ...), --json and every setting of TrainOptions."""
     from meshfit import recipes
-    from meshfit.run import spec
+    from meshfit.run import options
 
     parser.add_argument("recipe", nargs="?", metavar="RECIPE",
                         help=f"one of: {', '.join(recipes.names())}, or a recipe file defining "
@@ -135,45 +126,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="NAME",
                         help="with --data: cnn, mobilenetv3small or efficientnetb0 (default: cnn up "
                              "to 64 pixels, mobilenetv3small above)")
-    parser.add_argument("--validation-split", type=float, metavar="F",
-                        help="hold out this share of the training data for the per-epoch val_* "
-                             "metrics (default: 0.2 with --data, else the recipe's)")
-    parser.add_argument("--epochs", type=int, metavar="N", help="epochs (default: the recipe's)")
-    parser.add_argument("--steps-per-epoch", type=int, metavar="N",
-                        help="train steps per epoch (default: the recipe's, or one pass over the data)")
-    parser.add_argument("--batch-size", type=int, metavar="GLOBAL",
-                        help="global batch over all replicas (default: the recipe's)")
-    parser.add_argument("--data-dir", metavar="DIR", help="where the dataset is (see meshfit.data.datasets)")
-    parser.add_argument("--out", metavar="DIR", help="the run directory (default: runs/<recipe>-<time>)")
-    parser.add_argument("--seed", type=int, metavar="S", help="random seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print metrics.json as the last line")
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
-    parser.add_argument("--checkpoint-every", metavar="EVERY",
-                        help="steps (200), time (60s, 5m), 'epoch' or 'off' (default: "
-                             f"{spec.DEFAULT_CHECKPOINT_EVERY}); epoch ends are always saved unless 'off'")
-    parser.add_argument("--keep-checkpoints", type=int, metavar="K",
-                        help=f"keep the newest K checkpoints (default: {spec.DEFAULT_KEEP_CHECKPOINTS})")
-    parser.add_argument("--steps-per-dispatch", type=int, metavar="K",
-                        help="train steps per call into the devices, one compiled loop (default: "
-                             f"up to {planning.AUTO_STEPS_PER_DISPATCH} on a GPU or TPU, 1 on a CPU)")
-    parser.add_argument("--micro-batches", type=int, metavar="K",
-                        help="sum each batch's gradient over K slices, for cache locality on a CPU "
-                             "(default: cache-sized on the TensorFlow engine; 1 = whole batches)")
-    parser.add_argument("--no-batch-rounding", action="store_true",
-                        help="fail instead of rounding a batch that does not split across replicas")
-    parser.add_argument("--no-tensorboard", action="store_true",
-                        help="write no TensorBoard logs (default: RUN/tensorboard)")
-    parser.add_argument("--log-every", type=int, default=10, metavar="N",
-                        help="TensorBoard training scalars every N steps (default: 10)")
-    parser.add_argument("--profile", metavar="START:STOP",
-                        help="trace train steps START to STOP with the engine's profiler into "
-                             "RUN/tensorboard (view in TensorBoard's profile tab or Perfetto)")
-    add_device_arguments(parser)
-    add_sharding_arguments(parser)
+    options.add_flags(parser)
 
 
 def run_train(args: argparse.Namespace) -> int:
     """Train; a stop by SIGTERM/SIGINT (state saved) exits with its own code and one line."""
+    from meshfit.run.options import TrainOptions
     from meshfit.run.train import train
 
     command = shlex.join(["meshfit", *sys.argv[1:]])
@@ -182,21 +141,10 @@ def run_train(args: argparse.Namespace) -> int:
         recipe = folder_recipe(args, command)
     elif args.image_size or args.channels or args.model:
         raise MeshfitError("--image-size, --channels and --model go with --data FOLDER")
+    options = TrainOptions.from_args(  # --validation-split is in the folder recipe with --data
+        args, command=command, validation_split=None if args.data else args.validation_split)
     try:
-        metrics = train(recipe, epochs=args.epochs, batch_size=args.batch_size,
-                        precision=args.precision, data_dir=args.data_dir, out=args.out,
-                        seed=args.seed, simulate_devices=args.simulate_devices, engine=args.engine,
-                        require=args.require, resume=args.resume,
-                        checkpoint_every=args.checkpoint_every,
-                        keep_checkpoints=args.keep_checkpoints,
-                        steps_per_dispatch=args.steps_per_dispatch,
-                        micro_batches=args.micro_batches,
-                        batch_rounding=not args.no_batch_rounding, verbose=True, command=command,
-                        tensorboard=not args.no_tensorboard, log_every=args.log_every,
-                        profile=args.profile, steps_per_epoch=args.steps_per_epoch,
-                        validation_split=None if args.data else args.validation_split,
-                        sharding=args.sharding, fsdp_min_size=args.fsdp_min_size,
-                        device_memory=args.device_memory)
+        metrics = train(recipe, options)
     except MeshfitError as err:
         if not hasattr(err, "exit_code"):  # only TrainingInterrupted has its own exit code
             raise

@@ -84,7 +84,7 @@ def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
     fsdp_min_bytes = sharding_lib.parse_size(fsdp_min_bytes, "--fsdp-min-size")
     device_memory = sharding_lib.parse_size(device_memory)
     for name in precisions or []:
-        planning.resolve_precision(name, "cpu")
+        planning.precision_name(name)
     for name in engines or []:
         if name not in BENCH_ENGINES:
             raise MeshfitError(f"unknown engine {name!r} in --engines; use any of: {', '.join(BENCH_ENGINES)}")
@@ -372,7 +372,8 @@ def _worker(spec: dict) -> None:
     dispatches = spec["steps_per_dispatch"] or ([1] if info.platform == "cpu" else [1, 8])
     repeats = spec["repeats"]
     for name in precisions:
-        precision = planning.resolve_precision(name, info.platform, info.compute_capability)
+        precision = planning.resolve_precision(name, info.platform, info.compute_capability,
+                                                recipe.precision)
         peak = planning.peak_flops(info.platform, info.device_kind, precision)
         peak = peak * replicas if peak else None
         for batch in batches:

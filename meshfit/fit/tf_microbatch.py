@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from meshfit.errors import MeshfitError
+from meshfit.parallel import planning
 
 ACTIVATION_BUDGET_BYTES = 16 * 2**20  # largest activation of one slice; measured, see plan()
 MIN_SLICE = 32  # smaller slices are slower again (25-sample slices: ~80 against 61-74 ms/step)
@@ -84,8 +85,7 @@ def choose(model, batch_size: int | None, requested: int | str, engine: str) -> 
 def check(model, slices: int) -> int:
     """`slices` checked: a positive int, and 1 for models that must train on whole batches
     (model None: the number alone)."""
-    if not isinstance(slices, int) or isinstance(slices, bool) or slices < 1:
-        raise MeshfitError(f"micro-batches must be a whole number of at least 1 or 'auto', got {slices!r}")
+    planning.check_micro_batches(slices)
     reason = _must_train_whole(model) if model is not None and slices > 1 else None
     if reason:
         raise MeshfitError(f"{reason}; use micro_batches=1")

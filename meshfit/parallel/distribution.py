@@ -246,7 +246,7 @@ def connect(require: str | None = None, simulate: int | None = None, precision: 
       are sharded. device_memory: bytes per device to plan with ('16GB'; default: the device's).
     layout_map: a keras.distribution.LayoutMap whose entries win over the fsdp rule.
     """
-    planning.check_precision(precision)  # reject unknown names before any slow work
+    planning.precision_name(precision)  # reject unknown names before any slow work
     sharding_lib.check_mode(sharding)
     fsdp_min_bytes = sharding_lib.parse_size(fsdp_min_bytes, "--fsdp-min-size")
     device_memory = sharding_lib.parse_size(device_memory)

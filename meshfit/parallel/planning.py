@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 from meshfit.errors import MeshfitError
 
@@ -58,13 +59,29 @@ def peak_flops(platform: str, device_kind: str, precision: str) -> float | None:
     return _row(platform, device_kind)[1].get(precision)
 
 
-def resolve_precision(requested: str, platform: str, compute_capability: str | None = None) -> str:
-    """The compute precision: 'float32', 'bfloat16' or 'float16' ('auto' picks for the hardware)."""
-    name = _ALIASES.get(str(requested).lower(), str(requested).lower())
+def precision_name(requested: str | None) -> str:
+    """`requested` checked and named canonically: 'auto', 'float32', 'bfloat16' or 'float16'
+    (aliases such as 'bf16' and 'mixed_float16' accepted; None is 'auto'). The one check of a
+    precision on every route."""
+    name = _ALIASES.get(str(requested).lower(), str(requested).lower()) if requested else "auto"
     if name not in PRECISIONS:
         raise MeshfitError(
             f"unknown precision {requested!r}; use one of: {', '.join(PRECISIONS)}"
         )
+    return name
+
+
+def resolve_precision(requested: str | None, platform: str, compute_capability: str | None = None,
+                      recipe: str | None = "auto") -> str:
+    """The compute precision: 'float32', 'bfloat16' or 'float16'.
+
+    'auto' (the one meaning on every route: train, bench, plan, connect) is the recipe's precision
+    when it names one, else the hardware's: bfloat16 on TPUs and GPUs from compute capability 8,
+    float16 on older GPUs, float32 on CPUs.
+    """
+    name = precision_name(requested)
+    if name == "auto":
+        name = precision_name(recipe)
     if name != "auto":
         return name
     if platform == "tpu":
@@ -73,6 +90,13 @@ def resolve_precision(requested: str, platform: str, compute_capability: str | N
         major = int(str(compute_capability or "8.0").split(".")[0])
         return "bfloat16" if major >= 8 else "float16"
     return "float32"
+
+
+def asked_precision(requested: str | None, recipe: str | None = "auto") -> str:
+    """What to ask connect() for: `requested`, or 'auto' for the recipe's when it names one (the
+    hardware then decides only when neither does; see resolve_precision)."""
+    name = precision_name(requested)
+    return precision_name(recipe) if name == "auto" else name
 
 
 def keras_policy(precision: str) -> str:
@@ -104,12 +128,6 @@ def split_global_batch(global_batch: int, replicas: int, rounding: bool = True) 
     warnings.warn(f"global batch {global_batch} rounded up to {upper} to split across {replicas} replicas",
                   stacklevel=2)
     return upper
-
-
-def check_precision(requested: str) -> str:
-    """`requested` checked to be a precision name (or alias); returns it as given."""
-    resolve_precision(requested, "cpu")
-    return requested
 
 
 def plan_global_batch(replicas: int, platform: str, device_kind: str, *, global_batch: int | None = None,
@@ -152,3 +170,75 @@ def steps_per_dispatch(platform: str, engine: str, steps_per_epoch: int, wanted:
             return 1
         wanted = min(AUTO_STEPS_PER_DISPATCH, max(steps_per_epoch // 2, 1))
     return dividing_steps(steps_per_epoch, wanted)
+
+
+def check_micro_batches(slices: int | str) -> int | str:
+    """`slices` checked: 'auto' or a whole number >= 1 (gradient slices per batch)."""
+    if slices != "auto" and (not isinstance(slices, int) or isinstance(slices, bool) or slices < 1):
+        raise MeshfitError(f"micro-batches must be a whole number of at least 1 or 'auto', got {slices!r}")
+    return slices
+
+
+def fit_batch_to_data(global_batch: int, samples: int, replicas: int) -> int:
+    """A planned global batch lowered to at most a quarter of the training `samples`, in whole
+    samples per replica, so that a small folder still gets several steps per epoch."""
+    if global_batch * 4 <= samples:
+        return global_batch
+    return max(samples // 4 // replicas, 1) * replicas
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a run trains on these devices: sizes in samples and steps."""
+
+    global_batch: int  # samples per step over all replicas
+    steps_per_epoch: int | None  # None: fewer training samples than one batch
+    steps_per_dispatch: int  # train steps per call into the devices
+    precision: str  # compute precision: float32, bfloat16 or float16
+    micro_batches: int | str  # gradient slices per batch, or 'auto' (cache-sized per model)
+
+
+def plan(hardware, *, samples: int | None = None, batch_size: int | None = None,
+         recipe_batch: int | None = None, per_core_batch: int | None = None,
+         recipe_steps: int | None = None, stream: tuple[int, int] | None = None,
+         dispatch: int | None = None, precision: str | None = "auto",
+         recipe_precision: str | None = "auto", micro_batches: int | str | None = "auto",
+         rounding: bool = True) -> Plan:
+    """The batch, steps, precision and micro-batches of a run on `hardware` (a Strategy: replicas,
+    platform, device_kind, engine, info.compute_capability).
+
+    batch_size: the global batch asked for, else the recipe's `recipe_batch`, else
+    `per_core_batch` (or DEFAULT_PER_CORE_BATCH) rounded to the hardware multiple; a planned one
+    (neither given) is lowered to a quarter of the `samples` at most. Steps per epoch: the
+    recipe's `recipe_steps`, at most one pass over `samples`. stream: (global batch, steps per
+    epoch) that a streamed source sets instead. dispatch: steps per dispatch asked for (see
+    steps_per_dispatch). precision: see resolve_precision.
+    micro_batches: a number above 1 needs the TensorFlow engine; 'auto' is chosen per model
+    (meshfit.fit.tf_microbatch.choose).
+    """
+    replicas = hardware.replicas
+    if stream is not None:
+        global_batch, steps = stream
+        if batch_size and batch_size != global_batch:
+            raise MeshfitError(f"the recipe's train source yields batches of {global_batch} samples "
+                               f"on {replicas} replica(s), not --batch-size {batch_size}; batch "
+                               "the source itself")
+    else:
+        asked = batch_size or recipe_batch
+        global_batch = plan_global_batch(replicas, hardware.platform, hardware.device_kind,
+                                         global_batch=asked, per_core_batch=per_core_batch,
+                                         rounding=rounding)
+        if samples is not None and not asked and not per_core_batch:
+            global_batch = fit_batch_to_data(global_batch, samples, replicas)
+        full_steps = (samples or 0) // global_batch
+        steps = min(recipe_steps or full_steps, full_steps) or None
+    slices = check_micro_batches(micro_batches or "auto")
+    if slices != "auto" and slices > 1 and hardware.engine != "tensorflow":
+        raise MeshfitError(f"micro-batches run on the TensorFlow engine (one CPU), not on "
+                           f"{hardware.engine}; use micro_batches=1")
+    return Plan(global_batch=global_batch, steps_per_epoch=steps,
+                steps_per_dispatch=steps_per_dispatch(hardware.platform, hardware.engine, steps or 1,
+                                                      dispatch),
+                precision=resolve_precision(precision, hardware.platform,
+                                            hardware.info.compute_capability, recipe_precision),
+                micro_batches=slices)

@@ -100,8 +100,7 @@ def check_resume(saved: RunSpec, run: str, *, recipe: str | None = None,
                            f"{batch_size} (the data order depends on it); {hint}")
     if seed is not None and seed != saved.seed:
         raise MeshfitError(f"{run} was trained with seed {saved.seed}, not {seed}; {hint}")
-    if precision not in (None, "auto") and \
-            planning.resolve_precision(precision, "cpu") != saved.precision:
+    if planning.precision_name(precision) not in ("auto", saved.precision):
         raise MeshfitError(f"{run} was trained in {saved.precision}, not {precision}; {hint}")
 
 

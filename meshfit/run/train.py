@@ -31,6 +31,7 @@ from meshfit.run.evaluate import evaluate_model, headline, score
 from meshfit.run.results import totals, write_results
 from meshfit.parallel import planning
 from meshfit.errors import MeshfitError
+from meshfit.run.options import TrainOptions, at_least_one, check_fraction
 from meshfit.run.spec import RunSpec, profiling_steps
 
 
@@ -40,76 +41,133 @@ from meshfit.run.spec import RunSpec, profiling_steps
 # ---------------------------------------------------------------------------------- the steps
 
 @dataclass(frozen=True)
-class Request:
-    """What the caller asked for, merged with the saved specification when resuming."""
+class Asked:
+    """The run asked for: its recipe and its options, with every default filled in and, on
+    --resume, the saved run's settings."""
 
     recipe: recipes.Recipe
-    epochs: int
-    batch_size: int | None
-    seed: int
-    precision: str
-    data_dir: str | None
-    engine: str | None
-    simulate_devices: int | None
-    checkpoint_every: str
-    keep_checkpoints: int
-    micro_batches: int | str
+    options: TrainOptions
+    run: str  # the run directory
+    saved: RunSpec | None = None  # the resumed run's specification
+    saved_config: dict | None = None  # and its whole config.json
+    checkpoint: str | None = None  # the checkpoint --resume named (default: the newest)
 
 
-def specify(the_recipe: recipes.Recipe, *, epochs: int | None, batch_size: int | None, seed: int | None,
-            precision: str | None, data_dir: str | None, engine: str | None,
-            simulate_devices: int | None, checkpoint_every: str | int | None,
-            keep_checkpoints: int | None, micro_batches: int | str | None,
-            saved: RunSpec | None) -> Request:
-    """The request checked, and with `saved` (a resumed run's specification) its gaps filled."""
-    for flag, value in (("--epochs", epochs), ("--batch-size", batch_size),
-                        ("--keep-checkpoints", keep_checkpoints)):
-        if value is not None and value < 1:
-            raise MeshfitError(f"{flag} must be at least 1, got {value}")
+def specify(recipe: str | recipes.Recipe | None, options: TrainOptions) -> Asked:
+    """The recipe loaded (the resumed run's own), checked, and the options settled: a recipe
+    file starts the engine first (it may import Keras)."""
+    resume, checkpoint = rundir.resume_target(options.resume) if options.resume else (None, None)
+    saved, saved_config = spec.read(resume) if resume is not None else (None, None)
     if saved is not None:
-        batch_size, seed, precision = saved.global_batch, saved.seed, saved.precision
-        epochs = epochs if epochs is not None else saved.epochs
-        data_dir = data_dir or saved.data_dir
-        engine = engine or saved.engine
-        simulate_devices = simulate_devices or saved.simulated_devices
-        checkpoint_every = checkpoint_every or saved.checkpoint_every
-        keep_checkpoints = keep_checkpoints if keep_checkpoints is not None else saved.keep_checkpoints
-        if micro_batches is None and saved.micro_batches and engine == "tensorflow":
-            micro_batches = saved.micro_batches  # a resumed run keeps its slices where it can
-    if the_recipe.steps_per_epoch is not None and the_recipe.steps_per_epoch < 1:
-        raise MeshfitError(f"--steps-per-epoch must be at least 1, got {the_recipe.steps_per_epoch}")
-    if not 0 <= the_recipe.validation_split < 1:
-        raise MeshfitError(f"--validation-split must be at least 0 and below 1, got "
-                           f"{the_recipe.validation_split}")
-    if the_recipe.dataset == "synthetic":
-        raise MeshfitError(f"recipe {the_recipe.name} trains on random data to measure speed; "
-                           f"time it with: meshfit bench {the_recipe.name}")
-    epochs = int(the_recipe.epochs if epochs is None else epochs)
-    spec.parse_every(checkpoint_every)  # checked now, before any slow work
-    if micro_batches not in (None, "auto"):
-        from meshfit.fit import tf_microbatch
+        the_recipe = resumed_recipe(recipe, options, resume, saved)
+    else:
+        if isinstance(recipe, str) and recipes.is_file(recipe):
+            from meshfit.parallel.distribution import start_engine
 
-        tf_microbatch.check(None, micro_batches)
-    precision = the_recipe.precision if precision in (None, "auto") else precision
-    return Request(the_recipe, epochs, batch_size, spec.check_seed(seed),
-                   planning.check_precision(precision), data_dir, engine, simulate_devices,
-                   str(checkpoint_every or spec.DEFAULT_CHECKPOINT_EVERY),
-                   spec.DEFAULT_KEEP_CHECKPOINTS if keep_checkpoints is None else keep_checkpoints,
-                   micro_batches or "auto")
+            start_engine(options.simulate_devices, options.engine, options.require)
+        the_recipe = recipe if isinstance(recipe, recipes.Recipe) else recipes.load(recipe)
+        changes = {"steps_per_epoch": options.steps_per_epoch,
+                   "validation_split": options.validation_split}
+        the_recipe = dataclasses.replace(the_recipe, **{k: v for k, v in changes.items() if v is not None})
+    check_recipe(the_recipe)
+    options = settle(options, the_recipe, saved)
+    run = resume or rundir.new(options.out, the_recipe.name)  # checked before any slow work
+    if resume:
+        rundir.check_writable(resume)
+    return Asked(the_recipe, options, run, saved, saved_config, checkpoint)
 
 
-def plan_steps(recipe: recipes.Recipe, samples: int, global_batch: int) -> int | None:
-    """Train steps per epoch: the recipe's, at most one pass over `samples` (None: too few)."""
-    full_steps = samples // global_batch
-    return min(recipe.steps_per_epoch or full_steps, full_steps) or None
+def resumed_recipe(recipe: str | recipes.Recipe | None, options: TrainOptions, resume: str,
+                   saved: RunSpec) -> recipes.Recipe:
+    """The recipe a resumed run trains (its own copy of a recipe file), checked against what
+    was asked."""
+    from_python = isinstance(recipe, recipes.Recipe) and not saved.recipe_file
+    if saved.recipe_file:
+        from meshfit.parallel.distribution import start_engine
+
+        start_engine(options.simulate_devices or saved.simulated_devices,
+                     options.engine or saved.engine, options.require)
+    the_recipe = recipe if from_python else models.recipe_of_run(resume, saved)
+    the_recipe = dataclasses.replace(the_recipe, steps_per_epoch=saved.steps_per_epoch,
+                                     validation_split=saved.validation_split)
+    asked = recipe.name if isinstance(recipe, recipes.Recipe) else recipe
+    if asked and recipes.is_file(asked):  # the run's own copy trains; the file only names it
+        same = (saved.recipe_sha256 and os.path.isfile(asked)
+                and rundir.file_sha256(asked) == saved.recipe_sha256)
+        asked = saved.recipe if same else recipes.load_file(asked).name
+    spec.check_resume(saved, resume, recipe=asked, batch_size=options.batch_size,
+                      seed=options.seed, precision=options.precision)
+    return the_recipe
 
 
-def fit_batch_to_data(global_batch: int, samples: int, replicas: int, planned: bool) -> int:
-    """A planned (not asked-for) global batch lowered to at most a quarter of the training samples,
-    in whole samples per replica, so that a small folder still gets several steps per epoch."""
-    if not planned or global_batch * 4 <= samples:
-        return global_batch
-    return max(samples // 4 // replicas, 1) * replicas
+def check_recipe(recipe: recipes.Recipe) -> None:
+    """The recipe's own settings checked as the flags that override them are."""
+    at_least_one("steps_per_epoch", recipe.steps_per_epoch)
+    check_fraction("validation_split", recipe.validation_split)
+    planning.precision_name(recipe.precision)
+    if recipe.dataset == "synthetic":
+        raise MeshfitError(f"recipe {recipe.name} trains on random data to measure speed; "
+                           f"time it with: meshfit bench {recipe.name}")
+
+
+def settle(asked: TrainOptions, recipe: recipes.Recipe, saved: RunSpec | None) -> TrainOptions:
+    """The options with their defaults filled in; on --resume the saved run's batch, seed and
+    precision, and its other settings where not given again."""
+    o = asked
+    if saved is not None:
+        o = dataclasses.replace(
+            o, batch_size=saved.global_batch, seed=saved.seed, precision=saved.precision,
+            batch_rounding=False,  # the data order depends on the batch: never round it
+            epochs=saved.epochs if o.epochs is None else o.epochs,
+            data_dir=o.data_dir or saved.data_dir, engine=o.engine or saved.engine,
+            simulate_devices=o.simulate_devices or saved.simulated_devices,
+            checkpoint_every=o.checkpoint_every or saved.checkpoint_every,
+            keep_checkpoints=(saved.keep_checkpoints if o.keep_checkpoints is None
+                              else o.keep_checkpoints),
+            sharding=o.sharding or saved.sharding)
+        if o.micro_batches is None and saved.micro_batches and o.engine == "tensorflow":
+            o = dataclasses.replace(o, micro_batches=saved.micro_batches)  # keeps its slices
+    return dataclasses.replace(
+        o, epochs=int(recipe.epochs if o.epochs is None else o.epochs),
+        seed=spec.check_seed(o.seed), sharding=o.sharding or "auto",
+        checkpoint_every=str(o.checkpoint_every or spec.DEFAULT_CHECKPOINT_EVERY),
+        keep_checkpoints=(spec.DEFAULT_KEEP_CHECKPOINTS if o.keep_checkpoints is None
+                          else o.keep_checkpoints),
+        micro_batches=o.micro_batches or "auto")
+
+
+def connect_devices(asked: Asked):
+    """connect() with the run's engine, devices, precision and sharding: the Strategy."""
+    from meshfit.parallel import sharding as sharding_lib
+    from meshfit.parallel.distribution import connect  # no Keras until an engine is chosen
+
+    o = asked.options
+    return connect(require=o.require, simulate=o.simulate_devices, engine=o.engine,
+                   precision=planning.asked_precision(o.precision, asked.recipe.precision),
+                   verbose=o.verbose, sharding=o.sharding,
+                   fsdp_min_bytes=o.fsdp_min_size or sharding_lib.DEFAULT_FSDP_MIN_BYTES,
+                   device_memory=o.device_memory)
+
+
+def load_data(asked: Asked, strategy):
+    """The run's data (data.RunData) and, for a streamed source, its batches (else None)."""
+    o, r = asked.options, asked.recipe
+    dataset = data.load(r, o.data_dir, o.seed, asked.saved.dataset if asked.saved else None)
+    stream = (data.stream_batches(dataset, o.seed, strategy.replicas, r.steps_per_epoch)
+              if dataset.from_source else None)  # the source sets the batch and the steps
+    return dataset, stream
+
+
+def plan(asked: Asked, strategy, dataset, stream) -> planning.Plan:
+    """Batch, steps, steps per dispatch, precision and micro-batches of this run on these devices."""
+    o, r = asked.options, asked.recipe
+    return planning.plan(
+        strategy, samples=None if stream else data.size(dataset.train), batch_size=o.batch_size,
+        recipe_batch=r.global_batch, per_core_batch=r.per_core_batch,
+        recipe_steps=r.steps_per_epoch,
+        stream=(stream.global_batch, stream.steps_per_epoch) if stream else None,
+        dispatch=o.steps_per_dispatch, precision=o.precision, recipe_precision=r.precision,
+        micro_batches=o.micro_batches, rounding=o.batch_rounding)
 
 
 def start_session(strategy, seed: int) -> None:
@@ -152,28 +210,28 @@ def check_saveable(model, recipe: recipes.Recipe) -> None:
                            "rebuilds it with build_model")
 
 
-def make_spec(request: Request, strategy, dataset, *, steps: int, global_batch: int,
+def make_spec(asked: Asked, strategy, dataset, *, steps: int, global_batch: int,
               dispatch: int, slices: int, command: str) -> RunSpec:
     """The run specification of this run on these devices."""
     import keras
 
-    r = request.recipe
+    r, o = asked.recipe, asked.options
     per_epoch = dataset.per_epoch
     return RunSpec(
         recipe=r.name, dataset=dataset.source, class_names=tuple(dataset.class_names),
         input_shape=tuple(r.input_shape or dataset.input_shape), num_classes=dataset.num_classes,
-        epochs=request.epochs, steps_per_epoch=steps, global_batch=global_batch,
-        steps_per_dispatch=dispatch, micro_batches=slices, seed=request.seed,
+        epochs=o.epochs, steps_per_epoch=steps, global_batch=global_batch,
+        steps_per_dispatch=dispatch, micro_batches=slices, seed=o.seed,
         precision=strategy.precision, engine=strategy.engine, replicas=strategy.replicas,
         platform=strategy.platform, device_kind=strategy.device_kind,
         simulated_devices=strategy.info.devices_per_host if strategy.info.simulated else None,
-        data_dir=spec.absolute(request.data_dir), validation_split=r.validation_split,
+        data_dir=spec.absolute(o.data_dir), validation_split=r.validation_split,
         evaluated_on=per_epoch[0] if per_epoch else "none",
         recipe_file=rundir.RECIPE if r.text is not None else None,
         recipe_sha256=rundir.text_sha256(r.text) if r.text is not None else None,
         recipe_source=r.file, augment=r.augment, crop_padding=r.crop_padding,
-        flips=r.flips, tta_flip=r.tta_flip, checkpoint_every=request.checkpoint_every,
-        keep_checkpoints=request.keep_checkpoints, meshfit_version=__version__,
+        flips=r.flips, tta_flip=r.tta_flip, checkpoint_every=o.checkpoint_every,
+        keep_checkpoints=o.keep_checkpoints, meshfit_version=__version__,
         keras_version=keras.__version__, command=command, sharding=strategy.sharding)
 
 
@@ -378,205 +436,166 @@ def fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[in
 
 # ---------------------------------------------------------------------------------------- train
 
-def train(recipe: str | recipes.Recipe | None = None, *, epochs: int | None = None, batch_size: int | None = None,
-          precision: str | None = None, data_dir: str | None = None, out: str | None = None,
-          seed: int | None = None, simulate_devices: int | None = None, engine: str | None = None,
-          require: str | None = None, resume: str | None = None,
-          checkpoint_every: str | int | None = None, keep_checkpoints: int | None = None,
-          steps_per_dispatch: int | None = None, micro_batches: int | str | None = None,
-          batch_rounding: bool = True, callbacks: list | None = None, verbose: bool = True,
-          command: str | None = None, tensorboard: bool = True, log_every: int = 10,
-          profile: str | None = None, steps_per_epoch: int | None = None,
-          validation_split: float | None = None, sharding: str | None = None,
-          fsdp_min_size: int | str | None = None,
-          device_memory: int | str | None = None) -> dict[str, Any]:
+def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | None = None,
+          **settings: Any) -> dict[str, Any]:
     """Train `recipe` (default fashion-mnist-cnn), write its run directory, return its metrics.
 
     recipe: a built-in recipe's name, a recipe file's path, or a Recipe.
-
-    epochs, batch_size (global, over all replicas), precision, steps_per_epoch, validation_split:
-      override the recipe's.
-    data_dir: where the dataset is (see meshfit.data.datasets.load). out: the run directory.
-    seed: weights, data order, augmentation and dropout all follow from it (default 0).
-    simulate_devices, engine, require: as for meshfit.connect.
+    options: a meshfit.run.options.TrainOptions; `settings` are its fields by name (on top of
+      `options` when both are given), e.g. epochs, batch_size (global, over all replicas),
+      precision, steps_per_epoch and validation_split override the recipe's; data_dir, out,
+      seed (default 0: weights, data order, augmentation and dropout all follow from it).
     resume: a run directory; training continues from its newest checkpoint with its settings
       (recipe, batch, seed, precision, data) and, unless given here, its engine and device count.
       A different replica count is accepted: the data order and random numbers do not depend on
       it, so only floating-point summation order differs from the original run. --epochs may
       extend a finished run.
-    checkpoint_every: "200" (steps), "60s"/"5m" (time, default 60 s), "epoch" or "off".
-    keep_checkpoints: how many checkpoints to keep (default 3). steps_per_dispatch: train steps
-      per call into the devices (default: see planning.steps_per_dispatch). micro_batches: slices
-      of each batch whose gradients are summed, for cache locality on a CPU (default 'auto', see
-      meshfit.fit.tf_microbatch; 1 = whole batches). batch_rounding: False makes a global batch that
-      does not split across the replicas an error instead of rounding it up.
-    callbacks: extra Keras callbacks for fit. command: the command line to record.
-    tensorboard: write TensorBoard scalars to RUN/tensorboard (train/* every `log_every` steps,
-      epoch/*, speed/*). profile: "START:STOP" traces those global train steps into
-      RUN/tensorboard/plugins/profile. A live progress bar is drawn when stdout is a terminal.
-    sharding, fsdp_min_size, device_memory: as for meshfit.connect (a resumed run keeps its
-      sharding unless given); 'auto' (default) trains fsdp when the device memory is known and
-      the replicated step does not fit (meshfit.parallel.memory_plan), and a mode that cannot fit is refused.
+    simulate_devices, engine, require, sharding, fsdp_min_size, device_memory: as for
+      meshfit.connect (a resumed run keeps its sharding unless given); 'auto' sharding trains
+      fsdp when the device memory is known and the replicated step does not fit
+      (meshfit.parallel.memory_plan). checkpoint_every: "200" (steps), "60s"/"5m" (time, default
+      60 s), "epoch" or "off"; keep_checkpoints (default 3); steps_per_dispatch, micro_batches,
+      batch_rounding: see meshfit.parallel.planning.plan. callbacks: extra Keras callbacks for
+      fit. command: the command line to record. tensorboard, log_every, profile: RUN/tensorboard
+      scalars every `log_every` steps, and a trace of global train steps "START:STOP".
     Raises TrainingInterrupted (a MeshfitError; exit_code 143 or 130) after SIGTERM/SIGINT,
     once the state is saved.
     """
-    command = command or spec.python_command(recipe=recipe, epochs=epochs, batch_size=batch_size,
-                                             precision=precision, data_dir=data_dir, out=out,
-                                             seed=seed, resume=resume)
-    from meshfit.parallel.distribution import connect, start_engine  # no Keras until an engine is chosen
+    options = dataclasses.replace(options, **settings) if options else TrainOptions(**settings)
+    command = options.command or python_command(recipe, options)
+    asked = specify(recipe, options)
+    strategy = connect_devices(asked)
+    dataset, stream = load_data(asked, strategy)
+    the_plan = plan(asked, strategy, dataset, stream)
+    strategy = settle_memory(asked, strategy, dataset, the_plan)
+    from meshfit.parallel import cluster
 
-    resume, resume_checkpoint = rundir.resume_target(resume) if resume else (resume, None)
-    saved, saved_config = spec.read(resume) if resume is not None else (None, None)
-    if saved is not None:
-        from_python = isinstance(recipe, recipes.Recipe) and not saved.recipe_file
-        if saved.recipe_file:
-            start_engine(simulate_devices or saved.simulated_devices, engine or saved.engine,
-                         require)
-        the_recipe = recipe if from_python else models.recipe_of_run(resume, saved)
-        the_recipe = dataclasses.replace(the_recipe, steps_per_epoch=saved.steps_per_epoch,
-                                         validation_split=saved.validation_split)
-        asked = recipe.name if isinstance(recipe, recipes.Recipe) else recipe
-        if asked and recipes.is_file(asked):  # the run's own copy trains; the file only names it
-            same = (saved.recipe_sha256 and os.path.isfile(asked)
-                    and rundir.file_sha256(asked) == saved.recipe_sha256)
-            asked = saved.recipe if same else recipes.load_file(asked).name
-        spec.check_resume(saved, resume, recipe=asked, batch_size=batch_size, seed=seed,
-                          precision=precision)
-    else:
-        if isinstance(recipe, str) and recipes.is_file(recipe):
-            start_engine(simulate_devices, engine, require)
-        the_recipe = recipe if isinstance(recipe, recipes.Recipe) else recipes.load(recipe)
-        changes = {"steps_per_epoch": steps_per_epoch, "validation_split": validation_split}
-        the_recipe = dataclasses.replace(the_recipe, **{k: v for k, v in changes.items() if v is not None})
-    request = specify(the_recipe, epochs=epochs, batch_size=batch_size, seed=seed, precision=precision,
-                      data_dir=data_dir, engine=engine, simulate_devices=simulate_devices,
-                      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                      micro_batches=micro_batches, saved=saved)
-    the_recipe = request.recipe
-    profile_steps = profiling_steps(profile)
-    if log_every < 1:
-        raise MeshfitError(f"--log-every must be at least 1, got {log_every}")
-    run = resume or rundir.new(out, the_recipe.name)  # checked before any slow work
-    if resume:
-        rundir.check_writable(resume)
+    with strategy.scope():
+        model, batches, run_spec = build_run(asked, strategy, dataset, stream, the_plan, command)
+        chief = strategy.info.process_index == 0
+        cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
+        with rundir.lock(asked.run) if chief else contextlib.nullcontext():
+            resume_state = (restore(model, asked.run, run_spec.steps_per_epoch,
+                                    data.labels(dataset.train), asked.checkpoint,
+                                    dataset.num_classes)
+                            if asked.saved is not None else None)
+            if chief:
+                write_recipe(asked.run, asked.recipe)
+                write_config(asked.run, run_spec, asked.saved_config, resume_state, command)
+                if options.verbose:
+                    announce(asked.run, run_spec, asked.saved, resume_state)
+            history = fit_run(asked, strategy, model, batches, dataset, run_spec, resume_state)
+            return score_and_write(asked, model, history, dataset, run_spec, chief)
 
-    from meshfit.parallel import memory_plan, sharding as sharding_lib
 
-    strategy = connect(require=require, simulate=request.simulate_devices, engine=request.engine,
-                       precision=request.precision, verbose=verbose,
-                       sharding=sharding or (saved.sharding if saved else "auto"),
-                       fsdp_min_bytes=fsdp_min_size or sharding_lib.DEFAULT_FSDP_MIN_BYTES,
-                       device_memory=device_memory)
-    chief = strategy.info.process_index == 0
-    asked_batch = request.batch_size or the_recipe.global_batch
-    global_batch = planning.plan_global_batch(
-        strategy.replicas, strategy.platform, strategy.device_kind, global_batch=asked_batch,
-        per_core_batch=the_recipe.per_core_batch, rounding=batch_rounding and saved is None)
-    dataset = data.load(the_recipe, request.data_dir, request.seed, saved.dataset if saved else None)
-    stream = None
-    if dataset.from_source:  # the source sets the batch and, counted, the steps
-        stream = data.stream_batches(dataset, request.seed, strategy.replicas,
-                                     the_recipe.steps_per_epoch)
-        if request.batch_size and request.batch_size != stream.global_batch:
-            raise MeshfitError(f"the recipe's train source yields batches of {stream.global_batch} "
-                               f"samples on {strategy.replicas} replica(s), not --batch-size "
-                               f"{request.batch_size}; batch the source itself")
-        global_batch, steps = stream.global_batch, stream.steps_per_epoch
-    else:
-        train_samples = data.size(dataset.train)
-        global_batch = fit_batch_to_data(global_batch, train_samples, strategy.replicas,
-                                         planned=not asked_batch and not the_recipe.per_core_batch)
-        steps = plan_steps(the_recipe, train_samples, global_batch)
-    dispatch = planning.steps_per_dispatch(strategy.platform, strategy.engine, steps or 1,
-                                           steps_per_dispatch)
+def python_command(recipe: str | recipes.Recipe | None, options: TrainOptions) -> str:
+    """How a run started from Python is recorded in config.json's `command`."""
+    shown = ("epochs", "batch_size", "precision", "data_dir", "out", "seed", "resume")
+    given = options.given()
+    return spec.python_command(recipe=recipe, **{k: given[k] for k in shown if k in given})
+
+
+def settle_memory(asked: Asked, strategy, dataset, the_plan: planning.Plan):
+    """The strategy in the sharding whose train step fits the device memory, its session started."""
+    from meshfit.parallel import memory_plan
+
+    seed, epochs = asked.options.seed, asked.options.epochs
     strategy, _ = memory_plan.settle(
-        strategy, lambda: build(the_recipe, dataset, steps or 1, request.epochs, dispatch),
-        global_batch, lambda s: start_session(s, request.seed), verbose)
-    start_session(strategy, request.seed)
+        strategy, lambda: build(asked.recipe, dataset, the_plan.steps_per_epoch or 1, epochs,
+                                the_plan.steps_per_dispatch),
+        the_plan.global_batch, lambda s: start_session(s, seed), asked.options.verbose)
+    start_session(strategy, seed)
+    return strategy
 
+
+def build_run(asked: Asked, strategy, dataset, stream, the_plan: planning.Plan, command: str):
+    """The batches, the compiled model and the run's specification (inside the strategy's scope)."""
+    from meshfit.fit import tf_microbatch
+
+    o, r, global_batch = asked.options, asked.recipe, the_plan.global_batch
+    batches = stream if stream is not None else data.train_batches(
+        dataset, r, global_batch, o.seed, the_plan.steps_per_epoch)
+    steps = batches.steps_per_epoch
+    model = build(r, dataset, steps, o.epochs, the_plan.steps_per_dispatch)
+    check_saveable(model, r)
+    slices = tf_microbatch.choose(model, global_batch, the_plan.micro_batches, strategy.engine)
+    if stream is not None:  # every batch needs a row per slice
+        slices = stream.slices = min(slices, stream.smallest_batch or slices)
+    run_spec = make_spec(asked, strategy, dataset, steps=steps, global_batch=global_batch,
+                         dispatch=the_plan.steps_per_dispatch, slices=slices, command=command)
+    return model, batches, run_spec
+
+
+def fit_run(asked: Asked, strategy, model, batches, dataset, run_spec: RunSpec,
+            resume_state: dict | None) -> list[dict[str, Any]]:
+    """Fit with the run's callbacks (evaluation, report, monitoring, the recipe's, checkpoints);
+    return the history of every epoch, the resumed ones included."""
     import keras
 
     from meshfit.run import checkpoints
-    from meshfit.parallel import cluster
-    from meshfit.fit import tf_microbatch
     from meshfit.watch.report import EpochReport
 
-    with strategy.scope():
-        batches = stream if stream is not None else data.train_batches(
-            dataset, the_recipe, global_batch, request.seed, steps)
-        steps = batches.steps_per_epoch
-        model = build(the_recipe, dataset, steps, request.epochs, dispatch)
-        check_saveable(model, the_recipe)
-        slices = tf_microbatch.choose(model, global_batch, request.micro_batches, strategy.engine)
-        if stream is not None:  # every batch needs a row per slice
-            slices = stream.slices = min(slices, stream.smallest_batch or slices)
-        run_spec = make_spec(request, strategy, dataset, steps=steps, global_batch=global_batch,
-                             dispatch=dispatch, slices=slices, command=command)
+    o, r, run = asked.options, asked.recipe, asked.run
+    chief = strategy.info.process_index == 0
+    global_batch, steps = run_spec.global_batch, run_spec.steps_per_epoch
+    history = list(resume_state["history"]) if resume_state else []
+    own_callbacks = None
+    if r.callbacks is not None:
+        from meshfit.run.callbacks import RecipeCallbacks
 
-        cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
-        with rundir.lock(run) if chief else contextlib.nullcontext():
-            resume_state = (restore(model, run, steps, data.labels(dataset.train),
-                                    resume_checkpoint, dataset.num_classes)
-                            if saved is not None else None)
-            history = list(resume_state["history"]) if resume_state else []
-            own_callbacks = None
-            if the_recipe.callbacks is not None:
-                from meshfit.run.callbacks import RecipeCallbacks
+        own_callbacks = RecipeCallbacks(
+            r.callbacks(), resume_state.get("callbacks") if resume_state else None,
+            resume_state.get("extra_arrays") if resume_state else None, epochs=o.epochs)
+    every_steps, every_seconds, at_epoch_end = spec.parse_every(run_spec.checkpoint_every)
+    report = EpochReport(batch_size=global_batch, strategy=strategy,
+                         stream=None if chief else io.StringIO())
+    checkpointer = checkpoints.Checkpointer(
+        os.path.join(run, rundir.CHECKPOINTS), steps, every_steps=every_steps,
+        every_seconds=every_seconds, epoch_end=at_epoch_end, keep=run_spec.keep_checkpoints,
+        resume_state=resume_state, write=chief,
+        extra=lambda: {"seed": run_spec.seed, "history": history, "config": run_spec.to_dict(),
+                       "callbacks": own_callbacks.state() if own_callbacks else []},
+        extra_arrays=lambda: own_callbacks.arrays() if own_callbacks else {})
+    watch = monitoring(run, chief, o.verbose, report, global_batch, steps, o.tensorboard,
+                       o.log_every, profiling_steps(o.profile))
+    per_epoch = dataset.per_epoch
+    evaluation = [keras.callbacks.LambdaCallback(on_epoch_end=_EpochEnd(
+        model, data.eval_batches(dataset, per_epoch[1], global_batch),
+        data.labels(per_epoch[1]), r.make_loss(), r.tta_flip, report))] if per_epoch else []
+    fit_callbacks = [
+        *watch.before, *evaluation, report, *watch.after,
+        keras.callbacks.LambdaCallback(on_epoch_end=_History(history, report, global_batch)),
+        *([own_callbacks] if own_callbacks else []), checkpointer, *(o.callbacks or [])]
+    start = (resume_state["epoch"], resume_state["step"]) if resume_state else (0, 0)
+    try:
+        fit(strategy, model, batches, fit_callbacks, checkpointer, start, o.epochs,
+            run_spec.micro_batches)
+    except Exception as error:
+        # TensorFlow hands a streamed folder's unreadable file on wrapped in its own error.
+        failure = getattr(batches, "failure", None)
+        if failure is not None and not isinstance(error, MeshfitError):
+            raise failure from None
+        raise
+    finally:
+        watch.close()
+    return history
 
-                own_callbacks = RecipeCallbacks(
-                    the_recipe.callbacks(), resume_state.get("callbacks") if resume_state else None,
-                    resume_state.get("extra_arrays") if resume_state else None, epochs=request.epochs)
-            if chief:
-                write_recipe(run, the_recipe)
-                write_config(run, run_spec, saved_config, resume_state, command)
-                if verbose:
-                    announce(run, run_spec, saved, resume_state)
 
-            every_steps, every_seconds, at_epoch_end = spec.parse_every(run_spec.checkpoint_every)
-            report = EpochReport(batch_size=global_batch, strategy=strategy,
-                                 stream=None if chief else io.StringIO())
-            checkpointer = checkpoints.Checkpointer(
-                os.path.join(run, rundir.CHECKPOINTS), steps, every_steps=every_steps,
-                every_seconds=every_seconds, epoch_end=at_epoch_end, keep=run_spec.keep_checkpoints,
-                resume_state=resume_state, write=chief,
-                extra=lambda: {"seed": run_spec.seed, "history": history, "config": run_spec.to_dict(),
-                               "callbacks": own_callbacks.state() if own_callbacks else []},
-                extra_arrays=lambda: own_callbacks.arrays() if own_callbacks else {})
-            loss = the_recipe.make_loss()
-            watch = monitoring(run, chief, verbose, report, global_batch, steps, tensorboard,
-                               log_every, profile_steps)
-            per_epoch = dataset.per_epoch
-            evaluation = [keras.callbacks.LambdaCallback(on_epoch_end=_EpochEnd(
-                model, data.eval_batches(dataset, per_epoch[1], global_batch),
-                data.labels(per_epoch[1]), loss, the_recipe.tta_flip, report))] if per_epoch else []
-            fit_callbacks = [
-                *watch.before, *evaluation, report, *watch.after,
-                keras.callbacks.LambdaCallback(on_epoch_end=_History(history, report, global_batch)),
-                *([own_callbacks] if own_callbacks else []), checkpointer, *(callbacks or [])]
-            start = (resume_state["epoch"], resume_state["step"]) if resume_state else (0, 0)
-            try:
-                fit(strategy, model, batches, fit_callbacks, checkpointer, start, request.epochs,
-                    slices)
-            except Exception as error:
-                # TensorFlow hands a streamed folder's unreadable file on wrapped in its own error.
-                failure = getattr(batches, "failure", None)
-                if failure is not None and not isinstance(error, MeshfitError):
-                    raise failure from None
-                raise
-            finally:
-                watch.close()
-
-            scores = score(model, history, dataset, global_batch, loss, the_recipe.tta_flip,
-                           request.epochs)
-            metrics = {**scores, **totals(history), **run_spec.to_dict(),
-                       "resumed": saved is not None, "run_dir": run}
-            if chief:
-                write_results(run, model, history, metrics)
-                if verbose:
-                    name, accuracy, loss_value, samples = headline(scores)
-                    shown = (f"{name} accuracy {accuracy:.4f}  {name} loss {loss_value:.4f}  "
-                             f"({samples} images); " if accuracy is not None else "")
-                    print(f"{shown}wrote {run}", flush=True)
+def score_and_write(asked: Asked, model, history: list, dataset, run_spec: RunSpec,
+                    chief: bool) -> dict[str, Any]:
+    """Score on the test set, write the model, history and metrics.json; return the metrics."""
+    r, run = asked.recipe, asked.run
+    scores = score(model, history, dataset, run_spec.global_batch, r.make_loss(), r.tta_flip,
+                   run_spec.epochs)
+    metrics = {**scores, **totals(history), **run_spec.to_dict(),
+               "resumed": asked.saved is not None, "run_dir": run}
+    if chief:
+        write_results(run, model, history, metrics)
+        if asked.options.verbose:
+            name, accuracy, loss_value, samples = headline(scores)
+            shown = (f"{name} accuracy {accuracy:.4f}  {name} loss {loss_value:.4f}  "
+                     f"({samples} images); " if accuracy is not None else "")
+            print(f"{shown}wrote {run}", flush=True)
     return metrics
 
 
