@@ -112,8 +112,9 @@ class TrainOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **changes: Any) -> "TrainOptions":
-        """The options of parsed flags (each field read by its name), with `changes` on top."""
-        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        """The options of parsed flags (each flag's field read by its name), with `changes` on top."""
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                 if f.metadata.get("help") and hasattr(args, f.name)}
         return cls(**{**given, **changes})
 
     def given(self) -> dict[str, Any]:
