@@ -7,6 +7,7 @@ import os
 import pytest
 from helpers import ONE_CPU, run_meshfit
 
+from meshfit import recipes
 from meshfit.commands.bench import step, table
 
 TINY = ["--batch-sizes", "8", "--repeats", "2", "--steps", "2"]
@@ -110,3 +111,8 @@ def test_ratios_compare_with_plain_and_with_the_fastest_plain_engine():
               "baseline": "stated baseline", "skipped": []}
     text = table.format_table(result)
     assert "tensorflow*" in text and "stated baseline" in text and "1.20x" in text
+
+
+def test_random_labels_have_the_classes_the_model_is_built_with():
+    assert step.class_count(recipes.load("fashion-mnist-cnn")) == 10
+    assert step.class_count(recipes.load("resnet50-synthetic")) == 1000  # build_model's default head
