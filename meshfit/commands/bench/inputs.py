@@ -93,7 +93,7 @@ def measure(spec: dict) -> None:
         folder = folders.scan(spec["input"])
         batches = folders.FolderTrainBatches(folder, (height, width), spec["channels"], batch)
         stream = batches.iterate()
-        detail = {"workers": batches._decoder.workers, "loader": "thread pool over Pillow"}
+        detail = {"workers": batches.workers, "loader": "thread pool over Pillow"}
     else:
         os.environ["KERAS_BACKEND"] = "tensorflow"
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
