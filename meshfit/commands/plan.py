@@ -27,7 +27,7 @@ def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = Non
 
     the_recipe = recipes.load(recipe)
     strategy = connect(require=require, simulate=simulate_devices, engine=engine or "jax",
-                       precision=the_recipe.precision if precision in (None, "auto") else precision,
+                       precision=planning.asked_precision(precision, the_recipe.precision),
                        verbose=verbose, sharding=sharding,
                        fsdp_min_bytes=fsdp_min_bytes or sharding_lib.DEFAULT_FSDP_MIN_BYTES,
                        device_memory=device_memory)
