@@ -149,6 +149,17 @@ def connect_devices(asked: Asked):
                    device_memory=o.device_memory)
 
 
+def check_batch(asked: Asked, strategy) -> None:
+    """A batch that cannot split across the replicas fails now, before the data loads (slow);
+    plan() decides the batch (and warns of rounding) once the data is known."""
+    o, r = asked.options, asked.recipe
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planning.plan_global_batch(strategy.replicas, strategy.platform, strategy.device_kind,
+                                   global_batch=o.batch_size or r.global_batch,
+                                   per_core_batch=r.per_core_batch, rounding=o.batch_rounding)
+
+
 def load_data(asked: Asked, strategy):
     """The run's data (data.RunData) and, for a streamed source, its batches (else None)."""
     o, r = asked.options, asked.recipe
@@ -465,6 +476,7 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
     command = options.command or python_command(recipe, options)
     asked = specify(recipe, options)
     strategy = connect_devices(asked)
+    check_batch(asked, strategy)
     dataset, stream = load_data(asked, strategy)
     the_plan = plan(asked, strategy, dataset, stream)
     strategy = settle_memory(asked, strategy, dataset, the_plan)
