@@ -1,8 +1,8 @@
 """Training and evaluation of a recipe: the life of a run, one named step after another.
 
-train() = specify -> connect -> plan the batch -> load the data -> plan the steps -> build the
-model -> open the run directory (config.json) -> restore the newest checkpoint (when resuming)
--> fit -> score on the test set -> write the results. The run directory's files are described in
+train() = specify (TrainOptions settled) -> connect -> load the data -> plan (planning.plan) ->
+build the model -> open the run directory (config.json) -> restore the newest checkpoint (when
+resuming) -> fit -> score on the test set -> write the results. The run directory's files are described in
 meshfit.run.rundir, the specification in meshfit.run.spec. Only process 0 prints and writes.
 
 Training is deterministic for a given seed: weights start from `keras.utils.set_random_seed`, the
