@@ -24,7 +24,6 @@ import time
 import numpy as np
 
 import meshfit
-from meshfit.commands import bench
 from meshfit.data import arrays
 from meshfit import recipes
 from meshfit.fit import tf_bias_gradient, tf_microbatch

@@ -341,8 +341,8 @@ def run_export(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshfit.commands import bench
     from meshfit import recipes
+    from meshfit.commands.bench import inputs, jpeg_folder, step
 
     parser.add_argument("recipe", nargs="?", default=recipes.DEFAULT,
                         help=f"recipe whose model is timed (default: {recipes.DEFAULT})")
@@ -351,18 +351,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precisions", help="comma-separated: auto, float32, bfloat16, float16 "
                         "(default: the recipe's)")
     parser.add_argument("--batch-sizes", "--batch-size", help="comma-separated global batch sizes "
-                        f"(default: the recipe's; with --input one, default {bench.DEFAULT_INPUT_BATCH})")
+                        f"(default: the recipe's; with --input one, default {inputs.DEFAULT_INPUT_BATCH})")
     parser.add_argument("--steps-per-dispatch", help="comma-separated train steps per dispatch "
                         "(default: 1 on CPU, 1,8 on accelerators)")
     add_simulate_argument(parser)
-    parser.add_argument("--repeats", type=int, default=bench.DEFAULT_REPEATS,
+    parser.add_argument("--repeats", type=int, default=step.DEFAULT_REPEATS,
                         help="timed epochs per measurement; the median is reported "
-                             f"(default: {bench.DEFAULT_REPEATS})")
+                             f"(default: {step.DEFAULT_REPEATS})")
     parser.add_argument("--rounds", type=int,
                         help="run every engine and path this many times, alternating, and report "
                              "the median (default: 1; with --input 3)")
     parser.add_argument("--steps", type=int, help=f"train steps per timed epoch (default: "
-                        f"{bench.DEFAULT_STEPS}); with --input, timed batches (default: one epoch)")
+                        f"{step.DEFAULT_STEPS}); with --input, timed batches (default: one epoch)")
     parser.add_argument("--out", help="directory for bench.csv, bench.json, bench.png "
                         "(default: runs/bench-<time>)")
     parser.add_argument("--tensorboard", action="store_true",
@@ -374,7 +374,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --input or --make-jpeg-folder: image height and width in pixels")
     parser.add_argument("--channels", type=int, default=3, help="with --input: 3 (RGB) or 1 (grey)")
     parser.add_argument("--make-jpeg-folder", metavar="DIR",
-                        help=f"write {bench.JPEG_FOLDER_IMAGES:,} CIFAR-10 training images as JPEGs "
+                        help=f"write {jpeg_folder.JPEG_FOLDER_IMAGES:,} CIFAR-10 training images as JPEGs "
                              "(--image-size, default 160 160) in DIR/<class>/, for --input")
     parser.add_argument("--data-dir", help="with --make-jpeg-folder: where CIFAR-10 is")
     add_sharding_arguments(parser)
@@ -383,29 +383,29 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Measure, print the table (or JSON) and write the files."""
-    from meshfit.commands import bench
+    from meshfit.commands.bench import jpeg_folder, step, table
 
     if args.make_jpeg_folder:
-        count = bench.write_jpeg_folder(args.make_jpeg_folder, args.data_dir,
-                                        image_size=tuple(args.image_size or (160, 160)))
+        count = jpeg_folder.write_jpeg_folder(args.make_jpeg_folder, args.data_dir,
+                                              image_size=tuple(args.image_size or (160, 160)))
         print(f"wrote {count:,} JPEGs in {args.make_jpeg_folder}")
         return 0
     if args.input:
         return run_bench_input(args)
     if args.image_size:
         raise MeshfitError("--image-size goes with --input FOLDER or --make-jpeg-folder DIR")
-    result = bench.bench(args.recipe, engines=comma_names(args.engines, "--engines"),
-                         precisions=comma_names(args.precisions, "--precisions"),
-                         batch_sizes=comma_counts(args.batch_sizes, "--batch-sizes"),
-                         steps_per_dispatch=comma_counts(args.steps_per_dispatch, "--steps-per-dispatch"),
-                         simulate_devices=args.simulate_devices, repeats=args.repeats,
-                         steps=bench.DEFAULT_STEPS if args.steps is None else args.steps,
-                         rounds=1 if args.rounds is None else args.rounds, out=args.out,
-                         tensorboard=args.tensorboard, **sharding_options(args))
+    result = step.bench(args.recipe, engines=comma_names(args.engines, "--engines"),
+                        precisions=comma_names(args.precisions, "--precisions"),
+                        batch_sizes=comma_counts(args.batch_sizes, "--batch-sizes"),
+                        steps_per_dispatch=comma_counts(args.steps_per_dispatch, "--steps-per-dispatch"),
+                        simulate_devices=args.simulate_devices, repeats=args.repeats,
+                        steps=step.DEFAULT_STEPS if args.steps is None else args.steps,
+                        rounds=1 if args.rounds is None else args.rounds, out=args.out,
+                        tensorboard=args.tensorboard, **sharding_options(args))
     if args.json:
         print(json.dumps(result))
     else:
-        print(bench.format_table(result))
+        print(table.format_table(result))
         print("wrote " + ", ".join(os.path.join(result["out"], f)
                                    for f in ("bench.csv", "bench.json", "bench.png")))
     return 0
@@ -413,20 +413,20 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_bench_input(args: argparse.Namespace) -> int:
     """`meshfit bench --input FOLDER --image-size H W`: the input pipeline alone."""
-    from meshfit.commands import bench
+    from meshfit.commands.bench import inputs, table
 
     if not args.image_size:
         raise MeshfitError("--input needs --image-size H W (the pixels to decode to)")
-    batches = comma_counts(args.batch_sizes, "--batch-size") or [bench.DEFAULT_INPUT_BATCH]
+    batches = comma_counts(args.batch_sizes, "--batch-size") or [inputs.DEFAULT_INPUT_BATCH]
     if len(batches) > 1:
         raise MeshfitError("--input takes one --batch-size")
-    result = bench.bench_input(args.input, tuple(args.image_size), args.channels, batches[0],
-                               rounds=3 if args.rounds is None else args.rounds,
-                               steps=args.steps, out=args.out)
+    result = inputs.bench_input(args.input, tuple(args.image_size), args.channels, batches[0],
+                                rounds=3 if args.rounds is None else args.rounds,
+                                steps=args.steps, out=args.out)
     if args.json:
         print(json.dumps(result))
     else:
-        print(bench.format_input_table(result))
+        print(table.format_input_table(result))
         print("wrote " + os.path.join(result["out"], "bench.json"))
     return 0
 

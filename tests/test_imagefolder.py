@@ -9,7 +9,7 @@ import pytest
 from helpers import ONE_CPU, run_meshfit
 from PIL import Image
 
-from meshfit.commands import bench
+from meshfit.commands.bench import jpeg_folder
 from meshfit.parallel import cluster
 from meshfit.data import folders, arrays
 from meshfit.errors import MeshfitError
@@ -349,7 +349,7 @@ def test_write_jpeg_folder_upscales_cifar_images(tmp_path, monkeypatch):
     y = np.arange(12, dtype=np.int32) % 10
     fake = datasets.Dataset(x, y, x[:0], y[:0], tuple(f"c{i}" for i in range(10)), "cifar10")
     monkeypatch.setattr(datasets, "load", lambda *a, **k: fake)
-    assert bench.write_jpeg_folder(str(tmp_path / "jpegs"), image_size=(40, 48)) == 12
+    assert jpeg_folder.write_jpeg_folder(str(tmp_path / "jpegs"), image_size=(40, 48)) == 12
     found = folders.scan(tmp_path / "jpegs")
     assert len(found) == 12 and found.class_names == fake.class_names
     assert Image.open(found.files[0]).size == (48, 40)

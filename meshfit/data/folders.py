@@ -512,6 +512,11 @@ class FolderTrainBatches:
         self._orders: dict[int, np.ndarray] = {}
         self.failure: MeshfitError | None = None  # the last file that failed to decode
 
+    @property
+    def workers(self) -> int:
+        """Decoding threads."""
+        return self._decoder.workers
+
     def __len__(self) -> int:
         return self.steps_per_epoch
 
