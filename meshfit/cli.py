@@ -22,7 +22,7 @@ FIGURE_FORMATS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")  # what `predict --sh
 COMMANDS = {
     "info": "print the devices found, engine, precision and batch multiple",
     "train": "train a recipe, a recipe file or a folder of images; write a run directory",
-    "eval": "evaluate a trained model on its test set",
+    "eval": "evaluate a trained model on its test set or a folder of images",
     "predict": "classify image files on the CPU",
     "export": "export a trained model for CPU serving (keras or onnx)",
     "bench": "time the train step per engine, precision and batch size",
@@ -182,7 +182,11 @@ def folder_recipe(args: argparse.Namespace, command: str):
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="RUN_DIR_OR_MODEL",
                         help="a run directory written by meshfit train, or its model.keras")
-    parser.add_argument("--data-dir", metavar="DIR", help="where the dataset is (default: the run's)")
+    parser.add_argument("--data", metavar="FOLDER",
+                        help="score on this folder of class sub-folders (named as the run's "
+                             "classes) instead of the run's test set")
+    parser.add_argument("--data-dir", metavar="DIR",
+                        help="where the run's built-in dataset is (default: the run's)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON, last line")
     add_device_arguments(parser, precision=False)
 
@@ -190,14 +194,16 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     from meshfit.run.evaluate import evaluate
 
-    result = evaluate(args.model, args.data_dir, simulate_devices=args.simulate_devices,
-                      engine=args.engine, require=args.require, verbose=not args.json)
+    result = evaluate(args.model, args.data_dir, folder=args.data,
+                      simulate_devices=args.simulate_devices, engine=args.engine,
+                      require=args.require, verbose=not args.json)
     if args.json:
         print(json.dumps(result), flush=True)
     else:
         split = result["split"]
         print(f"{split} accuracy {result[f'{split}_accuracy']:.4f}  {split} loss "
-              f"{result[f'{split}_loss']:.4f}  ({result['samples']} images)")
+              f"{result[f'{split}_loss']:.4f}  ({result['samples']} images"
+              f"{' of ' + result['data'] if args.data else ''})")
     return 0
 
 

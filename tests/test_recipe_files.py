@@ -335,3 +335,57 @@ def test_early_stopping_restores_the_same_best_weights_after_a_resume(tmp_path):
             for run in ("whole", "cut")]
     assert not [k for k in last[0] if not np.array_equal(last[0][k], last[1][k])]
     assert not np.array_equal(last[0]["model/00000"], weights[0][0])  # the best is not the last
+
+
+def test_folder_recipe_holds_out_a_share_and_evaluates_moved_and_on_another_folder(tmp_path, capsys):
+    """A recipe file over a folder that sets no validation_split holds out 20% as `--data` does
+    (val_* curves); `meshfit eval` scores its run after the file moved away, and on another
+    folder with the run's class names (other classes: one line, exit 2). In this process."""
+    from meshfit import cli
+    from helpers import connect_eight_devices
+
+    write_pets(tmp_path, per_class=10)
+    recipe = tmp_path / "pets.py"
+    recipe.write_text(FOLDER_RECIPE.replace("validation_split=0.25, ", "").replace(
+        "epochs=2", "epochs=1"))
+    run, devices = str(tmp_path / "run"), ["--simulate-devices", "8", "--engine", "jax"]
+    try:
+        assert cli.main(["train", str(recipe), "--out", run, "--no-tensorboard", *devices]) == 0
+        config = json.load(open(os.path.join(run, rundir.CONFIG)))
+        assert config["validation_split"] == 0.2 and config["evaluated_on"] == "validation"
+        history = json.load(open(os.path.join(run, rundir.HISTORY)))
+        assert "val_accuracy" in history[-1], history
+        os.rename(recipe, tmp_path / "moved.py")
+        capsys.readouterr()
+
+        assert cli.main(["eval", run, "--json", *devices]) == 0
+        scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert scores["split"] == "validation" and scores["samples"] == 4  # 2 of 10 per class
+
+        write_pets(tmp_path / "other", per_class=3)
+        assert cli.main(["eval", run, "--data", str(tmp_path / "other" / "pets"), "--json",
+                         *devices]) == 0
+        scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert scores["split"] == "test" and scores["samples"] == 6
+        assert scores["data"] == str(tmp_path / "other" / "pets")
+
+        for name in ("cats", "dogs"):
+            os.makedirs(tmp_path / "animals" / name)
+            Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "animals" / name / "0.png")
+        assert cli.main(["eval", run, "--data", str(tmp_path / "animals"), *devices]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "cats, dogs" in err[0] and "dark, light" in err[0], err
+    finally:
+        connect_eight_devices()
+
+
+def test_a_folder_scored_by_name_is_labelled_with_the_runs_classes(tmp_path):
+    """eval --data maps class folders to the run's label order by name; fewer classes are fine."""
+    write_pets(tmp_path, per_class=2)
+    os.makedirs(tmp_path / "pets" / "medium")
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "pets" / "medium" / "0.png")
+    scored = data.other_folder(str(tmp_path / "pets"), ("light", "medium", "dark", "x"), (8, 8, 3))
+    assert scored.test.class_names == scored.class_names == ("light", "medium", "dark", "x")
+    assert list(scored.test.labels) == [2, 2, 0, 0, 1] and scored.validation is None
+    with pytest.raises(MeshfitError, match="not images"):
+        data.other_folder(str(tmp_path / "pets"), ("dark", "light", "medium"), (784,))

@@ -12,8 +12,10 @@ epoch again and skipping what was trained (exact when they are deterministic).
 
 Validation: with `validation_split` F > 0, a share F of the training data (drawn with the seed) is
 held out for the per-epoch val_* metrics and the test set is scored once at the end. With F = 0,
-the test set is evaluated every epoch, as the tutorials did. A folder with train/ and test/ (or
-val/) sub-folders is used as given.
+the test set is evaluated every epoch, as the tutorials did. A recipe that sets no
+validation_split gets default_validation_split: FOLDER_VALIDATION_SPLIT for a folder (which has no
+test set to evaluate on otherwise), 0 for built-in datasets and callables. A folder with train/
+and test/ (or val/) sub-folders is used as given (without val/, the share is held out of train/).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from meshfit.data import datasets
 from meshfit.errors import MeshfitError
 
+FOLDER_VALIDATION_SPLIT = 0.2  # share of a folder's images held out when its recipe sets none
 Split = Any  # (x, y) numpy arrays, a meshfit.data.folders.Folder, a streams.Source or EvalSource
 
 
@@ -73,6 +76,14 @@ def kind(dataset: str | Callable) -> str:
     if str(dataset).lower().replace("-", "_") in datasets.NAMES:
         return "builtin"
     return "folder"
+
+
+def default_validation_split(dataset: str | Callable) -> float:
+    """The share held out for validation when a recipe sets none: FOLDER_VALIDATION_SPLIT for a
+    folder, 0 for a built-in dataset or a callable (their test set is evaluated every epoch) and
+    for "synthetic" (random data that only times the step)."""
+    folder = kind(dataset) == "folder" and dataset != "synthetic"
+    return FOLDER_VALIDATION_SPLIT if folder else 0.0
 
 
 def folder_path(dataset: str, recipe_file: str | None) -> str:
@@ -133,6 +144,27 @@ def _folder(recipe, path: str, seed: int) -> RunData:
     height, width = (int(s) for s in recipe.image_size)
     return RunData(path, splits["train"].class_names, (height, width, recipe.channels),
                    splits["train"], splits["validation"], splits["test"])
+
+
+def other_folder(path: str, class_names: tuple[str, ...], input_shape: tuple[int, ...]) -> RunData:
+    """A folder of class sub-folders to score a trained run on, as the test split: its images
+    resized to input_shape (height, width, channels in pixels) and labelled by the run's
+    class_names (every class folder must be one of them; the folder may have fewer)."""
+    from meshfit.data import folders
+
+    if len(input_shape) != 3 or input_shape[2] not in (1, 3):
+        raise MeshfitError(f"the run's model takes inputs of shape {tuple(input_shape)}, not images "
+                           "(height, width, 1 or 3 channels); score it on its own data instead")
+    found = folders.scan(path)
+    unknown = [name for name in found.class_names if name not in class_names]
+    if unknown:
+        raise MeshfitError(f"{found.root} has the class folders {', '.join(found.class_names)} but "
+                           f"the run's classes are {', '.join(class_names)}; give a folder whose "
+                           "class sub-folders are named as the run's classes")
+    index = np.asarray([class_names.index(name) for name in found.class_names], np.int32)
+    test = folders.Folder(found.root, tuple(class_names), found.files, index[found.labels],
+                          found.skipped)
+    return RunData(found.root, tuple(class_names), tuple(input_shape), test, None, test)
 
 
 def _streams(recipe, parts: dict, name: str) -> RunData:

@@ -66,7 +66,8 @@ class Recipe:
     image_size: (height, width) pixels that folder images are resized to; channels: 1 (grey) or 3.
     validation_split: the share of the training data held out for the per-epoch val_* metrics
     (the test set is then scored once, at the end); 0 evaluates on the test set every epoch, as
-    the tutorials did.
+    the tutorials did. Default (None): splits.default_validation_split, 0.2 for a folder (as
+    `meshfit train --data`; its own val/ sub-folder, if any, is used instead), 0 otherwise.
     callbacks: optional `callbacks()` returning a list of Keras callbacks (EarlyStopping,
     ReduceLROnPlateau, ModelCheckpoint...); their state is saved in checkpoints and restored by
     --resume. meshfit chooses the Keras backend before it runs a recipe file, so the file may
@@ -94,11 +95,18 @@ class Recipe:
     input_shape: tuple[int, ...] | None = None
     image_size: tuple[int, int] | None = None
     channels: int = 3
-    validation_split: float = 0.0
+    validation_split: float | None = None  # None: set by __post_init__ (see above)
     callbacks: Callable[[], list] | None = None
     doc: str = ""
     file: str | None = None
     text: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.validation_split is None:  # one default per kind of dataset, on every route
+            from meshfit.data import splits
+
+            object.__setattr__(self, "validation_split",
+                               splits.default_validation_split(self.dataset))
 
     def make_loss(self) -> Any:
         """The loss to compile with: a Keras loss name or object as given, else loss()'s result."""

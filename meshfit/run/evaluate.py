@@ -1,8 +1,9 @@
 """Scoring a trained model: accuracy and mean loss over a split, the end-of-run scores, and
-`meshfit eval` (a run's model on its test set, or its validation split)."""
+`meshfit eval` (a run's model on its test set, its validation split, or another folder)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -61,16 +62,22 @@ def headline(scores: dict[str, Any]) -> tuple[str, float | None, float | None, i
             scores.get(f"{name}_samples"))
 
 
-def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices: int | None = None,
-             engine: str | None = None, require: str | None = None,
-             verbose: bool = False) -> dict[str, Any]:
+def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | None = None,
+             simulate_devices: int | None = None, engine: str | None = None,
+             require: str | None = None, verbose: bool = False) -> dict[str, Any]:
     """Accuracy and loss of a trained run (its directory or model.keras) on its test set, or on
     its validation split when its data has no test set: {"test_accuracy", "test_loss"} (or
-    validation_*), with "split", "samples" and the devices used.
+    validation_*), with "split", "samples", "data" (what was scored) and the devices used.
 
     data_dir: where a built-in dataset is (default: the one recorded in the run's config.json).
-    Uses the run's recipe (its copy of a recipe file: loss, test-time flips), seed and global batch.
+    folder: score on this folder of class sub-folders instead (as the test split; its class
+    folders named as the run's classes, images resized to the run's input shape).
+    Uses the run's recipe (its copy of a recipe file: loss, test-time flips), seed, validation
+    split and global batch.
     """
+    if folder is not None and data_dir is not None:
+        raise MeshfitError("give --data FOLDER (a folder of class sub-folders) or --data-dir DIR "
+                           "(where a built-in dataset is), not both")
     run, model_path = rundir.locate_run(run_or_model)
     saved, _ = spec.read(run)
 
@@ -78,13 +85,18 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices
 
     strategy = connect(require=require, simulate=simulate_devices, engine=engine, verbose=verbose)
     recipe = models.recipe_of_run(run, saved)  # a recipe file runs after Keras has its engine
+    recipe = dataclasses.replace(recipe, validation_split=saved.validation_split)  # as trained
     from meshfit.serve import export
     from meshfit.watch import progress
 
-    dataset = data.load(recipe, data_dir or saved.data_dir, saved.seed, saved.dataset)
+    if folder is not None:
+        dataset = data.other_folder(folder, saved.class_names, saved.input_shape)
+    else:
+        dataset = data.load(recipe, data_dir or saved.data_dir, saved.seed, saved.dataset)
     name, split = ("test", dataset.test) if dataset.test is not None else ("validation", dataset.validation)
     if split is None:
-        raise MeshfitError(f"{run}'s data has no test set and no validation split to evaluate on")
+        raise MeshfitError(f"{run}'s data has no test set and no validation split to evaluate on; "
+                           f"score it on other data: meshfit eval {run} --data FOLDER")
     batch = math.ceil(saved.global_batch / strategy.replicas) * strategy.replicas
     with strategy.scope():
         model = export.load_keras_model(model_path, run if saved.recipe_file else None, recipe,
@@ -95,5 +107,6 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, simulate_devices
             scores = evaluate_model(model, batches, data.labels(split), recipe.make_loss(),
                                     recipe.tta_flip, advance)
     return {f"{name}_accuracy": scores["accuracy"], f"{name}_loss": scores["loss"], "split": name,
-            "samples": data.size(split), "recipe": recipe.name, "model": model_path,
-            "engine": strategy.engine, "replicas": strategy.replicas, "platform": strategy.platform}
+            "samples": data.size(split), "data": dataset.source, "recipe": recipe.name,
+            "model": model_path, "engine": strategy.engine, "replicas": strategy.replicas,
+            "platform": strategy.platform}
