@@ -41,7 +41,7 @@ def main() -> None:
     import keras
     import numpy as np
 
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     with strategy.scope():
         keras.utils.set_random_seed(0)

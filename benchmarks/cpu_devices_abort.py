@@ -2,7 +2,7 @@
 
 XLA:CPU can deadlock in an all-reduce on several CPU devices and abort after 40 s ("Termination
 timeout for 'all reduce'"). meshfit finishes each train/test/predict dispatch before the next
-(one program in flight; meshfit.keras_hooks). A second remedy was tried and not adopted:
+(one program in flight; meshfit.fit.hooks). A second remedy was tried and not adopted:
 single-threaded XLA:CPU kernels (`--xla_cpu_multi_thread_eigen=false`). This runs a user's plain
 Keras program (a two-convolution CNN, 4,096 random 28x28 images, batch 128,
 `validation_split=0.125`, Keras' progress bar, 4 epochs, then `evaluate` and `predict` on odd
@@ -43,7 +43,8 @@ CHILD = textwrap.dedent("""
     import meshfit
     strategy = meshfit.connect(simulate=8, verbose=False)
     import keras, numpy as np
-    from meshfit import jax_loop, report
+    from meshfit.fit import jax_loop
+    from meshfit.watch import report
     if os.environ["WAIT"] == "0":
         jax_loop.finish_dispatch = lambda outputs: None
     rng = np.random.default_rng(0)
@@ -76,7 +77,8 @@ COST_CHILD = textwrap.dedent("""
     import meshfit
     strategy = meshfit.connect(simulate=8, verbose=False)
     import keras, numpy as np
-    from meshfit import jax_loop, report
+    from meshfit.fit import jax_loop
+    from meshfit.watch import report
     finish = jax_loop.finish_dispatch
     rng = np.random.default_rng(0)
     x = rng.random((4096, 28, 28, 1), dtype=np.float32)

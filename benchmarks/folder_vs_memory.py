@@ -19,7 +19,7 @@ import tempfile
 
 MEMORY_RECIPE = '''"""The image-folder CNN on MNIST's training images in memory (for folder_vs_memory.py)."""
 import meshfit
-from meshfit import datasets
+from meshfit.data import datasets
 from meshfit.recipes import image_folder
 
 
@@ -36,7 +36,7 @@ RECIPE = meshfit.Recipe(name="mnist-in-memory", dataset=dataset, build_model=ima
 def write_folder(folder: str, data_dir: str) -> None:
     from PIL import Image
 
-    from meshfit import datasets
+    from meshfit.data import datasets
 
     data = datasets.load("mnist", data_dir)
     for i, (x, y) in enumerate(zip(data.x_train, data.y_train)):

@@ -1,10 +1,10 @@
-"""Which loader feeds meshfit.imagefolder fastest: a thread pool, Grain or tf.data, on a JPEG folder.
+"""Which loader feeds meshfit.data.folders fastest: a thread pool, Grain or tf.data, on a JPEG folder.
 
 Every loader decodes the same files in the same order (epoch 0's permutation of
 FolderTrainBatches) into uint8 batches of (B, H, W, 3), with decoding and prefetch in parallel:
-  threads           meshfit.imagefolder.FolderTrainBatches (its thread pool; simplejpeg for JPEGs)
+  threads           meshfit.data.folders.FolderTrainBatches (its thread pool; simplejpeg for JPEGs)
   threads-pillow    the same with every file decoded by Pillow (no simplejpeg)
-  grain-threads     grain.MapDataset(files).map(imagefolder.load_image).batch(B), to_iter_dataset
+  grain-threads     grain.MapDataset(files).map(folders.load_image).batch(B), to_iter_dataset
                     with one read thread per core
   grain-processes   the same batches made in one worker process per core (mp_prefetch)
   tf.data           tf.data: read_file + decode_jpeg (uint8) with num_parallel_calls=AUTOTUNE,
@@ -32,24 +32,24 @@ WARMUP = 5
 
 
 def _decode(path: str, size: tuple[int, int]):
-    from meshfit import imagefolder
+    from meshfit.data import folders
 
-    return imagefolder.load_image(path, size, 3)
+    return folders.load_image(path, size, 3)
 
 
 def _stream(loader: str, folder: str, size: tuple[int, int], batch: int):
     import numpy as np
 
-    from meshfit import imagefolder
+    from meshfit.data import folders
 
-    found = imagefolder.scan(folder)
-    batches = imagefolder.FolderTrainBatches(found, size, 3, batch)
+    found = folders.scan(folder)
+    batches = folders.FolderTrainBatches(found, size, 3, batch)
     if loader in ("threads", "threads-pillow"):
         if loader == "threads-pillow":
-            imagefolder._decode_jpeg = lambda data, out: False
+            folders._decode_jpeg = lambda data, out: False
         return batches.iterate()
     files = [found.files[i] for i in batches._order(0)]
-    cores = imagefolder.default_workers()
+    cores = folders.default_workers()
     if loader.startswith("grain"):
         import functools
 

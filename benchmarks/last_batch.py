@@ -1,4 +1,4 @@
-"""What cutting a stream's short last batch costs on 8 simulated devices (meshfit.sources).
+"""What cutting a stream's short last batch costs on 8 simulated devices (meshfit.fit.sources).
 
 1. The extra compilation. The Fashion-MNIST CNN trains 2 epochs on 1,003 random images from a
    keras.utils.PyDataset in batches of 64; the last batch (43) is cut to 40, a shape of its own.
@@ -6,7 +6,7 @@
    1) includes its compilation, its second (epoch 2) does not: the difference is what padding to
    the full batch would save, once per `fit`. Each round builds a fresh model (fresh compiles).
 2. The wrapper's own time per batch: the same PyDataset read through Keras' adapter alone and
-   through meshfit.sources.SplitBatches, alternating; the median per-round ratio.
+   through meshfit.fit.sources.SplitBatches, alternating; the median per-round ratio.
 
     python benchmarks/last_batch.py [--rounds 3]
 
@@ -33,7 +33,8 @@ def main() -> None:
     import keras
     from keras.src.trainers import data_adapters
 
-    from meshfit import report, sources
+    from meshfit.watch import report
+    from meshfit.fit import sources
     from meshfit.recipes import fashion_mnist_cnn
 
     rng = np.random.default_rng(0)

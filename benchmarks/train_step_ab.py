@@ -1,9 +1,9 @@
 """Same-process A/B of two ways to run one recipe's TensorFlow train step on the CPU.
 
   --compare bias-gradient   TF's conv bias gradient (which oneDNN fuses with the conv's filter
-                            gradient) against meshfit's split one (`meshfit.tf_bias_gradient`);
+                            gradient) against meshfit's split one (`meshfit.fit.tf_bias_gradient`);
   --compare micro-batches   whole batches against meshfit's cache-sized micro-batches
-                            (`meshfit.tf_microbatch`; both with meshfit's bias gradient).
+                            (`meshfit.fit.tf_microbatch`; both with meshfit's bias gradient).
 
 Two copies of the recipe's model train in one process on the same random data, fed by meshfit's
 input path. Their epochs alternate, so a change in the machine's speed hits both. Each epoch is
@@ -24,7 +24,9 @@ import time
 import numpy as np
 
 import meshfit
-from meshfit import bench, pipeline, recipes, tf_bias_gradient, tf_microbatch
+from meshfit.data import arrays
+from meshfit import recipes
+from meshfit.fit import tf_bias_gradient, tf_microbatch
 
 
 def main() -> None:
@@ -63,7 +65,7 @@ def main() -> None:
                           loss=recipe.make_loss(), metrics=["accuracy"])
         slices = tf_microbatch.plan(model, batch) if slices is None else slices
         tf_microbatch.install(model, slices)
-        batches = pipeline.TrainBatches(x, y, batch, seed=0)
+        batches = arrays.TrainBatches(x, y, batch, seed=0)
         model.fit(batches.iterate(0), steps_per_epoch=args.steps, epochs=1, verbose=0)
         models[f"{name} ({slices} x {batch // slices})"] = (model, batches)
     entry["type"] = tf_bias_gradient.conv_bias_gradient

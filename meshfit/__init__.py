@@ -14,11 +14,11 @@ __all__ = ["connect", "Strategy", "EpochReport", "Recipe", "MeshfitError", "__ve
 
 def __getattr__(name: str):
     if name in ("connect", "Strategy"):
-        from meshfit import distribution
+        from meshfit.parallel import distribution
 
         return getattr(distribution, name)
     if name == "EpochReport":
-        from meshfit.report import EpochReport
+        from meshfit.watch.report import EpochReport
 
         return EpochReport
     if name == "Recipe":

@@ -22,7 +22,7 @@ FIGURE_FORMATS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")  # what `predict --sh
 COMMANDS = {
     "info": "print the devices found, engine, precision and batch multiple",
     "train": "train a recipe, a recipe file or a folder of images; write a run directory",
-    "eval": "evaluate a trained model on its test set",
+    "eval": "evaluate a trained model on its test set or a folder of images",
     "predict": "classify image files on the CPU",
     "export": "export a trained model for CPU serving (keras or onnx)",
     "bench": "time the train step per engine, precision and batch size",
@@ -36,34 +36,24 @@ COMMANDS = {
 # ------------------------------------------------------------------------------- shared flags
 
 def add_simulate_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--simulate-devices", type=int, metavar="N",
-                        help="run on N JAX CPU devices standing in for accelerator cores")
+    from meshfit.run import options
+
+    options.add_flags(parser, "simulate_devices")
 
 
 def add_device_arguments(parser: argparse.ArgumentParser, precision: bool = True) -> None:
-    """The flags of commands that connect to devices."""
-    add_simulate_argument(parser)
-    if precision:
-        parser.add_argument("--precision", default="auto",
-                            help="auto, float32, bfloat16 or float16 (default: auto)")
-    parser.add_argument("--engine", default=None,
-                        help="Keras backend: auto, jax or tensorflow (default: auto)")
-    parser.add_argument("--require", choices=("tpu", "gpu", "cpu"),
-                        help="fail unless this platform is present")
+    """The flags of commands that connect to devices (their help: meshfit.run.options)."""
+    from meshfit.run import options
+
+    options.add_flags(parser, "simulate_devices", *(["precision"] if precision else []),
+                      "engine", "require")
 
 
 def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
-    """--sharding, --fsdp-min-size and --device-memory (see meshfit.sharding, meshfit.memory_plan)."""
-    parser.add_argument("--sharding", metavar="S",
-                        help="auto, data or fsdp: variables replicated (data) or the large ones "
-                             "sharded over the devices (fsdp); auto: fsdp only when the replicated "
-                             "step does not fit the device memory (default: auto; on --resume the run's)")
-    parser.add_argument("--fsdp-min-size", metavar="SIZE",
-                        help="with fsdp: shard floating-point variables of at least SIZE (default: "
-                             "1MiB; on --resume the run's)")
-    parser.add_argument("--device-memory", metavar="SIZE",
-                        help="memory of one device to plan with, e.g. 48MB or 16GB (default: the "
-                             "device's own figure on TPUs and GPUs; unknown on CPUs)")
+    """--sharding, --fsdp-min-size and --device-memory (see meshfit.parallel.sharding, meshfit.parallel.memory_plan)."""
+    from meshfit.run import options
+
+    options.add_flags(parser, "sharding", "fsdp_min_size", "device_memory")
 
 
 def sharding_options(args: argparse.Namespace) -> dict:
@@ -106,7 +96,7 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_info(args: argparse.Namespace) -> int:
     """The discovery report."""
-    from meshfit.distribution import connect
+    from meshfit.parallel.distribution import connect
 
     strategy = connect(require=args.require, simulate=args.simulate_devices,
                        precision=args.precision, engine=args.engine, verbose=not args.json,
@@ -119,7 +109,9 @@ def run_info(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- train
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshfit import planning, recipes, spec
+    """The recipe, the folder flags (--data ...), --json and every setting of TrainOptions."""
+    from meshfit import recipes
+    from meshfit.run import options
 
     parser.add_argument("recipe", nargs="?", metavar="RECIPE",
                         help=f"one of: {', '.join(recipes.names())}, or a recipe file defining "
@@ -134,46 +126,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="NAME",
                         help="with --data: cnn, mobilenetv3small or efficientnetb0 (default: cnn up "
                              "to 64 pixels, mobilenetv3small above)")
-    parser.add_argument("--validation-split", type=float, metavar="F",
-                        help="hold out this share of the training data for the per-epoch val_* "
-                             "metrics (default: 0.2 with --data, else the recipe's)")
-    parser.add_argument("--epochs", type=int, metavar="N", help="epochs (default: the recipe's)")
-    parser.add_argument("--steps-per-epoch", type=int, metavar="N",
-                        help="train steps per epoch (default: the recipe's, or one pass over the data)")
-    parser.add_argument("--batch-size", type=int, metavar="GLOBAL",
-                        help="global batch over all replicas (default: the recipe's)")
-    parser.add_argument("--data-dir", metavar="DIR", help="where the dataset is (see meshfit.datasets)")
-    parser.add_argument("--out", metavar="DIR", help="the run directory (default: runs/<recipe>-<time>)")
-    parser.add_argument("--seed", type=int, metavar="S", help="random seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print metrics.json as the last line")
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
-    parser.add_argument("--checkpoint-every", metavar="EVERY",
-                        help="steps (200), time (60s, 5m), 'epoch' or 'off' (default: "
-                             f"{spec.DEFAULT_CHECKPOINT_EVERY}); epoch ends are always saved unless 'off'")
-    parser.add_argument("--keep-checkpoints", type=int, metavar="K",
-                        help=f"keep the newest K checkpoints (default: {spec.DEFAULT_KEEP_CHECKPOINTS})")
-    parser.add_argument("--steps-per-dispatch", type=int, metavar="K",
-                        help="train steps per call into the devices, one compiled loop (default: "
-                             f"up to {planning.AUTO_STEPS_PER_DISPATCH} on a GPU or TPU, 1 on a CPU)")
-    parser.add_argument("--micro-batches", type=int, metavar="K",
-                        help="sum each batch's gradient over K slices, for cache locality on a CPU "
-                             "(default: cache-sized on the TensorFlow engine; 1 = whole batches)")
-    parser.add_argument("--no-batch-rounding", action="store_true",
-                        help="fail instead of rounding a batch that does not split across replicas")
-    parser.add_argument("--no-tensorboard", action="store_true",
-                        help="write no TensorBoard logs (default: RUN/tensorboard)")
-    parser.add_argument("--log-every", type=int, default=10, metavar="N",
-                        help="TensorBoard training scalars every N steps (default: 10)")
-    parser.add_argument("--profile", metavar="START:STOP",
-                        help="trace train steps START to STOP with the engine's profiler into "
-                             "RUN/tensorboard (view in TensorBoard's profile tab or Perfetto)")
-    add_device_arguments(parser)
-    add_sharding_arguments(parser)
+    options.add_flags(parser)
 
 
 def run_train(args: argparse.Namespace) -> int:
     """Train; a stop by SIGTERM/SIGINT (state saved) exits with its own code and one line."""
-    from meshfit.training import train
+    from meshfit.run.options import TrainOptions
+    from meshfit.run.train import train
 
     command = shlex.join(["meshfit", *sys.argv[1:]])
     recipe = args.recipe
@@ -181,21 +141,10 @@ def run_train(args: argparse.Namespace) -> int:
         recipe = folder_recipe(args, command)
     elif args.image_size or args.channels or args.model:
         raise MeshfitError("--image-size, --channels and --model go with --data FOLDER")
+    options = TrainOptions.from_args(  # --validation-split is in the folder recipe with --data
+        args, command=command, validation_split=None if args.data else args.validation_split)
     try:
-        metrics = train(recipe, epochs=args.epochs, batch_size=args.batch_size,
-                        precision=args.precision, data_dir=args.data_dir, out=args.out,
-                        seed=args.seed, simulate_devices=args.simulate_devices, engine=args.engine,
-                        require=args.require, resume=args.resume,
-                        checkpoint_every=args.checkpoint_every,
-                        keep_checkpoints=args.keep_checkpoints,
-                        steps_per_dispatch=args.steps_per_dispatch,
-                        micro_batches=args.micro_batches,
-                        batch_rounding=not args.no_batch_rounding, verbose=True, command=command,
-                        tensorboard=not args.no_tensorboard, log_every=args.log_every,
-                        profile=args.profile, steps_per_epoch=args.steps_per_epoch,
-                        validation_split=None if args.data else args.validation_split,
-                        sharding=args.sharding, fsdp_min_size=args.fsdp_min_size,
-                        device_memory=args.device_memory)
+        metrics = train(recipe, options)
     except MeshfitError as err:
         if not hasattr(err, "exit_code"):  # only TrainingInterrupted has its own exit code
             raise
@@ -233,22 +182,28 @@ def folder_recipe(args: argparse.Namespace, command: str):
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="RUN_DIR_OR_MODEL",
                         help="a run directory written by meshfit train, or its model.keras")
-    parser.add_argument("--data-dir", metavar="DIR", help="where the dataset is (default: the run's)")
+    parser.add_argument("--data", metavar="FOLDER",
+                        help="score on this folder of class sub-folders (named as the run's "
+                             "classes) instead of the run's test set")
+    parser.add_argument("--data-dir", metavar="DIR",
+                        help="where the run's built-in dataset is (default: the run's)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON, last line")
     add_device_arguments(parser, precision=False)
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from meshfit.training import evaluate
+    from meshfit.run.evaluate import evaluate
 
-    result = evaluate(args.model, args.data_dir, simulate_devices=args.simulate_devices,
-                      engine=args.engine, require=args.require, verbose=not args.json)
+    result = evaluate(args.model, args.data_dir, folder=args.data,
+                      simulate_devices=args.simulate_devices, engine=args.engine,
+                      require=args.require, verbose=not args.json)
     if args.json:
         print(json.dumps(result), flush=True)
     else:
         split = result["split"]
         print(f"{split} accuracy {result[f'{split}_accuracy']:.4f}  {split} loss "
-              f"{result[f'{split}_loss']:.4f}  ({result['samples']} images)")
+              f"{result[f'{split}_loss']:.4f}  ({result['samples']} images"
+              f"{' of ' + result['data'] if args.data else ''})")
     return 0
 
 
@@ -273,7 +228,7 @@ def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
 def run_predict(args: argparse.Namespace) -> int:
     """Classify image files on the CPU."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras fallback on JAX stays on the CPU
-    from meshfit import inference
+    from meshfit.serve import inference
 
     if args.top_k is not None and args.top_k < 1:
         raise MeshfitError(f"--top-k must be at least 1, got {args.top_k}")
@@ -324,7 +279,7 @@ def run_export(args: argparse.Namespace) -> int:
     """Write a float32 model for CPU serving."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras on JAX stays on the CPU
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from meshfit import export
+    from meshfit.serve import export
 
     write = export.export_onnx if args.format == "onnx" else export.export_keras
     print(f"wrote {write(args.model, args.out)}")
@@ -334,7 +289,8 @@ def run_export(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshfit import bench, recipes
+    from meshfit import recipes
+    from meshfit.commands.bench import inputs, jpeg_folder, step
 
     parser.add_argument("recipe", nargs="?", default=recipes.DEFAULT,
                         help=f"recipe whose model is timed (default: {recipes.DEFAULT})")
@@ -343,18 +299,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precisions", help="comma-separated: auto, float32, bfloat16, float16 "
                         "(default: the recipe's)")
     parser.add_argument("--batch-sizes", "--batch-size", help="comma-separated global batch sizes "
-                        f"(default: the recipe's; with --input one, default {bench.DEFAULT_INPUT_BATCH})")
+                        f"(default: the recipe's; with --input one, default {inputs.DEFAULT_INPUT_BATCH})")
     parser.add_argument("--steps-per-dispatch", help="comma-separated train steps per dispatch "
                         "(default: 1 on CPU, 1,8 on accelerators)")
     add_simulate_argument(parser)
-    parser.add_argument("--repeats", type=int, default=bench.DEFAULT_REPEATS,
+    parser.add_argument("--repeats", type=int, default=step.DEFAULT_REPEATS,
                         help="timed epochs per measurement; the median is reported "
-                             f"(default: {bench.DEFAULT_REPEATS})")
+                             f"(default: {step.DEFAULT_REPEATS})")
     parser.add_argument("--rounds", type=int,
                         help="run every engine and path this many times, alternating, and report "
                              "the median (default: 1; with --input 3)")
     parser.add_argument("--steps", type=int, help=f"train steps per timed epoch (default: "
-                        f"{bench.DEFAULT_STEPS}); with --input, timed batches (default: one epoch)")
+                        f"{step.DEFAULT_STEPS}); with --input, timed batches (default: one epoch)")
     parser.add_argument("--out", help="directory for bench.csv, bench.json, bench.png "
                         "(default: runs/bench-<time>)")
     parser.add_argument("--tensorboard", action="store_true",
@@ -366,7 +322,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --input or --make-jpeg-folder: image height and width in pixels")
     parser.add_argument("--channels", type=int, default=3, help="with --input: 3 (RGB) or 1 (grey)")
     parser.add_argument("--make-jpeg-folder", metavar="DIR",
-                        help=f"write {bench.JPEG_FOLDER_IMAGES:,} CIFAR-10 training images as JPEGs "
+                        help=f"write {jpeg_folder.JPEG_FOLDER_IMAGES:,} CIFAR-10 training images as JPEGs "
                              "(--image-size, default 160 160) in DIR/<class>/, for --input")
     parser.add_argument("--data-dir", help="with --make-jpeg-folder: where CIFAR-10 is")
     add_sharding_arguments(parser)
@@ -375,29 +331,29 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Measure, print the table (or JSON) and write the files."""
-    from meshfit import bench
+    from meshfit.commands.bench import jpeg_folder, step, table
 
     if args.make_jpeg_folder:
-        count = bench.write_jpeg_folder(args.make_jpeg_folder, args.data_dir,
-                                        image_size=tuple(args.image_size or (160, 160)))
+        count = jpeg_folder.write_jpeg_folder(args.make_jpeg_folder, args.data_dir,
+                                              image_size=tuple(args.image_size or (160, 160)))
         print(f"wrote {count:,} JPEGs in {args.make_jpeg_folder}")
         return 0
     if args.input:
         return run_bench_input(args)
     if args.image_size:
         raise MeshfitError("--image-size goes with --input FOLDER or --make-jpeg-folder DIR")
-    result = bench.bench(args.recipe, engines=comma_names(args.engines, "--engines"),
-                         precisions=comma_names(args.precisions, "--precisions"),
-                         batch_sizes=comma_counts(args.batch_sizes, "--batch-sizes"),
-                         steps_per_dispatch=comma_counts(args.steps_per_dispatch, "--steps-per-dispatch"),
-                         simulate_devices=args.simulate_devices, repeats=args.repeats,
-                         steps=bench.DEFAULT_STEPS if args.steps is None else args.steps,
-                         rounds=1 if args.rounds is None else args.rounds, out=args.out,
-                         tensorboard=args.tensorboard, **sharding_options(args))
+    result = step.bench(args.recipe, engines=comma_names(args.engines, "--engines"),
+                        precisions=comma_names(args.precisions, "--precisions"),
+                        batch_sizes=comma_counts(args.batch_sizes, "--batch-sizes"),
+                        steps_per_dispatch=comma_counts(args.steps_per_dispatch, "--steps-per-dispatch"),
+                        simulate_devices=args.simulate_devices, repeats=args.repeats,
+                        steps=step.DEFAULT_STEPS if args.steps is None else args.steps,
+                        rounds=1 if args.rounds is None else args.rounds, out=args.out,
+                        tensorboard=args.tensorboard, **sharding_options(args))
     if args.json:
         print(json.dumps(result))
     else:
-        print(bench.format_table(result))
+        print(table.format_table(result))
         print("wrote " + ", ".join(os.path.join(result["out"], f)
                                    for f in ("bench.csv", "bench.json", "bench.png")))
     return 0
@@ -405,20 +361,20 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_bench_input(args: argparse.Namespace) -> int:
     """`meshfit bench --input FOLDER --image-size H W`: the input pipeline alone."""
-    from meshfit import bench
+    from meshfit.commands.bench import inputs, table
 
     if not args.image_size:
         raise MeshfitError("--input needs --image-size H W (the pixels to decode to)")
-    batches = comma_counts(args.batch_sizes, "--batch-size") or [bench.DEFAULT_INPUT_BATCH]
+    batches = comma_counts(args.batch_sizes, "--batch-size") or [inputs.DEFAULT_INPUT_BATCH]
     if len(batches) > 1:
         raise MeshfitError("--input takes one --batch-size")
-    result = bench.bench_input(args.input, tuple(args.image_size), args.channels, batches[0],
-                               rounds=3 if args.rounds is None else args.rounds,
-                               steps=args.steps, out=args.out)
+    result = inputs.bench_input(args.input, tuple(args.image_size), args.channels, batches[0],
+                                rounds=3 if args.rounds is None else args.rounds,
+                                steps=args.steps, out=args.out)
     if args.json:
         print(json.dumps(result))
     else:
-        print(bench.format_input_table(result))
+        print(table.format_input_table(result))
         print("wrote " + os.path.join(result["out"], "bench.json"))
     return 0
 
@@ -441,15 +397,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Compile the recipe's train step per sharding (never run it) and print the bytes per device."""
-    from meshfit import memory_plan, training
+    from meshfit.commands.plan import plan_memory
+    from meshfit.parallel import memory_plan
 
     if args.batch_size is not None and args.batch_size < 1:
         raise MeshfitError(f"--batch-size must be at least 1, got {args.batch_size}")
-    result = training.plan_memory(args.recipe, simulate_devices=args.simulate_devices,
-                                     batch_size=args.batch_size, precision=args.precision,
-                                     engine=args.engine, require=args.require,
-                                     data_dir=args.data_dir, verbose=not args.json,
-                                     **sharding_options(args))
+    result = plan_memory(args.recipe, simulate_devices=args.simulate_devices,
+                         batch_size=args.batch_size, precision=args.precision,
+                         engine=args.engine, require=args.require,
+                         data_dir=args.data_dir, verbose=not args.json,
+                         **sharding_options(args))
     if args.json:
         print(json.dumps(result))
     else:
@@ -475,7 +432,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from meshfit.launch import launch
+    from meshfit.commands.launch import launch
 
     return launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
                   show=args.show, timeout=args.timeout)
@@ -514,7 +471,7 @@ def add_runs_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_runs(args: argparse.Namespace) -> int:
     """The table of runs (finished and unfinished) and, with --plot, their curves."""
-    from meshfit import runs
+    from meshfit.commands import runs
 
     rows = runs.collect(args.dirs)
     print(runs.to_json(rows) if args.json else runs.format_table(rows), flush=True)
@@ -578,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         print("meshfit: interrupted", file=sys.stderr)
         code = 130
     if code:
-        from meshfit.cluster import exit_failed
+        from meshfit.parallel.cluster import exit_failed
 
         exit_failed(code)  # a failed process of a multi-host job must not wait for the others
     return code

@@ -6,7 +6,7 @@
   MESHFIT_CACHE              where datasets are downloaded (default ~/.cache/meshfit/datasets)
   MESHFIT_OFFLINE            1: never download
   MESHFIT_COORDINATOR        host:port of process 0 of a multi-host job
-  MESHFIT_COORDINATOR_BIND   host:port process 0's coordinator listens on (default: see meshfit.cluster)
+  MESHFIT_COORDINATOR_BIND   host:port process 0's coordinator listens on (default: see meshfit.parallel.cluster)
   MESHFIT_NUM_PROCESSES      processes in the job (1 turns cluster detection off)
   MESHFIT_PROCESS_ID         this process's index, 0 .. MESHFIT_NUM_PROCESSES-1
   MESHFIT_LOCAL_DEVICE_IDS   the local devices this process uses, e.g. "0"
@@ -16,7 +16,7 @@
                              after the first step, before the job counts as hung and is stopped
                              (default 600; 0: never)
   MESHFIT_LAUNCH_STATUS      set by meshfit launch: the folder of its processes' status files
-                             (meshfit.launch_status)
+                             (meshfit.parallel.heartbeat)
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def write_idx_dataset(folder, n_train=N_TRAIN, n_test=N_TEST, seed=0):
     The images' brightness depends on their class, so a trained model does better than chance.
     Returns the arrays written: x_train, y_train, x_test, y_test (uint8, images 28x28).
     """
-    from meshfit import datasets
+    from meshfit.data import datasets
 
     rng = np.random.default_rng(seed)
     os.makedirs(folder, exist_ok=True)
@@ -114,7 +114,7 @@ def read_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
 def drop_state_field(checkpoint: str, field: str) -> None:
     """Remove `field` from a checkpoint's state.json and update its manifest entry to match, as a
     hand edit that keeps the checksums right would: only the state's own check can find it."""
-    from meshfit import rundir
+    from meshfit.run import rundir
 
     state = os.path.join(checkpoint, rundir.CHECKPOINT_STATE)
     manifest_path = os.path.join(checkpoint, rundir.CHECKPOINT_MANIFEST)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from helpers import cli_env, drop_state_field, run_meshfit, write_idx_dataset
 
-from meshfit import checkpoints, datasets, rundir
+from meshfit.run import checkpoints, rundir
+from meshfit.data import datasets
 from meshfit.errors import MeshfitError
 
 
@@ -186,7 +187,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_variable_changes(strategy, t
 
 
 def test_resume_falls_back_to_the_newest_intact_checkpoint_with_a_warning(strategy, tmp_path):
-    from meshfit import training
+    from meshfit.run import train as training
 
     model = _dense_model(strategy)
     directory = tmp_path / "checkpoints"
@@ -263,7 +264,7 @@ def test_an_empty_training_set_is_named_as_such(tmp_path):
 def test_a_transparent_background_reads_as_white(tmp_path):
     from PIL import Image
 
-    from meshfit import inference
+    from meshfit.serve import inference
 
     picture = np.zeros((8, 8, 4), np.uint8)  # transparent black...
     picture[2:6, 2:6] = (255, 0, 0, 255)  # ...around an opaque red square

@@ -7,7 +7,8 @@ import os
 import pytest
 from helpers import ONE_CPU, run_meshfit
 
-from meshfit import bench
+from meshfit import recipes
+from meshfit.commands.bench import step, table
 
 TINY = ["--batch-sizes", "8", "--repeats", "2", "--steps", "2"]
 BENCH_TIMEOUT = 400  # seconds
@@ -25,7 +26,7 @@ def test_bench_times_every_engine_path_and_dispatch_and_writes_csv_json_png(tmp_
 
     with open(out / "bench.csv") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == list(bench.COLUMNS)
+    assert list(rows[0]) == list(table.COLUMNS)
     combos = {(r["engine"], r["path"], r["steps_per_dispatch"]) for r in rows}
     assert combos == {(e, p, k) for e in ("jax", "tensorflow") for p in ("plain", "meshfit") for k in ("1", "2")}
     for r in rows:
@@ -87,7 +88,7 @@ def test_median_over_rounds_keeps_one_row_per_measurement():
 
     rounds = [row("plain", 900.0), row("meshfit", 500.0), row("plain", 1000.0),
               row("meshfit", 1100.0), row("plain", 400.0), row("meshfit", 1050.0), row("plain", 7.0, k=8)]
-    merged = {(r["path"], r["steps_per_dispatch"]): r for r in bench.median_over_rounds(rounds)}
+    merged = {(r["path"], r["steps_per_dispatch"]): r for r in step.median_over_rounds(rounds)}
     assert sorted(merged) == [("meshfit", 1), ("plain", 1), ("plain", 8)]
     assert merged["plain", 1]["samples_per_s"] == 900.0 and merged["plain", 1]["rounds"] == 3
     assert merged["meshfit", 1]["samples_per_s"] == 1050.0
@@ -103,10 +104,15 @@ def test_ratios_compare_with_plain_and_with_the_fastest_plain_engine():
 
     rows = [row("jax", "plain", 200.0), row("jax", "meshfit", 196.0), row("tensorflow", "plain", 1000.0),
             row("tensorflow", "meshfit", 1200.0), row("jax", "meshfit", 300.0, k=8)]
-    bench.add_ratios(rows)
+    step.add_ratios(rows)
     assert [r["vs_plain"] for r in rows] == [1.0, 0.98, 1.0, 1.2, None]  # no plain x8 row measured
     assert [r["vs_fastest"] for r in rows] == [0.2, 0.196, 1.0, 1.2, 0.3]
     result = {"recipe": "r", "date": "d", "machine": {"auto_engine": "tensorflow"}, "rows": rows,
               "baseline": "stated baseline", "skipped": []}
-    table = bench.format_table(result)
-    assert "tensorflow*" in table and "stated baseline" in table and "1.20x" in table
+    text = table.format_table(result)
+    assert "tensorflow*" in text and "stated baseline" in text and "1.20x" in text
+
+
+def test_random_labels_have_the_classes_the_model_is_built_with():
+    assert step.class_count(recipes.load("fashion-mnist-cnn")) == 10
+    assert step.class_count(recipes.load("resnet50-synthetic")) == 1000  # build_model's default head

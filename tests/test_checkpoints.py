@@ -19,14 +19,14 @@ STEPS = N_TRAIN // BATCH
 
 
 def newest_state(run):
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     return checkpoints.read_state(checkpoints.latest(os.path.join(run, "checkpoints")))
 
 
 def final_arrays(run):
     """The arrays of a finished run's last checkpoint (model, optimizer and metrics variables)."""
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     return checkpoints.read_arrays(os.path.join(run, "checkpoints", f"ckpt-{2 * STEPS:08d}"))
 
@@ -42,7 +42,7 @@ def assert_identical(run_a, run_b):
         assert [r[key] for r in history_a] == [r[key] for r in history_b], key
 
 
-# Runs `meshfit.training.train` and sends itself `signal` at (epoch, batch) of training.
+# Runs `meshfit.run.train.train` and sends itself `signal` at (epoch, batch) of training.
 # meshfit.connect() comes before `import keras`, as in the CLI: TensorFlow reads its settings
 # (TF_ENABLE_ONEDNN_OPTS) once, when Keras imports it; imported first, TF would run its default,
 # which is oneDNN off on CPUs without AVX512-VNNI/BF16, AVX-VNNI or AMX (e.g. AMD EPYC Zen 2/3),
@@ -52,7 +52,7 @@ SIGNAL_AT = textwrap.dedent("""
     import meshfit
     meshfit.connect(verbose=False)
     import keras
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     class SignalAt(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -99,7 +99,7 @@ def finished_run(data_dir, tmp_path_factory):
 
     Its Dropout makes exact resume depend on the checkpointed SeedGenerator state.
     """
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     run = str(tmp_path_factory.mktemp("runs") / "run")
     train("mnist-mlp-bf16", out=run, **jax_settings(data_dir))
@@ -112,7 +112,7 @@ def finished_fsdp_run(data_dir, tmp_path_factory):
     sharded over the 8 devices, in its checkpoints as the shards each device held; a resumed run
     keeps the threshold (with the default 1 MiB the 20 KB kernel would be replicated: another
     program, which for other models rounds differently)."""
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     run = str(tmp_path_factory.mktemp("runs") / "fsdp")
     train("mnist-mlp-bf16", out=run, **jax_settings(data_dir, "fsdp"))
@@ -131,8 +131,8 @@ def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(sharding, d
                                                                      request):
     import keras
 
-    from meshfit.checkpoints import TrainingInterrupted
-    from meshfit.training import train
+    from meshfit.run.checkpoints import TrainingInterrupted
+    from meshfit.run.train import train
 
     class SigtermAt(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -203,7 +203,7 @@ def small_model(strategy, recipe="fashion-mnist-cnn"):
 def test_interrupted_write_leaves_the_previous_checkpoint(strategy, tmp_path, monkeypatch):
     import keras
 
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     model = small_model(strategy)
     directory = tmp_path / "checkpoints"
@@ -232,7 +232,7 @@ def test_interrupted_write_leaves_the_previous_checkpoint(strategy, tmp_path, mo
 
 
 def test_keeps_the_newest_checkpoints(strategy, tmp_path):
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     model = small_model(strategy)
     for step in range(1, 6):
@@ -242,7 +242,7 @@ def test_keeps_the_newest_checkpoints(strategy, tmp_path):
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(strategy, tmp_path):
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     path = checkpoints.save(tmp_path, small_model(strategy, "mnist-mlp-bf16"), epoch=0, step=1,
                             steps_per_epoch=10)
@@ -258,7 +258,7 @@ def test_checkpoint_of_another_model_is_a_clear_error(strategy, tmp_path):
     ({"precision": "float32"}, "trained in bfloat16, not float32"),
 ])
 def test_resume_with_other_settings_is_a_clear_error(finished_run, change, message):
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     with pytest.raises(MeshfitError, match=message) as info:
         train(resume=finished_run, **change)
@@ -266,7 +266,7 @@ def test_resume_with_other_settings_is_a_clear_error(finished_run, change, messa
 
 
 def test_resume_of_a_folder_without_a_run_is_a_clear_error(tmp_path):
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     with pytest.raises(MeshfitError, match="has no config.json"):
         train(resume=str(tmp_path))
@@ -277,7 +277,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_to_identical_weig
                                                                                   tmp_path):
     import shutil
 
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     copy = str(tmp_path / "copy")
     shutil.copytree(finished_run, copy)
@@ -324,7 +324,7 @@ def test_steps_per_dispatch_train_the_same_run_and_resume_mid_dispatch(finished_
     with 8 per dispatch, the rest of the cut epoch (4 steps) runs as one dispatch of 4."""
     import shutil
 
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     run = str(tmp_path / "k4")
     settings = {**jax_settings(data_dir), "checkpoint_every": "3"}
@@ -354,7 +354,7 @@ def mlp_under(devices, mode, seed=0):
     distribution, one device), its optimizer built."""
     import keras
 
-    from meshfit import sharding
+    from meshfit.parallel import sharding
 
     keras.distribution.set_distribution(sharding.distribution(devices, mode, 1) if devices else None)
     keras.utils.set_random_seed(seed)
@@ -370,7 +370,7 @@ def test_a_sharded_checkpoint_restores_onto_other_device_counts(strategy, tmp_pa
     import jax
     import keras
 
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     devices = jax.devices()
     try:
@@ -401,7 +401,7 @@ def test_npz_checkpoints_still_resume_on_jax(strategy, tmp_path):
     """Format 2 (every array in arrays.npz, as before orbax; still what TensorFlow writes)."""
     import keras
 
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     model = small_model(strategy, "mnist-mlp-bf16")
     path = checkpoints.save(tmp_path, model, epoch=0, step=1, steps_per_epoch=10, sharded=False)
@@ -417,7 +417,7 @@ def test_a_background_save_counts_only_once_committed(strategy, tmp_path, monkey
     a checkpoint (latest() is the previous one), and a kill there leaves it to be cleared."""
     import threading
 
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     model = small_model(strategy, "mnist-mlp-bf16")
     first = checkpoints.save(tmp_path, model, epoch=0, step=1, steps_per_epoch=10)

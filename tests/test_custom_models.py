@@ -1,7 +1,7 @@
 """Recipe files with models as Keras examples write them: custom keras.ops layers, a subclassed
 Distiller with its own compile and compute_loss, a layer without get_config. Each trains on
 simulated devices (keras imported at the file's top gets JAX), then eval, predict and export
-rebuild the model from the run's recipe copy (meshfit.models)."""
+rebuild the model from the run's recipe copy (meshfit.run.models)."""
 
 import json
 import os
@@ -11,9 +11,12 @@ import pytest
 from PIL import Image
 from helpers import cli_env, run_meshfit
 
-from meshfit import export, inference, recipes, rundir
+from meshfit.serve import export, inference
+from meshfit import recipes
+from meshfit.run import rundir
 from meshfit.errors import MeshfitError
-from meshfit.training import evaluate, train
+from meshfit.run.evaluate import evaluate
+from meshfit.run.train import train
 
 # Bright or dark 8x8 grey images, in memory; shared by the image recipes below.
 IMAGES = '''

@@ -1,4 +1,4 @@
-"""Tests for meshfit.datasets on small generated files in the canonical formats."""
+"""Tests for meshfit.data.datasets on small generated files in the canonical formats."""
 
 import gzip
 import hashlib
@@ -13,8 +13,8 @@ import pytest
 from helpers import write_idx_dataset
 from PIL import Image
 
-from meshfit import datasets
-from meshfit.datasets import IDX_FILES, load, image_folder, write_cifar_batch, write_idx
+from meshfit.data import datasets
+from meshfit.data.datasets import IDX_FILES, load, image_folder, write_cifar_batch, write_idx
 from meshfit.errors import MeshfitError
 
 REAL_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -1,4 +1,4 @@
-"""Device discovery (meshfit.devices) through meshfit.connect and `meshfit info`."""
+"""Device discovery (meshfit.parallel.devices) through meshfit.connect and `meshfit info`."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""Data parallelism (meshfit.distribution): replicated weights, sharded batches, the global batch,
+"""Data parallelism (meshfit.parallel.distribution): replicated weights, sharded batches, the global batch,
 mixed precision and Strategy.fit."""
 
 import dataclasses
@@ -9,8 +9,8 @@ import pytest
 from helpers import compiled_cnn, random_images
 
 import meshfit
-from meshfit import planning
-from meshfit.distribution import Strategy
+from meshfit.parallel import planning
+from meshfit.parallel.distribution import Strategy
 from meshfit.recipes import fashion_mnist_cnn
 
 

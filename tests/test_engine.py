@@ -1,4 +1,4 @@
-"""Engine choice (meshfit.engine): the flag, the automatic choice, switching too late, and the
+"""Engine choice (meshfit.parallel.engine): the flag, the automatic choice, switching too late, and the
 TensorFlow engine's conv bias gradient."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 from helpers import ONE_CPU, environment
 
 import meshfit
-from meshfit import engine
+from meshfit.parallel import engine
 
 
 def run_python(args, env=None, timeout=240):
@@ -84,7 +84,7 @@ BIAS_GRADIENT_SCRIPT = textwrap.dedent("""
     import json
     import numpy as np
     import meshfit
-    from meshfit import tf_bias_gradient
+    from meshfit.fit import tf_bias_gradient
 
     import tensorflow as tf
     from tensorflow.python.framework import ops
@@ -214,7 +214,7 @@ def test_auto_never_picks_a_one_device_engine_for_several_devices(monkeypatch):
 def test_a_notebook_is_told_to_restart_its_kernel(monkeypatch):
     """Colab's `import keras` first gives TensorFlow: in a notebook the one-line fix says to
     restart the kernel and import meshfit first (a new process cannot be started from a cell)."""
-    from meshfit import progress
+    from meshfit.watch import progress
 
     monkeypatch.delenv("MESHFIT_ENGINE", raising=False)
     monkeypatch.setattr(engine, "loaded_backend", lambda: "tensorflow")

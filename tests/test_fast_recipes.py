@@ -8,8 +8,8 @@ import pytest
 from helpers import connect_eight_devices
 
 from meshfit import recipes
-from meshfit.data import RunData
-from meshfit.distribution import Strategy
+from meshfit.data.splits import RunData
+from meshfit.parallel.distribution import Strategy
 from meshfit.recipes import cifar10_fast, resnet50_synthetic
 
 SMALL_WIDTHS = (16, 32, 32)
@@ -100,15 +100,15 @@ def test_whitening_makes_patch_covariance_the_identity(prepared, images):
 
 
 def test_tta_flip_evaluation_averages_each_image_with_its_mirror(prepared, images):
-    from meshfit import pipeline
+    from meshfit.data import arrays
 
     x = images[:16]
     plain = prepared.predict(x, batch_size=16, verbose=0)
     mirrored = prepared.predict(x[:, :, ::-1], batch_size=16, verbose=0)
     assert np.abs(plain - mirrored).max() > 1e-3  # the model itself is not mirror-symmetric
-    tta = pipeline.predict(prepared, x, batch=16, tta_flip=recipes.get("cifar10-fast").tta_flip)
+    tta = arrays.predict(prepared, x, batch=16, tta_flip=recipes.get("cifar10-fast").tta_flip)
     np.testing.assert_allclose(tta, (plain + mirrored) / 2, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(pipeline.predict(prepared, x[:, :, ::-1], batch=16, tta_flip=True), tta,
+    np.testing.assert_allclose(arrays.predict(prepared, x[:, :, ::-1], batch=16, tta_flip=True), tta,
                                rtol=1e-5, atol=1e-7)
 
 
@@ -165,7 +165,7 @@ def test_cifar10_fast_learns_a_small_task_and_saves(strategy, images, tmp_path):
 
 
 def test_train_step_flops_for_full_cifar10_fast_in_bfloat16(strategy):
-    from meshfit.report import train_step_flops
+    from meshfit.watch.report import train_step_flops
 
     mixed = Strategy(strategy.info, "jax", "bfloat16")
     try:
@@ -184,7 +184,7 @@ def test_train_step_flops_for_full_cifar10_fast_in_bfloat16(strategy):
 
 @pytest.mark.slow
 def test_resnet50_small_input_counts_flops_and_trains_one_step(strategy):
-    from meshfit.report import train_step_flops
+    from meshfit.watch.report import train_step_flops
 
     # One device: the step needs no data parallelism (test_distribution covers it) and compiles faster.
     one = Strategy(dataclasses.replace(strategy.info, devices=strategy.info.devices[:1], devices_per_host=1),

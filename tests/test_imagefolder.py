@@ -1,4 +1,4 @@
-"""meshfit.imagefolder: folders scanned and split, batches streamed from disk as the in-memory pipeline's."""
+"""meshfit.data.folders: folders scanned and split, batches streamed from disk as the in-memory pipeline's."""
 
 import json
 import os
@@ -9,7 +9,9 @@ import pytest
 from helpers import ONE_CPU, run_meshfit
 from PIL import Image
 
-from meshfit import bench, cluster, imagefolder, pipeline
+from meshfit.commands.bench import jpeg_folder
+from meshfit.parallel import cluster
+from meshfit.data import folders, arrays
 from meshfit.errors import MeshfitError
 
 SIZE = (12, 10)  # (height, width) of the generated images
@@ -34,7 +36,7 @@ def folder(tmp_path_factory):
     """A scanned folder of 3 classes (7 + 6 + 8 = 21 images) and its images loaded in memory."""
     root = tmp_path_factory.mktemp("images")
     x, y = write_folder(root, {"cat": 7, "dog": 6, "emu": 8})
-    return imagefolder.scan(root), x, y
+    return folders.scan(root), x, y
 
 
 # ------------------------------------------------------------------------------------ scanning
@@ -47,7 +49,7 @@ def test_scan_sorts_classes_and_files_and_skips_what_it_cannot_read(tmp_path):
     (tmp_path / "b" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     (tmp_path / "b" / ".DS_Store").write_bytes(b"\0")
     with pytest.warns(UserWarning, match=r"skipped 2 file\(s\) .* \(1 unreadable image\(s\)\); e\.g\. .*broken\.png"):
-        found = imagefolder.scan(tmp_path)
+        found = folders.scan(tmp_path)
     assert found.root == str(tmp_path) and found.class_names == ("a", "b")
     names = [os.path.relpath(f, tmp_path) for f in found.files]
     assert names == ["a/000.png", "a/001.png", "a/002.png", "a/more/deep.jpg", "b/000.png", "b/001.png"]
@@ -73,7 +75,7 @@ def test_bad_folders_are_one_line_errors(tmp_path, make, message):
     root = str(tmp_path / "data")
     make(root)
     with pytest.raises(MeshfitError) as error:
-        imagefolder.scan(root)
+        folders.scan(root)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
@@ -93,7 +95,7 @@ def test_every_mode_and_size_decodes_to_the_asked_shape(tmp_path):
              "anim.gif": grey.convert("P")}
     for name, image in cases.items():
         image.save(f"{path}-{name}")
-    loaded = {name: imagefolder.load_image(f"{path}-{name}", (4, 4), 3) for name in cases}
+    loaded = {name: folders.load_image(f"{path}-{name}", (4, 4), 3) for name in cases}
     assert all(a.shape == (4, 4, 3) and a.dtype == np.uint8 for a in loaded.values())
     assert (loaded["grey.png"] == 77).all() and abs(int(loaded["grey.jpg"].mean()) - 77) <= 1
     assert loaded["rgba.png"][0, 0].tolist() == [10, 20, 30] and (loaded["rgba.png"][1:] == 255).all()
@@ -102,7 +104,7 @@ def test_every_mode_and_size_decodes_to_the_asked_shape(tmp_path):
     assert (loaded["sixteen.png"] == 128).all()  # 0x8000 >> 8, not clipped to 255
     assert (loaded["cmyk.jpg"][..., 0] > 200).all() and (loaded["cmyk.jpg"][..., 1:] < 60).all()
     assert abs(int(loaded["big.jpg"].mean()) - 77) <= 1
-    one = imagefolder.load_image(f"{path}-rgba.png", (2, 3), 1)
+    one = folders.load_image(f"{path}-rgba.png", (2, 3), 1)
     assert one.shape == (2, 3, 1)
 
 
@@ -120,10 +122,10 @@ def test_pngs_decode_to_the_same_pixels_as_pillow(tmp_path, monkeypatch):
     files.append(tmp_path / "truncated.png")  # pixels Pillow decodes in part: the same bytes in both
     files[-1].write_bytes(files[0].read_bytes()[:-12])
     shapes = [((9, 13), 1), ((9, 13), 3), ((5, 7), 1), ((5, 7), 3)]
-    fast = {(f, s): imagefolder.load_image(str(f), *s) for f in files for s in shapes}
-    monkeypatch.setattr(imagefolder, "_decode_png", lambda data, out: False)  # Pillow for all
+    fast = {(f, s): folders.load_image(str(f), *s) for f in files for s in shapes}
+    monkeypatch.setattr(folders, "_decode_png", lambda data, out: False)  # Pillow for all
     for (f, shape), array in fast.items():
-        assert np.array_equal(array, imagefolder.load_image(str(f), *shape)), (f.name, shape)
+        assert np.array_equal(array, folders.load_image(str(f), *shape)), (f.name, shape)
 
 
 def test_an_image_of_too_many_pixels_is_refused_before_decoding(tmp_path):
@@ -134,11 +136,11 @@ def test_an_image_of_too_many_pixels_is_refused_before_decoding(tmp_path):
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
     bomb = tmp_path / "bomb.png"  # 40000 x 40000 grey (1.6 GB decoded) in a few hundred bytes
-    bomb.write_bytes(imagefolder.PNG_SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", 40000, 40000, 8, 0, 0, 0, 0))
+    bomb.write_bytes(folders.PNG_SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", 40000, 40000, 8, 0, 0, 0, 0))
                      + chunk(b"IDAT", zlib.compress(bytes(40001 * 64))) + chunk(b"IEND", b""))
     for channels in (1, 3):
         with pytest.raises(MeshfitError, match="40000x40000 pixels, more than") as error:
-            imagefolder.load_image(str(bomb), (28, 28), channels)
+            folders.load_image(str(bomb), (28, 28), channels)
         assert str(bomb) in str(error.value) and "\n" not in str(error.value)
 
 
@@ -147,9 +149,9 @@ def test_a_file_that_fails_to_decode_is_a_one_line_error_naming_it(tmp_path):
     bad = tmp_path / "b" / "001.png"
     data = bad.read_bytes()
     bad.write_bytes(data[:len(data) // 2])  # the header reads, the pixels do not
-    found = imagefolder.scan(tmp_path)
+    found = folders.scan(tmp_path)
     assert len(found) == 4
-    batches = imagefolder.FolderTrainBatches(found, SIZE, 3, 4)
+    batches = folders.FolderTrainBatches(found, SIZE, 3, 4)
     with pytest.raises(MeshfitError) as error:
         batches.batch(0, 0)
     assert str(bad) in str(error.value) and "\n" not in str(error.value)
@@ -161,29 +163,29 @@ def test_a_file_that_fails_to_decode_is_a_one_line_error_naming_it(tmp_path):
 def test_layout_uses_train_test_and_val_folders_as_given(tmp_path):
     write_folder(tmp_path / "train", {"a": 5, "b": 5})
     write_folder(tmp_path / "test", {"a": 2, "b": 1}, seed=1)
-    split = imagefolder.layout(tmp_path, 0.2, seed=0)
+    split = folders.layout(tmp_path, 0.2, seed=0)
     assert len(split["test"]) == 3 and split["test"].class_names == ("a", "b")
     assert len(split["train"]) == 8 and len(split["validation"]) == 2  # 0.2 of train/, per class
     write_folder(tmp_path / "val", {"a": 1, "b": 1}, seed=2)
-    split = imagefolder.layout(tmp_path, 0.2, seed=0)
+    split = folders.layout(tmp_path, 0.2, seed=0)
     assert (len(split["train"]), len(split["validation"]), len(split["test"])) == (10, 2, 3)
     write_folder(tmp_path / "val", {"c": 1}, seed=2)
     with pytest.raises(MeshfitError, match="same class sub-folders"):
-        imagefolder.layout(tmp_path, 0.2, seed=0)
+        folders.layout(tmp_path, 0.2, seed=0)
 
 
 def test_layout_splits_one_folder_per_class_by_seed(tmp_path):
     write_folder(tmp_path, {"a": 10, "b": 3, "c": 1})
-    split = imagefolder.layout(tmp_path, 0.25, seed=5)
+    split = folders.layout(tmp_path, 0.25, seed=5)
     train, validation = split["train"], split["validation"]
     assert split["test"] is None
     assert np.bincount(validation.labels, minlength=3).tolist() == [3, 1, 0]  # round half up; c keeps 1
-    assert sorted(train.files + validation.files) == sorted(imagefolder.scan(tmp_path).files)
-    assert imagefolder.layout(tmp_path, 0.25, seed=5)["validation"].files == validation.files
-    assert imagefolder.layout(tmp_path, 0.25, seed=6)["validation"].files != validation.files
-    assert imagefolder.layout(tmp_path, 0.0, seed=5)["validation"] is None
+    assert sorted(train.files + validation.files) == sorted(folders.scan(tmp_path).files)
+    assert folders.layout(tmp_path, 0.25, seed=5)["validation"].files == validation.files
+    assert folders.layout(tmp_path, 0.25, seed=6)["validation"].files != validation.files
+    assert folders.layout(tmp_path, 0.0, seed=5)["validation"] is None
     with pytest.raises(MeshfitError, match="validation_split"):
-        imagefolder.layout(tmp_path, 1.0, seed=5)
+        folders.layout(tmp_path, 1.0, seed=5)
 
 
 # ------------------------------------------------------------------------------------- batches
@@ -192,9 +194,9 @@ def test_layout_splits_one_folder_per_class_by_seed(tmp_path):
                                             ("flip-crop", "alternate")])
 def test_train_batches_equal_the_in_memory_pipeline(folder, augment, flips):
     found, x, y = folder
-    ours = imagefolder.FolderTrainBatches(found, SIZE, 3, 4, seed=3, augment=augment, crop_padding=2,
+    ours = folders.FolderTrainBatches(found, SIZE, 3, 4, seed=3, augment=augment, crop_padding=2,
                                           flips=flips, workers=2)
-    theirs = pipeline.TrainBatches(x, y, 4, seed=3, augment=augment, crop_padding=2, flips=flips,
+    theirs = arrays.TrainBatches(x, y, 4, seed=3, augment=augment, crop_padding=2, flips=flips,
                                    on_device=False)
     assert ours.steps_per_epoch == theirs.steps_per_epoch == 5 and len(ours) == 5
     assert ours.num_samples == 21 and ours.global_batch == 4
@@ -208,7 +210,7 @@ def test_train_batches_equal_the_in_memory_pipeline(folder, augment, flips):
 
 def test_batch_is_a_pure_function_of_seed_epoch_and_step(folder):
     found, _, _ = folder
-    make = lambda: imagefolder.FolderTrainBatches(found, SIZE, 3, 4, seed=1, augment="flip-crop")  # noqa: E731
+    make = lambda: folders.FolderTrainBatches(found, SIZE, 3, 4, seed=1, augment="flip-crop")  # noqa: E731
     stream = make().iterate(epoch=1, step=3)
     assert isinstance(stream, types.GeneratorType)  # what Keras' fit takes in one process
     for epoch, step in [(1, 3), (1, 4), (2, 0), (2, 1)]:  # runs on into the next epoch
@@ -221,28 +223,28 @@ def test_batch_is_a_pure_function_of_seed_epoch_and_step(folder):
 
 def test_flip_crop_shifts_and_mirrors_images(folder):
     found, x, _ = folder
-    batches = imagefolder.FolderTrainBatches(found, SIZE, 3, 20, seed=0, augment="flip-crop",
+    batches = folders.FolderTrainBatches(found, SIZE, 3, 20, seed=0, augment="flip-crop",
                                              crop_padding=0)
     images, _ = batches.batch(0, 0)
     indices = batches._order(0)[:20]
     mirrored = [np.array_equal(a, x[i][:, ::-1]) for a, i in zip(images, indices)]
     kept = [np.array_equal(a, x[i]) for a, i in zip(images, indices)]
     assert all(m or k for m, k in zip(mirrored, kept)) and any(mirrored) and any(kept)
-    shifted, _ = imagefolder.FolderTrainBatches(found, SIZE, 3, 20, augment="flip-crop").batch(0, 0)
+    shifted, _ = folders.FolderTrainBatches(found, SIZE, 3, 20, augment="flip-crop").batch(0, 0)
     assert sum(np.array_equal(a, x[i]) or np.array_equal(a, x[i][:, ::-1])
                for a, i in zip(shifted, indices)) < 20  # crops move most images
 
 
 def test_iterate_keeps_only_a_few_batches_in_flight(folder, monkeypatch):
     found, _, _ = folder
-    batches = imagefolder.FolderTrainBatches(found, SIZE, 3, 2)
+    batches = folders.FolderTrainBatches(found, SIZE, 3, 2)
     started = []
     submit = batches._decoder.submit
     monkeypatch.setattr(batches._decoder, "submit", lambda *a, **k: started.append(1) or submit(*a, **k))
     stream = batches.iterate()
     for taken in range(1, 25):  # a bit more than two epochs of 10 steps
         next(stream)
-        assert len(started) == taken + imagefolder.PREFETCH_BATCHES
+        assert len(started) == taken + folders.PREFETCH_BATCHES
     stream.close()
 
 
@@ -250,10 +252,10 @@ def test_iterate_keeps_only_a_few_batches_in_flight(folder, monkeypatch):
 def test_decoding_grows_to_a_thread_per_core_only_for_costly_images(folder, monkeypatch, cheap_below,
                                                                    threads):
     found, _, _ = folder
-    monkeypatch.setattr(imagefolder, "default_workers", lambda: 4)
-    monkeypatch.setattr(imagefolder, "MEASURED_IMAGES", 8)
-    monkeypatch.setattr(imagefolder, "CHEAP_IMAGE_SECONDS", cheap_below)
-    batches = imagefolder.FolderTrainBatches(found, SIZE, 3, 2)
+    monkeypatch.setattr(folders, "default_workers", lambda: 4)
+    monkeypatch.setattr(folders, "MEASURED_IMAGES", 8)
+    monkeypatch.setattr(folders, "CHEAP_IMAGE_SECONDS", cheap_below)
+    batches = folders.FolderTrainBatches(found, SIZE, 3, 2)
     assert batches._decoder.workers == 1  # until MEASURED_IMAGES are decoded
     stream = batches.iterate()
     taken = [next(stream) for _ in range(15)]
@@ -266,14 +268,14 @@ def test_decoding_grows_to_a_thread_per_core_only_for_costly_images(folder, monk
 
 def test_each_process_decodes_only_its_rows(folder, monkeypatch):
     found, _, _ = folder
-    whole = imagefolder.FolderTrainBatches(found, SIZE, 3, 8, augment="flip-crop").batch(1, 1)
+    whole = folders.FolderTrainBatches(found, SIZE, 3, 8, augment="flip-crop").batch(1, 1)
     devices = [types.SimpleNamespace(process_index=p) for p in (0, 0, 1, 1)]  # 2 rows per device
     decoded, parts, streams = [], [], []
-    real = imagefolder.load_image
-    monkeypatch.setattr(imagefolder, "load_image", lambda path, *a: decoded.append(path) or real(path, *a))
+    real = folders.load_image
+    monkeypatch.setattr(folders, "load_image", lambda path, *a: decoded.append(path) or real(path, *a))
     for process in (0, 1):
-        monkeypatch.setattr(imagefolder, "_this_process", lambda p=process: (devices, p))
-        batches = imagefolder.FolderTrainBatches(found, SIZE, 3, 8, augment="flip-crop")
+        monkeypatch.setattr(folders, "_this_process", lambda p=process: (devices, p))
+        batches = folders.FolderTrainBatches(found, SIZE, 3, 8, augment="flip-crop")
         parts.append(batches.batch(1, 1))
         assert parts[-1][0].shape == (4, *SIZE, 3) and len(decoded) == 4 * (process + 1)
         streams.append(batches.iterate(1, 1))
@@ -290,7 +292,7 @@ def test_each_process_decodes_only_its_rows(folder, monkeypatch):
 
 def test_eval_batches_cover_every_image_once(folder):
     found, x, y = folder
-    batches = imagefolder.FolderEvalBatches(found, SIZE, 3, 8)
+    batches = folders.FolderEvalBatches(found, SIZE, 3, 8)
     assert (batches.num_batches, len(batches), batches.num_samples) == (3, 3, 21)
     np.testing.assert_array_equal(batches.labels, y)
     plain = np.concatenate([b for (b,) in batches.iterate()])
@@ -298,7 +300,7 @@ def test_eval_batches_cover_every_image_once(folder):
     assert plain.shape == (24, *SIZE, 3) and (plain[21:] == 0).all()
     np.testing.assert_array_equal(batches.trim(plain), x)
     np.testing.assert_array_equal(batches.trim(flipped), x[:, :, ::-1])
-    grey = imagefolder.FolderEvalBatches(found, (6, 5), 1, 21)
+    grey = folders.FolderEvalBatches(found, (6, 5), 1, 21)
     assert next(iter(grey.iterate()))[0].shape == (21, 6, 5, 1)
 
 
@@ -312,7 +314,7 @@ def test_eval_batches_cover_every_image_once(folder):
 def test_bad_batch_arguments_are_one_line_errors(folder, kwargs, message):
     arguments = {"image_size": SIZE, "channels": 3, "global_batch": 4, **kwargs}
     with pytest.raises(MeshfitError, match=message):
-        imagefolder.FolderTrainBatches(folder[0], **arguments)
+        folders.FolderTrainBatches(folder[0], **arguments)
 
 
 # --------------------------------------------------------------------------------------- bench
@@ -340,14 +342,14 @@ def test_bench_input_needs_an_image_size_and_a_good_folder(tmp_path):
 
 
 def test_write_jpeg_folder_upscales_cifar_images(tmp_path, monkeypatch):
-    from meshfit import datasets
+    from meshfit.data import datasets
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
     y = np.arange(12, dtype=np.int32) % 10
     fake = datasets.Dataset(x, y, x[:0], y[:0], tuple(f"c{i}" for i in range(10)), "cifar10")
     monkeypatch.setattr(datasets, "load", lambda *a, **k: fake)
-    assert bench.write_jpeg_folder(str(tmp_path / "jpegs"), image_size=(40, 48)) == 12
-    found = imagefolder.scan(tmp_path / "jpegs")
+    assert jpeg_folder.write_jpeg_folder(str(tmp_path / "jpegs"), image_size=(40, 48)) == 12
+    found = folders.scan(tmp_path / "jpegs")
     assert len(found) == 12 and found.class_names == fake.class_names
     assert Image.open(found.files[0]).size == (48, 40)

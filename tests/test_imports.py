@@ -63,7 +63,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_has_no_cycles():
     graph = import_graph()
-    assert "meshfit.training" in graph and "meshfit.cli" in graph
+    assert "meshfit.run.train" in graph and "meshfit.cli" in graph
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -83,8 +83,82 @@ def test_the_command_line_imports_no_keras_before_choosing_the_engine():
     import subprocess
     import sys
 
-    code = ("import sys, meshfit.cli, meshfit.training, meshfit.data, meshfit.recipes; "
+    code = ("import sys, meshfit.cli, meshfit.run.train, meshfit.data.splits, meshfit.recipes; "
             "loaded = [m for m in ('keras', 'tensorflow', 'jax') if m in sys.modules]; "
             "assert not loaded, loaded")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def _imported_meshfit_modules(tree: ast.AST, modules: set[str]) -> dict[str, str]:
+    """Local name -> meshfit module, for the modules a file imports (`from meshfit.x import y`)."""
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshfit"):
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in modules:
+                    names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
+def test_the_folders_are_the_architecture():
+    """At most 6 modules directly in meshfit/, and each sub-package says in its docstring what
+    lives there."""
+    top = [name for name in os.listdir(PACKAGE) if name.endswith(".py")]
+    assert len(top) <= 6, sorted(top)
+    packages = [name for name in os.listdir(PACKAGE)
+                if os.path.isfile(os.path.join(PACKAGE, name, "__init__.py"))]
+    assert {"parallel", "fit", "data", "run", "watch", "serve", "commands", "recipes"} <= set(packages)
+    for name in packages:
+        doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGE, name, "__init__.py")).read()))
+        assert doc and len(doc.split()) >= 8, f"meshfit/{name}/__init__.py says nothing of what lives there"
+
+
+def test_no_module_uses_a_private_name_of_another():
+    modules = set(import_graph()) | {m for imports in import_graph().values() for m in imports}
+    offences = []
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            tree = ast.parse(open(path).read())
+            local = _imported_meshfit_modules(tree, modules)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshfit"):
+                    offences += [f"{path}: {node.module}.{a.name}" for a in node.names
+                                 if a.name.startswith("_") and not a.name.startswith("__")]
+                elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                      and node.value.id in local and node.attr.startswith("_")
+                      and not node.attr.startswith("__")):
+                    offences.append(f"{path}: {local[node.value.id]}.{node.attr}")
+    assert not offences, offences
+
+
+def test_the_light_core_imports_no_keras_jax_or_tensorflow():
+    """Every module of meshfit.parallel (and the top modules it uses) imports without Keras, JAX or
+    TensorFlow: the engine is chosen before any of them is loaded."""
+    import subprocess
+    import sys
+
+    core = sorted(m for m in import_graph() if m.startswith("meshfit.parallel."))
+    assert "meshfit.parallel.distribution" in core and "meshfit.parallel.devices" in core
+    code = (f"import sys, {', '.join(core + ['meshfit.errors', 'meshfit.env'])}; "
+            "loaded = [m for m in ('keras', 'tensorflow', 'jax') if m in sys.modules]; "
+            "assert not loaded, loaded")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_no_module_makes_its_classes_on_first_attribute_access():
+    """Keras classes live in modules that import Keras at their top (reached after connect()), not
+    in module-level __getattr__ factories; only the package's public names are looked up lazily."""
+    with_getattr = []
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                tree = ast.parse(open(path).read())
+                if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body):
+                    with_getattr.append(_module_name(path))
+    assert with_getattr == ["meshfit"], with_getattr

@@ -10,7 +10,9 @@ import pytest
 from helpers import run_meshfit
 from PIL import Image
 
-from meshfit import MeshfitError, export, inference, rundir
+from meshfit import MeshfitError
+from meshfit.serve import export, inference
+from meshfit.run import rundir
 from meshfit.recipes import cifar10_cnn, fashion_mnist_cnn, mnist_mlp_bf16
 
 CLASS_NAMES = ["plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]

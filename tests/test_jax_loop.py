@@ -1,4 +1,4 @@
-"""The on-device multi-step loop (meshfit.jax_loop): k steps in one dispatch, trained like Keras."""
+"""The on-device multi-step loop (meshfit.fit.jax_loop): k steps in one dispatch, trained like Keras."""
 
 import dataclasses
 import io
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import meshfit
-from meshfit import jax_loop, planning
-from meshfit.distribution import Strategy
+from meshfit.fit import jax_loop
+from meshfit.parallel import planning
+from meshfit.parallel.distribution import Strategy
 
 
 def small_model(strategy, steps_per_execution=1):
@@ -58,7 +59,7 @@ def test_k_steps_in_one_dispatch_equal_k_keras_steps(strategy):
 
 
 def test_installed_loop_trains_like_keras_fit_and_the_report_counts_steps(strategy):
-    from meshfit.report import EpochReport
+    from meshfit.watch.report import EpochReport
 
     x, y = data(6 * 16)  # 6 steps per epoch with 4 per dispatch: one dispatch of 4, then 2 single steps
     plain = small_model(strategy)

@@ -1,11 +1,11 @@
-"""Plain Keras after meshfit.connect() (meshfit.keras_hooks): every dispatch finished on several
+"""Plain Keras after meshfit.connect() (meshfit.fit.hooks): every dispatch finished on several
 CPU devices (the guard against XLA:CPU's rendezvous abort), and what plain `fit` prints."""
 
 import dataclasses
 
 import numpy as np
 
-from meshfit.distribution import Strategy
+from meshfit.parallel.distribution import Strategy
 
 
 def tiny_model(strategy):

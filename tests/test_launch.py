@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 from helpers import run_meshfit, write_idx_dataset
 
-from meshfit import cluster, env, launch, rundir
+from meshfit.parallel import cluster
+from meshfit import env
+from meshfit.commands import launch
+from meshfit.run import rundir
 from meshfit.errors import MeshfitError
 
 TRAIN = ["fashion-mnist-cnn", "--batch-size", "64", "--seed", "0"]
@@ -298,10 +301,11 @@ def test_watch_names_processes_that_never_joined(tmp_path):
 def test_training_reports_progress_before_reading_batches_and_before_each_dispatch(strategy, monkeypatch):
     import keras
 
-    from meshfit import jax_loop, launch_status
+    from meshfit.fit import jax_loop
+    from meshfit.parallel import heartbeat
 
     reports = []
-    monkeypatch.setattr(launch_status, "advance", lambda steps=0: reports.append(steps))
+    monkeypatch.setattr(heartbeat, "advance", lambda steps=0: reports.append(steps))
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
         model.compile(optimizer="sgd", loss="mse")
@@ -343,10 +347,10 @@ def test_a_process_that_never_joins_is_named_and_the_job_ends():
 
 
 # Process 1 hangs alive in Python at step 5 (JAX's heartbeats go on); process 0 then waits in the
-# next collective for ever. The progress report comes before each collective, as in meshfit.jax_loop.
+# next collective for ever. The progress report comes before each collective, as in meshfit.fit.jax_loop.
 HANGS = """
 import os, time, meshfit
-from meshfit import cluster, launch_status
+from meshfit.parallel import cluster, heartbeat
 meshfit.connect(verbose=False)
 vote = cluster.Vote()
 for step in range(1000):
@@ -354,11 +358,11 @@ for step in range(1000):
         print("hanging", flush=True)
         while True:
             time.sleep(0.1)
-    launch_status.advance(1)
+    heartbeat.advance(1)
     vote.cast(1)
     vote.settle()
 """
-LAUNCH_WITH_SHORT_GRACE = ("import sys; from meshfit.launch import launch; "
+LAUNCH_WITH_SHORT_GRACE = ("import sys; from meshfit.commands.launch import launch; "
                            "sys.exit(launch(sys.argv[1:], 2, grace=2))")
 
 
@@ -392,7 +396,7 @@ def test_a_hung_process_is_named_and_the_job_ends_after_the_stall_timeout(tmp_pa
 
 LISTENING = """
 import os, meshfit
-from meshfit import cluster
+from meshfit.parallel import cluster
 meshfit.connect(verbose=False)
 def target(fd):
     try:
@@ -424,7 +428,7 @@ WEIGHTS_SCRIPT = """
 import sys
 import keras
 import numpy as np
-from meshfit import training
+from meshfit.run import train as training
 
 class SaveEveryCopy(keras.callbacks.Callback):
     '''Each process saves every local device's copy of every weight.'''
@@ -502,7 +506,7 @@ def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_pro
     assert job.returncode != 0
     assert "meshfit: error: process 1 of 2 failed with SIGKILL (exit code -9)" in "".join(output)
 
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     newest = checkpoints.latest(os.path.join(run, "checkpoints"))
     assert newest is not None and checkpoints.read_state(newest)["epoch"] in (1, 2)
@@ -534,7 +538,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_run_resumes(data_
     assert sorted(p for p, _ in steps) == ["0", "1"] and steps[0][1] == steps[1][1], text[-3000:]
     assert "all 2 processes stopped together on SIGTERM" in text
 
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     newest = checkpoints.latest(os.path.join(run, "checkpoints"))
     assert checkpoints.read_state(newest)["global_step"] == int(steps[0][1])  # process 0 saved that step

@@ -20,7 +20,7 @@ class FakeHandle:
 
 @pytest.fixture
 def kernel(monkeypatch):
-    """A notebook for meshfit.progress: ipykernel imported, get_ipython() has a kernel, and
+    """A notebook for meshfit.watch.progress: ipykernel imported, get_ipython() has a kernel, and
     IPython's display() recorded; returns the list of texts shown, in order."""
     import IPython
     import IPython.display
@@ -44,7 +44,7 @@ def kernel(monkeypatch):
 def test_a_notebook_is_told_apart_from_a_terminal_and_a_pipe(kernel, monkeypatch):
     import IPython
 
-    from meshfit import progress
+    from meshfit.watch import progress
 
     assert progress.notebook() and progress.live()
     monkeypatch.setattr(IPython, "get_ipython", lambda: None)  # IPython in a terminal, no kernel
@@ -52,7 +52,7 @@ def test_a_notebook_is_told_apart_from_a_terminal_and_a_pipe(kernel, monkeypatch
 
 
 def test_the_bar_is_one_output_redrawn_then_emptied_for_the_epoch_line(kernel, strategy, capsys):
-    from meshfit.progress import ProgressBar
+    from meshfit.watch.progress_bar import ProgressBar
 
     import keras
 
@@ -84,7 +84,7 @@ def test_plain_fit_in_a_notebook_shows_meshfit_bar_instead_of_keras(kernel, stra
 
 
 def test_task_in_a_notebook_is_one_output(kernel):
-    from meshfit import progress
+    from meshfit.watch import progress
 
     with progress.task("evaluating", total=3) as advance:
         for _ in range(3):
@@ -105,7 +105,8 @@ def test_connect_again_in_the_same_process(strategy, kernel):
 
 
 def test_figures_show_themselves_as_png(tmp_path):
-    from meshfit import inference, runs
+    from meshfit.serve import inference
+    from meshfit.commands import runs
 
     rows = inference.results(["a.png"], np.array([[0.1, 0.7, 0.2]]), ["cat", "dog", "eel"], 2)
     picture = inference.figure(np.zeros((1, 8, 8, 3), np.uint8), rows)

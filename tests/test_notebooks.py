@@ -33,7 +33,7 @@ def test_notebooks_are_committed_without_outputs():
 def notebook_data(tmp_path_factory):
     """Tiny Fashion-MNIST and MNIST (easy banded images: a few steps learn them) and CIFAR-10, in
     their canonical files."""
-    from meshfit import datasets
+    from meshfit.data import datasets
 
     root = tmp_path_factory.mktemp("notebook-data")
     for name, seed in (("fashion-mnist", 0), ("mnist", 1)):
@@ -112,7 +112,7 @@ def test_fashion_mnist_notebook(notebook_data, tmp_path):
 
 
 def test_cifar10_notebook_classifies_one_image_on_the_cpu(notebook_data, tmp_path):
-    from meshfit.datasets import CLASS_NAMES
+    from meshfit.data.datasets import CLASS_NAMES
 
     printed = run_notebook("02_cifar10_cnn_cpu_inference", tmp_path, epochs=1, per_core_batch=32,
                            data_dir=notebook_data)

@@ -1,4 +1,4 @@
-"""The input pipeline (meshfit.pipeline): shuffled, augmented batches on the devices and evaluation."""
+"""The input pipeline (meshfit.data.arrays): shuffled, augmented batches on the devices and evaluation."""
 
 import numpy as np
 import pytest
@@ -10,7 +10,7 @@ N_TEST = 37  # samples to evaluate: not a multiple of the batch (16) or of the 8
 
 @pytest.mark.parametrize("on_device", [True, False])
 def test_each_epoch_is_a_permutation_fixed_by_seed_and_epoch(strategy, on_device):
-    from meshfit.pipeline import TrainBatches
+    from meshfit.data.arrays import TrainBatches
 
     x = np.arange(103, dtype=np.uint8).reshape(103, 1, 1, 1)
     y = np.arange(103, dtype=np.int32)
@@ -29,7 +29,7 @@ def test_each_epoch_is_a_permutation_fixed_by_seed_and_epoch(strategy, on_device
 
 
 def test_start_mid_epoch_equals_the_tail_of_a_full_epoch(strategy):
-    from meshfit.pipeline import TrainBatches
+    from meshfit.data.arrays import TrainBatches
 
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (70, 8, 8, 3), dtype=np.uint8)
@@ -46,14 +46,14 @@ def test_start_mid_epoch_equals_the_tail_of_a_full_epoch(strategy):
 
 @pytest.mark.parametrize("padding, flips", [(4, "random"), (2, "alternate")])
 def test_device_batches_are_sharded_and_equal_to_host_batches(strategy, padding, flips):
-    from meshfit import pipeline
+    from meshfit.data import arrays
 
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (50, 12, 12, 3), dtype=np.uint8)
     y = np.arange(50, dtype=np.int32)
     settings = dict(seed=2, augment="flip-crop", crop_padding=padding, flips=flips)
-    device = pipeline.TrainBatches(x, y, 16, on_device=True, **settings)
-    host = pipeline.TrainBatches(x, y, 16, on_device=False, **settings)
+    device = arrays.TrainBatches(x, y, 16, on_device=True, **settings)
+    host = arrays.TrainBatches(x, y, 16, on_device=False, **settings)
     images, labels = device.batch(1, 2)
     assert {s.data.shape[0] for s in images.addressable_shards} == {2}  # 16 over 8 devices
     host_images, host_labels = host.batch(1, 2)
@@ -71,12 +71,12 @@ def test_device_batches_are_sharded_and_equal_to_host_batches(strategy, padding,
 
 
 def test_alternate_flips_mirror_each_image_every_other_epoch():
-    from meshfit import pipeline
+    from meshfit.data import arrays
 
     rng = np.random.default_rng(3)
     x = rng.integers(0, 256, (40, 6, 6, 1), dtype=np.uint8)
     y = np.arange(40, dtype=np.int32)
-    batches = pipeline.TrainBatches(x, y, 8, seed=5, augment="flip-crop", crop_padding=0,
+    batches = arrays.TrainBatches(x, y, 8, seed=5, augment="flip-crop", crop_padding=0,
                                     flips="alternate", on_device=False)
 
     def mirrored(epoch):
@@ -95,7 +95,7 @@ def test_alternate_flips_mirror_each_image_every_other_epoch():
 
 
 def test_bad_augmentation_settings_are_clear_errors():
-    from meshfit.pipeline import TrainBatches
+    from meshfit.data.arrays import TrainBatches
 
     x, y = np.zeros((16, 8, 8, 3), np.uint8), np.zeros(16, np.int32)
     with pytest.raises(MeshfitError, match="unknown flips 'sometimes'"):
@@ -108,11 +108,11 @@ def test_bad_augmentation_settings_are_clear_errors():
 def test_evaluation_covers_every_sample_once(strategy, on_device):
     import keras
 
-    from meshfit import pipeline
+    from meshfit.data import arrays
 
     rng = np.random.default_rng(2)
     x = rng.integers(0, 256, (N_TEST, 4, 4, 1), dtype=np.uint8)
-    batches = pipeline.EvalBatches(x, batch=16, on_device=on_device)
+    batches = arrays.EvalBatches(x, batch=16, on_device=on_device)
     assert len(batches) == 3  # 16 + 16 + 5 real samples (and 11 padding)
     seen = np.concatenate([np.asarray(b[0]) for b in batches.iterate()])
     np.testing.assert_array_equal(batches.trim(seen), x)
@@ -121,7 +121,7 @@ def test_evaluation_covers_every_sample_once(strategy, on_device):
     with strategy.scope():
         model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Flatten(),
                                   keras.layers.Dense(3)])
-    outputs = pipeline.predict(model, batches)
+    outputs = arrays.predict(model, batches)
     assert outputs.shape == (N_TEST, 3)
     kernel, bias = model.get_weights()  # (Keras' own predict fails here: 37 does not split by 8)
     np.testing.assert_allclose(outputs, x.reshape(N_TEST, -1) @ kernel + bias, rtol=1e-5, atol=1e-4)

@@ -1,9 +1,9 @@
-"""Planning from the hardware (meshfit.planning): precision and peak FLOP/s."""
+"""Planning from the hardware (meshfit.parallel.planning): precision and peak FLOP/s."""
 
 import pytest
 
 import meshfit
-from meshfit import planning
+from meshfit.parallel import planning
 
 
 def test_precision_auto_and_forced():
@@ -20,3 +20,43 @@ def test_peak_flops_known_for_accelerators_and_not_cpus():
     assert planning.peak_flops("gpu", "NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
     assert planning.peak_flops("tpu", "TPU v4", "bfloat16") == 275e12
     assert planning.peak_flops("cpu", "AMD EPYC 7B13", "float32") is None
+
+
+def hardware(platform="cpu", replicas=1, engine="jax", device_kind="cpu", capability=None):
+    """A stand-in for a Strategy: what plan() reads of it."""
+    import types
+
+    return types.SimpleNamespace(platform=platform, replicas=replicas, engine=engine,
+                                 device_kind=device_kind,
+                                 info=types.SimpleNamespace(compute_capability=capability))
+
+
+def test_auto_precision_is_the_recipes_else_the_hardwares_on_every_route():
+    assert planning.resolve_precision("auto", "cpu", recipe="bfloat16") == "bfloat16"
+    assert planning.resolve_precision("auto", "cpu", recipe="auto") == "float32"
+    assert planning.resolve_precision("auto", "tpu", recipe="auto") == "bfloat16"
+    assert planning.resolve_precision("float16", "tpu", recipe="bfloat16") == "float16"
+    assert planning.asked_precision("auto", "bf16") == "bfloat16"
+    assert planning.asked_precision("auto", "auto") == "auto"
+    with pytest.raises(meshfit.MeshfitError, match="unknown precision 'fp9'"):
+        planning.asked_precision("auto", "fp9")  # a recipe's precision is checked too
+
+
+def test_plan_decides_batch_steps_dispatch_precision_and_micro_batches_in_one_value():
+    p = planning.plan(hardware(replicas=8), samples=1000, batch_size=100, recipe_steps=3)
+    assert (p.global_batch, p.steps_per_epoch, p.steps_per_dispatch) == (104, 3, 1)  # split over 8
+    assert (p.precision, p.micro_batches) == ("float32", "auto")
+    planned = planning.plan(hardware(), samples=100)  # 128 planned: lowered to a quarter of 100
+    assert (planned.global_batch, planned.steps_per_epoch) == (25, 4)
+    gpu = planning.plan(hardware("gpu", 2, device_kind="NVIDIA H100", capability="9.0"),
+                        samples=10_000, recipe_batch=256)
+    assert (gpu.global_batch, gpu.steps_per_epoch, gpu.steps_per_dispatch) == (256, 39, 13)
+    assert gpu.precision == "bfloat16"
+    assert planning.plan(hardware(), stream=(32, 5)).steps_per_epoch == 5
+    assert planning.plan(hardware(), samples=10, batch_size=20).steps_per_epoch is None
+    with pytest.raises(meshfit.MeshfitError, match="not --batch-size 64"):
+        planning.plan(hardware(), stream=(32, 5), batch_size=64)
+    with pytest.raises(meshfit.MeshfitError, match="TensorFlow engine"):
+        planning.plan(hardware(), samples=100, micro_batches=4)
+    with pytest.raises(meshfit.MeshfitError, match="does not split evenly"):
+        planning.plan(hardware(replicas=8), samples=1000, batch_size=100, rounding=False)

@@ -1,4 +1,4 @@
-"""`--profile START:STOP` (meshfit.profiling): parsing, and trace files on JAX and TensorFlow."""
+"""`--profile START:STOP` (meshfit.watch.profiling): parsing, and trace files on JAX and TensorFlow."""
 
 import glob
 import os
@@ -16,7 +16,7 @@ FIT_8_STEPS = """
 import sys
 import numpy as np
 import keras
-from meshfit.profiling import Profile
+from meshfit.watch.profiling import Profile
 
 x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
 y = np.arange(64) % 3
@@ -27,7 +27,7 @@ model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Profile(sys.argv[1
 
 
 def test_parse_profile_steps():
-    from meshfit.profiling import profiling_steps
+    from meshfit.run.spec import profiling_steps
 
     assert profiling_steps(None) is None
     assert profiling_steps("10:20") == (10, 20)
@@ -38,8 +38,10 @@ def test_parse_profile_steps():
         assert "\n" not in str(error.value)
 
 
-def test_import_does_not_import_keras():
-    code = "import sys, meshfit.profiling; sys.exit('keras' in sys.modules)"
+def test_parsing_the_flag_does_not_import_keras():
+    """--profile is checked before the engine is chosen; the Profile callback itself needs Keras."""
+    code = ("import sys; from meshfit.run.spec import profiling_steps; profiling_steps('2:4'); "
+            "sys.exit('keras' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], env=environment(ONE_CPU)).returncode == 0
 
 
@@ -51,7 +53,7 @@ def _trace_files(logdir) -> list[str]:
 def test_jax_trace_of_steps_2_to_4(strategy, tmp_path):
     import keras
 
-    from meshfit.profiling import Profile
+    from meshfit.watch.profiling import Profile
 
     x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
     with strategy.scope():
@@ -76,7 +78,7 @@ def test_tensorflow_trace_of_steps_2_to_4(tmp_path):
 def test_warns_when_training_ends_before_start(strategy, tmp_path):
     import keras
 
-    from meshfit.profiling import Profile
+    from meshfit.watch.profiling import Profile
 
     x = np.zeros((16, 4), "float32")
     with strategy.scope():

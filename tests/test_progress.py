@@ -1,4 +1,4 @@
-"""Progress bars (meshfit.progress): drawn on terminals only."""
+"""Progress bars (meshfit.watch.progress): drawn on terminals only."""
 
 import io
 import subprocess
@@ -14,7 +14,7 @@ class FakeTTY(io.StringIO):
 
 
 def test_bars_only_on_a_terminal_that_can_draw(monkeypatch):
-    from meshfit.progress import bars
+    from meshfit.watch.progress import bars
 
     monkeypatch.setenv("TERM", "xterm")
     assert bars(FakeTTY()) and not bars(io.StringIO())
@@ -25,7 +25,7 @@ def test_bars_only_on_a_terminal_that_can_draw(monkeypatch):
 def test_track_is_a_passthrough_off_a_terminal(capsys):
     from rich.console import Console
 
-    from meshfit.progress import track
+    from meshfit.watch.progress import track
 
     items = [1, 2, 3]
     assert track(items, None, "plain") is items  # pytest's stdout is no terminal
@@ -37,7 +37,7 @@ def test_track_is_a_passthrough_off_a_terminal(capsys):
 
 
 def test_import_does_not_import_keras():
-    code = "import sys, meshfit.progress; sys.exit('keras' in sys.modules or 'rich' in sys.modules)"
+    code = "import sys, meshfit.watch.progress; sys.exit('keras' in sys.modules or 'rich' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env=environment(ONE_CPU)).returncode == 0
 
 
@@ -54,7 +54,7 @@ def _fit(strategy, bar):
 def test_no_bar_off_a_terminal(strategy, capsys):
     from rich.console import Console
 
-    from meshfit.progress import ProgressBar
+    from meshfit.watch.progress_bar import ProgressBar
 
     out = io.StringIO()
     _fit(strategy, ProgressBar(global_batch=8, console=Console(file=out)))
@@ -65,7 +65,7 @@ def test_no_bar_off_a_terminal(strategy, capsys):
 def test_bar_on_a_terminal_shows_steps_and_speed(strategy):
     from rich.console import Console
 
-    from meshfit.progress import ProgressBar
+    from meshfit.watch.progress_bar import ProgressBar
 
     out = io.StringIO()
     bar = ProgressBar(global_batch=8, console=Console(file=out, force_terminal=True, width=120))
@@ -79,7 +79,7 @@ def test_bar_on_a_terminal_shows_steps_and_speed(strategy):
 def test_task_draws_on_a_terminal_only(capsys):
     from rich.console import Console
 
-    from meshfit.progress import counted, task
+    from meshfit.watch.progress import counted, task
 
     out = io.StringIO()
     with task("evaluating", total=3, console=Console(file=out, force_terminal=True)) as advance:

@@ -10,7 +10,9 @@ import pytest
 from PIL import Image
 from helpers import KILL_AT_CALLBACKS, cli_env, run_meshfit
 
-from meshfit import data, recipes, rundir, spec
+from meshfit.data import splits as data
+from meshfit import recipes
+from meshfit.run import rundir, spec
 from meshfit.errors import MeshfitError
 
 # A linear model telling bright from dark 8x8 grey images; data from a callable, in memory.
@@ -100,7 +102,7 @@ def test_recipe_file_runs_on_after_the_original_is_moved(tmp_path):
 def test_early_stopping_decides_after_a_resume_as_without_it(tmp_path):
     """A recipe's EarlyStopping keeps its counters through a checkpoint: the run stopped after one
     epoch and resumed stops where the uninterrupted run did (Keras alone would count afresh)."""
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     recipe = write_recipe(tmp_path, epochs=4, callbacks=True)
     whole = train(recipe, out=str(tmp_path / "whole"), simulate_devices=8, engine="jax",
@@ -120,7 +122,7 @@ def test_early_stopping_decides_after_a_resume_as_without_it(tmp_path):
 def test_resuming_with_the_recipe_file_runs_only_the_runs_copy(tmp_path):
     """`meshfit train FILE --resume RUN` with the file unchanged does not execute FILE again (its
     hash names it); the run's copy alone trains."""
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     recipe, counter = write_recipe(tmp_path, epochs=2), tmp_path / "executed"
     with open(recipe, "a") as f:
@@ -171,7 +173,7 @@ def test_validation_split_holds_out_a_seeded_share_of_the_training_data():
 def test_validation_split_is_recorded_and_scored_with_the_test_set(tmp_path):
     """With --validation-split the per-epoch val_* come from held-out training data, the test set
     is scored once at the end, and both land in metrics.json."""
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     recipe = write_recipe(tmp_path, epochs=1)
     metrics = train(recipe, out=str(tmp_path / "run"), validation_split=0.25, simulate_devices=8,
@@ -233,7 +235,7 @@ def test_folder_recipe_killed_at_random_resumes_bit_identical(tmp_path):
     """A recipe file reading a folder of PNGs beside it (relative path, flip-crop, validation split),
     SIGKILLed mid-epoch 2 and resumed from its copy after the original moved: the same weights as
     an uninterrupted run."""
-    from meshfit import checkpoints
+    from meshfit.run import checkpoints
 
     write_pets(tmp_path)
     recipe = tmp_path / "pets.py"
@@ -301,9 +303,9 @@ def test_early_stopping_restores_the_same_best_weights_after_a_resume(tmp_path):
 
     import keras
 
-    from meshfit import checkpoints
-    from meshfit.checkpoints import TrainingInterrupted
-    from meshfit.training import train
+    from meshfit.run import checkpoints
+    from meshfit.run.checkpoints import TrainingInterrupted
+    from meshfit.run.train import train
 
     recipe = write_recipe(tmp_path, epochs=3, callbacks=True)
     text = open(recipe).read().replace(  # epoch 1 is the best; never stops early
@@ -333,3 +335,57 @@ def test_early_stopping_restores_the_same_best_weights_after_a_resume(tmp_path):
             for run in ("whole", "cut")]
     assert not [k for k in last[0] if not np.array_equal(last[0][k], last[1][k])]
     assert not np.array_equal(last[0]["model/00000"], weights[0][0])  # the best is not the last
+
+
+def test_folder_recipe_holds_out_a_share_and_evaluates_moved_and_on_another_folder(tmp_path, capsys):
+    """A recipe file over a folder that sets no validation_split holds out 20% as `--data` does
+    (val_* curves); `meshfit eval` scores its run after the file moved away, and on another
+    folder with the run's class names (other classes: one line, exit 2). In this process."""
+    from meshfit import cli
+    from helpers import connect_eight_devices
+
+    write_pets(tmp_path, per_class=10)
+    recipe = tmp_path / "pets.py"
+    recipe.write_text(FOLDER_RECIPE.replace("validation_split=0.25, ", "").replace(
+        "epochs=2", "epochs=1"))
+    run, devices = str(tmp_path / "run"), ["--simulate-devices", "8", "--engine", "jax"]
+    try:
+        assert cli.main(["train", str(recipe), "--out", run, "--no-tensorboard", *devices]) == 0
+        config = json.load(open(os.path.join(run, rundir.CONFIG)))
+        assert config["validation_split"] == 0.2 and config["evaluated_on"] == "validation"
+        history = json.load(open(os.path.join(run, rundir.HISTORY)))
+        assert "val_accuracy" in history[-1], history
+        os.rename(recipe, tmp_path / "moved.py")
+        capsys.readouterr()
+
+        assert cli.main(["eval", run, "--json", *devices]) == 0
+        scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert scores["split"] == "validation" and scores["samples"] == 4  # 2 of 10 per class
+
+        write_pets(tmp_path / "other", per_class=3)
+        assert cli.main(["eval", run, "--data", str(tmp_path / "other" / "pets"), "--json",
+                         *devices]) == 0
+        scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert scores["split"] == "test" and scores["samples"] == 6
+        assert scores["data"] == str(tmp_path / "other" / "pets")
+
+        for name in ("cats", "dogs"):
+            os.makedirs(tmp_path / "animals" / name)
+            Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "animals" / name / "0.png")
+        assert cli.main(["eval", run, "--data", str(tmp_path / "animals"), *devices]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "cats, dogs" in err[0] and "dark, light" in err[0], err
+    finally:
+        connect_eight_devices()
+
+
+def test_a_folder_scored_by_name_is_labelled_with_the_runs_classes(tmp_path):
+    """eval --data maps class folders to the run's label order by name; fewer classes are fine."""
+    write_pets(tmp_path, per_class=2)
+    os.makedirs(tmp_path / "pets" / "medium")
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "pets" / "medium" / "0.png")
+    scored = data.other_folder(str(tmp_path / "pets"), ("light", "medium", "dark", "x"), (8, 8, 3))
+    assert scored.test.class_names == scored.class_names == ("light", "medium", "dark", "x")
+    assert list(scored.test.labels) == [2, 2, 0, 0, 1] and scored.validation is None
+    with pytest.raises(MeshfitError, match="not images"):
+        data.other_folder(str(tmp_path / "pets"), ("dark", "light", "medium"), (784,))

@@ -1,4 +1,4 @@
-"""The epoch report (meshfit.report): throughput, compile time and the XLA FLOP count."""
+"""The epoch report (meshfit.watch.report): throughput, compile time and the XLA FLOP count."""
 
 from helpers import compiled_cnn, random_images
 
@@ -15,7 +15,7 @@ def test_epoch_line_reports_throughput_and_compile_apart(strategy, capsys):
 
 
 def test_train_step_flops_come_from_xla(strategy):
-    from meshfit.report import train_step_flops
+    from meshfit.watch.report import train_step_flops
 
     flops = train_step_flops(compiled_cnn(strategy), 64)
     # Conv 26*26*64*9*2 FLOPs forward per image; backward roughly doubles it twice.

@@ -1,11 +1,11 @@
-"""`meshfit runs` (meshfit.runs) over run directories written by hand."""
+"""`meshfit runs` (meshfit.commands.runs) over run directories written by hand."""
 
 import json
 import os
 
 import pytest
 
-from meshfit import runs
+from meshfit.commands import runs
 from meshfit.cli import main
 from meshfit.errors import MeshfitError
 

@@ -1,4 +1,4 @@
-"""Sharding (meshfit.sharding) and the memory plan (meshfit.memory_plan) on 8 simulated devices:
+"""Sharding (meshfit.parallel.sharding) and the memory plan (meshfit.parallel.memory_plan) on 8 simulated devices:
 fsdp holds 1/8 of the large state per device and trains to data-parallel's weights; a model too
 big for data parallelism under --device-memory is refused with --sharding data and trained with
 fsdp by default; its run evaluates, predicts, exports and resumes."""
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from helpers import connect_eight_devices
 
-from meshfit import rundir, sharding
-from meshfit.distribution import Strategy
+from meshfit.run import rundir
+from meshfit.parallel import sharding
+from meshfit.parallel.distribution import Strategy
 from meshfit.errors import MeshfitError
 
 MIN_BYTES = 100_000  # lowered from 1 MiB so that the tiny models' large kernels are sharded
@@ -156,7 +157,8 @@ def test_too_big_for_data_parallel_is_refused_then_trained_with_fsdp(strategy, w
     """In this process (the CLI's main on the same 8 devices): --sharding data is refused in one
     line (exit 2); plan reports both modes; the default trains fsdp, and its run evaluates,
     resumes from its sharded checkpoints (with its threshold), predicts and exports on the CPU."""
-    from meshfit import cli, export, inference
+    from meshfit import cli
+    from meshfit.serve import export, inference
 
     run = str(tmp_path / "run")
     devices = ["--simulate-devices", "8", "--engine", "jax"]
@@ -195,7 +197,7 @@ def test_too_big_for_data_parallel_is_refused_then_trained_with_fsdp(strategy, w
 
 
 def test_old_config_without_sharding_reads_as_data():
-    from meshfit.spec import RunSpec
+    from meshfit.run.spec import RunSpec
 
     fields = {"recipe": "r", "dataset": "d", "class_names": ["a"], "input_shape": [1], "num_classes": 1,
               "epochs": 1, "steps_per_epoch": 1, "global_batch": 8, "steps_per_dispatch": 1,

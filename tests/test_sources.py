@@ -1,8 +1,8 @@
-"""Any data source through Strategy.fit (meshfit.sources): 1,003 samples in batches of 64, whose
+"""Any data source through Strategy.fit (meshfit.fit.sources): 1,003 samples in batches of 64, whose
 last batch (43) does not split 8 ways, from numpy arrays, tf.data, a PyDataset, a generator and
 Grain datasets; on 8 simulated devices, on one, on the TensorFlow engine and on 2 processes.
 
-On one host the short batch is computed whole on every device (meshfit.keras_hooks), so every
+On one host the short batch is computed whole on every device (meshfit.fit.hooks), so every
 source trains on all 1,003 samples and ends with the weights one device gets. On 2 processes,
 where each feeds its own rows, it is cut to 40: the weights of the first 1,000 samples.
 """
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from helpers import ONE_CPU, environment, run_meshfit
 
-from meshfit import sources
-from meshfit.distribution import Strategy
+from meshfit.fit import sources
+from meshfit.parallel.distribution import Strategy
 from meshfit.errors import MeshfitError
 
 SAMPLES, BATCH, FEATURES, CLASSES = 1003, 64, 4, 3

@@ -1,4 +1,4 @@
-"""Recipe files whose dataset(seed) returns streamed sources (meshfit.streams): a PyDataset, tf.data,
+"""Recipe files whose dataset(seed) returns streamed sources (meshfit.data.streams): a PyDataset, tf.data,
 a generator function, Grain; trained from the CLI and Python, resumed after SIGKILL or SIGTERM."""
 
 import json
@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from helpers import KILL_AT_CALLBACKS, cli_env, run_meshfit
 
-from meshfit import checkpoints, data, recipes, rundir
+from meshfit.run import checkpoints, rundir
+from meshfit.data import splits as data
+from meshfit import recipes
 from meshfit.errors import MeshfitError
 
 # The data, model and optimizer of the test recipes: bright or dark 8x8 images, logistic regression.
@@ -171,8 +173,8 @@ def test_tf_data_recipe_trains_and_resumes_mid_epoch(tmp_path):
     with one warning; the same weights as the uninterrupted run (the source is deterministic)."""
     import keras
 
-    from meshfit.checkpoints import TrainingInterrupted
-    from meshfit.training import train
+    from meshfit.run.checkpoints import TrainingInterrupted
+    from meshfit.run.train import train
 
     pytest.importorskip("tensorflow")
     recipe = tmp_path / "tfdata.py"
@@ -202,7 +204,7 @@ def test_tf_data_recipe_trains_and_resumes_mid_epoch(tmp_path):
 def test_grain_recipe_trains_on_eight_devices(tmp_path):
     """A grain.MapDataset of batches, read by index, with a grain test set."""
     grain = pytest.importorskip("grain")
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 3, 130)

@@ -1,4 +1,4 @@
-"""Cache-sized micro-batches on the TensorFlow engine (meshfit.tf_microbatch)."""
+"""Cache-sized micro-batches on the TensorFlow engine (meshfit.fit.tf_microbatch)."""
 
 import json
 import subprocess
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from helpers import ONE_CPU, environment
 
-from meshfit import recipes, sources, tf_microbatch
+from meshfit import recipes
+from meshfit.fit import sources, tf_microbatch
 from meshfit.errors import MeshfitError
 
 
@@ -69,7 +70,7 @@ SAME_STEP_SCRIPT = textwrap.dedent("""
     import json, warnings
     import numpy as np
     import meshfit
-    from meshfit import tf_microbatch
+    from meshfit.fit import tf_microbatch
 
     strategy = meshfit.connect(engine="tensorflow", verbose=False)
     import keras

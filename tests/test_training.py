@@ -1,4 +1,4 @@
-"""`meshfit train` / `meshfit eval` (meshfit.training) on small generated data."""
+"""`meshfit train` / `meshfit eval` (meshfit.run.train) on small generated data."""
 
 import glob
 import json
@@ -9,12 +9,12 @@ import pytest
 from helpers import N_TEST, N_TRAIN, cli_env, read_scalars, run_meshfit
 from PIL import Image
 
-from meshfit import datasets
+from meshfit.data import datasets
 from meshfit.errors import MeshfitError
 
 
 def test_parse_checkpoint_every():
-    from meshfit.spec import parse_every
+    from meshfit.run.spec import parse_every
 
     assert parse_every("200") == (200, None, True)
     assert parse_every("60s") == (None, 60.0, True)
@@ -27,7 +27,7 @@ def test_parse_checkpoint_every():
 
 
 def test_synthetic_recipe_points_to_bench():
-    from meshfit.training import train
+    from meshfit.run.train import train
 
     with pytest.raises(MeshfitError, match="meshfit bench resnet50-synthetic"):
         train("resnet50-synthetic")
@@ -87,7 +87,7 @@ def test_train_writes_tensorboard_scalars_and_a_profile(cli_run):
 
 
 def test_monitoring_is_on_process_0_only_and_tensorboard_can_be_off(tmp_path):
-    from meshfit.training import monitoring
+    from meshfit.run.train import monitoring
 
     on = monitoring(str(tmp_path), True, False, None, 32, 4, True, 10, (2, 3))
     assert [type(c).__name__ for c in on.before + on.after] == ["Profile", "TensorBoardLog"]
@@ -124,7 +124,8 @@ def test_eval_matches_metrics_json(cli_run, tmp_path):
 
 
 def test_train_on_eight_devices(strategy, data_dir, tmp_path, capsys):
-    from meshfit.training import evaluate, train
+    from meshfit.run.evaluate import evaluate
+    from meshfit.run.train import train
 
     metrics = train(data_dir=data_dir, out=str(tmp_path / "run"), epochs=1, batch_size=64,
                     engine="jax", simulate_devices=8, checkpoint_every="off")
@@ -154,7 +155,7 @@ def test_bad_micro_batch_count_is_a_one_line_error(tmp_path):
 
 def test_image_folder_of_pngs_trains_on_eight_devices(strategy, tmp_path):
     """A user's own folder of PNGs (one sub-folder per class) trains through meshfit."""
-    from meshfit import pipeline
+    from meshfit.data import arrays
     from meshfit.recipes import fashion_mnist_cnn
 
     rng = np.random.default_rng(0)
@@ -171,13 +172,13 @@ def test_image_folder_of_pngs_trains_on_eight_devices(strategy, tmp_path):
         model = fashion_mnist_cnn.build_model(data.input_shape, data.num_classes)
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     strategy.fit(model, data.x_train, data.y_train, batch_size=16, epochs=8, report=False)
-    probabilities = pipeline.predict(model, data.x_test, batch=16)  # 20 images: padded for 8 devices
+    probabilities = arrays.predict(model, data.x_test, batch=16)  # 20 images: padded for 8 devices
     accuracy = float((probabilities.argmax(1) == data.y_test).mean())
     assert accuracy >= 0.9, accuracy
 
 
 def test_steps_per_dispatch_divide_the_epoch_and_default_by_platform():
-    from meshfit.planning import steps_per_dispatch
+    from meshfit.parallel.planning import steps_per_dispatch
 
     assert steps_per_dispatch("gpu", "jax", 48) == 24  # 2 calls per epoch, so compile is timed apart
     assert steps_per_dispatch("gpu", "jax", 390) == 30  # at most 32, dividing 390

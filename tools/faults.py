@@ -47,13 +47,13 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # meshfit's commands run in this process, one after another, so TensorFlow is already loaded when
-# most start: give it the oneDNN setting meshfit's engine would (see meshfit.engine.ONEDNN)
+# most start: give it the oneDNN setting meshfit's engine would (see meshfit.parallel.engine.ONEDNN)
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from helpers import drop_state_field, write_idx_dataset  # noqa: E402
 
-from meshfit import datasets  # noqa: E402
+from meshfit.data import datasets  # noqa: E402
 from meshfit.errors import MeshfitError  # noqa: E402
 
 NOISE = ("WARNING: All log messages before absl", "I0000", "W0000", "E0000")
@@ -495,7 +495,7 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
     # ------------------------------------------------------------------------------ kills
 
     def final_state(self, run: str) -> tuple[dict, list]:
-        from meshfit import checkpoints
+        from meshfit.run import checkpoints
 
         newest = checkpoints.latest(os.path.join(run, "checkpoints"))
         history = json.load(open(os.path.join(run, "history.json")))
@@ -524,7 +524,7 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
         """Start meshfit with argv and SIGKILL it: at a random moment of its life (mode
         "anywhere"), of its training (mode "training": after it wrote config.json, within the
         reference run's training time) or as a checkpoint save begins (mode "save"); wait."""
-        from meshfit import rundir
+        from meshfit.run import rundir
 
         started = time.time()
         process = self.spawn(*argv)
@@ -553,7 +553,7 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
 
     def step_of(self, run: str) -> int:
         """The global step of the run's newest checkpoint (-1: none)."""
-        from meshfit import checkpoints
+        from meshfit.run import checkpoints
 
         newest = checkpoints.latest(os.path.join(run, "checkpoints"))
         return int(os.path.basename(newest)[5:]) if newest else -1
@@ -688,7 +688,7 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
                                                text=True, env=self.child_env))
             identical(f"resume after {what}", run)
         # A damaged newest checkpoint of a killed run: resumed from the previous one.
-        from meshfit import checkpoints, rundir
+        from meshfit.run import checkpoints, rundir
 
         for damage in ("truncated arrays", "flipped arrays byte", "flipped state byte",
                        "truncated manifest", "state lacking a field", "deleted arrays"):

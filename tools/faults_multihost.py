@@ -49,7 +49,7 @@ import os, sys, time
 if os.environ['MESHFIT_PROCESS_ID'] == '1' and os.environ.get('FAULT_NEVER_START'):
     time.sleep(3600)
 if os.environ['MESHFIT_PROCESS_ID'] == '1' and os.environ.get('FAULT_HANG_AT_DISPATCH'):
-    from meshfit import jax_loop
+    from meshfit.fit import jax_loop
     dispatch, calls = jax_loop._TrainFunction.__call__, []
     def hang_at_dispatch(self, state, iterator):
         calls.append(1)
@@ -67,7 +67,7 @@ os.execv(sys.executable, [sys.executable, '-m', 'meshfit', *sys.argv[1:]])
 
 def write_data(folder: str) -> None:
     """A small Fashion-MNIST look-alike (class-dependent brightness) in the canonical IDX files."""
-    from meshfit import datasets
+    from meshfit.data import datasets
 
     rng = np.random.default_rng(0)
     os.makedirs(folder, exist_ok=True)

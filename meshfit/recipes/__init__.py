@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from meshfit.errors import MeshfitError
-from meshfit.pipeline import CROP_PADDING
+from meshfit.data.arrays import CROP_PADDING
 
 DATASET_SHAPES = {"mnist": (28, 28, 1), "fashion_mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
 DEFAULT = "fashion-mnist-cnn"  # what `meshfit train` and `meshfit bench` run without a name
@@ -45,7 +45,7 @@ class Recipe:
     loss: a Keras loss name, or a callable returning a loss object.
     augment: "none", or "flip-crop" (random crop after crop_padding pixels of reflect padding,
     i.e. translations up to that many pixels, and horizontal flips, on the device); flips:
-    "random", or "alternate" (each image mirrored every other epoch; see meshfit.pipeline).
+    "random", or "alternate" (each image mirrored every other epoch; see meshfit.data.arrays).
     prepare(model, dataset): optional, called after the model is built and before training
     (e.g. a data-dependent first-layer initialization, or fitting a distillation teacher;
     dataset.train is the (x, y) training arrays).
@@ -54,19 +54,20 @@ class Recipe:
     compile signature (a subclassed Distiller); optimizer is optimizer()'s result.
     Custom layers and subclassed models (keras.ops code, train_step/compute_loss) train as any
     model; eval, predict and export rebuild them from the run's copy of the recipe file and load
-    the trained weights (see meshfit.models: the copy is trusted code, it ran at training time).
+    the trained weights (see meshfit.run.models: the copy is trusted code, it ran at training time).
     tta_flip: evaluate on each image and its mirror image, averaging the probabilities.
     dataset: a built-in name (mnist, fashion_mnist, cifar10), a folder of images with one
     sub-folder per class (a path relative to the recipe file, read from disk batch by batch; with
     train/ and test/ or val/ sub-folders used as given), or a callable `dataset(seed)` returning
     `((x_train, y_train), (x_test, y_test))` uint8 image arrays (N, H, W, C) and integer labels,
-    as keras.datasets' load_data() does, a meshfit.datasets.Dataset, or a dict of streamed
+    as keras.datasets' load_data() does, a meshfit.data.datasets.Dataset, or a dict of streamed
     sources {"train": ..., "validation": ... or None, "test": ... or None, "class_names": [...]}
-    (a PyDataset, tf.data.Dataset, Grain dataset or generator function each; see meshfit.streams).
+    (a PyDataset, tf.data.Dataset, Grain dataset or generator function each; see meshfit.data.streams).
     image_size: (height, width) pixels that folder images are resized to; channels: 1 (grey) or 3.
     validation_split: the share of the training data held out for the per-epoch val_* metrics
     (the test set is then scored once, at the end); 0 evaluates on the test set every epoch, as
-    the tutorials did.
+    the tutorials did. Default (None): splits.default_validation_split, 0.2 for a folder (as
+    `meshfit train --data`; its own val/ sub-folder, if any, is used instead), 0 otherwise.
     callbacks: optional `callbacks()` returning a list of Keras callbacks (EarlyStopping,
     ReduceLROnPlateau, ModelCheckpoint...); their state is saved in checkpoints and restored by
     --resume. meshfit chooses the Keras backend before it runs a recipe file, so the file may
@@ -94,11 +95,18 @@ class Recipe:
     input_shape: tuple[int, ...] | None = None
     image_size: tuple[int, int] | None = None
     channels: int = 3
-    validation_split: float = 0.0
+    validation_split: float | None = None  # None: set by __post_init__ (see above)
     callbacks: Callable[[], list] | None = None
     doc: str = ""
     file: str | None = None
     text: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.validation_split is None:  # one default per kind of dataset, on every route
+            from meshfit.data import splits
+
+            object.__setattr__(self, "validation_split",
+                               splits.default_validation_split(self.dataset))
 
     def make_loss(self) -> Any:
         """The loss to compile with: a Keras loss name or object as given, else loss()'s result."""
@@ -192,6 +200,6 @@ def input_shape(recipe: Recipe) -> tuple[int, ...]:
 
 def dataset_class_names(dataset: Any) -> tuple[str, ...]:
     """The class names of a built-in dataset (by name), else ()."""
-    from meshfit import datasets
+    from meshfit.data import datasets
 
     return datasets.CLASS_NAMES.get(dataset, ()) if isinstance(dataset, str) else ()

@@ -1,7 +1,7 @@
 """image-folder: an image classifier for a folder with one sub-folder of images per class.
 
 What `meshfit train --data FOLDER --image-size H W` trains, with no code: the folder is streamed
-from disk batch by batch (meshfit.imagefolder), a share of it is held out for validation (or its
+from disk batch by batch (meshfit.data.folders), a share of it is held out for validation (or its
 train/ and test/ or val/ sub-folders are used as given), precision and batch are planned for the
 devices. Models, from scratch (no weight downloads):
   cnn               images up to 64 pixels a side: Conv(32) -> MaxPool -> Conv(64) -> MaxPool ->
@@ -24,7 +24,6 @@ from meshfit.errors import MeshfitError
 MODELS = ("cnn", "mobilenetv3small", "efficientnetb0")
 SMALL_IMAGE = 64  # pixels: images up to this size a side get the small CNN by default
 DEFAULT_EPOCHS = 10
-DEFAULT_VALIDATION_SPLIT = 0.2
 
 
 def default_model(image_size: tuple[int, int]) -> str:
@@ -92,9 +91,10 @@ def optimizer(steps_per_epoch, epochs):
 
 
 def recipe(folder: str, image_size: tuple[int, int], *, channels: int = 3, model: str | None = None,
-           epochs: int = DEFAULT_EPOCHS, validation_split: float = DEFAULT_VALIDATION_SPLIT,
+           epochs: int = DEFAULT_EPOCHS, validation_split: float | None = None,
            steps_per_epoch: int | None = None, name: str = "image-folder") -> Recipe:
-    """The recipe for `folder` at image_size (height, width) pixels (see the module docstring)."""
+    """The recipe for `folder` at image_size (height, width) pixels (see the module docstring);
+    validation_split None: the folder default (meshfit.data.splits.default_validation_split)."""
     height, width = (int(s) for s in image_size)
     if height < 1 or width < 1:
         raise MeshfitError(f"--image-size needs two positive pixel counts, got {height} {width}")

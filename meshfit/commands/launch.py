@@ -1,0 +1,412 @@
+"""`meshfit launch`: run N processes of a multi-host job on this machine, for testing and CPU work.
+
+    meshfit launch --processes 2 --devices-per-process 4 -- meshfit train fashion-mnist-cnn
+
+starts N copies of COMMAND wired to a coordinator on 127.0.0.1 (MESHFIT_COORDINATOR,
+MESHFIT_NUM_PROCESSES, MESHFIT_PROCESS_ID set per process, MESHFIT_SIMULATE_DEVICES=M), prefixes
+each output line with "[i] " (or shows only process 0's output, and the others' when they fail),
+and waits. When a process exits non-zero or is killed, the others get SIGTERM and, after
+`GRACE_SECONDS`, SIGKILL; the launch then exits non-zero with one line naming that process. A
+process that exits 130 or 143 (stopped on SIGINT/SIGTERM after an agreed save, see
+meshfit.run.checkpoints) first gets its peers `GRACE_SECONDS` to stop the same way.
+
+Two faults leave every process alive, so the launcher watches the status files its processes
+write into a folder of their own (MESHFIT_LAUNCH_STATUS, see meshfit.parallel.heartbeat):
+- a process that never reaches `meshfit.connect` (its peers give up joining after
+  MESHFIT_INIT_TIMEOUT): the line names it, as the one without a join marker; should no process
+  give up, the launcher stops the job `GRACE_SECONDS` after that timeout itself;
+- a process that hangs alive (deadlocked, stuck in Python: JAX's heartbeats go on, its peers wait
+  in a collective for ever): once the first training step is reported, when no process makes
+  progress for MESHFIT_STALL_TIMEOUT seconds (default 600, 0: never) the job is stopped (exit
+  code 124) and the process furthest behind (fewest steps) is named as the one that hung.
+
+Nothing outlives the launcher: SIGTERM, SIGHUP or Ctrl-C stop the processes as above, a second
+Ctrl-C kills them at once, and on Linux each process gets SIGKILL when the launcher dies (even by
+SIGKILL). The coordinator and gloo listen on 127.0.0.1 only. On a real multi-host job run the
+same command on every host instead (see README).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import IO, Iterator, Sequence
+
+from meshfit import env
+from meshfit.parallel import heartbeat
+from meshfit.errors import MeshfitError
+
+GRACE_SECONDS = 10.0  # between SIGTERM and SIGKILL when stopping the other processes
+TAIL_LINES = 20  # lines of a failed process's output shown when only process 0 is shown
+KEPT_LINES = 200  # lines of each process's output kept to find why it failed
+INIT_TIMEOUT_SECONDS = 120  # local processes start together, so joining should be quick
+STALL_TIMEOUT_SECONDS = 600  # no training progress in any process for this long: the job hung
+POLL_SECONDS = 1.0  # how often the launcher reads its processes' status files
+STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a process that stopped after saving
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command_line(command: Sequence[str]) -> list[str]:
+    """COMMAND as run: a leading `meshfit` becomes this Python's `-m meshfit`."""
+    command = list(command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise MeshfitError("no command to launch; give one after --, e.g. "
+                           "meshfit launch --processes 2 -- meshfit train")
+    if command[0] == "meshfit":
+        return [sys.executable, "-m", "meshfit", *command[1:]]
+    return command
+
+
+def process_environment(index: int, processes: int, port: int, devices_per_process: int,
+                        base: dict[str, str] | None = None, status: str | None = None) -> dict[str, str]:
+    """The environment of process `index`: the job's MESHFIT_* variables over `base`.
+
+    status: the folder for the processes' status files (MESHFIT_LAUNCH_STATUS), if any.
+    """
+    variables = dict(os.environ if base is None else base)
+    variables.pop(env.LAUNCH_STATUS, None)
+    if status is not None:
+        variables[env.LAUNCH_STATUS] = status
+    variables.pop(env.LOCAL_DEVICE_IDS, None)
+    variables.update({
+        env.COORDINATOR: f"127.0.0.1:{port}",
+        env.COORDINATOR_BIND: f"127.0.0.1:{port}",  # the coordinator answers this machine only
+        env.NUM_PROCESSES: str(processes),
+        env.PROCESS_ID: str(index),
+        env.SIMULATE_DEVICES: str(devices_per_process),
+        "PYTHONUNBUFFERED": "1",  # lines arrive as they are printed
+    })
+    variables.setdefault(env.INIT_TIMEOUT, str(INIT_TIMEOUT_SECONDS))
+    return variables
+
+
+def describe_exit(code: int) -> str:
+    """'exit code 3' or 'signal SIGKILL (exit code -9)' for a Popen return code."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"{name} (exit code {code})"
+    return f"exit code {code}"
+
+
+def _death_signal():
+    """A function for Popen's preexec_fn that makes the child get SIGKILL when this process dies
+    (Linux prctl PR_SET_PDEATHSIG); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:  # in the child, between fork and exec
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != launcher:  # the launcher died before the line above
+            os._exit(1)
+
+    return die_with_launcher
+
+
+class _Process:
+    """One launched process: its Popen, its output pumps and its last lines.
+
+    Start every process before calling `start_pumps` (Popen's preexec_fn must run while this
+    program has no other threads).
+    """
+
+    def __init__(self, index: int, argv: list[str], env: dict[str, str], show: bool, prefix: str,
+                 lock: threading.Lock):
+        self.index = index
+        self.tail: collections.deque[str] = collections.deque(maxlen=KEPT_LINES)
+        self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, start_new_session=True,
+                                      preexec_fn=_death_signal())
+        self.pumps = [threading.Thread(target=self._pump, args=(stream, out, show, prefix, lock), daemon=True)
+                      for stream, out in ((self.popen.stdout, sys.stdout), (self.popen.stderr, sys.stderr))]
+
+    def start_pumps(self, exits: queue.Queue) -> None:
+        """Copy the output as it comes; put (index, exit code) on `exits` when the process ends."""
+        for pump in self.pumps:
+            pump.start()
+        threading.Thread(target=lambda: exits.put((self.index, self.popen.wait())), daemon=True).start()
+
+    def _pump(self, stream: IO[bytes], out: IO[str], show: bool, prefix: str, lock: threading.Lock):
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            self.tail.append(line)
+            if show:
+                with lock:
+                    out.write(f"{prefix}{line}\n")
+                    out.flush()
+
+    def signal(self, signum: int) -> None:
+        """Send `signum` to the process and everything it started."""
+        try:
+            os.killpg(self.popen.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _wait_all(processes: list[_Process], seconds: float) -> None:
+    """Wait until every process has ended, or `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    for p in processes:
+        try:
+            p.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
+
+
+def _stop(processes: list[_Process], grace: float, patience: float = 0.0) -> None:
+    """Let the processes end by themselves for `patience` seconds, then SIGTERM those left and
+    SIGKILL them after `grace` seconds. A Ctrl-C meanwhile skips to SIGKILL."""
+    try:
+        _wait_all(processes, patience)
+        for p in processes:
+            if p.popen.poll() is None:
+                p.signal(signal.SIGTERM)
+                p.signal(signal.SIGCONT)  # a stopped process handles SIGTERM only once continued
+        _wait_all(processes, grace)
+    except KeyboardInterrupt:  # a second Ctrl-C: kill now, but never leave anything running
+        pass
+    finally:
+        with _interrupts_ignored():
+            for p in processes:
+                p.signal(signal.SIGKILL)  # and anything the process left behind in its group
+                p.popen.wait()
+
+
+def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
+           port: int | None = None, show: str = "all", timeout: float | None = None,
+           grace: float = GRACE_SECONDS) -> int:
+    """Run `processes` copies of `command` as one job; return 0, or non-zero naming a failure.
+
+    show: "all" prefixes every line with "[i] "; "first" shows process 0's lines as they are and
+    the last lines of any other process that fails. timeout: stop everything after so many
+    seconds (None: no limit). A process dying stops the others within `grace` seconds; so does a
+    process that never joins or a job that stops progressing (MESHFIT_STALL_TIMEOUT).
+    """
+    if processes < 1:
+        raise MeshfitError(f"--processes must be at least 1, got {processes}")
+    if devices_per_process < 1:
+        raise MeshfitError(f"--devices-per-process must be at least 1, got {devices_per_process}")
+    if timeout is not None and timeout <= 0:
+        raise MeshfitError(f"--timeout must be more than 0 seconds, got {timeout:g}")
+    if show not in ("all", "first"):
+        raise MeshfitError(f"unknown --show {show!r}; use all or first")
+    argv = command_line(command)
+    port = port or free_port()
+    stall_timeout = env.read_int(env.STALL_TIMEOUT, example=STALL_TIMEOUT_SECONDS)
+    stall_timeout = STALL_TIMEOUT_SECONDS if stall_timeout is None else stall_timeout
+    init_timeout = env.read_int(env.INIT_TIMEOUT) or INIT_TIMEOUT_SECONDS  # as the processes get it
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C must reach the launcher even when it started with SIGINT ignored or blocked (as
+        # a background job of a non-interactive shell does): Python then installs no handler.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, _interrupt)  # a stopped launch stops its processes too
+    lock = threading.Lock()
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    started: list[_Process] = []
+    codes: dict[int, int] = {}
+    status = tempfile.mkdtemp(prefix="meshfit-launch-")
+    watch = _Watch(status, processes, init_timeout, stall_timeout)
+    try:
+        for i in range(processes):
+            variables = process_environment(i, processes, port, devices_per_process, status=status)
+            shown = show == "all" or i == 0
+            prefix = f"[{i}] " if show == "all" else ""
+            try:
+                started.append(_Process(i, argv, variables, shown, prefix, lock))
+            except OSError as e:
+                raise MeshfitError(f"cannot start {argv[0]!r} ({e.strerror}); check the command after --") from None
+        for p in started:
+            p.start_pumps(exits)
+        print(f"meshfit launch: {processes} process(es) x {devices_per_process} device(s), coordinator "
+              f"127.0.0.1:{port}, pids {' '.join(str(p.popen.pid) for p in started)}",
+              file=sys.stderr, flush=True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failure = None
+        while len(codes) < processes:
+            wait = POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
+            try:
+                index, code = exits.get(timeout=max(0.0, wait))
+            except queue.Empty:
+                now = time.monotonic()
+                verdict = None
+                if deadline is not None and now >= deadline:
+                    verdict = f"the job ran past --timeout {timeout:g} s"
+                elif failure is None:
+                    verdict = watch.poll(now)
+                if verdict is None:
+                    continue
+                _stop(started, grace)
+                _finish(started)
+                print(f"meshfit: error: {verdict}; stopped all {processes} processes", file=sys.stderr,
+                      flush=True)
+                return 124
+            codes[index] = code
+            if code != 0 and failure is None:
+                failure = (index, code)
+                _stop(started, grace, patience=grace if code in STOP_CODES else 0.0)
+    finally:
+        _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
+        missing = watch.missing()
+        shutil.rmtree(status, ignore_errors=True)
+    _finish(started)
+    if failure is None:
+        return 0
+    index, code = failure
+    if code in STOP_CODES and all(codes.get(p.index) == code for p in started):
+        name = signal.Signals(code - 128).name
+        print(f"meshfit launch: all {processes} processes stopped together on {name} after saving "
+              f"(exit code {code}); continue with --resume", file=sys.stderr, flush=True)
+        return code
+    if show == "first" and index != 0:
+        for line in list(started[index].tail)[-TAIL_LINES:]:
+            print(f"[{index}] {line}", file=sys.stderr)
+    others = processes - 1
+    if missing and index not in missing:  # it was waiting for processes that never came
+        what = (never_joined(missing, processes, watch.init_timeout)
+                + f"; process {index} gave up waiting ({describe_exit(code)})")
+    else:
+        what = f"process {index} of {processes} failed with {describe_exit(code)}"
+        what += diagnosis(started[index].tail)
+    print(f"meshfit: error: {what}" + (f"; stopped the other {others} process(es)" if others else ""),
+          file=sys.stderr, flush=True)
+    return code if code > 0 else 128 - code
+
+
+def never_joined(missing: Sequence[int], processes: int, init_timeout: float) -> str:
+    """'process 1 of 2 never joined the job (...)': the processes without a join marker."""
+    who = (f"process {missing[0]} of {processes}" if len(missing) == 1 else
+           f"processes {', '.join(map(str, missing))} of {processes}")
+    they = "it" if len(missing) == 1 else "they"
+    return (f"{who} never joined the job ({they} did not reach meshfit.connect within "
+            f"{init_timeout:g} s; {env.INIT_TIMEOUT})")
+
+
+class _Watch:
+    """The launcher's view of its processes' status files (meshfit.parallel.heartbeat).
+
+    `poll()` says why the job must be stopped: processes that never joined (INIT_TIMEOUT plus
+    GRACE_SECONDS after the first began joining, should their peers not give up by themselves),
+    or a job without progress for `stall_timeout` seconds (0: never) since the first step.
+    """
+
+    def __init__(self, directory: str, processes: int, init_timeout: float, stall_timeout: float):
+        self.directory, self.processes = directory, processes
+        self.init_timeout, self.stall_timeout = init_timeout, stall_timeout
+        self.first_joined: float | None = None  # when the first process began joining
+        self.progress: dict[int, tuple[int, int]] = {}  # (steps started, reports) of each process
+        self.last_progress: float | None = None  # when any process last progressed, once armed
+
+    def missing(self) -> list[int]:
+        """The processes that never began joining while others did (else [])."""
+        joined = heartbeat.joined(self.directory)
+        return sorted(set(range(self.processes)) - joined) if joined else []
+
+    def poll(self, now: float) -> str | None:
+        """A reason to stop the job now, or None."""
+        missing = self.missing()
+        if missing and self.first_joined is None:
+            self.first_joined = now
+        if missing and now - self.first_joined > self.init_timeout + GRACE_SECONDS:
+            return never_joined(missing, self.processes, self.init_timeout)
+        found = heartbeat.progress(self.directory)
+        progress = {i: counts[:2] for i, counts in found.items()}
+        armed = self.last_progress is not None or any(c[2] > 1 for c in found.values())
+        if armed and progress != self.progress:  # from a second dispatch: the first compiled
+            self.last_progress = now
+        self.progress = progress
+        if self.stall_timeout and self.last_progress is not None and \
+                now - self.last_progress > self.stall_timeout:
+            return self.hung()
+        return None
+
+    def hung(self) -> str:
+        """Which process hung: the one furthest behind (fewest steps, then fewest reports)."""
+        counts = {i: self.progress.get(i, (0, 0)) for i in range(self.processes)}
+        lowest = min(counts.values())
+        behind = [i for i, c in counts.items() if c == lowest]
+        still = f"no process made progress for {self.stall_timeout:g} s ({env.STALL_TIMEOUT})"
+        if self.processes == 1:
+            return f"process 0 of 1 hung after starting {lowest[0]} training steps: {still}"
+        if len(behind) > 1:
+            return (f"the job hung: {still}, and processes {', '.join(map(str, behind))} stopped at "
+                    f"the same point (after starting {lowest[0]} training steps), so which one hung "
+                    "is not known")
+        most = max(c[0] for i, c in counts.items() if i != behind[0])
+        others = f"the others started {most}" if most > lowest[0] else "the others as many, but got further"
+        return (f"process {behind[0]} of {self.processes} hung after starting {lowest[0]} training "
+                f"steps ({others}): {still}")
+
+
+def diagnosis(lines: Sequence[str]) -> str:
+    """What JAX's fatal messages in a process's last lines say went wrong ("" when none do).
+
+    JAX ends every process with SIGABRT when its coordinator finds a silent process (heartbeats
+    stopped) or when not all processes join in time; the silent ones are listed one a line.
+    """
+    lines = list(lines)
+    for i, line in enumerate(lines):
+        if "stopped sending heartbeats" in line:
+            silent = []
+            for after in lines[i + 1:]:
+                if not after.strip().isdigit():
+                    break
+                silent.append(after.strip())
+            who = f"process(es) {', '.join(silent)}" if silent else "a process"
+            seconds = os.environ.get(env.HEARTBEAT_TIMEOUT, "60")
+            return (f" because {who} sent no heartbeat for {seconds} s ({env.HEARTBEAT_TIMEOUT}; "
+                    "stopped, hung or on a lost host)")
+        if "RegisterTask" in line:
+            seconds = os.environ.get(env.INIT_TIMEOUT, str(INIT_TIMEOUT_SECONDS))
+            return f" because not every process joined within {seconds} s ({env.INIT_TIMEOUT})"
+    return ""
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _interrupts_ignored() -> Iterator[None]:
+    """While inside, Ctrl-C, SIGTERM and SIGHUP cannot cut the launcher's last clean-up short."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            previous[signum] = signal.signal(signum, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _finish(processes: list[_Process]) -> None:
+    """Wait (briefly) until every output line of the processes is printed."""
+    for p in processes:
+        for pump in p.pumps:
+            pump.join(timeout=5)

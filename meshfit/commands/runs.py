@@ -1,0 +1,188 @@
+"""`meshfit runs [DIR ...]`: a table of run directories, their progress, accuracy and speed.
+
+A directory holding config.json is a run; any other directory given is searched one level down
+(default: runs/). One row per run: recipe, hardware and settings, epochs done of those planned,
+test accuracy, training seconds, samples/s, MFU and status:
+  finished         metrics.json exists;
+  unfinished       killed or still training: progress from history.json or, as training writes
+                   that only at the end, the newest checkpoint's state.json;
+  unreadable: ...  a damaged or missing JSON file (the reason follows).
+`--json` prints the rows as JSON; `--plot OUT.png` draws test accuracy and loss of every run
+against training time and against epochs. Reads JSON only: no Keras, no devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from meshfit.errors import MeshfitError
+from meshfit.run.rundir import CHECKPOINT_STATE, CHECKPOINTS, CONFIG, HISTORY, METRICS, list_checkpoints
+
+_SETTINGS = ("recipe", "device_kind", "platform", "replicas", "precision", "engine")
+COLUMNS = (("run", "run"), ("recipe", "recipe"), ("device_kind", "device"), ("replicas", "x"),
+           ("precision", "precision"), ("engine", "engine"), ("epochs", "epochs"),
+           ("test_accuracy", "test acc"), ("train_seconds", "train s"),
+           ("samples_per_second", "samples/s"), ("mfu", "MFU"), ("status", "status"))
+
+
+def _read(path: str) -> Any:
+    """A JSON file's contents; ValueError naming the file when it is missing or damaged."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        reason = "missing" if isinstance(e, FileNotFoundError) else str(e).splitlines()[0]
+        raise ValueError(f"{os.path.basename(path)}: {reason}") from e
+
+
+def history(run: str) -> list[dict[str, Any]]:
+    """The run's per-epoch records: history.json, else the newest checkpoint's (else [])."""
+    if os.path.isfile(os.path.join(run, HISTORY)):
+        return list(_read(os.path.join(run, HISTORY)))
+    found = list_checkpoints(os.path.join(run, CHECKPOINTS))
+    if not found:
+        return []
+    return list(_read(os.path.join(found[-1], CHECKPOINT_STATE)).get("history") or [])
+
+
+def find_runs(paths: list[str]) -> list[str]:
+    """Run directories: each path holding config.json, else its sub-directories that do."""
+    found = []
+    for path in paths or ["runs"]:
+        if os.path.isfile(os.path.join(path, CONFIG)):
+            found.append(path)
+        elif os.path.isdir(path):
+            found += [os.path.join(path, name) for name in sorted(os.listdir(path))
+                      if os.path.isfile(os.path.join(path, name, CONFIG))]
+        else:
+            raise MeshfitError(f"{path} is not a directory; pass run directories or folders of "
+                               "them (default: runs)")
+    return found
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def summarize(run: str) -> dict[str, Any]:
+    """One row for a run directory (see the module docstring); never raises for bad JSON."""
+    row: dict[str, Any] = {"run": run, **{key: None for key, _ in COLUMNS[1:]}}
+    try:
+        _fill(row, run)
+    except (ValueError, AttributeError, TypeError) as e:  # the latter two: JSON of the wrong shape
+        row["status"] = f"unreadable: {e}"
+    return row
+
+
+def _fill(row: dict[str, Any], run: str) -> None:
+    config = _read(os.path.join(run, CONFIG))
+    row.update({key: config.get(key) for key in _SETTINGS})
+    finished = os.path.isfile(os.path.join(run, METRICS))
+    metrics = _read(os.path.join(run, METRICS)) if finished else {}
+    records = history(run)
+    source = {**config, **metrics}  # metrics.json: the settings of the last (resumed) session
+    row.update({key: source.get(key) for key in _SETTINGS})
+    seconds = sum(r.get("train_seconds") or 0.0 for r in records)
+    samples = sum(r.get("samples") or 0 for r in records)
+    last = records[-1] if records else {}
+    row.update({
+        "epochs_done": len(records), "epochs_planned": source.get("epochs"),
+        "test_accuracy": metrics.get("test_accuracy", last.get("val_accuracy")),
+        "train_seconds": metrics.get("train_seconds", seconds if records else None),
+        "samples_per_second": metrics.get("samples_per_second",
+                                          samples / seconds if seconds and samples else None),
+        "mfu": _mean([r.get("mfu") for r in records]),
+        "status": "finished" if finished else "unfinished",
+    })
+    row["epochs"] = f"{row['epochs_done']}/{row['epochs_planned'] or '?'}"
+
+
+def collect(paths: list[str]) -> list[dict[str, Any]]:
+    """One row per run found under `paths` (default ["runs"]), in path order."""
+    return [summarize(run) for run in find_runs(paths)]
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key == "test_accuracy":
+        return f"{value:.2%}"
+    if key == "mfu":
+        return f"{value:.1%}"
+    if key == "train_seconds":
+        return f"{value:,.1f}"
+    if key == "samples_per_second":
+        return f"{value:,.0f}"
+    return str(value)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as plain text columns, numbers right-aligned; "-" where unknown."""
+    if not rows:
+        return "no runs found"
+    cells = [[title for _, title in COLUMNS]] + [[_cell(k, row.get(k)) for k, _ in COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    right = {"replicas", "epochs", "test_accuracy", "train_seconds", "samples_per_second", "mfu"}
+    lines = ["  ".join(text.rjust(w) if key in right else text.ljust(w)
+                       for (key, _), text, w in zip(COLUMNS, line, widths)).rstrip()
+             for line in cells]
+    return "\n".join(lines)
+
+
+def to_json(rows: list[dict[str, Any]]) -> str:
+    """The rows as a JSON list."""
+    return json.dumps(rows, indent=2)
+
+
+def label(row: dict[str, Any]) -> str:
+    """A run's legend label: "<recipe> <device> x<replicas> <engine>" (device: cpu or its kind)."""
+    device = "cpu" if row.get("platform") == "cpu" else (row.get("device_kind") or row.get("platform"))
+    return f"{row.get('recipe')} {device} x{row.get('replicas')} {row.get('engine')}"
+
+
+def plot(rows: list[dict[str, Any]], histories: list[list[dict[str, Any]]], path: str | None = None):
+    """The matplotlib Figure of test accuracy and loss (solid; train dashed) of each run, against
+    cumulative training seconds and against epochs, also saved as a PNG at `path` when given.
+    `histories` pairs with `rows`. A notebook cell ending with it shows the figure."""
+    from matplotlib.ticker import MaxNLocator
+
+    from meshfit.watch import figures
+
+    labels = [label(row) if records else None for row, records in zip(rows, histories)]
+    labels = [f"{text} ({os.path.basename(os.path.normpath(row['run']))})" if labels.count(text) > 1
+              else text for text, row in zip(labels, rows)]  # runs alike: told apart by folder
+    figure = figures.new(figsize=(12, 8), dpi=100, layout="constrained")
+    axes = figure.subplots(2, 2)
+    for index, (records, text) in enumerate(zip(histories, labels)):
+        if not records:
+            continue
+        color = f"C{index % 10}"
+        epochs = [r.get("epoch", i + 1) for i, r in enumerate(records)]
+        seconds, total = [], 0.0
+        for r in records:
+            total += r.get("train_seconds") or 0.0
+            seconds.append(total)
+        for row_axes, metric in zip(axes, ("accuracy", "loss")):
+            for ax, x in zip(row_axes, (seconds, epochs)):
+                for key, style, name in ((f"val_{metric}", "-", text), (metric, "--", None)):
+                    values = [r.get(key) for r in records]
+                    if any(v is not None for v in values):
+                        ax.plot(x, [float("nan") if v is None else v for v in values], style,
+                                color=color, marker="o", markersize=3, label=name)
+    for row_axes, metric in zip(axes, ("accuracy", "loss")):
+        for ax, xlabel in zip(row_axes, ("training time (s)", "epoch")):
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(f"{metric} (solid: test, dashed: train)")
+            ax.grid(alpha=0.3)
+        row_axes[1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    if any(histories):
+        axes[0][0].legend(fontsize="small")
+    if path is not None:
+        figure.savefig(path)
+    return figure
+
+
+# ------------------------------------------------------------------------------------------ CLI

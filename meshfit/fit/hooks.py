@@ -1,0 +1,220 @@
+"""What meshfit adds to Keras' own `fit`, `evaluate` and `predict` while a Strategy is active.
+
+After `meshfit.connect()` a user's unchanged Keras code runs on every device; these hooks make
+plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.fit`:
+
+- Placement (JAX, several devices, one host): a batch whose rows split across the devices is
+  sharded along its first axis, as Keras' `DataParallel` does. One that does not (an epoch's
+  last batch, a validation remainder, `predict` on 3 images, fewer samples than devices) is
+  placed whole on every device and computed there replicated, instead of failing with JAX's
+  IndivisibleError. Every sample counts exactly as on one device (no cut, no padding: see
+  meshfit.fit.sources for why padding is not exact); the price is one more compilation for that
+  shape and that batch computed on every device rather than split.
+- One program in flight (JAX, several CPU devices): XLA:CPU runs every device's part of a
+  program on one pool with a thread per device, and an all-reduce blocks its thread until every
+  device has arrived. With two collective programs in flight (say the last validation step and
+  the next train step, which do not depend on each other) the pool can fill with threads
+  waiting for parts that have no thread left, and the process aborts after 40 s ("Termination
+  timeout for 'all reduce'"). With one program at a time, at most one thread fewer than the
+  devices can wait, so one is always free. So each train, test and predict dispatch is finished
+  before the next one starts (`jax_loop.finish_dispatch`): 0 of 13 stress runs hung, against 4 of
+  5 with Keras' defaults (BENCHMARKS.md, section 2, with the cost). Real TPUs and GPUs keep
+  asynchronous dispatch.
+- `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given; in a Jupyter
+  kernel with verbose left at "auto", meshfit's live bar and Keras' one line per epoch) and, on JAX,
+  meshfit's on-device k-step loop (`meshfit.fit.jax_loop`), as `Strategy.fit` has them.
+
+`Strategy.activate` installs the hooks once per process. The placement and `fit` hooks do
+nothing unless a meshfit strategy is active (for placement, with its distribution Keras' current
+one); the dispatch wait applies wherever a step's outputs live on several CPU devices
+(`jax_loop.finish_dispatch`), so Keras behaves as usual otherwise. Imports Keras: reached only after connect().
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import warnings
+from typing import Any, Callable
+
+import keras
+
+_active = None  # the Strategy activated last, or None
+_report_off = contextvars.ContextVar("meshfit_report_off", default=False)
+_fit_batches = contextvars.ContextVar("meshfit_fit_batches", default=None)  # inside fit: rows seen
+_FUNCTIONS = ("train_function", "test_function", "predict_function")  # each made by make_<name>
+
+
+def set_active(strategy) -> None:
+    """Make `strategy` (a meshfit Strategy, or None) the one the hooks serve; install them once."""
+    global _active
+    _active = strategy
+    if strategy is not None:
+        _install()
+
+
+def active():
+    """The active meshfit Strategy, or None."""
+    return _active
+
+
+@contextlib.contextmanager
+def report_off():
+    """No per-epoch report added to `fit` inside the block (Strategy.fit(report=False))."""
+    token = _report_off.set(True)
+    try:
+        yield
+    finally:
+        _report_off.reset(token)
+
+
+def _distributed(strategy) -> bool:
+    """True when `strategy` runs JAX on several devices and its distribution is Keras' current one."""
+    return (strategy is not None and strategy.engine == "jax" and strategy.replicas > 1
+            and keras.distribution.distribution() is strategy.distribution)
+
+
+@functools.cache
+def _install() -> None:
+    trainer = next(c for c in type.mro(keras.Model) if "fit" in vars(c) and c.__module__.startswith(
+        "keras.src.backend."))  # the backend's trainer: JAXTrainer, TensorFlowTrainer, ...
+    trainer.fit = _fit_hook(trainer.fit)
+    if keras.backend.backend() != "jax":
+        return
+    from keras.src.backend.jax import distribution_lib  # Keras places every batch through it
+
+    distribution_lib.distribute_data_input = _placement_hook(distribution_lib.distribute_data_input)
+    for name in _FUNCTIONS:
+        setattr(trainer, f"make_{name}", _make_function_hook(getattr(trainer, f"make_{name}"), name))
+
+
+def _placement_hook(place: Callable) -> Callable:
+    """Keras' `distribute_data_input(batch, layout, batch_dim_name)`, replicating batches that do
+    not split across the devices (one host: on several, each process holds only its rows)."""
+
+    @functools.wraps(place)
+    def distribute_data_input(per_process_batch, layout, batch_dim_name):
+        strategy = _active
+        shape = getattr(per_process_batch, "shape", ())
+        if not shape or not _distributed(strategy) or strategy.hosts > 1:
+            return place(per_process_batch, layout, batch_dim_name)
+        splits = shape[0] % strategy.replicas == 0 and shape[0] > 0
+        _note_batch(shape[0], splits, strategy.replicas)
+        if splits:
+            return place(per_process_batch, layout, batch_dim_name)
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        sharding = getattr(layout, "backend_layout", layout)
+        return jax.device_put(per_process_batch, NamedSharding(sharding.mesh, PartitionSpec()))
+
+    return distribute_data_input
+
+
+def _note_batch(rows: int, splits: bool, replicas: int) -> None:
+    """Inside `fit`, once: warn when a batch that cannot split is as large as any before it, so
+    the batch size itself does not split (a shorter last batch is normal and needs no word)."""
+    seen = _fit_batches.get()
+    if seen is None:
+        return
+    if not splits and rows >= seen.get("largest", 0) and not seen.get("warned"):
+        seen["warned"] = True
+        warnings.warn(f"a batch of {rows} samples does not split across {replicas} devices: such "
+                      f"batches are computed whole on every device (every sample counts, but they "
+                      f"are not split); a batch size that is a multiple of {replicas} avoids it",
+                      stacklevel=2)
+    seen["largest"] = max(rows, seen.get("largest", 0))
+
+
+def _make_function_hook(make: Callable, attribute: str) -> Callable:
+    """`Trainer.make_*_function`, whose function finishes each dispatch on several CPU devices."""
+
+    @functools.wraps(make)
+    def make_function(self, force=False):
+        make(self, force)
+        function = getattr(self, attribute)
+        if function is not None and not getattr(function, "_meshfit_waits", False):
+            setattr(self, attribute, _one_in_flight(function))
+        return getattr(self, attribute)
+
+    return make_function
+
+
+def _one_in_flight(function: Callable) -> Callable:
+    """`function(state, iterator) -> (outputs, state)`, each call finished on several CPU devices."""
+    from meshfit.fit.jax_loop import finish_dispatch
+
+    def step(state, iterator):
+        outputs, state = function(state, iterator)
+        finish_dispatch(outputs)
+        return outputs, state
+
+    step._meshfit_waits = True
+    return step
+
+
+def _fit_hook(fit: Callable) -> Callable:
+    """`Trainer.fit` with the per-epoch report and the on-device loop while a Strategy is active."""
+    signature = inspect.signature(fit)
+
+    @functools.wraps(fit)
+    def hooked_fit(self, *args, **kwargs):
+        strategy = _active
+        if strategy is None:
+            return fit(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        arguments = bound.arguments
+        callbacks = arguments.get("callbacks")
+        if callbacks is None or isinstance(callbacks, (list, tuple)):  # a CallbackList stays as given
+            from meshfit.watch import progress, progress_bar
+            from meshfit.watch.report import EpochReport
+
+            callbacks, verbose = list(callbacks or []), arguments.get("verbose", "auto")
+            chief = strategy.info.process_index == 0
+            if verbose == "auto" and chief and progress.notebook():
+                # A notebook: meshfit's bar redrawn in place, and Keras' one line per epoch, rather
+                # than Keras' bar, whose carriage returns pile up in the saved output.
+                callbacks.insert(0, progress_bar.ProgressBar(_batch_size(arguments)))
+                verbose = arguments["verbose"] = 2
+            if (verbose != 0 and not _report_off.get() and chief
+                    and not any(isinstance(c, EpochReport) for c in callbacks)):
+                callbacks.append(EpochReport(batch_size=_batch_size(arguments), strategy=strategy))
+            _progress_bar_first(callbacks, verbose)
+            arguments["callbacks"] = callbacks
+        if (strategy.engine == "jax" and self.train_function is None and self.jit_compile
+                and not self.run_eagerly):
+            from meshfit.fit import jax_loop
+
+            jax_loop.install(self, self.steps_per_execution)
+        token = _fit_batches.set({})
+        try:
+            return fit(*bound.args, **bound.kwargs)
+        finally:
+            _fit_batches.reset(token)
+
+    return hooked_fit
+
+
+def _progress_bar_first(callbacks: list, verbose) -> None:
+    """Put Keras' progress bar (verbose != 0) before the first EpochReport in `callbacks`. Keras
+    appends its bar after the given callbacks, so at an epoch's end the report would print its
+    line into the middle of the bar's unfinished one; a ProgbarLogger among the callbacks is the
+    one Keras uses, so placed first it ends its line first."""
+    from meshfit.watch.report import EpochReport
+
+    first = next((i for i, c in enumerate(callbacks) if isinstance(c, EpochReport)), None)
+    if first is not None and verbose != 0 and not any(
+            isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
+        callbacks.insert(first, keras.callbacks.ProgbarLogger())
+
+
+def _batch_size(arguments: dict[str, Any]) -> int | None:
+    """The global batch of a `fit` call, where it is known (arrays: batch_size, else Keras' 32)."""
+    from meshfit.fit import sources
+
+    if arguments.get("batch_size"):
+        return arguments["batch_size"]
+    x, y = arguments.get("x"), arguments.get("y")
+    return sources.KERAS_BATCH if x is not None and sources.is_arrays(x, y) else None

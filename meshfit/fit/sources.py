@@ -1,0 +1,214 @@
+"""Data sources for `Strategy.fit`: arrays, tf.data, PyDataset, generators, Grain, each batch cut
+where it must be.
+
+On one host no cut is needed: a batch that does not split across the replicas is computed whole
+on every device (meshfit.fit.hooks). Two cases still need cutting. On several hosts each
+process feeds its own rows of every global batch, so a short batch must split across all
+devices. On TensorFlow, micro-batches need at least one sample per slice. Arrays are cut before
+`fit` (`trim_last_batch`). Every other source Keras reads (`tf.data.Dataset`,
+`keras.utils.PyDataset`, generators and other iterators, `grain.MapDataset`, `grain.IterDataset`,
+`grain.DataLoader`) goes through `SplitBatches`: Keras' own adapter for that source, with each
+batch cut as it comes. So a stream of 1,003 samples in batches of 64 trains 960 + 40 samples per
+epoch on 2 hosts of 4 devices; the 3 left out are named in one warning. On several hosts each
+cut batch is then cut again to this process's rows. `SplitBatches` also turns Keras' errors for
+sources it cannot read into one line.
+
+Why cut and not pad the short batch with zero-weight samples (which would keep one compiled
+shape and every sample): padding is exact only for the gradient. Keras counts padded rows in
+metrics that take no sample weight (`accuracy`), weights each batch's loss by its row count in
+the reported mean, and layers that mix samples (batch normalization) and custom `train_step`s
+that ignore weights would see them. Cutting keeps every figure exact. Its cost is one more
+compilation of the step for the short shape, once per `fit` (measured in BENCHMARKS.md). A
+batch smaller than the replicas (or than the micro-batches) is left out whole.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any, Callable, Sequence
+
+import keras  # this module is imported by Strategy.fit, after meshfit.connect() chose the backend
+from keras.src.trainers import data_adapters  # Keras' data adapters have no public API
+
+from meshfit.errors import MeshfitError
+
+KERAS_BATCH = 32  # the batch Keras cuts arrays into when given no batch size
+SOURCE_KINDS = ("numpy arrays", "a tf.data.Dataset", "a keras.utils.PyDataset", "a generator",
+                "a grain.MapDataset or grain.IterDataset")
+
+
+def splittable_rows(rows: int, replicas: int, slices: int = 1) -> int:
+    """Rows of a batch of `rows` that split across `replicas`: the largest multiple of them, or 0
+    when fewer than `slices` (micro-batches, one sample each at least) would remain."""
+    keep = rows - rows % replicas
+    return keep if keep >= slices else 0
+
+
+def leading_rows(data: Any) -> int | None:
+    """The first axis of the first array in `data` (an array or a tuple/list/dict of them)."""
+    leaves = [t for t in keras.tree.flatten(data) if t is not None]
+    return int(leaves[0].shape[0]) if leaves and getattr(leaves[0], "shape", None) else None
+
+
+def first_rows(data: Any, rows: int) -> Any:
+    """`data` with every array cut to its first `rows` rows (None entries stay None)."""
+    return keras.tree.map_structure(lambda t: None if t is None else t[:rows], data)
+
+
+def trim_last_batch(arrays: Sequence[Any], batch_size: int, replicas: int, slices: int = 1) -> list:
+    """Arrays (x, y, sample_weight: each an array, a dict/list of arrays, or None) shortened so
+    their last partial batch splits across `replicas` (and has at least `slices` samples), with a
+    warning saying how many samples were dropped."""
+    n = next((leading_rows(a) for a in arrays if a is not None), None)
+    rest = n % batch_size if n else 0
+    keep = n - rest + splittable_rows(rest, replicas, slices) if n else n
+    if keep == n:
+        return list(arrays)
+    into = f"{slices} micro-batches" if rest < slices else f"{replicas} replicas"
+    warnings.warn(f"dropping the last {n - keep} of {n} samples so the last batch splits into "
+                  f"{into}", stacklevel=4)  # the caller of Strategy.fit
+    return [None if a is None else first_rows(a, keep) for a in arrays]
+
+
+def is_arrays(x: Any, y: Any = None, sample_weight: Any = None) -> bool:
+    """True when Keras reads (x, y, sample_weight) as arrays sliced into batches by batch_size."""
+    return data_adapters.array_data_adapter.can_convert_arrays((x, y, sample_weight))
+
+
+def is_one_shot(source: Any) -> bool:
+    """True for a source that can be read only once (a generator or other iterator)."""
+    return isinstance(source, types.GeneratorType) or (hasattr(source, "__next__")
+                                                       and iter(source) is source)
+
+
+class SplitBatches(data_adapters.data_adapter.DataAdapter):
+    """Keras' adapter for `source`, every batch it yields cut to split across `replicas`.
+
+    slices: micro-batches per batch (TensorFlow engine); a batch needs at least that many rows.
+    per_process: on several hosts, a function cutting a global batch to this process's rows
+    (see meshfit.parallel.cluster.fit_arguments); None on one host.
+    shuffle, class_weight, steps_per_epoch: as for `model.fit`, given to Keras' adapter.
+    """
+
+    def __init__(self, source: Any, replicas: int, slices: int = 1, *, shuffle: bool = False,
+                 class_weight: dict | None = None, steps_per_epoch: int | None = None):
+        if is_one_shot(source) and not isinstance(source, types.GeneratorType):
+            source = (batch for batch in source)  # Keras takes generators, not other iterators
+        try:
+            self.inner = data_adapters.get_data_adapter(source, shuffle=shuffle, class_weight=class_weight,
+                                                        steps_per_epoch=steps_per_epoch)
+        except ValueError as e:
+            message = " ".join(str(e).split())
+            if message.startswith("Unrecognized data type"):
+                message = (f"Strategy.fit cannot read a {type(source).__name__}; pass "
+                           f"{', '.join(SOURCE_KINDS[:-1])} or {SOURCE_KINDS[-1]}")
+            raise MeshfitError(message) from None
+        self.replicas, self.slices = replicas, slices
+        self.per_process: Callable[[Any], Any] | None = None
+        self.left_out = 0  # samples of the last cut batch that were left out (0: none so far)
+
+    def split(self, batch: Any) -> Any | None:
+        """`batch` cut to split across the replicas (then to this process's rows); None to skip it."""
+        rows = leading_rows(batch)
+        keep = rows if rows is None else splittable_rows(rows, self.replicas, self.slices)
+        if keep != rows:
+            if not self.left_out:
+                into = f"{self.replicas} replicas" if rows % self.replicas else f"{self.slices} micro-batches"
+                warnings.warn(f"a batch of {rows} samples does not split across {into}: using "
+                              f"{keep} of them (each epoch)", stacklevel=2)
+            self.left_out = rows - keep
+            if not keep:
+                return None
+            batch = first_rows(batch, keep)
+        return self.per_process(batch) if self.per_process else batch
+
+    def _split_all(self, batches):
+        for batch in batches:
+            batch = self.split(batch)
+            if batch is not None:
+                yield batch
+
+    def get_numpy_iterator(self):
+        return self._split_all(self.inner.get_numpy_iterator())
+
+    def get_jax_iterator(self):
+        return self._split_all(self.inner.get_jax_iterator())
+
+    def get_tf_dataset(self):
+        """Keras' dataset: TensorFlow runs one replica, so only micro-batches need a cut, which
+        goes through `split` on the host (numpy) to warn like the other engines."""
+        dataset = self.inner.get_tf_dataset()
+        if self.slices == 1:
+            return dataset
+        import tensorflow as tf
+
+        spec = tf.nest.map_structure(lambda s: tf.TensorSpec((None, *s.shape[1:]), s.dtype),
+                                     dataset.element_spec)
+        return tf.data.Dataset.from_generator(self.get_numpy_iterator, output_signature=spec)
+
+    def get_torch_dataloader(self):
+        return self.inner.get_torch_dataloader()
+
+    num_batches = property(lambda self: self.inner.num_batches)
+    batch_size = property(lambda self: self.inner.batch_size)
+    has_partial_batch = property(lambda self: self.inner.has_partial_batch)
+    partial_batch_size = property(lambda self: self.inner.partial_batch_size)
+
+    def on_epoch_begin(self):
+        self.inner.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.inner.on_epoch_end()
+
+
+def prepare(x: Any, y: Any, batch_size: int | None, replicas: int, slices: int, epochs: int,
+            kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """`Strategy.fit`'s (x, y, kwargs) with every batch splittable across `replicas`.
+
+    Arrays (with batch_size) lose the samples their last batch cannot split; any other source is
+    wrapped in SplitBatches, which cuts its batches as they come. validation_data likewise.
+    A generator, read only once, needs steps_per_epoch to train more than one epoch.
+    """
+    kwargs = dict(kwargs)
+    if kwargs.get("validation_split") and kwargs.get("validation_data") is None and is_arrays(
+            x, y, kwargs.get("sample_weight")):
+        # Split first, as Keras' fit does, so that only the training part is cut.
+        from keras.src.trainers.data_adapters import array_slicing
+
+        (x, y, weights), kwargs["validation_data"] = array_slicing.train_validation_split(
+            (x, y, kwargs.get("sample_weight")), validation_split=kwargs.pop("validation_split"))
+        if weights is not None:
+            kwargs["sample_weight"] = weights
+    validation = kwargs.get("validation_data")
+    if is_arrays(x, y, kwargs.get("sample_weight")):
+        if batch_size is not None:
+            x, y, weights = trim_last_batch([x, y, kwargs.get("sample_weight")], batch_size, replicas,
+                                            slices)
+            if weights is not None:
+                kwargs["sample_weight"] = weights
+    elif x is not None:
+        _check_rereadable(x, "steps_per_epoch", kwargs.get("steps_per_epoch"), epochs, kwargs)
+        if y is not None or kwargs.get("sample_weight") is not None:
+            raise MeshfitError(f"a {type(x).__name__} carries its own targets and weights: yield "
+                               f"(x, y) or (x, y, sample_weight) batches and pass no y or sample_weight")
+        shuffle = kwargs.pop("shuffle", True)  # Keras shuffles only a PyDataset's batch order
+        x = SplitBatches(x, replicas, slices, class_weight=kwargs.pop("class_weight", None),
+                         shuffle=shuffle and isinstance(x, keras.utils.PyDataset),
+                         steps_per_epoch=kwargs.get("steps_per_epoch"))
+    if isinstance(validation, (tuple, list)) and is_arrays(*validation):
+        validation_batch = kwargs.get("validation_batch_size") or batch_size or KERAS_BATCH
+        kwargs["validation_data"] = tuple(trim_last_batch(list(validation), validation_batch, replicas))
+    elif validation is not None:
+        _check_rereadable(validation, "validation_steps", kwargs.get("validation_steps"), epochs, kwargs)
+        kwargs["validation_data"] = SplitBatches(validation, replicas)
+    return x, y, kwargs
+
+
+def _check_rereadable(source: Any, steps_name: str, steps: int | None, epochs: int,
+                      kwargs: dict[str, Any]) -> None:
+    """A one-shot source without a step count must not be asked for a second epoch."""
+    if is_one_shot(source) and not steps and epochs - kwargs.get("initial_epoch", 0) > 1:
+        raise MeshfitError(f"a {type(source).__name__} can be read only once, so Keras cannot find "
+                           f"its epochs' ends: pass {steps_name} (with a generator that yields that "
+                           f"many batches per epoch), use epochs=1, or use a keras.utils.PyDataset")

@@ -1,0 +1,487 @@
+"""Joining a multi-host job: the same program runs once per host (or per GPU) and JAX joins them.
+
+`join()` runs inside `meshfit.connect()`, before JAX starts its backends. It calls
+`jax.distributed.initialize` only when the environment describes a job of two or more processes:
+
+- `MESHFIT_COORDINATOR` (host:port of process 0), `MESHFIT_NUM_PROCESSES`, `MESHFIT_PROCESS_ID`
+  and optionally `MESHFIT_LOCAL_DEVICE_IDS` (e.g. "0" for one GPU per process), as set by
+  `meshfit launch` or by hand;
+- otherwise the environments JAX itself detects: Cloud TPU pod slices (GCE or GKE), SLURM,
+  Open MPI (`mpirun`) and Kubernetes (with `pip install jax[k8s]`).
+
+A plain single-host run finds neither and starts at once. `MESHFIT_NUM_PROCESSES=1` turns the
+detection off. Joining waits at most `MESHFIT_INIT_TIMEOUT` seconds (default 300) for all processes,
+and a process that stops sending heartbeats for `MESHFIT_HEARTBEAT_TIMEOUT` seconds (default 60)
+makes the others stop with an error, so a dead peer cannot hang the job.
+
+Process 0 runs JAX's coordinator, an unauthenticated gRPC service. It listens on
+`MESHFIT_COORDINATOR_BIND` (host:port) when set; else, when `MESHFIT_COORDINATOR` is a loopback
+address (as under `meshfit launch`), on that address only, with gloo's collectives on the loopback
+too; else where JAX puts it: `$JAX_COORDINATOR_BIND_ADDRESS`, or every interface on the
+coordinator's port. On a real cluster set it to the private interface, e.g. 10.0.0.1:1234.
+
+In the job every process passes the same global data or batches: `fit_arguments()` (used by
+`Strategy.fit`) cuts them to each process's rows, `predict()` gathers outputs that Keras' predict
+cannot, `barrier()` lines the processes up.
+A process that fails leaves at once (`exit_failed()`), so its peers are not left waiting for it.
+Under `meshfit launch`, `join()` leaves a marker for the launcher (meshfit.parallel.heartbeat), which
+then names a process that never arrived.
+`Vote` lets the processes agree on a number (e.g. "stop, on this signal") without a host sync.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import ipaddress
+import os
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from meshfit import env
+from meshfit.parallel import heartbeat
+from meshfit.errors import MeshfitError
+
+SHUTDOWN_TIMEOUT_SECONDS = 300  # how long finished processes wait at exit for the slowest one
+
+
+@dataclass(frozen=True)
+class Job:
+    """A multi-process job as the environment describes it.
+
+    source: where it was found ("MESHFIT_* variables" or a JAX cluster name, e.g. "SlurmCluster").
+    For a detected cluster, coordinator/process_id/local_device_ids stay None: JAX fills them in.
+    """
+
+    source: str
+    num_processes: int
+    coordinator: str | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+
+
+def _seconds_env(name: str, default: int, environ) -> int:
+    value = env.read_int(name, environ)
+    if value is not None and value < 1:
+        raise MeshfitError(f"{name} must be at least 1 second, got {value}")
+    return default if value is None else value
+
+
+def job_from_variables(environ=os.environ) -> Job | None:
+    """The job that the MESHFIT_* variables describe; None when they describe no multi-process job."""
+    coordinator = environ.get(env.COORDINATOR, "").strip()
+    count = env.read_int(env.NUM_PROCESSES, environ)
+    process_id = env.read_int(env.PROCESS_ID, environ)
+    if not coordinator:
+        if count is not None and count > 1:
+            raise MeshfitError(f"{env.NUM_PROCESSES}={count} but {env.COORDINATOR} is not set; "
+                               f"set it to host:port of process 0 on every process")
+        return None
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise MeshfitError(f"{env.COORDINATOR}={coordinator!r} is not host:port; "
+                           "set it to process 0's address and a free port, e.g. 10.0.0.1:1234")
+    if count is None or process_id is None:
+        missing = env.NUM_PROCESSES if count is None else env.PROCESS_ID
+        raise MeshfitError(f"{env.COORDINATOR} is set but {missing} is not; set "
+                           f"{env.NUM_PROCESSES} (processes in the job) and {env.PROCESS_ID} "
+                           f"(0 .. {env.NUM_PROCESSES}-1) on every process")
+    if count < 1 or process_id >= count:
+        raise MeshfitError(f"{env.PROCESS_ID}={process_id} is not below {env.NUM_PROCESSES}={count}; "
+                           f"number the processes 0 .. {max(count, 1) - 1}")
+    ids = environ.get(env.LOCAL_DEVICE_IDS, "").strip()
+    try:
+        local_ids = tuple(int(i) for i in ids.split(",")) if ids else None
+    except ValueError:
+        raise MeshfitError(f"{env.LOCAL_DEVICE_IDS}={ids!r} is not a comma-separated list of "
+                           "device numbers; set it to e.g. 0 or 0,1") from None
+    if count == 1:
+        return None
+    return Job("MESHFIT_* variables", count, coordinator, process_id, local_ids)
+
+
+def detected_cluster() -> Job | None:
+    """A job of two or more processes found by JAX's own cluster detectors, else None.
+
+    Uses the detectors `jax.distributed.initialize()` uses (Cloud TPU, SLURM, Open MPI,
+    Kubernetes), skipping opt-in ones (mpi4py). Importing JAX starts no backend.
+    """
+    try:
+        from jax._src import clusters  # the detectors behind jax.distributed.initialize()
+    except ImportError:
+        return None
+    for kind in clusters.ClusterEnv._cluster_types:
+        if kind.opt_in_only_method:
+            continue
+        try:
+            with warnings.catch_warnings():  # e.g. "Kubernetes detected but `kubernetes` missing"
+                warnings.simplefilter("ignore")
+                if not kind.is_env_present():
+                    continue
+                count = int(kind.get_process_count())
+        except Exception as e:  # a half-configured environment: say so, run on this host
+            warnings.warn(f"found a {kind.__name__} environment but could not read it ({e}); "
+                          f"running as one process (set {env.COORDINATOR} etc. to join a job)")
+            continue
+        if count > 1:
+            return Job(kind.__name__, count)
+    return None
+
+
+def describe_job(environ=os.environ) -> Job | None:
+    """The multi-process job this process belongs to, or None for a single-process run."""
+    if env.read_int(env.NUM_PROCESSES, environ) == 1:
+        return None
+    return job_from_variables(environ) or detected_cluster()
+
+
+def jax_started() -> bool:
+    """True once JAX has created its backends (device count and platform are then fixed)."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def join(environ=os.environ) -> Job | None:
+    """Join the job the environment describes (before JAX's backends start); None if there is none."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        return None  # the program joined the job itself
+    job = describe_job(environ)
+    if job is None:
+        return None
+    if jax_started():
+        raise MeshfitError(f"cannot join the {job.num_processes}-process job ({job.source}): JAX "
+                           "already started; call meshfit.connect() before anything else uses JAX")
+    init_timeout = _seconds_env(env.INIT_TIMEOUT, 300, environ)
+    heartbeat.joining(job.process_id)  # under meshfit launch: tells the launcher this one arrived
+    if job.coordinator and job.process_id != 0 and not _reachable(job.coordinator, init_timeout):
+        raise MeshfitError(
+            f"cannot reach the coordinator {job.coordinator} within {init_timeout} s (this is process "
+            f"{job.process_id} of {job.num_processes}); start process 0 with the same "
+            f"{env.COORDINATOR}, check the address and firewall, or raise {env.INIT_TIMEOUT}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU hosts
+    explicit = job.coordinator is not None  # else JAX reads the detected cluster's settings
+    bind = bind_address(job.coordinator, environ)
+    if job.coordinator and is_loopback(job.coordinator):
+        _gloo_on_loopback()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=job.coordinator, num_processes=job.num_processes if explicit else None,
+            process_id=job.process_id,
+            local_device_ids=list(job.local_device_ids) if job.local_device_ids else None,
+            initialization_timeout=init_timeout,
+            heartbeat_timeout_seconds=_seconds_env(env.HEARTBEAT_TIMEOUT, 60, environ),
+            shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS, coordinator_bind_address=bind)
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        where = f" at {job.coordinator}" if explicit else ""
+        raise MeshfitError(
+            f"could not join the {job.num_processes}-process job ({job.source}){where}: {reason}; "
+            f"start every process with the same coordinator and process count") from None
+    sys.excepthook = functools.partial(_exit_after_traceback, sys.excepthook)
+    return job
+
+
+def is_loopback(address: str) -> bool:
+    """True when host:port names this machine only (localhost, 127.x.x.x, ::1)."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_address(coordinator: str | None, environ=os.environ) -> str | None:
+    """host:port process 0's coordinator listens on; None leaves it to JAX (every interface).
+
+    MESHFIT_COORDINATOR_BIND when set; else a loopback coordinator address itself.
+    """
+    bind = environ.get(env.COORDINATOR_BIND, "").strip()
+    if bind:
+        host, _, port = bind.rpartition(":")
+        if not host or not port.isdigit():
+            raise MeshfitError(f"{env.COORDINATOR_BIND}={bind!r} is not host:port; set it to the "
+                               "address process 0 listens on, e.g. 10.0.0.1:1234")
+        return bind
+    return coordinator if coordinator and is_loopback(coordinator) else None
+
+
+def _gloo_on_loopback() -> None:
+    """Make gloo's collectives listen on 127.0.0.1 rather than on this host name's address.
+
+    JAX creates them without a host name (jax._src.xla_bridge); this wraps that one call.
+    """
+    from jax._src.lib import _jax
+
+    make = getattr(_jax, "make_gloo_tcp_collectives", None)
+    if make is None or isinstance(make, functools.partial):
+        return
+    _jax.make_gloo_tcp_collectives = functools.partial(make, hostname="127.0.0.1")
+
+
+def _reachable(address: str, timeout: float) -> bool:
+    """True once a TCP connection to host:port succeeds, False after `timeout` seconds of trying.
+
+    JAX aborts the whole process when it cannot reach the coordinator; this check comes first so
+    that a wrong address or a missing process 0 is a one-line error instead.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+def exit_failed(code: int) -> None:
+    """End this process at once with `code` if it is part of a multi-process job, else return.
+
+    At a normal exit JAX waits (up to SHUTDOWN_TIMEOUT_SECONDS) until every process reaches its
+    exit; a failed process must not, since the others may be waiting for it in a collective and
+    both would hang. Leaving at once lets a launcher, or JAX's heartbeat check, stop the others.
+    """
+    if "jax" not in sys.modules:
+        return
+    import jax
+
+    if not jax.distributed.is_initialized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _exit_after_traceback(previous_hook, kind, value, traceback) -> None:
+    previous_hook(kind, value, traceback)
+    exit_failed(1)
+
+
+class Vote:
+    """The processes agree on a number without waiting for each other at every call.
+
+    Every process calls `cast(value)` at the same points of the program (like any collective);
+    each call starts a max-reduction of the values over all processes on the devices and returns,
+    without waiting, the result of the call `lag` calls before (0 for the first ones), which is
+    the same on every process. `settle()` waits for the reductions under way. Used to stop every
+    process of a job at the same step when only one was signalled (meshfit.run.checkpoints).
+    """
+
+    def __init__(self, lag: int = 1):
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        devices = jax.devices()
+        mesh = Mesh(np.array(devices), ("all",))
+        self._sharding = NamedSharding(mesh, PartitionSpec("all"))
+        self._shape = (len(devices),)
+        self._local = np.ones(jax.local_device_count(), np.int32)
+        self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
+        self._pending: collections.deque = collections.deque()
+        self.lag = lag
+
+    def cast(self, value: int) -> int:
+        """Start the vote on `value`; the maximum of the vote `lag` calls ago, or 0."""
+        import jax
+
+        votes = jax.make_array_from_process_local_data(self._sharding, self._local * value, self._shape)
+        self._pending.append(self._max(votes))
+        return _read_int(self._pending.popleft()) if len(self._pending) > self.lag else 0
+
+    def settle(self) -> int:
+        """Wait for the votes under way; the largest of their maxima (0 when none)."""
+        result = 0
+        while self._pending:
+            result = max(result, _read_int(self._pending.popleft()))
+        return result
+
+
+def _read_int(array) -> int:
+    """A replicated scalar jax.Array as an int (this process's copy)."""
+    import numpy as np
+
+    return int(np.asarray(array.addressable_data(0)))
+
+
+def agree_on_seed() -> int:
+    """Give Keras the same random seed on every process (process 0's), so weights start equal.
+
+    Keeps a seed already set on process 0; otherwise process 0 draws one. Call after `join()`.
+    """
+    import keras
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from keras.src.utils import rng_utils  # Keras has no public getter for the global seed
+
+    seed = rng_utils.get_random_seed()
+    if seed is None:
+        seed = int(np.random.default_rng().integers(0, 2**31 - 1))
+    seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))
+    keras.utils.set_random_seed(seed)
+    return seed
+
+
+def local_rows(samples: int, global_batch: int, devices: Sequence[Any], process_index: int):
+    """Indices of the rows this process feeds: its devices' slices of every global batch.
+
+    Global batch k is rows [k*B, (k+1)*B); device i of the data-parallel mesh takes slice i of B/D
+    rows, and a process feeds the slices of its own devices, in mesh order (the order
+    `jax.make_array_from_process_local_data` places them in). So all processes together feed
+    exactly the batches one process would. A last partial batch is split the same way when it
+    divides by the D devices; otherwise it is dropped with a warning.
+    """
+    import numpy as np
+
+    mine = [i for i, d in enumerate(devices) if d.process_index == process_index]
+    if global_batch % len(devices):
+        raise MeshfitError(f"global batch {global_batch} does not split across {len(devices)} "
+                           f"devices; use a multiple of {len(devices)}")
+    full = samples // global_batch * global_batch
+    rows = np.arange(full).reshape(-1, len(devices), global_batch // len(devices))[:, mine].ravel()
+    tail = samples - full
+    if tail % len(devices):
+        warnings.warn(f"the last {tail} samples are left out: a batch of {tail} does not split "
+                      f"across {len(devices)} devices on {len({d.process_index for d in devices})} hosts")
+    elif tail:
+        rows = np.concatenate([rows, full + np.arange(tail).reshape(len(devices), -1)[mine].ravel()])
+    return rows
+
+
+def local_batch(batch: Any, devices: Sequence[Any], process_index: int) -> Any:
+    """This process's part of one global batch (a pytree of arrays): what Keras' multi-process input takes.
+
+    A cross-host jax.Array (e.g. made on the devices by meshfit.data.arrays) becomes its host-local
+    part without a copy; a host array (the same on every process) is cut to this process's rows.
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    def part(array):
+        if isinstance(array, jax.Array) and not array.is_fully_addressable:
+            sharding = array.sharding
+            return multihost_utils.global_array_to_host_local_array(array, sharding.mesh, sharding.spec)
+        array = np.asarray(array)
+        return array[local_rows(len(array), len(array), devices, process_index)]
+
+    return jax.tree.map(part, batch)
+
+
+def fit_arguments(strategy, x, y, batch_size: int | None, kwargs: dict[str, Any]):
+    """`Strategy.fit`'s (x, y, batch_size, kwargs) cut to this process's share of every global batch.
+
+    Arrays with a global batch_size: each process keeps its rows of every batch and fits with its
+    per-process batch. A stream of global batches (a meshfit.fit.sources.SplitBatches, as
+    Strategy.fit wraps tf.data, PyDataset, generators, ...; or a plain iterator, with
+    steps_per_epoch): each batch is cut as it comes, unless the source has `process_local = True`
+    (it yields this process's rows already). validation_data is cut like x and y.
+    """
+    from meshfit.fit.sources import SplitBatches
+
+    devices, index = strategy.info.devices, strategy.info.process_index
+    kwargs = dict(kwargs)
+    if getattr(x, "process_local", False):  # a source that already reads only this process's rows
+        return (batch for batch in x), y, batch_size, kwargs  # Keras takes Python generators only
+    cut = functools.partial(local_batch, devices=devices, process_index=index)
+    validation = kwargs.get("validation_data")
+    if isinstance(validation, SplitBatches):
+        validation.per_process = cut
+    elif validation is not None:
+        validation_batch = kwargs.get("validation_batch_size") or batch_size
+        if validation_batch is None:
+            raise MeshfitError("on several hosts validation arrays need a global batch: pass "
+                               "validation_batch_size, or validation_data of the same kind as x")
+        validation, local_validation = share(list(validation), validation_batch, devices, index)
+        kwargs["validation_data"] = tuple(validation)
+        if kwargs.get("validation_batch_size"):
+            kwargs["validation_batch_size"] = local_validation
+    if isinstance(x, SplitBatches):
+        x.per_process = cut
+        return x, y, None, kwargs
+    if batch_size is None:
+        if y is not None or hasattr(x, "shape"):
+            raise MeshfitError("on several hosts Strategy.fit takes arrays with batch_size (the global "
+                               "batch), or an iterator of global batches with steps_per_epoch")
+        return (cut(b) for b in x), None, None, kwargs
+    (x, y, weights), local = share([x, y, kwargs.get("sample_weight")], batch_size, devices, index)
+    if weights is not None:
+        kwargs["sample_weight"] = weights
+    return x, y, local, kwargs
+
+
+def share(arrays: Sequence[Any], global_batch: int, devices: Sequence[Any], process_index: int):
+    """(this process's rows of each array, per-process batch size); None entries stay None."""
+    import numpy as np
+
+    samples = len(next(a for a in arrays if a is not None))
+    rows = local_rows(samples, global_batch, devices, process_index)
+    mine = sum(d.process_index == process_index for d in devices)
+    per_process = global_batch // len(devices) * mine
+    return [None if a is None else np.asarray(a)[rows] for a in arrays], per_process
+
+
+def multi_process() -> bool:
+    """True in a process that joined a job of two or more processes."""
+    if "jax" not in sys.modules:
+        return False
+    import jax
+
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of the job reaches the barrier `name` (no-op in a single process)."""
+    if multi_process():
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def predict(model, batches: Iterable[Any]):
+    """Model outputs for every global batch of `batches`, gathered on every process (numpy).
+
+    Keras' `model.predict` cannot collect outputs that live on several hosts, so this runs the
+    model's inference call jitted on each global batch (a cross-host jax.Array, or a host array
+    that is the same on every process; `(x,)` tuples are unwrapped) and gathers each result.
+    """
+    import jax
+    import keras
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if hasattr(model, "jax_state_sync"):
+        model.jax_state_sync()  # variables hold the newest values (fit keeps them apart)
+    distribution = keras.distribution.distribution()
+
+    def to_global(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x
+        x = np.asarray(x)
+        layout = distribution.get_data_layout(x.shape).backend_layout
+        return jax.make_array_from_callback(x.shape, layout, lambda index: x[index])
+
+    call = jax.jit(lambda trainable, other, x: model.stateless_call(trainable, other, x)[0])
+    trainable = [v.value for v in model.trainable_variables]
+    other = [v.value for v in model.non_trainable_variables]
+    outputs = []
+    for batch in batches:
+        heartbeat.advance()  # progress for meshfit launch's watchdog, before the batch may wait
+        x = batch[0] if isinstance(batch, tuple) and len(batch) == 1 else batch
+        result = call(trainable, other, jax.tree.map(to_global, x))
+        outputs.append(multihost_utils.process_allgather(result, tiled=True))
+    return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)

@@ -1,0 +1,137 @@
+"""Device discovery: which accelerator is here, how many cores, how many hosts.
+
+JAX is imported inside the functions, never at module import, because simulated devices
+(`--xla_force_host_platform_device_count`) must be configured before JAX starts its backends.
+"""
+
+from __future__ import annotations
+
+import os
+import platform as _platform
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshfit.parallel import cluster
+from meshfit import env
+from meshfit.errors import MeshfitError
+
+_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What was found: platform ('tpu', 'gpu' or 'cpu'), device kind and the device layout."""
+
+    platform: str
+    device_kind: str
+    devices_per_host: int
+    hosts: int
+    process_index: int
+    compute_capability: str | None = None
+    simulated: bool = False
+    devices: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def device_count(self) -> int:
+        """Devices in use over all hosts."""
+        return self.devices_per_host * self.hosts
+
+
+MAX_SIMULATED = 1024  # JAX takes minutes to start with a million CPU devices
+
+
+def simulate_devices(count: int) -> None:
+    """Make JAX show `count` CPU devices standing in for accelerator cores.
+
+    Must run before JAX starts; afterwards it only succeeds if JAX already has exactly
+    `count` CPU devices.
+    """
+    if not 1 <= count <= MAX_SIMULATED:
+        raise MeshfitError(f"--simulate-devices must be at least 1 and at most {MAX_SIMULATED}, "
+                           f"got {count}")
+    if cluster.jax_started():
+        import jax
+
+        have = jax.local_devices()  # this process's: a job of several has more in jax.devices()
+        if have[0].platform == "cpu" and len(have) == count:
+            return
+        from meshfit.watch import progress
+
+        where = ("restart the kernel and call" if progress.notebook() else
+                 f"set {env.SIMULATE_DEVICES}={count} before starting Python, or call")
+        raise MeshfitError(
+            f"cannot simulate {count} devices: JAX already started with {len(have)} "
+            f"{have[0].platform} device(s) in this process; {where} "
+            f"meshfit.connect(simulate={count}) before anything else uses JAX"
+        )
+    flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={count}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def memory_bytes(info: DeviceInfo, asked: int | None = None) -> int | None:
+    """Bytes of memory of one device: `asked` (--device-memory), else the device's own
+    `memory_stats()['bytes_limit']` (TPUs and GPUs), else None (CPUs)."""
+    if asked is not None:
+        return asked
+    try:
+        stats = info.devices[0].memory_stats() if info.devices else None
+        limit = (stats or {}).get("bytes_limit")
+        return int(limit) if limit else None
+    except Exception:  # a backend without memory statistics
+        return None
+
+
+def requested_simulation(simulate: int | None) -> int | None:
+    """The simulated device count asked for by argument, else by $MESHFIT_SIMULATE_DEVICES."""
+    if simulate is not None:
+        return simulate
+    return env.read_int(env.SIMULATE_DEVICES, example=8)
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name, e.g. 'AMD EPYC 7B13', from /proc/cpuinfo where available."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _platform.processor() or _platform.machine() or "cpu"
+
+
+def discover(simulate: int | None = None, require: str | None = None) -> DeviceInfo:
+    """Find the devices JAX sees (TPU before GPU before CPU) and describe them."""
+    simulate = requested_simulation(simulate)
+    if simulate is not None:
+        simulate_devices(simulate)
+    cluster.join()  # a multi-host job must be joined before JAX starts its backends
+    import jax
+
+    devices = tuple(jax.devices())
+    first = devices[0]
+    platform = first.platform.lower()
+    if platform in ("cuda", "rocm"):
+        platform = "gpu"
+    if require is not None:
+        require = require.lower()
+        if require not in ("tpu", "gpu", "cpu"):
+            raise MeshfitError(f"unknown platform {require!r} for require; use tpu, gpu or cpu")
+        if platform != require:
+            raise MeshfitError(
+                f"no {require.upper()} found (JAX sees {len(devices)} {platform} device(s)); "
+                f"attach a {require.upper()} runtime and install meshfit[{'tpu' if require == 'tpu' else 'cuda'}]"
+            )
+    kind = cpu_model() if platform == "cpu" else first.device_kind
+    return DeviceInfo(
+        platform=platform,
+        device_kind=kind,
+        devices_per_host=jax.local_device_count(),
+        hosts=jax.process_count(),
+        process_index=jax.process_index(),
+        compute_capability=getattr(first, "compute_capability", None),
+        simulated=simulate is not None,
+        devices=devices,
+    )

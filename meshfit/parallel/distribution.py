@@ -1,0 +1,263 @@
+"""`connect()` and `Strategy`: one model on every device, each taking 1/N of a batch.
+
+On JAX this is Keras' own `keras.distribution.DataParallel` over a `jax.sharding` mesh: variables
+are replicated, every global batch is split along its first axis, and XLA inserts the gradient
+all-reduce. With sharding="fsdp" the large variables are sharded over the same devices instead
+(meshfit.parallel.sharding). Nothing here writes a collective by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from typing import Any, Iterator
+
+from meshfit.parallel import devices as devices_lib
+from meshfit.parallel import engine as engine_lib
+from meshfit.parallel import planning
+from meshfit.parallel import sharding as sharding_lib
+
+
+class Strategy:
+    """The devices in use, the engine and precision chosen, the batch plan and the sharding.
+
+    sharding: 'data' (replicated variables), 'fsdp' (large variables sharded, see
+    meshfit.parallel.sharding) or 'auto' (data-parallel until a memory plan picks: see `with_sharding`).
+    fsdp_min_bytes: under fsdp, variables smaller than this stay replicated.
+    device_memory: bytes per device to plan with (None: the device's own figure, where known).
+    layout_map: optional keras.distribution.LayoutMap whose entries win over the fsdp rule.
+    """
+
+    def __init__(self, info: devices_lib.DeviceInfo, engine: str, precision: str,
+                 sharding: str | None = "data", fsdp_min_bytes: int = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
+                 device_memory: int | None = None, layout_map=None):
+        self.info = info
+        self.engine = engine
+        self.precision = precision
+        self.per_core_multiple = planning.batch_multiple(info.platform, info.device_kind)
+        self.sharding_asked = sharding_lib.check_mode(sharding)
+        self.fsdp_min_bytes = fsdp_min_bytes
+        self.device_memory = device_memory
+        self.layout_map = layout_map
+        self.sharding = "data" if self.sharding_asked == "auto" else self.sharding_asked
+        self._distribution = None
+        distributed = engine == "jax" and len(info.devices) > 1
+        if self.sharding == "fsdp" and not distributed:
+            warnings.warn("sharding fsdp needs several devices on the JAX engine; with "
+                          f"{len(info.devices)} device(s) on {engine} every variable is whole on "
+                          "each device (data-parallel)", stacklevel=2)
+            self.sharding = "data"
+        if distributed:
+            # Multi-host: each process feeds its own rows of every batch (see fit), no auto-sharding.
+            # One device needs no distribution; Keras' distributed input path would cost ~0.3 ms/step.
+            self._distribution = sharding_lib.distribution(list(info.devices), self.sharding,
+                                                           fsdp_min_bytes, layout_map)
+
+    def with_sharding(self, sharding: str) -> "Strategy":
+        """This strategy on the same devices with another sharding ('data' or 'fsdp'), e.g. the
+        one a memory plan chose for 'auto'; activate it before building the model."""
+        chosen = Strategy(self.info, self.engine, self.precision, sharding, self.fsdp_min_bytes,
+                          self.device_memory, self.layout_map)
+        chosen.sharding_asked = self.sharding_asked
+        return chosen
+
+    platform = property(lambda self: self.info.platform, doc="'tpu', 'gpu' or 'cpu'.")
+    device_kind = property(lambda self: self.info.device_kind, doc="e.g. 'TPU v4' or the CPU model.")
+    hosts = property(lambda self: self.info.hosts, doc="Processes (hosts) in the job.")
+    distribution = property(lambda self: self._distribution,
+                            doc="The Keras distribution (JAX on several devices), else None.")
+
+    @property
+    def replicas(self) -> int:
+        """Model replicas: every device on every host under JAX, one under other engines."""
+        return self.info.device_count if self.engine == "jax" else 1
+
+    @property
+    def peak_flops(self) -> float | None:
+        """Peak FLOP/s of all replicas together at this precision, None where unknown."""
+        peak = planning.peak_flops(self.platform, self.device_kind, self.precision)
+        return peak * self.replicas if peak else None
+
+    def activate(self) -> None:
+        """Make this strategy's distribution and precision the global Keras ones, and this the
+        strategy plain `model.fit`/`evaluate`/`predict` run under (see meshfit.fit.hooks)."""
+        import keras
+
+        from meshfit.fit import hooks
+
+        keras.config.set_dtype_policy(planning.keras_policy(self.precision))
+        if self.engine == "jax":
+            keras.distribution.set_distribution(self._distribution)  # None on one device
+        hooks.set_active(self)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["Strategy"]:
+        """Create and compile models inside this scope to replicate them on every device; the
+        Keras distribution and dtype policy in force before are restored on exit."""
+        import keras
+
+        from meshfit.fit import hooks
+
+        policy, distribution = keras.config.dtype_policy(), keras.distribution.distribution()
+        strategy = hooks.active()
+        self.activate()
+        try:
+            yield self
+        finally:
+            keras.config.set_dtype_policy(policy)
+            if self.engine == "jax":
+                keras.distribution.set_distribution(distribution)
+            hooks.set_active(strategy)
+
+    def global_batch(self, per_core: int, rounding: bool = True) -> int:
+        """Global batch for `per_core` samples per core, rounded to the hardware multiple."""
+        return planning.plan_global_batch(self.replicas, self.platform, self.device_kind,
+                                          per_core_batch=per_core, rounding=rounding)
+
+    def check_batch(self, global_batch: int, rounding: bool = True) -> int:
+        """`global_batch` checked to split evenly across the replicas (rounded up if allowed)."""
+        return planning.split_global_batch(global_batch, self.replicas, rounding)
+
+    def describe(self) -> dict[str, Any]:
+        """The discovery report as plain data (what `meshfit info --json` prints)."""
+        return {
+            "platform": self.platform,
+            "device_kind": self.device_kind,
+            "devices_per_host": self.info.devices_per_host,
+            "hosts": self.hosts,
+            "process_index": self.info.process_index,
+            "replicas": self.replicas,
+            "simulated": self.info.simulated,
+            "engine": self.engine,
+            "precision": self.precision,
+            "keras_policy": planning.keras_policy(self.precision),
+            "per_core_batch_multiple": self.per_core_multiple,
+            "peak_flops": self.peak_flops,
+            "sharding": self.sharding,
+            "sharding_asked": self.sharding_asked,
+            "fsdp_min_bytes": self.fsdp_min_bytes,
+            "device_memory": devices_lib.memory_bytes(self.info, self.device_memory),
+        }
+
+    def report(self) -> str:
+        """The discovery report as text (see meshfit.watch.report.discovery_text)."""
+        from meshfit.watch.report import discovery_text
+
+        return discovery_text(self.describe())
+
+    def fit(self, model, x=None, y=None, *, batch_size: int | None = None, epochs: int = 1,
+            callbacks: list | None = None, verbose: int = 0, report: bool = True,
+            micro_batches: int | str = "auto", **kwargs):
+        """`model.fit` under this strategy, with the global batch checked and the report on.
+
+        Plain `model.fit` after `connect()` already runs on every replica with the per-epoch
+        report (see meshfit.fit.hooks); this adds: `batch_size` (the global batch) checked to
+        split across the replicas, the report even with verbose=0 (report=False: none), and
+        micro-batches on TensorFlow (slices each batch's gradient is summed over; 'auto':
+        cache-sized on a CPU; 1: whole batches; with slices, every batch needs at least that
+        many samples, and a shorter one is cut with a warning).
+        x: numpy arrays, or any source Keras reads yielding (x, y) or (x, y, sample_weight) global
+        batches: a tf.data.Dataset, a keras.utils.PyDataset, a generator or other iterator, a
+        grain.MapDataset / IterDataset; validation_data likewise. On one host a batch that does
+        not split across the replicas is computed whole on every device (exact); on several
+        hosts, where each process feeds its own rows, it is cut to the largest multiple of the
+        replicas with one warning (see meshfit.fit.sources). A generator (read only once) trains one
+        epoch unless steps_per_epoch is given.
+        """
+        from meshfit.fit import hooks, sources, tf_microbatch
+        from meshfit.watch.report import EpochReport
+
+        callbacks = list(callbacks or [])
+        slices = tf_microbatch.choose(model, batch_size, micro_batches, self.engine)
+        if batch_size is not None:
+            batch_size = self.check_batch(batch_size)
+        if report and self.info.process_index == 0 and not any(isinstance(c, EpochReport) for c in callbacks):
+            callbacks.append(EpochReport(batch_size=batch_size, strategy=self))
+        if self.engine == "tensorflow" and tf_microbatch.installed(model) != slices:
+            tf_microbatch.install(model, slices)
+        with self.scope(), warnings.catch_warnings(), (
+                contextlib.nullcontext() if report else hooks.report_off()):
+            if not (self.hosts > 1 and getattr(x, "process_local", False)):  # else it yields its own rows
+                cut_to = self.replicas if self.hosts > 1 else 1  # one host: the placement copes
+                x, y, kwargs = sources.prepare(x, y, batch_size, cut_to, slices, epochs, kwargs)
+            if self.hosts > 1:  # each process feeds its own rows of every global batch
+                from meshfit.parallel import cluster
+
+                x, y, batch_size, kwargs = cluster.fit_arguments(self, x, y, batch_size, kwargs)
+            if (isinstance(x, sources.SplitBatches) and not kwargs.get("steps_per_epoch")) or (
+                    isinstance(kwargs.get("validation_data"), sources.SplitBatches)
+                    and not kwargs.get("validation_steps")):
+                # The source's end is the epoch's end; Keras warns there all the same.
+                warnings.filterwarnings("ignore", message="Your input ran out of data")
+            return model.fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
+                             verbose=verbose, **kwargs)
+
+
+@contextlib.contextmanager
+def without_distribution() -> Iterator[None]:
+    """No Keras distribution inside the block (the previous one is restored on exit).
+
+    For host-local Keras work on one process: saving a model under the multi-host mesh would
+    create cross-host variables and wait for processes that are not saving; CPU inference and
+    export want plain single-device variables.
+    """
+    import keras
+
+    active = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(active)
+
+
+def start_engine(simulate: int | None, engine: str | None,
+                 require: str | None) -> tuple[devices_lib.DeviceInfo, str]:
+    """Find the devices and import Keras with the engine for them; returns (devices, engine).
+
+    `connect()` starts with it; a recipe file is run only after it, so that a file importing
+    keras at its top gets the backend its run uses (Keras fixes it at its first import).
+    """
+    info = devices_lib.discover(simulate=simulate, require=require)
+    chosen = engine_lib.choose(engine, info.platform, info.device_count)
+    engine_lib.activate(chosen)
+    return info, chosen
+
+
+def connect(require: str | None = None, simulate: int | None = None, precision: str = "auto",
+            engine: str | None = None, verbose: bool = True, sharding: str | None = "auto",
+            fsdp_min_bytes: int | str = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
+            device_memory: int | str | None = None, layout_map=None) -> Strategy:
+    """Find the devices, pick engine and precision, print what was found, return the Strategy.
+
+    require: 'tpu' or 'gpu' to fail unless that platform is present.
+    simulate: run on this many JAX CPU devices (also $MESHFIT_SIMULATE_DEVICES).
+    precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32).
+    engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
+    sharding: 'auto', 'data' or 'fsdp' (see meshfit.parallel.sharding). 'auto' is data-parallel here;
+      `meshfit train` plans the model's memory and switches to fsdp when the replicated step
+      does not fit (Python: `strategy.with_sharding(meshfit.parallel.memory_plan.plan(...)["choice"])`).
+    fsdp_min_bytes: under fsdp, floating-point variables of at least this size ('1MiB', bytes)
+      are sharded. device_memory: bytes per device to plan with ('16GB'; default: the device's).
+    layout_map: a keras.distribution.LayoutMap whose entries win over the fsdp rule.
+    """
+    planning.precision_name(precision)  # reject unknown names before any slow work
+    sharding_lib.check_mode(sharding)
+    fsdp_min_bytes = sharding_lib.parse_size(fsdp_min_bytes, "--fsdp-min-size")
+    device_memory = sharding_lib.parse_size(device_memory)
+    info, chosen = start_engine(simulate, engine, require)
+    if info.hosts > 1:
+        from meshfit.parallel import cluster
+
+        cluster.agree_on_seed()  # the same initial weights on every host
+    strategy = Strategy(info, chosen, planning.resolve_precision(precision, info.platform,
+                                                                 info.compute_capability),
+                        sharding, fsdp_min_bytes, device_memory, layout_map)
+    strategy.activate()
+    if verbose and info.process_index == 0:
+        print(strategy.report(), flush=True)
+        hint = engine_lib.hint_faster_engine(chosen, info.platform, info.device_count)
+        if hint:
+            print(f"  note: {hint}", file=sys.stderr)
+    return strategy

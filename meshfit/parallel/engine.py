@@ -1,0 +1,162 @@
+"""Engine choice: which Keras backend runs the model.
+
+Keras fixes its backend when it is first imported, so the choice is made here, before that
+import. Multi-device and accelerator work runs on JAX; a single CPU device runs on TensorFlow when
+it is installed: Keras/TF trained the tutorial CNNs 3-7x faster than Keras/JAX on our CPUs
+(XLA:CPU convolutions are slow; `meshfit bench` measures it, see BENCHMARKS.md).
+
+TensorFlow settings, measured with the tutorial CNNs on a 2-core Xeon with AVX-512/AMX (Keras
+3.15.1, TF 2.21; preliminary, busy machine): oneDNN kernels on (TF's default on x86; off was 2-4x
+slower), no XLA (`jit_compile=True` was 3-7x slower and compiled for 5-20 s; Keras' "auto" already
+turns XLA off on CPU-only machines), and TF's own thread pools (intra- and inter-op threads = cores;
+other settings were within noise), so `activate` keeps those defaults and only pins oneDNN on.
+It also computes the bias gradient of convolutions apart from their filter gradient (see
+meshfit.fit.tf_bias_gradient).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+import tempfile
+import warnings
+
+from meshfit import env
+from meshfit.errors import MeshfitError
+
+ENGINES = ("auto", "jax", "tensorflow")
+_MULTI_DEVICE_ENGINES = ("jax",)
+ONEDNN = "TF_ENABLE_ONEDNN_OPTS"  # TensorFlow reads it once, when it is imported
+# Lines TensorFlow's C++ code writes to stderr while it loads, whatever TF_CPP_MIN_LOG_LEVEL says
+# (twice, once per shared library): dropped, every other line is passed on.
+_LOAD_NOTICES = (b"All log messages before absl::InitializeLog() is called",
+                 b"oneDNN custom operations are on")
+
+
+@contextlib.contextmanager
+def _load_notices_dropped():
+    """Capture file descriptor 2 for the block, then write back all but TensorFlow's load notices."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().splitlines(keepends=True)
+            kept = b"".join(line for line in lines if not any(n in line for n in _LOAD_NOTICES))
+            if kept:
+                os.write(2, kept)
+
+
+def installed(module: str) -> bool:
+    """True when the module (an engine's framework, onnxruntime, ...) can be imported."""
+    return importlib.util.find_spec(module) is not None
+
+
+def loaded_backend() -> str | None:
+    """The backend of an already imported Keras, else None."""
+    if "keras" not in sys.modules:
+        return None
+    import keras
+
+    return keras.backend.backend()
+
+
+def fastest(platform: str, device_count: int) -> str:
+    """The fastest installed engine for these devices: TensorFlow on one CPU device, else JAX."""
+    if platform == "cpu" and device_count == 1 and installed("tensorflow"):
+        return "tensorflow"
+    return "jax"
+
+
+def choose(requested: str | None, platform: str, device_count: int) -> str:
+    """The engine to run: the requested one, or for 'auto' the fastest for these devices."""
+    requested = (requested or os.environ.get(env.ENGINE) or "auto").lower()
+    if requested not in ENGINES:
+        raise MeshfitError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}")
+    loaded = loaded_backend()
+    if requested == "auto":
+        chosen = loaded or os.environ.get("KERAS_BACKEND") or fastest(platform, device_count)
+        # Never a one-CPU engine on several devices or an accelerator (1 replica, silently).
+        if chosen not in _MULTI_DEVICE_ENGINES and (device_count > 1 or platform != "cpu"):
+            why = (f"Keras was already imported with the {chosen} backend" if loaded else
+                   f"KERAS_BACKEND={chosen} is set")
+            fix = (_restart_fix("jax") if loaded else
+                   "let meshfit choose the engine: unset KERAS_BACKEND or set KERAS_BACKEND=jax")
+            raise MeshfitError(f"{why}, which trains on one CPU device in meshfit, but "
+                               f"{device_count} {platform} device(s) are in use; {fix}")
+        return chosen
+    if loaded and loaded != requested:
+        raise MeshfitError(
+            f"too late to switch to engine {requested}: Keras was already imported with the "
+            f"{loaded} backend; {_restart_fix(requested)}"
+        )
+    if requested not in _MULTI_DEVICE_ENGINES and (device_count > 1 or platform != "cpu"):
+        raise MeshfitError(
+            f"engine {requested} runs on one CPU device in meshfit, but {device_count} {platform} "
+            f"device(s) are in use; use --engine jax"
+        )
+    if not installed(requested):
+        raise MeshfitError(f"engine {requested} is not installed; pip install {_PACKAGES[requested]}")
+    return requested
+
+
+_PACKAGES = {"jax": "jax", "tensorflow": "tensorflow-cpu"}
+
+
+def _restart_fix(backend: str) -> str:
+    """How to get Keras on `backend` once it was imported with another: a new process (in a
+    notebook, a restarted kernel) that imports meshfit first or sets KERAS_BACKEND."""
+    from meshfit.watch import progress
+
+    if progress.notebook():
+        return (f"restart the kernel (Colab: Runtime > Restart session), then run `import meshfit` "
+                f"and meshfit.connect() before `import keras`, or set "
+                f"os.environ['KERAS_BACKEND'] = '{backend}' before importing keras")
+    return (f"import meshfit and call meshfit.connect() before importing keras, or set "
+            f"KERAS_BACKEND={backend}")
+
+
+def activate(engine: str):
+    """Import Keras with `engine` as its backend and return the keras module."""
+    os.environ["KERAS_BACKEND"] = engine
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
+    if engine == "tensorflow":
+        if "tensorflow" in sys.modules and ONEDNN not in os.environ:
+            warnings.warn("TensorFlow was imported before meshfit, with its own oneDNN default (off "
+                          "on CPUs without VNNI/AMX): kernels, speed and rounding may differ from "
+                          "the meshfit command line, so a run resumed there is not bit-identical; "
+                          f"import meshfit first or set {ONEDNN}=1", stacklevel=3)
+        os.environ.setdefault(ONEDNN, "1")  # oneDNN kernels: 2-4x faster CNNs on x86
+    loading_tensorflow = engine == "tensorflow" and "tensorflow" not in sys.modules
+    with _load_notices_dropped() if loading_tensorflow else contextlib.nullcontext():
+        import keras
+
+    if keras.backend.backend() != engine:
+        raise MeshfitError(
+            f"too late to switch to engine {engine}: Keras already runs on {keras.backend.backend()}"
+        )
+    if engine == "tensorflow":
+        from meshfit.fit import tf_bias_gradient
+
+        tf_bias_gradient.install()
+    return keras
+
+
+_hinted = False
+
+
+def hint_faster_engine(engine: str, platform: str, device_count: int) -> str | None:
+    """A one-line hint, once per process, when a faster engine for this machine is an install away."""
+    global _hinted
+    if _hinted or engine != "jax" or platform != "cpu" or device_count != 1 or installed("tensorflow"):
+        return None
+    _hinted = True
+    return "on a single CPU Keras/TensorFlow trains these CNNs 3-7x faster: pip install 'meshfit[cpu]'"

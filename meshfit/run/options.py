@@ -1,0 +1,154 @@
+"""The settings of a training run, one frozen TrainOptions: one name, one default, one check each.
+
+`meshfit train` builds it from its flags (each field with a help text is a flag, added by
+add_flags and read back by from_args), Python builds it from train()'s keywords, and the run
+carries it unchanged. None means "not given": the recipe's value, or on --resume the run's.
+What was trained is recorded in config.json by meshfit.run.spec.RunSpec.
+
+Adding a training setting: a field here (its help text makes the flag), a RunSpec field when
+config.json records it, and its use in meshfit.run.train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshfit.errors import MeshfitError
+from meshfit.parallel import planning, sharding
+from meshfit.run import spec
+
+
+def _setting(default: Any, help: str | None = None, **flag: Any) -> Any:
+    """A field; with `help` it is also a flag of `meshfit train` (argparse keywords in `flag`;
+    `negated=True` makes a True-by-default setting the flag --no-NAME)."""
+    return field(default=default, metadata={"help": help, **flag})
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """Every setting of a training run (the recipe aside), checked when made.
+
+    See the help text of each field (`meshfit train --help`); callbacks, verbose and command are
+    for Python callers and the CLI itself.
+    """
+
+    validation_split: float | None = _setting(
+        None, "hold out this share of the training data for the per-epoch val_* metrics "
+              "(default: 0.2 with --data, else the recipe's)", type=float, metavar="F")
+    epochs: int | None = _setting(None, "epochs (default: the recipe's)", type=int, metavar="N")
+    steps_per_epoch: int | None = _setting(
+        None, "train steps per epoch (default: the recipe's, or one pass over the data)",
+        type=int, metavar="N")
+    batch_size: int | None = _setting(
+        None, "global batch over all replicas (default: the recipe's)", type=int, metavar="GLOBAL")
+    data_dir: str | None = _setting(None, "where the dataset is (see meshfit.data.datasets)",
+                                    metavar="DIR")
+    out: str | None = _setting(None, "the run directory (default: runs/<recipe>-<time>)",
+                               metavar="DIR")
+    seed: int | None = _setting(None, "random seed (default: 0)", type=int, metavar="S")
+    resume: str | None = _setting(None, "continue a run from its newest checkpoint",
+                                  metavar="RUN_DIR")
+    checkpoint_every: str | int | None = _setting(
+        None, "steps (200), time (60s, 5m), 'epoch' or 'off' (default: "
+              f"{spec.DEFAULT_CHECKPOINT_EVERY}); epoch ends are always saved unless 'off'",
+        metavar="EVERY")
+    keep_checkpoints: int | None = _setting(
+        None, f"keep the newest K checkpoints (default: {spec.DEFAULT_KEEP_CHECKPOINTS})",
+        type=int, metavar="K")
+    steps_per_dispatch: int | None = _setting(
+        None, "train steps per call into the devices, one compiled loop (default: up to "
+              f"{planning.AUTO_STEPS_PER_DISPATCH} on a GPU or TPU, 1 on a CPU)",
+        type=int, metavar="K")
+    micro_batches: int | str | None = _setting(
+        None, "sum each batch's gradient over K slices, for cache locality on a CPU (default: "
+              "cache-sized on the TensorFlow engine; 1 = whole batches)", type=int, metavar="K")
+    batch_rounding: bool = _setting(
+        True, "fail instead of rounding a batch that does not split across replicas", negated=True)
+    tensorboard: bool = _setting(True, "write no TensorBoard logs (default: RUN/tensorboard)",
+                                 negated=True)
+    log_every: int = _setting(10, "TensorBoard training scalars every N steps (default: 10)",
+                              type=int, metavar="N")
+    profile: str | None = _setting(
+        None, "trace train steps START to STOP with the engine's profiler into RUN/tensorboard "
+              "(view in TensorBoard's profile tab or Perfetto)", metavar="START:STOP")
+    simulate_devices: int | None = _setting(
+        None, "run on N JAX CPU devices standing in for accelerator cores", type=int, metavar="N")
+    precision: str = _setting("auto", "auto, float32, bfloat16 or float16 (default: auto)")
+    engine: str | None = _setting(None, "Keras backend: auto, jax or tensorflow (default: auto)")
+    require: str | None = _setting(None, "fail unless this platform is present",
+                                   choices=("tpu", "gpu", "cpu"))
+    sharding: str | None = _setting(
+        None, "auto, data or fsdp: variables replicated (data) or the large ones sharded over the "
+              "devices (fsdp); auto: fsdp only when the replicated step does not fit the device "
+              "memory (default: auto; on --resume the run's)", metavar="S")
+    fsdp_min_size: int | str | None = _setting(
+        None, "with fsdp: shard floating-point variables of at least SIZE (default: 1MiB; on "
+              "--resume the run's)", metavar="SIZE")
+    device_memory: int | str | None = _setting(
+        None, "memory of one device to plan with, e.g. 48MB or 16GB (default: the device's own "
+              "figure on TPUs and GPUs; unknown on CPUs)", metavar="SIZE")
+    callbacks: list | None = _setting(None)  # extra Keras callbacks for fit
+    verbose: bool = _setting(True)  # print the devices, the start line and the result
+    command: str | None = _setting(None)  # the command line to record (default: the Python call)
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "keep_checkpoints", "steps_per_epoch", "log_every"):
+            at_least_one(name, getattr(self, name))
+        check_fraction("validation_split", self.validation_split)
+        object.__setattr__(self, "precision", planning.precision_name(self.precision))
+        spec.check_seed(self.seed)
+        spec.parse_every(self.checkpoint_every)
+        spec.profiling_steps(self.profile)
+        if self.steps_per_dispatch is not None:
+            planning.check_steps_per_dispatch(self.steps_per_dispatch)
+        if self.micro_batches not in (None, "auto"):
+            planning.check_micro_batches(self.micro_batches)
+        sharding.check_mode(self.sharding)
+        sharding.parse_size(self.fsdp_min_size, "--fsdp-min-size")
+        sharding.parse_size(self.device_memory)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **changes: Any) -> "TrainOptions":
+        """The options of parsed flags (each flag's field read by its name), with `changes` on top."""
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                 if f.metadata.get("help") and hasattr(args, f.name)}
+        return cls(**{**given, **changes})
+
+    def given(self) -> dict[str, Any]:
+        """The settings that differ from their defaults, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default}
+
+
+def flag(name: str) -> str:
+    """The command-line flag of setting `name`: --NAME with dashes (--no-NAME when negated)."""
+    negated = TrainOptions.__dataclass_fields__[name].metadata.get("negated")
+    return f"--{'no-' if negated else ''}{name.replace('_', '-')}"
+
+
+def add_flags(parser: argparse.ArgumentParser, *names: str) -> None:
+    """Add the flags of settings `names` (default: every setting with a help text), in field order."""
+    for f in dataclasses.fields(TrainOptions):
+        keywords = dict(f.metadata)
+        if keywords.get("help") is None or (names and f.name not in names):
+            continue
+        if keywords.pop("negated", False):
+            keywords["action"] = "store_false"
+        else:
+            keywords["default"] = f.default
+        parser.add_argument(flag(f.name), dest=f.name, **keywords)
+
+
+def at_least_one(name: str, value: int | None) -> None:
+    """A MeshfitError naming the flag unless `value` is None or at least 1."""
+    if value is not None and value < 1:
+        raise MeshfitError(f"{flag(name)} must be at least 1, got {value}")
+
+
+def check_fraction(name: str, value: float | None) -> None:
+    """A MeshfitError naming the flag unless `value` is None or in [0, 1)."""
+    if value is not None and not 0 <= value < 1:
+        raise MeshfitError(f"{flag(name)} must be at least 0 and below 1, got {value}")

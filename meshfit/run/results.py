@@ -1,0 +1,56 @@
+"""A finished run's files: model.keras, history.json, metrics.json and the training curves."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from meshfit.run import models, rundir
+from meshfit.run.evaluate import headline
+
+
+def plot_curves(history: list[dict[str, Any]], path: str, title: str,
+                evaluated_on: str = "test") -> None:
+    """Save loss and accuracy per epoch (train, and the split behind val_*) as a two-panel PNG."""
+    from matplotlib.figure import Figure
+
+    epochs = [record["epoch"] for record in history]
+    figure = Figure(figsize=(10, 4), dpi=100, layout="constrained")
+    for axes, metric in zip(figure.subplots(1, 2), ("loss", "accuracy")):
+        for key, label in ((metric, "train"), (f"val_{metric}", evaluated_on)):
+            values = [record.get(key) for record in history]
+            if any(v is not None for v in values):
+                axes.plot(epochs, [np.nan if v is None else v for v in values], marker="o", label=label)
+        axes.set_xlabel("epoch")
+        axes.set_ylabel(metric)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle(title)
+    figure.savefig(path)
+
+
+def totals(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last epoch's training loss and accuracy, and time and speed summed over all epochs."""
+    final = history[-1] if history else {}
+    train_seconds = sum(r.get("train_seconds") or 0.0 for r in history)
+    samples = sum(r.get("samples") or 0 for r in history)
+    return {"train_accuracy": final.get("accuracy"), "train_loss": final.get("loss"),
+            "train_seconds": train_seconds,
+            "compile_seconds": sum(r.get("compile_seconds") or 0.0 for r in history),
+            "samples_per_second": samples / train_seconds if train_seconds else None}
+
+
+def write_results(run: str, model, history: list, metrics: dict[str, Any]) -> None:
+    """model.keras, history.json, metrics.json and curves.png in the run directory."""
+    from meshfit.parallel.distribution import without_distribution
+
+    with rundir.atomic_path(os.path.join(run, rundir.MODEL), ".keras") as tmp:
+        with without_distribution():  # saving alone under the multi-host mesh would wait for the others
+            models.save(model, tmp)
+    rundir.write_json(os.path.join(run, rundir.HISTORY), history)
+    rundir.write_json(os.path.join(run, rundir.METRICS), metrics)
+    name, accuracy, _, _ = headline(metrics)
+    title = f"{metrics['recipe']}: {name} accuracy {accuracy:.2%}" if accuracy is not None else metrics["recipe"]
+    plot_curves(history, os.path.join(run, rundir.CURVES), title, metrics.get("evaluated_on", "test"))

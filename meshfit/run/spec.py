@@ -1,0 +1,158 @@
+"""The run specification: everything that defines a training run, frozen, saved as config.json.
+
+`meshfit train` writes it before the first step; `--resume`, `eval` and `predict` read it back,
+and metrics.json is this specification plus the results. A config.json written by an older
+meshfit reads back too: keys it lacks take their defaults, keys this version does not know
+(e.g. "started", "resumed") are kept in the file and ignored here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from meshfit.run import rundir
+from meshfit.errors import MeshfitError
+
+DEFAULT_CHECKPOINT_EVERY = "60s"
+DEFAULT_KEEP_CHECKPOINTS = 3
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What is trained (recipe and its hyperparameters), on what data, how (batch, epochs, seed,
+    precision, engine, replicas) and the checkpoint policy. Sizes are in samples and steps."""
+
+    recipe: str
+    dataset: str
+    class_names: tuple[str, ...]
+    input_shape: tuple[int, ...]
+    num_classes: int
+    epochs: int
+    steps_per_epoch: int
+    global_batch: int  # samples per step over all replicas
+    steps_per_dispatch: int  # train steps per call into the devices
+    micro_batches: int  # slices each batch's gradient is summed over (TensorFlow engine)
+    seed: int
+    precision: str  # compute precision: float32, bfloat16 or float16 (variables stay float32)
+    engine: str  # the Keras backend: jax or tensorflow
+    replicas: int
+    platform: str
+    device_kind: str
+    simulated_devices: int | None = None
+    data_dir: str | None = None
+    validation_split: float = 0.0  # share of the training data held out for val_* (0: none)
+    evaluated_on: str = "test"  # the split behind the per-epoch val_* metrics: test or validation
+    recipe_file: str | None = None  # the recipe file's copy in the run directory (recipe.py)
+    recipe_sha256: str | None = None  # of that copy, checked before it is used again
+    recipe_source: str | None = None  # where the recipe file was when the run started
+    augment: str = "none"
+    crop_padding: int = 4
+    flips: str = "random"
+    tta_flip: bool = False
+    checkpoint_every: str = DEFAULT_CHECKPOINT_EVERY
+    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    meshfit_version: str = ""
+    keras_version: str = ""
+    command: str = ""
+    sharding: str = "data"  # how variables were laid out: data (replicated) or fsdp (meshfit.parallel.sharding)
+    fsdp_min_bytes: int | None = None  # fsdp's threshold (bytes); None: the default (older runs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The specification as JSON-ready data, in field order."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "RunSpec":
+        """A specification from config.json's data (unknown keys ignored, missing optional ones
+        defaulted); `source` names the file in the error for missing required keys."""
+        fields = dataclasses.fields(cls)
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise MeshfitError(f"{source} lacks {', '.join(missing[:3])}"
+                               f"{' and more' if len(missing) > 3 else ''}; {rundir.HINT}")
+        values = {f.name: data[f.name] for f in fields if f.name in data}
+        for key in ("class_names", "input_shape"):
+            if isinstance(values.get(key), list):
+                values[key] = tuple(values[key])
+        return cls(**values)
+
+
+def read(run: str) -> tuple[RunSpec, dict[str, Any]]:
+    """The run's specification and its whole config.json (with "started" and "resumed")."""
+    config = rundir.read_config(run)
+    return RunSpec.from_dict(config, os.path.join(run, rundir.CONFIG)), config
+
+
+def check_resume(saved: RunSpec, run: str, *, recipe: str | None = None,
+                 batch_size: int | None = None, seed: int | None = None,
+                 precision: str | None = None) -> None:
+    """A MeshfitError when a setting asked for on `--resume` contradicts the saved run."""
+    from meshfit.parallel import planning
+
+    hint = f"resume without it, or start a new run instead of --resume {run}"
+    if recipe and recipe != saved.recipe:
+        raise MeshfitError(f"{run} was trained with recipe {saved.recipe}, not {recipe}; {hint}")
+    if batch_size and batch_size != saved.global_batch:
+        raise MeshfitError(f"{run} was trained with global batch {saved.global_batch}, not "
+                           f"{batch_size} (the data order depends on it); {hint}")
+    if seed is not None and seed != saved.seed:
+        raise MeshfitError(f"{run} was trained with seed {saved.seed}, not {seed}; {hint}")
+    if planning.precision_name(precision) not in ("auto", saved.precision):
+        raise MeshfitError(f"{run} was trained in {saved.precision}, not {precision}; {hint}")
+
+
+def check_seed(seed: int | None) -> int:
+    """The seed (default 0), checked to be in 0 .. 2**31-1."""
+    seed = 0 if seed is None else int(seed)
+    if not 0 <= seed < 2 ** 31:
+        raise MeshfitError(f"seed {seed} is out of range; use 0 to {2 ** 31 - 1}")
+    return seed
+
+
+def parse_every(text: str | int | None) -> tuple[int | None, float | None, bool]:
+    """`--checkpoint-every` as (every N steps, every S seconds, also at epoch ends).
+
+    "200": every 200 steps; "60s", "5m", "1h": every so many seconds, minutes, hours; "epoch":
+    only at epoch ends; "off": never (a SIGTERM/SIGINT still saves before stopping). Epoch ends
+    are saved unless "off".
+    """
+    value = str(DEFAULT_CHECKPOINT_EVERY if text is None else text).strip().lower()
+    if value in ("off", "none", "never"):
+        return None, None, False
+    if value == "epoch":
+        return None, None, True
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([smh]?)", value)
+    if not match or float(match.group(1)) <= 0 or (not match.group(2) and "." in match.group(1)):
+        raise MeshfitError(f"--checkpoint-every {text!r} is not understood; use a step count (200), "
+                           "a time (60s, 5m, 1h), 'epoch' or 'off'")
+    number, unit = match.groups()
+    if not unit:
+        return int(number), None, True
+    return None, float(number) * {"s": 1, "m": 60, "h": 3600}[unit], True
+
+
+def python_command(**kwargs: Any) -> str:
+    """How a run started from Python is recorded in `command` (unset arguments left out)."""
+    shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if v is not None)
+    return f"meshfit.run.train.train({shown})"
+
+
+def absolute(path: str | None) -> str | None:
+    """`path` made absolute (None stays None), so a run can be resumed from another directory."""
+    return os.path.abspath(path) if path else None
+
+
+def profiling_steps(text: str | None) -> tuple[int, int] | None:
+    """(START, STOP) global train steps from "START:STOP" (0 < START < STOP), or None for None."""
+    if text is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(text))
+    start, stop = (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+    if not 0 < start < stop:
+        raise MeshfitError(f"--profile {text!r} is not understood; give the first and last train "
+                           "step to trace as START:STOP with 0 < START < STOP, e.g. --profile 10:20")
+    return start, stop

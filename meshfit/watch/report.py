@@ -1,0 +1,195 @@
+"""The per-epoch report: loss and metrics, epoch time, ms/step, samples/s and MFU.
+
+MFU = FLOPs of one train step (XLA's cost analysis of the compiled step) / (step time x peak
+FLOP/s of the devices in use). Compilation (the first step's extra time) is reported apart from
+training time, and validation time is not counted as training.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import keras
+
+
+def train_step_flops(model, batch_size: int) -> float | None:
+    """FLOPs of one training step on a global batch, from XLA's cost analysis; None if unknown.
+
+    Lowers the model's own stateless `train_step` for the whole (unsharded) batch, so the count
+    covers forward, backward and optimizer update of all replicas together. JAX engine only.
+    """
+    if keras.backend.backend() != "jax" or not getattr(model, "optimizer", None):
+        return None
+    try:
+        import jax
+
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+
+        def spec(tensor, batch=False):
+            shape = tuple(tensor.shape)
+            return jax.ShapeDtypeStruct(((batch_size,) + shape[1:]) if batch else shape, tensor.dtype)
+
+        state = tuple([spec(v) for v in group] for group in (
+            model.trainable_variables, model.non_trainable_variables,
+            model.optimizer.variables, model.metrics_variables))
+        x = [spec(t, batch=True) for t in model.inputs]
+        y = [jax.ShapeDtypeStruct((batch_size,) + tuple(o.shape[1:-1]), "int32") for o in model.outputs]
+        data = (x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
+        # The lowered (not compiled) step's cost analysis: the same count without a second compile.
+        # GPUs give none before compiling (seen on an H100, JAX 0.11.2), so the step is then lowered
+        # with the CPU as default device, whose analysis counts the same operations.
+        for device in (None, jax.devices("cpu")[0]):
+            with jax.default_device(device):
+                cost = jax.jit(model.train_step).lower(state, data).cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+            flops = float((cost or {}).get("flops", 0.0))
+            if flops > 0:
+                return flops
+        return None
+    except Exception:  # a model whose step cannot be lowered this way simply gets "n/a"
+        return None
+
+
+def wait_for_device(model) -> None:
+    """Wait until the dispatched steps have finished, so clocks read real time."""
+    if keras.backend.backend() != "jax":
+        keras.ops.convert_to_numpy(model.trainable_variables[0])  # TensorFlow runs each step to the end
+        return
+    import jax
+
+    state = getattr(model, "_jax_state", None)
+    leaves = state if state else [v.value for v in model.trainable_variables[:1]]
+    jax.block_until_ready(leaves)
+
+
+def discovery_text(d: dict[str, Any]) -> str:
+    """The discovery report (Strategy.describe()'s dict) as text, like the tutorials' TPU log."""
+    sim = " (simulated on the CPU)" if d["simulated"] else ""
+    mixed = ", float32 variables" if d["precision"] != "float32" else ""
+    peak = f"{d['peak_flops'] / 1e12:.1f} TFLOP/s" if d["peak_flops"] else "n/a"
+    rows = [
+        ("platform", f"{d['platform']}{sim}"),
+        ("device kind", d["device_kind"]),
+        ("hosts", f"{d['hosts']} (this is process {d['process_index']})"),
+        ("devices per host", d["devices_per_host"]),
+        ("replicas", d["replicas"]),
+        ("engine", f"keras on {d['engine']}"),
+        ("precision", f"{d['precision']} ({d['keras_policy']}{mixed})"),
+        ("per-core batch", f"multiple of {d['per_core_batch_multiple']}"),
+        ("peak", peak),
+    ]
+    if "sharding" in d:
+        rows.append(("sharding", sharding_text(d)))
+    return "meshfit connected\n" + "\n".join(f"  {k:<17}{v}" for k, v in rows)
+
+
+def sharding_text(d: dict[str, Any]) -> str:
+    """The discovery report's sharding row: the mode and why (see meshfit.parallel.sharding)."""
+    from meshfit.parallel.sharding import format_bytes
+
+    memory = d.get("device_memory")
+    known = f"{format_bytes(memory)} per device" if memory else "device memory unknown"
+    if d["sharding_asked"] == "auto" and d["replicas"] > 1 and d["engine"] == "jax":
+        why = ("planned per model when training: fsdp if the replicated step does not fit"
+               if memory else "data-parallel (set --device-memory to plan)")
+        return f"auto ({known}): {why}"
+    if d["sharding"] == "fsdp":
+        return (f"fsdp (asked; float variables >= {format_bytes(d['fsdp_min_bytes'])} sharded over "
+                f"{d['replicas']} devices, the rest replicated; {known})")
+    why = "asked" if d["sharding_asked"] == "data" else "one replica"
+    return f"data (every variable replicated; {why}; {known})"
+
+
+def format_epoch_line(epoch: int, epochs: int, logs: dict[str, Any], stats: dict[str, Any]) -> str:
+    """One line per epoch: metrics, then time, ms/step, samples/s, MFU and compile time."""
+    metrics = " ".join(f"{k} {v:.4f}" for k, v in logs.items() if isinstance(v, (int, float)))
+    mfu = f"{stats['mfu'] * 100:.1f}%" if stats.get("mfu") is not None else "n/a"
+    sps = f"{stats['samples_per_second']:,.0f}" if stats.get("samples_per_second") else "n/a"
+    line = (f"epoch {epoch + 1}/{epochs}  {metrics}  |  {stats['train_seconds']:.2f} s  "
+            f"{stats['ms_per_step']:.1f} ms/step  {sps} samples/s  MFU {mfu}")
+    if stats.get("compile_seconds"):
+        line += f"  (+{stats['compile_seconds']:.2f} s compile)"
+    return line
+
+
+class EpochReport(keras.callbacks.Callback):
+    """Prints the per-epoch line and keeps the figures in `self.epochs` (a list of dicts).
+
+    batch_size: global samples per step, for samples/s and MFU (None: samples/s is "n/a").
+    strategy: the meshfit Strategy in use, for the devices' peak FLOP/s.
+    """
+
+    def __init__(self, batch_size: int | None = None, strategy=None, stream=None):
+        super().__init__()
+        self.batch_size = batch_size
+        self.strategy = strategy
+        self.stream = stream or sys.stdout
+        self.epochs: list[dict[str, Any]] = []
+        self.flops_per_step: float | None = None
+        self.compile_seconds = 0.0
+        self._first_step_seconds: float | None = None
+        self._compile_counted = False
+
+    def on_train_begin(self, logs=None):
+        self._first_step_seconds = None
+        self.compile_seconds = 0.0
+        self._compile_counted = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._steps = 0
+        self._start = time.perf_counter()
+        self._train_end = None
+        self._skipped = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # `batch` is the index of the call's first step, so the steps done so far (k per call with
+        # steps_per_execution). No on_train_batch_end: defining it makes Keras sync every step.
+        now = time.perf_counter()
+        self._steps = batch
+        if self._first_step_seconds is None and batch >= 1:
+            wait_for_device(self.model)  # the first call (1 step, or k with steps_per_execution) holds the compilation
+            now = time.perf_counter()
+            self._first_step_seconds = now - self._start
+            self._start = now
+            self._skipped = batch
+
+    def on_test_begin(self, logs=None):
+        if self._train_end is None and hasattr(self, "_start"):
+            wait_for_device(self.model)
+            self._train_end = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._train_end is None:
+            wait_for_device(self.model)
+            self._train_end = time.perf_counter()
+        steps = self.params.get("steps") or self._steps + 1
+        timed_steps = steps - self._skipped
+        train_seconds = self._train_end - self._start
+        step_seconds = train_seconds / max(timed_steps, 1)
+        compile_seconds = 0.0
+        if self._first_step_seconds is not None and not self._compile_counted:
+            self._compile_counted = True
+            # The first call = compilation + its ordinary step(s); count only the latter as training.
+            first = self._skipped * step_seconds
+            compile_seconds = self.compile_seconds = max(self._first_step_seconds - first, 0.0)
+            train_seconds += min(self._first_step_seconds, first)
+        self._skipped = 0
+        if self.flops_per_step is None and self.batch_size:
+            self.flops_per_step = train_step_flops(self.model, self.batch_size) or 0.0
+        peak = self.strategy.peak_flops if self.strategy is not None else None
+        stats = {
+            "epoch": epoch + 1,
+            "steps": steps,
+            "train_seconds": train_seconds,
+            "ms_per_step": 1000 * step_seconds,
+            "samples_per_second": (self.batch_size / step_seconds) if self.batch_size else None,
+            "flops_per_step": self.flops_per_step or None,
+            "mfu": (self.flops_per_step / step_seconds / peak) if (peak and self.flops_per_step) else None,
+            "compile_seconds": compile_seconds,
+        }
+        self.epochs.append(stats)
+        print(format_epoch_line(epoch, self.params.get("epochs", epoch + 1), logs or {}, stats),
+              file=self.stream, flush=True)

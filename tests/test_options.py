@@ -1,0 +1,79 @@
+"""The settings of a training run (meshfit.run.options.TrainOptions): one name, one default and
+one check each, from the flags and from Python alike, into config.json's RunSpec."""
+
+import dataclasses
+
+import pytest
+
+import meshfit
+from meshfit import cli
+from meshfit.run import spec
+from meshfit.run.options import TrainOptions
+
+
+def parsed(*argv):
+    return cli._parser("train").parse_args(["train", *argv])
+
+
+def test_flags_become_the_same_options_as_python_keywords():
+    args = parsed("--epochs", "2", "--batch-size", "64", "--precision", "bf16", "--seed", "7",
+                  "--simulate-devices", "8", "--no-tensorboard", "--checkpoint-every", "epoch",
+                  "--fsdp-min-size", "2MiB")
+    from_flags = TrainOptions.from_args(args)
+    from_python = TrainOptions(epochs=2, batch_size=64, precision="bfloat16", seed=7,
+                               simulate_devices=8, tensorboard=False, checkpoint_every="epoch",
+                               fsdp_min_size="2MiB")
+    assert from_flags == from_python
+    assert from_flags.precision == "bfloat16"  # an alias is named once, canonically
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        from_flags.epochs = 3
+
+
+def test_every_setting_has_one_default_on_both_routes():
+    from_flags, from_python = TrainOptions.from_args(parsed()), TrainOptions()
+    assert from_flags == from_python
+    assert from_python.given() == {}
+
+
+def test_the_settings_config_json_records_keep_their_names():
+    """A setting recorded in config.json has the RunSpec field of the same name, or is renamed in
+    exactly one known place (the batch asked for becomes the planned global batch)."""
+    recorded = {f.name for f in dataclasses.fields(spec.RunSpec)}
+    renamed = {"batch_size": "global_batch", "simulate_devices": "simulated_devices"}
+    for name in ("epochs", "steps_per_epoch", "seed", "precision", "data_dir", "validation_split",
+                 "checkpoint_every", "keep_checkpoints", "steps_per_dispatch", "micro_batches",
+                 "sharding", *renamed):
+        assert renamed.get(name, name) in recorded, name
+        assert name in TrainOptions.__dataclass_fields__
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"epochs": 0}, "--epochs must be at least 1, got 0"),
+    ({"batch_size": -1}, "--batch-size must be at least 1, got -1"),
+    ({"keep_checkpoints": 0}, "--keep-checkpoints must be at least 1"),
+    ({"log_every": 0}, "--log-every must be at least 1"),
+    ({"validation_split": 1.0}, "--validation-split must be at least 0 and below 1"),
+    ({"precision": "fp8"}, "unknown precision 'fp8'"),
+    ({"seed": -1}, "seed -1 is out of range"),
+    ({"checkpoint_every": "often"}, "--checkpoint-every 'often' is not understood"),
+    ({"profile": "5:2"}, "--profile '5:2' is not understood"),
+    ({"steps_per_dispatch": 0}, "steps per dispatch must be a whole number"),
+    ({"micro_batches": 0}, "micro-batches must be a whole number"),
+])
+def test_a_bad_setting_is_one_line_meshfit_error_when_made(settings, message):
+    with pytest.raises(meshfit.MeshfitError, match=message.replace("*", r"\*")) as caught:
+        TrainOptions(**settings)
+    assert "\n" not in str(caught.value)
+
+
+def test_an_unknown_setting_is_refused_by_train():
+    from meshfit.run.train import train
+
+    with pytest.raises(TypeError, match="epoch"):
+        train("fashion-mnist-cnn", epoch=1)
+
+
+def test_bad_flag_values_fail_in_one_line(capsys):
+    assert cli.main(["train", "--precision", "fp8"]) == 2
+    assert capsys.readouterr().err.strip() == ("meshfit: error: unknown precision 'fp8'; use one "
+                                               "of: auto, float32, bfloat16, float16")
