@@ -158,7 +158,9 @@ def test_a_checkpoint_is_committed_by_its_manifest_never_by_renaming_a_folder(st
     monkeypatch.setattr(os, "rename", no_folder_renames)
     monkeypatch.setattr(os, "replace", no_folder_renames)
     path = checkpoints.save(tmp_path, model, epoch=0, step=3, steps_per_epoch=10)
-    assert sorted(os.listdir(path)) == ["arrays.npz", "manifest.json", "state.json"]
+    # arrays/: orbax's shards (JAX), its folder marked complete by a file, not renamed either
+    assert sorted(os.listdir(path)) == ["arrays", "arrays.npz", "manifest.json", "state.json"]
+    assert "commit_success.txt" in os.listdir(os.path.join(path, "arrays"))
     checkpoints.verify(path)
     os.remove(os.path.join(path, "manifest.json"))  # a save cut short before its commit
     assert checkpoints.list_checkpoints(tmp_path) == []

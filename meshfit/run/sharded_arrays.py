@@ -2,14 +2,14 @@
 
 Each process writes only the shards it holds (one replica of a replicated array), into
 CHECKPOINT/arrays/ (OCDBT: one `ocdbt.process_N/` folder per process). `write` returns once the
-arrays are copied off the devices (sizes in bytes, times in seconds are the caller's); the files
-are written in a background thread. orbax marks its folder complete with a commit file, never a
-folder rename (object-store mounts do not rename folders atomically); meshfit's own commit is
-the checkpoint's manifest.json, written after `PendingWrite.wait` (see meshfit.run.checkpoints).
-`read` lays every array out as its target says: the shardings of the variables of the model built
-on the devices there are now, whatever device count wrote it; or numpy arrays (gathered).
+arrays are copied off the devices; the files are written in orbax's background threads. orbax
+marks its folder complete with a commit file, never a folder rename (object-store mounts do not
+rename folders atomically); meshfit's own commit is the checkpoint's manifest.json, written after
+`PendingWrite.wait` (see meshfit.run.checkpoints). `read` lays every array out as its target
+says: the shardings of the variables of the model built on the devices there are now, whatever
+device count wrote it; or numpy arrays (gathered).
 
-Imports JAX and orbax: import it only where the engine is JAX, or to read a checkpoint.
+orbax (and with it JAX) is imported on first use, not with this module.
 """
 
 from __future__ import annotations
