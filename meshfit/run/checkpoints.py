@@ -592,7 +592,8 @@ class Checkpointer(keras.callbacks.Callback):
                                        commit=self.write)
         finally:
             self.saving = False
-        if self.interrupted:
+        if self.interrupted:  # the second signal, held during begin_save
+            self.interrupted = False
             raise KeyboardInterrupt
         if wait:
             return self.wait()
