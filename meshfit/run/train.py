@@ -614,8 +614,3 @@ def score_and_write(asked: Asked, model, history: list, dataset, run_spec: RunSp
                      f"({samples} images); " if accuracy is not None else "")
             print(f"{shown}wrote {run}", flush=True)
     return metrics
-
-
-# ----------------------------------------------------------------------------------------- eval
-
-
