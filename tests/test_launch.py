@@ -57,14 +57,18 @@ def data_dir(tmp_path_factory):
     return str(root)
 
 
-@pytest.fixture(scope="module")
-def single_process_run(data_dir, tmp_path_factory):
-    """`meshfit train` for EPOCHS epochs in one process with 8 simulated devices: the reference."""
-    run = str(tmp_path_factory.mktemp("single") / "run")
-    out = run_meshfit("train", *TRAIN, "--epochs", str(EPOCHS), "--data-dir", data_dir, "--out", run,
+def train_single_process(data_dir, run, epochs):
+    """`meshfit train` for `epochs` epochs in one process with 8 simulated devices: a reference."""
+    out = run_meshfit("train", *TRAIN, "--epochs", str(epochs), "--data-dir", data_dir, "--out", run,
                       "--simulate-devices", "8", timeout=JOB_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     return run
+
+
+@pytest.fixture(scope="module")
+def single_process_run(data_dir, tmp_path_factory):
+    """The reference run of EPOCHS epochs."""
+    return train_single_process(data_dir, str(tmp_path_factory.mktemp("single") / "run"), EPOCHS)
 
 
 # ----------------------------------------------------------------------------- the job's settings
@@ -543,19 +547,21 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_run_resumes(data_
 
     newest = checkpoints.latest(os.path.join(run, "checkpoints"))
     assert checkpoints.read_state(newest)["global_step"] == int(steps[0][1])  # process 0 saved that step
-    # resumed with its kernels sharded over the 8 devices of the 2 processes (fsdp)
-    out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(EPOCHS),
+    # resumed with its kernels sharded over the 8 devices of the 2 processes (fsdp), to the end of
+    # the epoch after the stop (epoch 2 unless the stop came late), so the resume always trains
+    epochs = int(steps[0][1]) // 4 + 1  # 4 steps an epoch
+    reference = single_process_run if epochs == EPOCHS else \
+        train_single_process(data_dir, str(tmp_path / "reference"), epochs)
+    out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(epochs),
                                    "--sharding", "fsdp", "--fsdp-min-size", "10KB"),
                       timeout=JOB_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     final = checkpoints.latest(os.path.join(run, "checkpoints"))
-    if int(steps[0][1]) >= EPOCHS * 4:  # the stop came after the last step the resume trains to
-        assert final == newest  # nothing was left to train, so nothing new to save
-    else:
-        with open(os.path.join(run, "config.json")) as f:
-            assert json.load(f)["sharding"] == "fsdp"
-        assert checkpoints.read_state(final)["config"]["sharding"] == "fsdp"
-        for process in (0, 1):  # each process wrote its own shards
-            assert os.listdir(os.path.join(final, "arrays", f"ocdbt.process_{process}", "d"))
+    assert final != newest and checkpoints.read_state(final)["config"]["sharding"] == "fsdp"
+    with open(os.path.join(run, "config.json")) as f:  # a later --resume keeps fsdp
+        config = json.load(f)
+    assert config["sharding"] == "fsdp" and config["resumed"][-1]["sharding"] == "fsdp"
+    for process in (0, 1):  # each process wrote its own shards
+        assert os.listdir(os.path.join(final, "arrays", f"ocdbt.process_{process}", "d"))
     assert_same_weights(model_weights(os.path.join(run, "model.keras")),
-                        model_weights(os.path.join(single_process_run, "model.keras")))
+                        model_weights(os.path.join(reference, "model.keras")))

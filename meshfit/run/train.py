@@ -306,16 +306,19 @@ def _build_metrics(model, labels: np.ndarray, classes: int | None) -> None:
 
 def write_config(run: str, run_spec: RunSpec, saved_config: dict | None, resume_state, command: str) -> None:
     """config.json: the specification (and start time) of a new run; for a resumed run, the saved
-    one with its epochs updated and this resumption appended to "resumed"."""
+    one with its epochs, sharding and fsdp threshold updated (a later --resume keeps them) and this
+    resumption appended to "resumed"."""
     now = time.strftime("%Y-%m-%dT%H:%M:%S")
     if saved_config is None:
         config = {**run_spec.to_dict(), "started": now}
     else:
-        config = {**saved_config, "epochs": run_spec.epochs}
+        config = {**saved_config, "epochs": run_spec.epochs, "sharding": run_spec.sharding,
+                  "fsdp_min_bytes": run_spec.fsdp_min_bytes}
         config.setdefault("resumed", []).append({
             "command": command, "at": now, "checkpoint": os.path.basename(resume_state["path"]),
             "engine": run_spec.engine, "replicas": run_spec.replicas,
-            "steps_per_dispatch": run_spec.steps_per_dispatch, "micro_batches": run_spec.micro_batches})
+            "steps_per_dispatch": run_spec.steps_per_dispatch, "micro_batches": run_spec.micro_batches,
+            "sharding": run_spec.sharding})
     rundir.write_json(os.path.join(run, rundir.CONFIG), config)
 
 
