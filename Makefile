@@ -16,4 +16,4 @@ train: $(VENV)/.installed
 	$(VENV)/bin/meshfit train fashion-mnist-cnn --data-dir $(DATA)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=30  # a test file per CPU core
