@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from meshfit import env
-from meshfit.parallel import heartbeat
+from meshfit.parallel import engine, heartbeat
 from meshfit.errors import MeshfitError
 
 SHUTDOWN_TIMEOUT_SECONDS = 300  # how long finished processes wait at exit for the slowest one
@@ -323,7 +323,6 @@ def agree_on_seed() -> int:
 
     Keeps a seed already set on process 0; otherwise process 0 draws one. Call after `join()`.
     """
-    import keras
     import numpy as np
     from jax.experimental import multihost_utils
     from keras.src.utils import rng_utils  # Keras has no public getter for the global seed
@@ -332,7 +331,7 @@ def agree_on_seed() -> int:
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**31 - 1))
     seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))
-    keras.utils.set_random_seed(seed)
+    engine.set_random_seed(seed)
     return seed
 
 

@@ -55,6 +55,16 @@ def _load_notices_dropped():
                 os.write(2, kept)
 
 
+def set_random_seed(seed: int) -> None:
+    """keras.utils.set_random_seed(seed), which also seeds (and so imports) TensorFlow where it is
+    installed, on any engine: without TensorFlow's load notices on stderr."""
+    import keras
+
+    loading_tensorflow = "tensorflow" not in sys.modules and installed("tensorflow")
+    with _load_notices_dropped() if loading_tensorflow else contextlib.nullcontext():
+        keras.utils.set_random_seed(seed)
+
+
 def installed(module: str) -> bool:
     """True when the module (an engine's framework, onnxruntime, ...) can be imported."""
     return importlib.util.find_spec(module) is not None

@@ -186,9 +186,11 @@ def start_session(strategy, seed: int) -> None:
     """A fresh Keras session with this strategy active, seeded, deterministic on TensorFlow."""
     import keras
 
+    from meshfit.parallel import engine
+
     keras.backend.clear_session()
     strategy.activate()
-    keras.utils.set_random_seed(seed)
+    engine.set_random_seed(seed)
     if strategy.engine == "tensorflow":
         import tensorflow as tf
 
