@@ -166,7 +166,8 @@ def test_too_big_for_data_parallel_is_refused_then_trained_with_fsdp(strategy, w
         assert cli.main(["train", wide_recipe, *devices, "--sharding", "data", "--out", run, *MEMORY]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("meshfit: error:"), err
-        assert "per device with --sharding data" in err[0] and "a device has 4.0 MB" in err[0]
+        assert err[0].startswith("meshfit: error: out of device memory:")
+        assert "per device with --sharding data" in err[0] and "a device has 4.0 MB of memory" in err[0]
         assert "--sharding fsdp" in err[0]
         assert cli.main(["plan", wide_recipe, *devices, "--json", *MEMORY]) == 0
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

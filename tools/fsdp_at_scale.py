@@ -89,6 +89,9 @@ def main() -> int:
     parser.add_argument("--data-dir", default=os.path.join(ROOT, "..", "shared", "data"))
     parser.add_argument("--work", help="where the runs go (default: a temporary folder, removed)")
     args = parser.parse_args()
+    from meshfit.parallel import engine
+
+    engine.activate("jax")  # this process reads checkpoints and models with Keras as meshfit imports it
     work = args.work or tempfile.mkdtemp(prefix="fsdp-at-scale-")
     recipe = os.path.join(work, "wide_mlp.py")
     os.makedirs(work, exist_ok=True)
@@ -104,7 +107,7 @@ def main() -> int:
 
     out = meshfit("train", recipe, *EIGHT, *data, "--sharding", "data", "--out", f"{work}/refused")
     lines = out.stderr.strip().splitlines()
-    report("refused", out.returncode == 2 and len(lines) == 1 and "memory" in out.stderr,
+    report("refused", out.returncode == 2 and len(lines) == 1 and "out of device memory" in out.stderr,
            f"exit {out.returncode}: {out.stderr.strip()[-300:]}")
 
     whole = f"{work}/whole"

@@ -206,10 +206,11 @@ def check_fits(result: dict, mode: str) -> None:
         fix = "use a smaller --batch-size, more devices or a smaller model"
         if chosen.get("largest_per_core_batch"):
             fix = f"use at most {chosen['largest_per_core_batch']} samples per device, more devices or a smaller model"
-    raise MeshfitError(f"the model's train step needs {need} per device with --sharding {mode} "
+    raise MeshfitError(f"out of device memory: the model's train step needs {need} per device with "
+                       f"--sharding {mode} "
                        f"(weights {sharding.format_bytes(chosen['weights'])}, optimizer "
                        f"{sharding.format_bytes(chosen['optimizer'])}, step "
-                       f"{sharding.format_bytes(chosen['step_temp'])}) but a device has {have}; {fix}")
+                       f"{sharding.format_bytes(chosen['step_temp'])}) but a device has {have} of memory; {fix}")
 
 
 def summary_lines(result: dict, mode: str) -> list[str]:
