@@ -565,3 +565,27 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_run_resumes(data_
         assert os.listdir(os.path.join(final, "arrays", f"ocdbt.process_{process}", "d"))
     assert_same_weights(model_weights(os.path.join(run, "model.keras")),
                         model_weights(os.path.join(reference, "model.keras")))
+
+
+@pytest.mark.slow
+def test_a_run_of_one_process_resumes_on_two(data_dir, single_process_run, tmp_path):
+    """Epoch 1 on 1 process x 8 devices (fsdp), resumed by 2 processes x 4 devices: each process
+    reads its shards of arrays that one process wrote, and the run ends as the one-process run."""
+    run = str(tmp_path / "run")
+    out = run_meshfit("train", *TRAIN, "--epochs", "1", "--data-dir", data_dir, "--out", run,
+                      "--simulate-devices", "8", "--sharding", "fsdp", "--fsdp-min-size", "10KB",
+                      timeout=JOB_TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(EPOCHS)),
+                      timeout=JOB_TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^\[0\] resuming .* from ckpt-00000004", out.stdout, re.M), out.stdout[-3000:]
+
+    from meshfit.run import checkpoints
+
+    final = checkpoints.latest(os.path.join(run, "checkpoints"))
+    assert checkpoints.read_state(final)["global_step"] == EPOCHS * 4
+    for process in (0, 1):  # fsdp kept: each process wrote its own shards
+        assert os.listdir(os.path.join(final, "arrays", f"ocdbt.process_{process}", "d"))
+    assert_same_weights(model_weights(os.path.join(run, "model.keras")),
+                        model_weights(os.path.join(single_process_run, "model.keras")))
