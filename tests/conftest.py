@@ -7,8 +7,10 @@ Tests marked `slow` take more than about 20 s each on a 2-core CPU: `pytest -m "
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+from meshfit.parallel import devices  # noqa: E402 (light: no JAX yet)
+
+devices.simulate_devices(8)  # the device count and meshfit's other XLA flags for simulated devices
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402 (the environment above must come first)

@@ -17,6 +17,15 @@ from meshfit import env
 from meshfit.errors import MeshfitError
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
+# XLA:CPU's YNNPACK fusions, on by default in jaxlib 0.9.2 to 0.10.x (at least), compute wrong
+# gradients in some programs whose weights are sharded: a 784-1024-1024-10 MLP under fsdp on 8
+# simulated devices got gradients 2e-3 off in its first step (widths 256-1024 and inputs of 512 to
+# 1024 were exact), data parallelism was exact, and without these fusions fsdp is exact too.
+# Turning them off costs a data-parallel CNN about 8% (BENCHMARKS.md, section 2b). The flag is set
+# only for simulated devices (the engine of fsdp on CPUs) and only where XLA knows it (an unknown
+# flag aborts the process): jaxlib 0.9.2 and later.
+_NO_YNN_FUSIONS = "--xla_cpu_experimental_ynn_fusion_type="
+_NO_YNN_FUSIONS_SINCE = (0, 9, 2)
 
 
 @dataclass(frozen=True)
@@ -66,8 +75,20 @@ def simulate_devices(count: int) -> None:
             f"meshfit.connect(simulate={count}) before anything else uses JAX"
         )
     flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
+    if _NO_YNN_FUSIONS.rstrip("=") not in flags and _jaxlib_version() >= _NO_YNN_FUSIONS_SINCE:
+        flags = f"{flags} {_NO_YNN_FUSIONS}"  # the user's own setting, if any, wins
     os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={count}".strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's version as numbers, e.g. (0, 10, 2); (0,) when unknown."""
+    from importlib import metadata
+
+    try:
+        return tuple(int(part) for part in re.findall(r"\d+", metadata.version("jaxlib"))[:3])
+    except metadata.PackageNotFoundError:
+        return (0,)
 
 
 def memory_bytes(info: DeviceInfo, asked: int | None = None) -> int | None:
