@@ -36,8 +36,8 @@ def test_eight_devices_give_the_same_weights_as_one(strategy):
     w8 = train_weights(strategy, x, y, batch=64, steps=4)
     strategy.activate()
     assert any(np.abs(a).sum() > 0 for a in w8)
-    for a, b in zip(w1, w8):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(w1, w8):  # rounding apart: the sums over the batch are split differently
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_weights_are_replicated_and_batches_sharded(strategy):
