@@ -22,8 +22,9 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 # simulated devices got gradients 2e-3 off in its first step (widths 256-1024 and inputs of 512 to
 # 1024 were exact), data parallelism was exact, and without these fusions fsdp is exact too.
 # Turning them off costs a data-parallel CNN about 8% (BENCHMARKS.md, section 2b). The flag is set
-# only for simulated devices (the engine of fsdp on CPUs) and only where XLA knows it (an unknown
-# flag aborts the process): jaxlib 0.9.2 and later.
+# only for simulated devices (by meshfit, or by the user's own XLA_FLAGS device count when JAX has
+# not started yet) and only where XLA knows it (an unknown flag aborts the process): jaxlib 0.9.2
+# and later.
 _NO_YNN_FUSIONS = "--xla_cpu_experimental_ynn_fusion_type="
 _NO_YNN_FUSIONS_SINCE = (0, 9, 2)
 
@@ -75,10 +76,16 @@ def simulate_devices(count: int) -> None:
             f"meshfit.connect(simulate={count}) before anything else uses JAX"
         )
     flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
-    if _NO_YNN_FUSIONS.rstrip("=") not in flags and _jaxlib_version() >= _NO_YNN_FUSIONS_SINCE:
-        flags = f"{flags} {_NO_YNN_FUSIONS}"  # the user's own setting, if any, wins
-    os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={count}".strip()
+    os.environ["XLA_FLAGS"] = _without_ynn_fusions(f"{flags} {_COUNT_FLAG}={count}".strip())
     os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _without_ynn_fusions(flags: str) -> str:
+    """XLA_FLAGS `flags` with YNNPACK fusions off where this jaxlib knows the flag (see
+    _NO_YNN_FUSIONS), unless `flags` sets it already (the user's own setting wins)."""
+    if _NO_YNN_FUSIONS.rstrip("=") in flags or _jaxlib_version() < _NO_YNN_FUSIONS_SINCE:
+        return flags
+    return f"{flags} {_NO_YNN_FUSIONS}".strip()
 
 
 def _jaxlib_version() -> tuple[int, ...]:
@@ -128,6 +135,8 @@ def discover(simulate: int | None = None, require: str | None = None) -> DeviceI
     simulate = requested_simulation(simulate)
     if simulate is not None:
         simulate_devices(simulate)
+    elif _COUNT_FLAG in os.environ.get("XLA_FLAGS", "") and not cluster.jax_started():
+        os.environ["XLA_FLAGS"] = _without_ynn_fusions(os.environ["XLA_FLAGS"])  # devices simulated by hand
     cluster.join()  # a multi-host job must be joined before JAX starts its backends
     import jax
 
