@@ -29,7 +29,7 @@ from meshfit.data import splits as data
 from meshfit.run import models, rundir, spec
 from meshfit.run.evaluate import evaluate_model, headline, score
 from meshfit.run.results import totals, write_results
-from meshfit.parallel import planning
+from meshfit.parallel import engine, planning
 from meshfit.errors import MeshfitError
 from meshfit.run.options import TrainOptions, at_least_one, check_fraction
 from meshfit.run.spec import RunSpec, profiling_steps
@@ -185,8 +185,6 @@ def plan(asked: Asked, strategy, dataset, stream) -> planning.Plan:
 def start_session(strategy, seed: int) -> None:
     """A fresh Keras session with this strategy active, seeded, deterministic on TensorFlow."""
     import keras
-
-    from meshfit.parallel import engine
 
     keras.backend.clear_session()
     strategy.activate()
