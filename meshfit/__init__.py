@@ -7,22 +7,64 @@ if you want meshfit to choose the Keras backend.
 """
 
 from meshfit.errors import MeshfitError
+from meshfit.parallel import engine as _engine
+from meshfit.parallel import planning as _planning
+from meshfit.parallel import sharding as _sharding
 
 __version__ = "0.1.0"
 __all__ = ["connect", "Strategy", "EpochReport", "Recipe", "MeshfitError", "__version__"]
 
 
-def __getattr__(name: str):
-    if name in ("connect", "Strategy"):
-        from meshfit.parallel import distribution
+def connect(require: str | None = None, simulate_devices: int | None = None, precision: str = "auto",
+            engine: str | None = None, verbose: bool = True, sharding: str | None = None,
+            fsdp_min_bytes: int | str | None = None, device_memory: int | str | None = None,
+            layout_map=None, *, simulate: int | None = None) -> "Strategy":
+    """Find the devices, pick engine and precision, print what was found, return the Strategy.
 
-        return getattr(distribution, name)
+    require: 'tpu' or 'gpu' to fail unless that platform is present.
+    simulate_devices: run on this many JAX CPU devices (also $MESHFIT_SIMULATE_DEVICES); the
+      older keyword `simulate` is still accepted.
+    precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32).
+    engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
+    sharding: 'auto' (default), 'data' or 'fsdp' (see meshfit.parallel.sharding). 'auto' lays
+      variables out as 'data' until meshfit.fit.memory_plan.choose_sharding plans the model's
+      memory and picks fsdp when the replicated step does not fit (`meshfit train` calls it).
+    fsdp_min_bytes: under fsdp, floating-point variables of at least this size ('1MiB', bytes;
+      default 1 MiB) are sharded. device_memory: bytes per device to plan with ('16GB'; default:
+      the device's).
+    layout_map: a keras.distribution.LayoutMap whose entries win over the fsdp rule.
+    """
+    if simulate is not None:
+        if simulate_devices is not None and simulate_devices != simulate:
+            raise MeshfitError(f"simulate={simulate} and simulate_devices={simulate_devices} "
+                               "disagree; give simulate_devices only")
+        simulate_devices = simulate
+    # Every setting is checked before any slow work (finding devices, importing Keras).
+    precision = _planning.precision_name(precision)
+    sharding = _sharding.check_sharding(sharding)
+    fsdp_min_bytes = _sharding.parse_fsdp_min_bytes(fsdp_min_bytes)
+    device_memory = _sharding.parse_size(device_memory)
+    info, chosen = _engine.start_engine(simulate_devices, engine, require)
+    from meshfit.fit import strategy  # the engine line: Keras is imported, on the engine just chosen
+
+    return strategy.connected(
+        info, chosen, _planning.resolve_precision(precision, info.platform, info.compute_capability),
+        sharding, fsdp_min_bytes, device_memory, layout_map, verbose)
+
+
+def __getattr__(name: str):
+    # The public names below load on first use: Strategy and EpochReport import Keras, which must
+    # wait for connect() to choose the engine; Recipe would load the recipes and data packages.
+    if name == "Strategy":
+        from meshfit.fit.strategy import Strategy  # imports Keras: use after connect()
+
+        return Strategy
     if name == "EpochReport":
-        from meshfit.watch.report import EpochReport
+        from meshfit.watch.report import EpochReport  # imports Keras: use after connect()
 
         return EpochReport
     if name == "Recipe":
-        from meshfit.recipes import Recipe
+        from meshfit.recipes import Recipe  # loads the recipes and data packages
 
         return Recipe
     raise AttributeError(f"module 'meshfit' has no attribute {name!r}")

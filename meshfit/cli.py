@@ -2,8 +2,9 @@
 
 Every command has `add_<command>_arguments(parser)` and `run_<command>(args) -> int` here, and
 every flag is defined once; the work itself is done by the library module of its concept. Library
-modules never import this one. Heavy modules (Keras, JAX) are imported only inside the chosen
-command, so start-up stays fast and Keras is imported after the engine is chosen.
+modules never import this one. Every module imported here runs before the engine is chosen, so
+none imports Keras, JAX or TensorFlow at its top: each command's module crosses the engine line
+itself, after connect() (see docs/reference/code.md).
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ import sys
 import warnings
 from typing import Callable
 
+import meshfit
+from meshfit import recipes
+from meshfit.commands import launch, runs
+from meshfit.commands import plan as plan_command
+from meshfit.commands.bench import inputs, jpeg_folder, step, table
 from meshfit.errors import MeshfitError
+from meshfit.parallel import cluster
+from meshfit.recipes import image_folder
+from meshfit.run import evaluate, options, train
+from meshfit.serve import export, inference
 
 FIGURE_FORMATS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")  # what `predict --show` can write
 COMMANDS = {
@@ -36,29 +46,23 @@ COMMANDS = {
 # ------------------------------------------------------------------------------- shared flags
 
 def add_simulate_argument(parser: argparse.ArgumentParser) -> None:
-    from meshfit.run import options
-
     options.add_flags(parser, "simulate_devices")
 
 
 def add_device_arguments(parser: argparse.ArgumentParser, precision: bool = True) -> None:
     """The flags of commands that connect to devices (their help: meshfit.run.options)."""
-    from meshfit.run import options
-
     options.add_flags(parser, "simulate_devices", *(["precision"] if precision else []),
                       "engine", "require")
 
 
 def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
-    """--sharding, --fsdp-min-size and --device-memory (see meshfit.parallel.sharding, meshfit.parallel.memory_plan)."""
-    from meshfit.run import options
-
-    options.add_flags(parser, "sharding", "fsdp_min_size", "device_memory")
+    """--sharding, --fsdp-min-bytes and --device-memory (see meshfit.parallel.sharding, meshfit.fit.memory_plan)."""
+    options.add_flags(parser, "sharding", "fsdp_min_bytes", "device_memory")
 
 
 def sharding_options(args: argparse.Namespace) -> dict:
     """The connect() keywords of add_sharding_arguments' flags."""
-    return {"sharding": args.sharding, "fsdp_min_bytes": args.fsdp_min_size or "1MiB",
+    return {"sharding": args.sharding, "fsdp_min_bytes": args.fsdp_min_bytes,
             "device_memory": args.device_memory}
 
 
@@ -96,9 +100,7 @@ def add_info_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_info(args: argparse.Namespace) -> int:
     """The discovery report."""
-    from meshfit.parallel.distribution import connect
-
-    strategy = connect(require=args.require, simulate=args.simulate_devices,
+    strategy = meshfit.connect(require=args.require, simulate_devices=args.simulate_devices,
                        precision=args.precision, engine=args.engine, verbose=not args.json,
                        **sharding_options(args))
     if args.json:
@@ -110,9 +112,6 @@ def run_info(args: argparse.Namespace) -> int:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The recipe, the folder flags (--data ...), --json and every setting of TrainOptions."""
-    from meshfit import recipes
-    from meshfit.run import options
-
     parser.add_argument("recipe", nargs="?", metavar="RECIPE",
                         help=f"one of: {', '.join(recipes.names())}, or a recipe file defining "
                              f"RECIPE = meshfit.Recipe(...) (default: {recipes.DEFAULT})")
@@ -132,19 +131,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """Train; a stop by SIGTERM/SIGINT (state saved) exits with its own code and one line."""
-    from meshfit.run.options import TrainOptions
-    from meshfit.run.train import train
-
     command = shlex.join(["meshfit", *sys.argv[1:]])
     recipe = args.recipe
     if args.data is not None:
         recipe = folder_recipe(args, command)
     elif args.image_size or args.channels or args.model:
         raise MeshfitError("--image-size, --channels and --model go with --data FOLDER")
-    options = TrainOptions.from_args(  # --validation-split is in the folder recipe with --data
+    settings = options.TrainOptions.from_args(  # --validation-split is in the folder recipe with --data
         args, command=command, validation_split=None if args.data else args.validation_split)
     try:
-        metrics = train(recipe, options)
+        metrics = train.train(recipe, settings)
     except MeshfitError as err:
         if not hasattr(err, "exit_code"):  # only TrainingInterrupted has its own exit code
             raise
@@ -159,8 +155,6 @@ def folder_recipe(args: argparse.Namespace, command: str):
     """The image-folder recipe `--data FOLDER --image-size H W ...` asks for, with its file's text."""
     import dataclasses
 
-    from meshfit.recipes import image_folder
-
     if args.recipe or args.resume:
         raise MeshfitError("--data trains a new run on a folder; give a RECIPE, --resume RUN_DIR "
                            "or --data FOLDER, one of them")
@@ -168,12 +162,12 @@ def folder_recipe(args: argparse.Namespace, command: str):
         raise MeshfitError("--data needs --image-size H W, the pixels to resize images to "
                            "(e.g. --image-size 28 28)")
     folder, size = os.path.abspath(args.data), tuple(args.image_size)
-    options = {"channels": args.channels or image_folder.guess_channels(folder),
-               "model": (args.model or image_folder.default_model(size)).lower(),
-               "validation_split": args.validation_split}
-    options = {key: value for key, value in options.items() if value is not None}
-    recipe = image_folder.recipe(folder, size, **options)
-    text = image_folder.recipe_file_text(command, folder, size, **options)
+    chosen = {"channels": args.channels or image_folder.guess_channels(folder),
+              "model": (args.model or image_folder.default_model(size)).lower(),
+              "validation_split": args.validation_split}
+    chosen = {key: value for key, value in chosen.items() if value is not None}
+    recipe = image_folder.recipe(folder, size, **chosen)
+    text = image_folder.recipe_file_text(command, folder, size, **chosen)
     return dataclasses.replace(recipe, text=text)
 
 
@@ -192,9 +186,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from meshfit.run.evaluate import evaluate
-
-    result = evaluate(args.model, args.data_dir, folder=args.data,
+    result = evaluate.evaluate(args.model, args.data_dir, folder=args.data,
                       simulate_devices=args.simulate_devices, engine=args.engine,
                       require=args.require, verbose=not args.json)
     if args.json:
@@ -228,8 +220,6 @@ def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
 def run_predict(args: argparse.Namespace) -> int:
     """Classify image files on the CPU."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras fallback on JAX stays on the CPU
-    from meshfit.serve import inference
-
     if args.top_k is not None and args.top_k < 1:
         raise MeshfitError(f"--top-k must be at least 1, got {args.top_k}")
     if args.threads is not None and args.threads < 1:
@@ -279,8 +269,6 @@ def run_export(args: argparse.Namespace) -> int:
     """Write a float32 model for CPU serving."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras on JAX stays on the CPU
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from meshfit.serve import export
-
     write = export.export_onnx if args.format == "onnx" else export.export_keras
     print(f"wrote {write(args.model, args.out)}")
     return 0
@@ -289,16 +277,14 @@ def run_export(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshfit import recipes
-    from meshfit.commands.bench import inputs, jpeg_folder, step
-
     parser.add_argument("recipe", nargs="?", default=recipes.DEFAULT,
                         help=f"recipe whose model is timed (default: {recipes.DEFAULT})")
     parser.add_argument("--engines", help="comma-separated Keras backends (default: every installed "
                         "one that runs on these devices: jax, tensorflow)")
     parser.add_argument("--precisions", help="comma-separated: auto, float32, bfloat16, float16 "
                         "(default: the recipe's)")
-    parser.add_argument("--batch-sizes", "--batch-size", help="comma-separated global batch sizes "
+    parser.add_argument("--global-batches", "--batch-sizes", "--batch-size", dest="global_batches",
+                        help="comma-separated global batches, samples per step over all replicas "
                         f"(default: the recipe's; with --input one, default {inputs.DEFAULT_INPUT_BATCH})")
     parser.add_argument("--steps-per-dispatch", help="comma-separated train steps per dispatch "
                         "(default: 1 on CPU, 1,8 on accelerators)")
@@ -331,8 +317,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Measure, print the table (or JSON) and write the files."""
-    from meshfit.commands.bench import jpeg_folder, step, table
-
     if args.make_jpeg_folder:
         count = jpeg_folder.write_jpeg_folder(args.make_jpeg_folder, args.data_dir,
                                               image_size=tuple(args.image_size or (160, 160)))
@@ -344,7 +328,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise MeshfitError("--image-size goes with --input FOLDER or --make-jpeg-folder DIR")
     result = step.bench(args.recipe, engines=comma_names(args.engines, "--engines"),
                         precisions=comma_names(args.precisions, "--precisions"),
-                        batch_sizes=comma_counts(args.batch_sizes, "--batch-sizes"),
+                        global_batches=comma_counts(args.global_batches, "--global-batches"),
                         steps_per_dispatch=comma_counts(args.steps_per_dispatch, "--steps-per-dispatch"),
                         simulate_devices=args.simulate_devices, repeats=args.repeats,
                         steps=step.DEFAULT_STEPS if args.steps is None else args.steps,
@@ -361,13 +345,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_bench_input(args: argparse.Namespace) -> int:
     """`meshfit bench --input FOLDER --image-size H W`: the input pipeline alone."""
-    from meshfit.commands.bench import inputs, table
-
     if not args.image_size:
         raise MeshfitError("--input needs --image-size H W (the pixels to decode to)")
-    batches = comma_counts(args.batch_sizes, "--batch-size") or [inputs.DEFAULT_INPUT_BATCH]
+    batches = comma_counts(args.global_batches, "--global-batches") or [inputs.DEFAULT_INPUT_BATCH]
     if len(batches) > 1:
-        raise MeshfitError("--input takes one --batch-size")
+        raise MeshfitError("--input takes one --global-batches")
     result = inputs.bench_input(args.input, tuple(args.image_size), args.channels, batches[0],
                                 rounds=3 if args.rounds is None else args.rounds,
                                 steps=args.steps, out=args.out)
@@ -382,12 +364,9 @@ def run_bench_input(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------- plan
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshfit import recipes
-
     parser.add_argument("recipe", nargs="?", metavar="RECIPE",
                         help=f"a built-in recipe or a recipe file (default: {recipes.DEFAULT})")
-    parser.add_argument("--batch-size", type=int, metavar="GLOBAL",
-                        help="global batch over all devices (default: the recipe's)")
+    options.add_flags(parser, "global_batch")
     parser.add_argument("--data-dir", metavar="DIR",
                         help="where the dataset is, for recipes whose data says their shape")
     add_device_arguments(parser)
@@ -397,20 +376,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Compile the recipe's train step per sharding (never run it) and print the bytes per device."""
-    from meshfit.commands.plan import plan_memory
-    from meshfit.parallel import memory_plan
-
-    if args.batch_size is not None and args.batch_size < 1:
-        raise MeshfitError(f"--batch-size must be at least 1, got {args.batch_size}")
-    result = plan_memory(args.recipe, simulate_devices=args.simulate_devices,
-                         batch_size=args.batch_size, precision=args.precision,
-                         engine=args.engine, require=args.require,
-                         data_dir=args.data_dir, verbose=not args.json,
-                         **sharding_options(args))
-    if args.json:
+    result = plan_command.plan_memory(args.recipe, simulate_devices=args.simulate_devices,
+                                      global_batch=args.global_batch, precision=args.precision,
+                                      engine=args.engine, require=args.require,
+                                      data_dir=args.data_dir, verbose=not args.json,
+                                      **sharding_options(args))
+    if args.json:  # without --json, plan_memory printed the plan
         print(json.dumps(result))
-    else:
-        print("\n".join(memory_plan.summary_lines(result, result["sharding"])))
     return 0
 
 
@@ -432,9 +404,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    from meshfit.commands.launch import launch
-
-    return launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
+    return launch.launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
                   show=args.show, timeout=args.timeout)
 
 
@@ -447,8 +417,6 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_recipe(args: argparse.Namespace) -> int:
     """Print a built-in recipe's file (e.g. `meshfit recipe fashion-mnist-cnn > mine.py`), or list them."""
-    from meshfit import recipes
-
     if args.name:
         sys.stdout.write(recipes.source(args.name))
         return 0
@@ -471,8 +439,6 @@ def add_runs_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_runs(args: argparse.Namespace) -> int:
     """The table of runs (finished and unfinished) and, with --plot, their curves."""
-    from meshfit.commands import runs
-
     rows = runs.collect(args.dirs)
     print(runs.to_json(rows) if args.json else runs.format_table(rows), flush=True)
     if args.plot:
@@ -535,9 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         print("meshfit: interrupted", file=sys.stderr)
         code = 130
     if code:
-        from meshfit.parallel.cluster import exit_failed
-
-        exit_failed(code)  # a failed process of a multi-host job must not wait for the others
+        cluster.exit_failed(code)  # a failed process of a multi-host job must not wait for the others
     return code
 
 

@@ -17,11 +17,15 @@
                              (default 600; 0: never)
   MESHFIT_LAUNCH_STATUS      set by meshfit launch: the folder of its processes' status files
                              (meshfit.parallel.heartbeat)
+
+`notebook()` says whether this process is a Jupyter kernel, which changes how bars are drawn and
+what an error tells the user to do (restart the kernel rather than set a variable).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Mapping
 
 from meshfit.errors import MeshfitError
@@ -55,3 +59,12 @@ def read_int(name: str, environ: Mapping[str, str] = os.environ, example: int = 
 def is_set(name: str, environ: Mapping[str, str] = os.environ) -> bool:
     """True when $name holds a true value (not empty, 0, false or no)."""
     return environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def notebook() -> bool:
+    """True inside a Jupyter kernel: ipykernel is imported and runs an IPython kernel."""
+    if "ipykernel" not in sys.modules or "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    return getattr(get_ipython(), "kernel", None) is not None

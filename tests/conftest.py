@@ -10,7 +10,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 from meshfit.parallel import devices  # noqa: E402 (light: no JAX yet)
 
-devices.simulate_devices(8)  # the device count and meshfit's other XLA flags for simulated devices
+devices.use_simulated_devices(8)  # the device count and meshfit's other XLA flags for simulated devices
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402 (the environment above must come first)

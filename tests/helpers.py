@@ -53,7 +53,7 @@ def connect_eight_devices():
     """meshfit on the tests' 8 simulated JAX CPU devices (fast once JAX has started)."""
     import meshfit
 
-    return meshfit.connect(simulate=8, engine="jax", verbose=False)
+    return meshfit.connect(simulate_devices=8, engine="jax", verbose=False)
 
 
 def write_idx_dataset(folder, n_train=N_TRAIN, n_test=N_TEST, seed=0):

@@ -20,7 +20,7 @@ def one_line_error(out, *words):
         assert word in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("flag,value", [("--epochs", "0"), ("--batch-size", "0"),
+@pytest.mark.parametrize("flag,value", [("--epochs", "0"), ("--global-batch", "0"),
                                         ("--keep-checkpoints", "0"), ("--keep-checkpoints", "-1"),
                                         ("--log-every", "0")])
 def test_counts_below_one_are_refused(flag, value, tmp_path):

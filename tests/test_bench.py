@@ -10,7 +10,7 @@ from helpers import ONE_CPU, run_meshfit
 from meshfit import recipes
 from meshfit.commands.bench import step, table
 
-TINY = ["--batch-sizes", "8", "--repeats", "2", "--steps", "2"]
+TINY = ["--global-batches", "8", "--repeats", "2", "--steps", "2"]
 BENCH_TIMEOUT = 400  # seconds
 
 
@@ -30,7 +30,7 @@ def test_bench_times_every_engine_path_and_dispatch_and_writes_csv_json_png(tmp_
     combos = {(r["engine"], r["path"], r["steps_per_dispatch"]) for r in rows}
     assert combos == {(e, p, k) for e in ("jax", "tensorflow") for p in ("plain", "meshfit") for k in ("1", "2")}
     for r in rows:
-        assert r["precision"] == "bfloat16" and r["batch"] == "8" and r["mfu"] == ""  # CPU: no MFU
+        assert r["precision"] == "bfloat16" and r["global_batch"] == "8" and r["mfu"] == ""  # CPU: no MFU
         assert float(r["ms_per_step"]) > 0 and float(r["compile_s"]) >= 0
         assert float(r["samples_per_s"]) == pytest.approx(8 / (float(r["ms_per_step"]) / 1000))
         assert float(r["vs_fastest"]) <= 1.0 or r["path"] == "meshfit"
@@ -47,7 +47,7 @@ def test_bench_times_every_engine_path_and_dispatch_and_writes_csv_json_png(tmp_
 
 @pytest.mark.slow
 def test_bench_cifar10_cnn_runs_two_rounds_and_prints_json(tmp_path):
-    result = run_meshfit("bench", "cifar10-cnn", "--engines", "tensorflow", "--batch-sizes", "4",
+    result = run_meshfit("bench", "cifar10-cnn", "--engines", "tensorflow", "--global-batches", "4",
                          "--repeats", "1", "--steps", "1", "--rounds", "2", "--out", str(tmp_path),
                          "--json", env=ONE_CPU, timeout=BENCH_TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -69,7 +69,7 @@ def test_bench_engine_that_cannot_run_the_devices_is_one_line_error(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--batch-sizes", "0"], "--batch-sizes takes whole numbers"),
+    (["--global-batches", "0"], "--global-batches takes whole numbers"),
     (["--engines", "mxnet"], "unknown engine 'mxnet'"),
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--precisions", "fp8x"], "unknown precision 'fp8x'"),
@@ -83,7 +83,7 @@ def test_bench_bad_flags_are_one_line_errors(args, message):
 
 def test_median_over_rounds_keeps_one_row_per_measurement():
     def row(path, sps, k=1):
-        return {"engine": "tensorflow", "path": path, "precision": "float32", "batch": 256,
+        return {"engine": "tensorflow", "path": path, "precision": "float32", "global_batch": 256,
                 "steps_per_dispatch": k, "samples_per_s": sps, "ms_per_step": 256e3 / sps}
 
     rounds = [row("plain", 900.0), row("meshfit", 500.0), row("plain", 1000.0),
@@ -99,7 +99,7 @@ def test_median_over_rounds_keeps_one_row_per_measurement():
 
 def test_ratios_compare_with_plain_and_with_the_fastest_plain_engine():
     def row(engine, path, sps, k=1):
-        return {"engine": engine, "path": path, "precision": "float32", "batch": 256,
+        return {"engine": engine, "path": path, "precision": "float32", "global_batch": 256,
                 "steps_per_dispatch": k, "samples_per_s": sps, "auto_engine": "tensorflow"}
 
     rows = [row("jax", "plain", 200.0), row("jax", "meshfit", 196.0), row("tensorflow", "plain", 1000.0),

@@ -62,7 +62,7 @@ SIGNAL_AT = textwrap.dedent("""
             if (self.epoch, batch) == (int(sys.argv[3]), int(sys.argv[4])):
                 os.kill(os.getpid(), getattr(signal, sys.argv[5]))
 
-    train(data_dir=sys.argv[1], out=sys.argv[2], epochs=2, batch_size=16, checkpoint_every="3",
+    train(data_dir=sys.argv[1], out=sys.argv[2], epochs=2, global_batch=16, checkpoint_every="3",
           micro_batches=int(sys.argv[6]) if len(sys.argv) > 6 else None, callbacks=[SignalAt()],
           verbose=False)
 """)
@@ -75,7 +75,7 @@ def test_sigkill_mid_epoch_then_resume_ends_with_identical_weights(data_dir, tmp
     env = environment({**tf_env, "KERAS_BACKEND": "tensorflow"})  # the snippet imports keras itself
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
     out = run_meshfit("train", "--data-dir", data_dir, "--out", whole, "--epochs", "2",
-                      "--batch-size", str(BATCH), "--checkpoint-every", "3", "--micro-batches", "2",
+                      "--global-batch", str(BATCH), "--checkpoint-every", "3", "--micro-batches", "2",
                       env=tf_env)
     assert out.returncode == 0, out.stderr
     run = subprocess.run([sys.executable, "-c", SIGNAL_AT, data_dir, killed, "1", "4", "SIGKILL", "2"],
@@ -120,9 +120,9 @@ def finished_fsdp_run(data_dir, tmp_path_factory):
 
 
 def jax_settings(data_dir, sharding="data"):
-    return dict(data_dir=data_dir, epochs=2, batch_size=BATCH, engine="jax", simulate_devices=8,
+    return dict(data_dir=data_dir, epochs=2, global_batch=BATCH, engine="jax", simulate_devices=8,
                 checkpoint_every="epoch", verbose=False, sharding=sharding,
-                fsdp_min_size="10KB")
+                fsdp_min_bytes="10KB")
 
 
 @pytest.mark.slow  # with finished_run
@@ -165,7 +165,7 @@ def test_cli_sigterm_exits_143_with_a_resume_hint_then_resume_finishes(data_dir,
     run = str(tmp_path / "run")
     process = subprocess.Popen(
         [sys.executable, "-m", "meshfit", "train", "--data-dir", data_dir, "--out", run,
-         "--epochs", "1000", "--batch-size", str(BATCH), "--checkpoint-every", "off"],
+         "--epochs", "1000", "--global-batch", str(BATCH), "--checkpoint-every", "off"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(tf_env))
     try:
         for line in process.stdout:
@@ -253,7 +253,7 @@ def test_checkpoint_of_another_model_is_a_clear_error(strategy, tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"recipe": "cifar10-cnn"}, "trained with recipe mnist-mlp-bf16, not cifar10-cnn"),
-    ({"batch_size": 32}, "trained with global batch 16, not 32"),
+    ({"global_batch": 32}, "trained with global batch 16, not 32"),
     ({"seed": 7}, "trained with seed 0, not 7"),
     ({"precision": "float32"}, "trained in bfloat16, not float32"),
 ])
@@ -354,9 +354,9 @@ def mlp_under(devices, mode, seed=0):
     distribution, one device), its optimizer built."""
     import keras
 
-    from meshfit.parallel import sharding
+    from meshfit.fit import strategy
 
-    keras.distribution.set_distribution(sharding.distribution(devices, mode, 1) if devices else None)
+    keras.distribution.set_distribution(strategy.keras_distribution(devices, mode, 1) if devices else None)
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64), keras.layers.Dense(10)])
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")

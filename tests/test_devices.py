@@ -17,7 +17,7 @@ def test_connect_finds_eight_simulated_devices(strategy):
 
 def test_simulate_after_jax_started_is_a_clear_error(strategy):
     with pytest.raises(meshfit.MeshfitError, match="JAX already started with 8 cpu device"):
-        meshfit.connect(simulate=4, verbose=False)
+        meshfit.connect(simulate_devices=4, verbose=False)
 
 
 def test_cli_info_json_reports_eight_replicas():

@@ -1,4 +1,4 @@
-"""Data parallelism (meshfit.parallel.distribution): replicated weights, sharded batches, the global batch,
+"""Data parallelism (meshfit.fit.strategy): replicated weights, sharded batches, the global batch,
 mixed precision and Strategy.fit."""
 
 import dataclasses
@@ -10,7 +10,7 @@ from helpers import compiled_cnn, random_images
 
 import meshfit
 from meshfit.parallel import planning
-from meshfit.parallel.distribution import Strategy
+from meshfit.fit.strategy import Strategy
 from meshfit.recipes import fashion_mnist_cnn
 
 

@@ -201,27 +201,27 @@ def test_auto_never_picks_a_one_device_engine_for_several_devices(monkeypatch):
     monkeypatch.setattr(engine, "loaded_backend", lambda: "tensorflow")
     with pytest.raises(meshfit.MeshfitError, match="already imported with the tensorflow backend"
                        ".* 4 cpu device.* in use; .*KERAS_BACKEND=jax"):
-        engine.choose(None, "cpu", 4)
+        engine.choose_engine(None, "cpu", 4)
     with pytest.raises(meshfit.MeshfitError, match="1 gpu device.* in use"):  # one GPU, too
-        engine.choose(None, "gpu", 1)
-    assert engine.choose(None, "cpu", 1) == "tensorflow"
+        engine.choose_engine(None, "gpu", 1)
+    assert engine.choose_engine(None, "cpu", 1) == "tensorflow"
     monkeypatch.setattr(engine, "loaded_backend", lambda: None)
     monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
     with pytest.raises(meshfit.MeshfitError, match="KERAS_BACKEND=tensorflow is set"):
-        engine.choose("auto", "cpu", 8)
+        engine.choose_engine("auto", "cpu", 8)
 
 
 def test_a_notebook_is_told_to_restart_its_kernel(monkeypatch):
     """Colab's `import keras` first gives TensorFlow: in a notebook the one-line fix says to
     restart the kernel and import meshfit first (a new process cannot be started from a cell)."""
-    from meshfit.watch import progress
+    from meshfit import env
 
     monkeypatch.delenv("MESHFIT_ENGINE", raising=False)
     monkeypatch.setattr(engine, "loaded_backend", lambda: "tensorflow")
-    monkeypatch.setattr(progress, "notebook", lambda: True)
+    monkeypatch.setattr(env, "notebook", lambda: True)
     for args in ((None, "tpu", 8), ("jax", "cpu", 1)):
         with pytest.raises(meshfit.MeshfitError) as caught:
-            engine.choose(*args)
+            engine.choose_engine(*args)
         message = str(caught.value)
         assert "\n" not in message and "restart the kernel" in message, message
         assert "import meshfit" in message and "KERAS_BACKEND'] = 'jax'" in message, message

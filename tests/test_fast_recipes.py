@@ -9,7 +9,7 @@ from helpers import connect_eight_devices
 
 from meshfit import recipes
 from meshfit.data.splits import RunData
-from meshfit.parallel.distribution import Strategy
+from meshfit.fit.strategy import Strategy
 from meshfit.recipes import cifar10_fast, resnet50_synthetic
 
 SMALL_WIDTHS = (16, 32, 32)
@@ -100,15 +100,15 @@ def test_whitening_makes_patch_covariance_the_identity(prepared, images):
 
 
 def test_tta_flip_evaluation_averages_each_image_with_its_mirror(prepared, images):
-    from meshfit.data import arrays
+    from meshfit.fit.predict import predict
 
     x = images[:16]
     plain = prepared.predict(x, batch_size=16, verbose=0)
     mirrored = prepared.predict(x[:, :, ::-1], batch_size=16, verbose=0)
     assert np.abs(plain - mirrored).max() > 1e-3  # the model itself is not mirror-symmetric
-    tta = arrays.predict(prepared, x, batch=16, tta_flip=recipes.get("cifar10-fast").tta_flip)
+    tta = predict(prepared, x, global_batch=16, tta_flip=recipes.get("cifar10-fast").tta_flip)
     np.testing.assert_allclose(tta, (plain + mirrored) / 2, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(arrays.predict(prepared, x[:, :, ::-1], batch=16, tta_flip=True), tta,
+    np.testing.assert_allclose(predict(prepared, x[:, :, ::-1], global_batch=16, tta_flip=True), tta,
                                rtol=1e-5, atol=1e-7)
 
 

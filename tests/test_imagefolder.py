@@ -10,7 +10,7 @@ from helpers import ONE_CPU, run_meshfit
 from PIL import Image
 
 from meshfit.commands.bench import jpeg_folder
-from meshfit.parallel import cluster
+from meshfit.fit import hosts
 from meshfit.data import folders, arrays
 from meshfit.errors import MeshfitError
 
@@ -282,7 +282,7 @@ def test_each_process_decodes_only_its_rows(folder, monkeypatch):
     for process, (stream, (images, _)) in enumerate(zip(streams, parts)):
         assert stream.process_local is True
         info = types.SimpleNamespace(devices=devices, process_index=process)
-        generator, *_ = cluster.fit_arguments(types.SimpleNamespace(info=info), stream, None, None, {})
+        generator, *_ = hosts.fit_arguments(types.SimpleNamespace(info=info), stream, None, None, {})
         assert isinstance(generator, types.GeneratorType)  # Keras takes generators only
         np.testing.assert_array_equal(next(generator)[0], images)
         stream.close()
@@ -322,7 +322,7 @@ def test_bad_batch_arguments_are_one_line_errors(folder, kwargs, message):
 def test_bench_input_json_times_ours_and_the_keras_anchor(tmp_path):
     write_folder(tmp_path / "images", {"a": 6, "b": 6})
     result = run_meshfit("bench", "--input", str(tmp_path / "images"), "--image-size", "8", "8",
-                         "--batch-size", "4", "--rounds", "1", "--steps", "2", "--json",
+                         "--global-batches", "4", "--rounds", "1", "--steps", "2", "--json",
                          "--out", str(tmp_path / "out"), env=ONE_CPU, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,4 +1,6 @@
-"""The import graph of meshfit/: no cycles, and the command line is imported by nothing below it."""
+"""The import graph of meshfit/: no cycles, packages in layers, the light core below the engine
+line (read from every import statement), few imports inside functions, and the command line
+imported by nothing below it."""
 
 import ast
 import os
@@ -142,7 +144,7 @@ def test_the_light_core_imports_no_keras_jax_or_tensorflow():
     import sys
 
     core = sorted(m for m in import_graph() if m.startswith("meshfit.parallel."))
-    assert "meshfit.parallel.distribution" in core and "meshfit.parallel.devices" in core
+    assert "meshfit.parallel.engine" in core and "meshfit.parallel.devices" in core
     code = (f"import sys, {', '.join(core + ['meshfit.errors', 'meshfit.env'])}; "
             "loaded = [m for m in ('keras', 'tensorflow', 'jax') if m in sys.modules]; "
             "assert not loaded, loaded")
@@ -162,3 +164,118 @@ def test_no_module_makes_its_classes_on_first_attribute_access():
                 if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body):
                     with_getattr.append(_module_name(path))
     assert with_getattr == ["meshfit"], with_getattr
+
+
+def _sources() -> dict[str, ast.AST]:
+    """Module name -> its parsed source, for every module of meshfit/."""
+    trees = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                trees[_module_name(path)] = ast.parse(open(path).read())
+    return trees
+
+
+def _imports(tree: ast.AST, inside_functions: bool | None = None):
+    """(node, [names imported]) of the file's import statements: all of them (None), only those
+    inside functions (True) or only those run when the module is imported (False). `from meshfit
+    import env` names meshfit.env."""
+    def walk(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and inside_functions in (None, in_function):
+                if isinstance(child, ast.Import):
+                    yield child, [a.name for a in child.names]
+                elif child.level == 0 and child.module:
+                    yield child, [child.module] + [f"{child.module}.{a.name}" for a in child.names]
+            yield from walk(child, nested)
+
+    yield from walk(tree, False)
+
+
+# The packages from the bottom up: a module imports only modules of its own package or of one
+# below it (the root, meshfit/__init__.py, is the public face and reaches up to fit/ in connect()).
+LAYERS = ("errors", "env", "parallel", "watch", "data", "fit", "recipes", "run", "serve", "commands",
+          "cli", "__main__")
+
+
+def _layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[1])
+
+
+def test_packages_import_only_their_own_or_those_below_them():
+    offences = [f"{m} imports {d}" for m, imports in import_graph().items() if m != "meshfit"
+                for d in imports if _layer(d) > _layer(m)]
+    assert not offences, offences
+
+
+def test_the_light_core_imports_nothing_that_comes_after_it():
+    """No module of meshfit/parallel imports fit/, watch/, run/, serve/, commands/, data/ (or
+    any other meshfit package), at its top or inside a function: every import statement read."""
+    allowed = ("meshfit.parallel", "meshfit.errors", "meshfit.env")
+    offences = []
+    for module, tree in _sources().items():
+        if not module.startswith("meshfit.parallel"):
+            continue
+        for node, names in _imports(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                offences.append(f"{module}:{node.lineno} (a relative import)")
+            own = [n for n in names if n == "meshfit" or n.startswith("meshfit.")]
+            if own and not any(n.startswith(allowed) for n in own[-1:]):
+                offences.append(f"{module}:{node.lineno} imports {own[0]}")
+            elif own and own[0] == "meshfit" and not all(n.startswith(allowed) for n in own[1:]):
+                offences.append(f"{module}:{node.lineno} imports {', '.join(own[1:])}")
+    assert not offences, offences
+
+
+MAX_IMPORTS_IN_FUNCTIONS = 20
+
+
+def test_few_meshfit_imports_inside_functions_each_with_its_reason():
+    """The layout, not import timing, keeps Keras after the engine: at most 20 imports of meshfit's
+    own modules inside functions, each with a one-line reason (a comment on its line or above)."""
+    found, unexplained = [], []
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            lines = open(path).read().splitlines()
+            for node, names in _imports(ast.parse("\n".join(lines)), inside_functions=True):
+                if not any(n == "meshfit" or n.startswith("meshfit.") for n in names):
+                    continue
+                where = f"{os.path.relpath(path, PACKAGE)}:{node.lineno}"
+                found.append(where)
+                own_line = lines[node.lineno - 1]
+                above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+                if "#" not in own_line and not above.startswith("#"):
+                    unexplained.append(where)
+    assert len(found) <= MAX_IMPORTS_IN_FUNCTIONS, found
+    assert not unexplained, unexplained
+
+
+# The modules outside fit/ that import Keras (or JAX, TensorFlow) at their top, directly or
+# through a meshfit module they import there: reached only after connect() chose the engine.
+KERAS_SIDE = {"meshfit.watch.report", "meshfit.watch.progress_bar", "meshfit.watch.tensorboard",
+              "meshfit.watch.profiling", "meshfit.run.checkpoints", "meshfit.run.callbacks",
+              "meshfit.run.fitting", "meshfit.run.scores", "meshfit.commands.bench.timing"}
+
+
+def test_the_engine_line_runs_where_the_code_map_draws_it():
+    """Every module of fit/ and the KERAS_SIDE modules import Keras when imported; no other does."""
+    trees = _sources()
+    packages = {m: [m.rsplit(".", i)[0] for i in range(1, m.count("."))] for m in trees}
+    direct = {m: [n for _, names in _imports(tree, inside_functions=False) for n in names]
+              + packages[m] for m, tree in trees.items()}  # importing a.b.c runs a.b first
+    heavy: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for module, names in direct.items():
+            if module not in heavy and any(n.split(".")[0] in ("keras", "jax", "tensorflow") or n in heavy
+                                           for n in names):
+                heavy.add(module)
+                changed = True
+    expected = {m for m in trees if m.startswith("meshfit.fit")} | KERAS_SIDE
+    assert heavy == expected, (sorted(heavy - expected), sorted(expected - heavy))

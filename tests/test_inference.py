@@ -12,7 +12,7 @@ from PIL import Image
 
 from meshfit import MeshfitError
 from meshfit.serve import export, inference
-from meshfit.run import rundir
+from meshfit.run import models, rundir
 from meshfit.recipes import cifar10_cnn, fashion_mnist_cnn, mnist_mlp_bf16
 
 CLASS_NAMES = ["plane", "car", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -27,7 +27,7 @@ def policy(name):
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(name)
     try:
-        with export.on_cpu(keras):
+        with models.on_cpu(keras):
             yield keras
     finally:
         keras.config.set_dtype_policy(previous)
@@ -158,7 +158,7 @@ def test_mixed_bfloat16_model_exports_as_float32(tmp_path):
 
     path = export.export_keras(source)
     assert path == str(tmp_path / "mlp-float32.keras")
-    loaded = export.load_keras_model(path)
+    loaded = models.load_keras_model(path)
     assert {layer.dtype_policy.name for layer in loaded.layers} == {"float32"}
     with policy("float32"):
         p_float32 = np.asarray(loaded.predict_on_batch(x))

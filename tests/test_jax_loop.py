@@ -9,7 +9,7 @@ import pytest
 import meshfit
 from meshfit.fit import jax_loop
 from meshfit.parallel import planning
-from meshfit.parallel.distribution import Strategy
+from meshfit.fit.strategy import Strategy
 
 
 def small_model(strategy, steps_per_execution=1):

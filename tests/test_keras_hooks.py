@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from meshfit.parallel.distribution import Strategy
+from meshfit.fit.strategy import Strategy
 
 
 def tiny_model(strategy):

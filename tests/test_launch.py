@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 from helpers import run_meshfit, write_idx_dataset
 
-from meshfit.parallel import cluster
 from meshfit import env
+from meshfit.fit import hosts
+from meshfit.parallel import cluster
 from meshfit.commands import launch
 from meshfit.run import rundir
 from meshfit.errors import MeshfitError
 
-TRAIN = ["fashion-mnist-cnn", "--batch-size", "64", "--seed", "0"]
+TRAIN = ["fashion-mnist-cnn", "--global-batch", "64", "--seed", "0"]
 EPOCHS = 2
 JOB_TIMEOUT = 300  # seconds; a job that hangs fails the test instead of the CI run
 
@@ -115,7 +116,7 @@ def test_each_process_feeds_its_devices_rows():
     np.testing.assert_array_equal(cluster.local_rows(20, 8, devices, 1), [4, 5, 6, 7, 12, 13, 14, 15, 18, 19])
     interleaved = [SimpleNamespace(process_index=p) for p in (0, 1, 0, 1)]
     np.testing.assert_array_equal(cluster.local_rows(8, 8, interleaved, 0), [0, 1, 4, 5])
-    (x, y), local_batch = cluster.share([np.arange(16), None], 8, devices, 0)
+    (x, y), local_batch = hosts.share([np.arange(16), None], 8, devices, 0)
     assert local_batch == 4 and y is None
     np.testing.assert_array_equal(x, [0, 1, 2, 3, 8, 9, 10, 11])
     with pytest.warns(UserWarning, match="last 3 samples are left out"):
@@ -186,7 +187,7 @@ def test_coordinator_bind_address(monkeypatch):
 
 
 def test_vote_gives_every_call_the_maximum_of_the_call_before(strategy):
-    vote = cluster.Vote()
+    vote = hosts.Vote()
     assert [vote.cast(v) for v in (15, 0, 2)] == [0, 15, 0]
     assert vote.settle() == 2 and vote.settle() == 0
 
@@ -355,9 +356,10 @@ def test_a_process_that_never_joins_is_named_and_the_job_ends():
 # next collective for ever. The progress report comes before each collective, as in meshfit.fit.jax_loop.
 HANGS = """
 import os, time, meshfit
-from meshfit.parallel import cluster, heartbeat
+from meshfit.parallel import heartbeat
 meshfit.connect(verbose=False)
-vote = cluster.Vote()
+from meshfit.fit import hosts
+vote = hosts.Vote()
 for step in range(1000):
     if os.environ["MESHFIT_PROCESS_ID"] == "1" and step == 5:
         print("hanging", flush=True)
@@ -443,7 +445,7 @@ class SaveEveryCopy(keras.callbacks.Callback):
                   for i, v in enumerate(self.model.weights) for s in v.value.addressable_shards}
         np.savez(f"{sys.argv[3]}/weights-{jax.process_index()}.npz", **copies)
 
-training.train("fashion-mnist-cnn", epochs=int(sys.argv[4]), batch_size=64, seed=0,
+training.train("fashion-mnist-cnn", epochs=int(sys.argv[4]), global_batch=64, seed=0,
                data_dir=sys.argv[1], out=sys.argv[2], callbacks=[SaveEveryCopy()])
 """
 
@@ -553,7 +555,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_run_resumes(data_
     reference = single_process_run if epochs == EPOCHS else \
         train_single_process(data_dir, str(tmp_path / "reference"), epochs)
     out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(epochs),
-                                   "--sharding", "fsdp", "--fsdp-min-size", "10KB"),
+                                   "--sharding", "fsdp", "--fsdp-min-bytes", "10KB"),
                       timeout=JOB_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     final = checkpoints.latest(os.path.join(run, "checkpoints"))
@@ -573,7 +575,7 @@ def test_a_run_of_one_process_resumes_on_two(data_dir, single_process_run, tmp_p
     reads its shards of arrays that one process wrote, and the run ends as the one-process run."""
     run = str(tmp_path / "run")
     out = run_meshfit("train", *TRAIN, "--epochs", "1", "--data-dir", data_dir, "--out", run,
-                      "--simulate-devices", "8", "--sharding", "fsdp", "--fsdp-min-size", "10KB",
+                      "--simulate-devices", "8", "--sharding", "fsdp", "--fsdp-min-bytes", "10KB",
                       timeout=JOB_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     out = run_meshfit(*launch_args("meshfit", "train", "--resume", run, "--epochs", str(EPOCHS)),

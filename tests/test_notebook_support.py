@@ -44,11 +44,12 @@ def kernel(monkeypatch):
 def test_a_notebook_is_told_apart_from_a_terminal_and_a_pipe(kernel, monkeypatch):
     import IPython
 
+    from meshfit import env
     from meshfit.watch import progress
 
-    assert progress.notebook() and progress.live()
+    assert env.notebook() and progress.live()
     monkeypatch.setattr(IPython, "get_ipython", lambda: None)  # IPython in a terminal, no kernel
-    assert not progress.notebook()
+    assert not env.notebook()
 
 
 def test_the_bar_is_one_output_redrawn_then_emptied_for_the_epoch_line(kernel, strategy, capsys):
@@ -94,14 +95,14 @@ def test_task_in_a_notebook_is_one_output(kernel):
 
 
 def test_connect_again_in_the_same_process(strategy, kernel):
-    again = meshfit.connect(simulate=8, engine="jax", verbose=False)
+    again = meshfit.connect(simulate_devices=8, engine="jax", verbose=False)
     assert again.replicas == strategy.replicas == 8
     assert meshfit.connect(verbose=False).replicas == 8  # the devices JAX has
     with pytest.raises(meshfit.MeshfitError) as caught:
-        meshfit.connect(simulate=4, verbose=False)
+        meshfit.connect(simulate_devices=4, verbose=False)
     message = str(caught.value)
     assert "\n" not in message and "8 cpu device(s)" in message
-    assert "restart the kernel and call meshfit.connect(simulate=4)" in message, message
+    assert "restart the kernel and call meshfit.connect(simulate_devices=4)" in message, message
 
 
 def test_figures_show_themselves_as_png(tmp_path):

@@ -16,13 +16,13 @@ def parsed(*argv):
 
 
 def test_flags_become_the_same_options_as_python_keywords():
-    args = parsed("--epochs", "2", "--batch-size", "64", "--precision", "bf16", "--seed", "7",
+    args = parsed("--epochs", "2", "--global-batch", "64", "--precision", "bf16", "--seed", "7",
                   "--simulate-devices", "8", "--no-tensorboard", "--checkpoint-every", "epoch",
-                  "--fsdp-min-size", "2MiB")
+                  "--fsdp-min-bytes", "2MiB")
     from_flags = TrainOptions.from_args(args)
-    from_python = TrainOptions(epochs=2, batch_size=64, precision="bfloat16", seed=7,
+    from_python = TrainOptions(epochs=2, global_batch=64, precision="bfloat16", seed=7,
                                simulate_devices=8, tensorboard=False, checkpoint_every="epoch",
-                               fsdp_min_size="2MiB")
+                               fsdp_min_bytes="2MiB")
     assert from_flags == from_python
     assert from_flags.precision == "bfloat16"  # an alias is named once, canonically
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -36,20 +36,19 @@ def test_every_setting_has_one_default_on_both_routes():
 
 
 def test_the_settings_config_json_records_keep_their_names():
-    """A setting recorded in config.json has the RunSpec field of the same name, or is renamed in
-    exactly one known place (the batch asked for becomes the planned global batch)."""
+    """A setting recorded in config.json has the RunSpec field of the same name (the batch asked
+    for and the planned global batch are both global_batch)."""
     recorded = {f.name for f in dataclasses.fields(spec.RunSpec)}
-    renamed = {"batch_size": "global_batch", "simulate_devices": "simulated_devices"}
     for name in ("epochs", "steps_per_epoch", "seed", "precision", "data_dir", "validation_split",
                  "checkpoint_every", "keep_checkpoints", "steps_per_dispatch", "micro_batches",
-                 "sharding", *renamed):
-        assert renamed.get(name, name) in recorded, name
+                 "sharding", "global_batch", "simulate_devices", "fsdp_min_bytes"):
+        assert name in recorded, name
         assert name in TrainOptions.__dataclass_fields__
 
 
 @pytest.mark.parametrize("settings, message", [
     ({"epochs": 0}, "--epochs must be at least 1, got 0"),
-    ({"batch_size": -1}, "--batch-size must be at least 1, got -1"),
+    ({"global_batch": -1}, "--global-batch must be at least 1, got -1"),
     ({"keep_checkpoints": 0}, "--keep-checkpoints must be at least 1"),
     ({"log_every": 0}, "--log-every must be at least 1"),
     ({"validation_split": 1.0}, "--validation-split must be at least 0 and below 1"),

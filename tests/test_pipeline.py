@@ -109,10 +109,11 @@ def test_evaluation_covers_every_sample_once(strategy, on_device):
     import keras
 
     from meshfit.data import arrays
+    from meshfit.fit.predict import predict
 
     rng = np.random.default_rng(2)
     x = rng.integers(0, 256, (N_TEST, 4, 4, 1), dtype=np.uint8)
-    batches = arrays.EvalBatches(x, batch=16, on_device=on_device)
+    batches = arrays.EvalBatches(x, global_batch=16, on_device=on_device)
     assert len(batches) == 3  # 16 + 16 + 5 real samples (and 11 padding)
     seen = np.concatenate([np.asarray(b[0]) for b in batches.iterate()])
     np.testing.assert_array_equal(batches.trim(seen), x)
@@ -121,7 +122,7 @@ def test_evaluation_covers_every_sample_once(strategy, on_device):
     with strategy.scope():
         model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Flatten(),
                                   keras.layers.Dense(3)])
-    outputs = arrays.predict(model, batches)
+    outputs = predict(model, batches)
     assert outputs.shape == (N_TEST, 3)
     kernel, bias = model.get_weights()  # (Keras' own predict fails here: 37 does not split by 8)
     np.testing.assert_allclose(outputs, x.reshape(N_TEST, -1) @ kernel + bias, rtol=1e-5, atol=1e-4)

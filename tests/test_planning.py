@@ -23,7 +23,7 @@ def test_peak_flops_known_for_accelerators_and_not_cpus():
 
 
 def hardware(platform="cpu", replicas=1, engine="jax", device_kind="cpu", capability=None):
-    """A stand-in for a Strategy: what plan() reads of it."""
+    """A stand-in for a Strategy: what plan_batch() reads of it."""
     import types
 
     return types.SimpleNamespace(platform=platform, replicas=replicas, engine=engine,
@@ -42,21 +42,22 @@ def test_auto_precision_is_the_recipes_else_the_hardwares_on_every_route():
         planning.asked_precision("auto", "fp9")  # a recipe's precision is checked too
 
 
-def test_plan_decides_batch_steps_dispatch_precision_and_micro_batches_in_one_value():
-    p = planning.plan(hardware(replicas=8), samples=1000, batch_size=100, recipe_steps=3)
+def test_plan_decides_batch_steps_dispatch_and_micro_batches_in_one_value():
+    """The batch plan; the precision on the same hardware is connect()'s, resolved once."""
+    p = planning.plan_batch(hardware(replicas=8), samples=1000, global_batch=100, recipe_steps=3)
     assert (p.global_batch, p.steps_per_epoch, p.steps_per_dispatch) == (104, 3, 1)  # split over 8
-    assert (p.precision, p.micro_batches) == ("float32", "auto")
-    planned = planning.plan(hardware(), samples=100)  # 128 planned: lowered to a quarter of 100
+    assert (planning.resolve_precision("auto", "cpu"), p.micro_batches) == ("float32", "auto")
+    planned = planning.plan_batch(hardware(), samples=100)  # 128 planned: lowered to a quarter of 100
     assert (planned.global_batch, planned.steps_per_epoch) == (25, 4)
-    gpu = planning.plan(hardware("gpu", 2, device_kind="NVIDIA H100", capability="9.0"),
-                        samples=10_000, recipe_batch=256)
+    gpu = planning.plan_batch(hardware("gpu", 2, device_kind="NVIDIA H100", capability="9.0"),
+                              samples=10_000, recipe_batch=256)
     assert (gpu.global_batch, gpu.steps_per_epoch, gpu.steps_per_dispatch) == (256, 39, 13)
-    assert gpu.precision == "bfloat16"
-    assert planning.plan(hardware(), stream=(32, 5)).steps_per_epoch == 5
-    assert planning.plan(hardware(), samples=10, batch_size=20).steps_per_epoch is None
-    with pytest.raises(meshfit.MeshfitError, match="not --batch-size 64"):
-        planning.plan(hardware(), stream=(32, 5), batch_size=64)
+    assert planning.resolve_precision("auto", "gpu", "9.0") == "bfloat16"
+    assert planning.plan_batch(hardware(), stream=(32, 5)).steps_per_epoch == 5
+    assert planning.plan_batch(hardware(), samples=10, global_batch=20).steps_per_epoch is None
+    with pytest.raises(meshfit.MeshfitError, match="not --global-batch 64"):
+        planning.plan_batch(hardware(), stream=(32, 5), global_batch=64)
     with pytest.raises(meshfit.MeshfitError, match="TensorFlow engine"):
-        planning.plan(hardware(), samples=100, micro_batches=4)
+        planning.plan_batch(hardware(), samples=100, micro_batches=4)
     with pytest.raises(meshfit.MeshfitError, match="does not split evenly"):
-        planning.plan(hardware(replicas=8), samples=1000, batch_size=100, rounding=False)
+        planning.plan_batch(hardware(replicas=8), samples=1000, global_batch=100, rounding=False)

@@ -266,7 +266,7 @@ def test_data_folder_trains_with_validation_curves_and_predicts_by_class_name(tm
     write_pets(tmp_path)
     run, env = str(tmp_path / "run"), cli_env(tmp_path, engine="tensorflow")
     out = run_meshfit("train", "--data", str(tmp_path / "pets"), "--image-size", "12", "12",
-                      "--epochs", "10", "--batch-size", "8", "--out", run, "--json", env=env)
+                      "--epochs", "10", "--global-batch", "8", "--out", run, "--json", env=env)
     assert out.returncode == 0, out.stderr
     metrics = json.loads(out.stdout.strip().splitlines()[-1])
     assert metrics["class_names"] == ["dark", "light"] and metrics["input_shape"] == [12, 12, 3]

@@ -1,4 +1,4 @@
-"""Sharding (meshfit.parallel.sharding) and the memory plan (meshfit.parallel.memory_plan) on 8 simulated devices:
+"""Sharding (meshfit.parallel.sharding) and the memory plan (meshfit.fit.memory_plan) on 8 simulated devices:
 fsdp holds 1/8 of the large state per device and trains to data-parallel's weights; a model too
 big for data parallelism under --device-memory is refused with --sharding data and trained with
 fsdp by default; its run evaluates, predicts, exports and resumes."""
@@ -14,7 +14,7 @@ from helpers import connect_eight_devices, environment
 
 from meshfit.run import rundir
 from meshfit.parallel import sharding
-from meshfit.parallel.distribution import Strategy
+from meshfit.fit.strategy import Strategy
 from meshfit.errors import MeshfitError
 
 MIN_BYTES = 100_000  # lowered from 1 MiB so that the tiny models' large kernels are sharded
@@ -111,7 +111,7 @@ def test_rule_sizes_and_modes():
         with pytest.raises(MeshfitError, match="size|at least"):
             sharding.parse_size(bad)
     with pytest.raises(MeshfitError, match="unknown sharding 'zero'"):
-        sharding.check_mode("zero")
+        sharding.check_sharding("zero")
 
 
 RECIPE = '''import numpy as np
@@ -144,7 +144,7 @@ def optimizer(steps_per_epoch, epochs):
 RECIPE = meshfit.Recipe(name="wide", dataset=dataset, build_model=build_model,
                         optimizer=optimizer, epochs=1, global_batch=64)
 '''
-MEMORY = ["--device-memory", "4MB", "--fsdp-min-size", "100KB"]  # data needs ~8 MB, fsdp ~1.2 MB
+MEMORY = ["--device-memory", "4MB", "--fsdp-min-bytes", "100KB"]  # data needs ~8 MB, fsdp ~1.2 MB
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +184,7 @@ def test_too_big_for_data_parallel_is_refused_then_trained_with_fsdp(strategy, w
         metrics = json.load(open(os.path.join(run, rundir.METRICS)))
         assert config["sharding"] == metrics["sharding"] == "fsdp"
         assert cli.main(["train", "--resume", run, "--epochs", "2", "--no-tensorboard", *devices,
-                         *MEMORY[:2]]) == 0  # its --fsdp-min-size kept
+                         *MEMORY[:2]]) == 0  # its --fsdp-min-bytes kept
         metrics = json.load(open(os.path.join(run, rundir.METRICS)))
         assert metrics["sharding"] == "fsdp" and metrics["resumed"] and metrics["epochs"] == 2
         assert metrics["fsdp_min_bytes"] == 100_000
@@ -214,7 +214,7 @@ import sys, numpy as np, meshfit
 x = np.random.default_rng(0).random((64, 784)).astype("float32")
 y = np.random.default_rng(1).integers(0, 10, 64)
 def one_step(sharding):
-    strategy = meshfit.connect(simulate=8, engine="jax", sharding=sharding, fsdp_min_bytes=100_000,
+    strategy = meshfit.connect(simulate_devices=8, engine="jax", sharding=sharding, fsdp_min_bytes=100_000,
                                verbose=False)
     import keras
     keras.utils.set_random_seed(0)

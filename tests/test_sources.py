@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 from helpers import ONE_CPU, environment, run_meshfit
 
+from meshfit.data import rows
 from meshfit.fit import sources
-from meshfit.parallel.distribution import Strategy
+from meshfit.fit.strategy import Strategy
 from meshfit.errors import MeshfitError
 
 SAMPLES, BATCH, FEATURES, CLASSES = 1003, 64, 4, 3
@@ -208,11 +209,11 @@ def test_unreadable_sources_are_one_line_errors(strategy):
 
 
 def test_splittable_rows():
-    assert sources.splittable_rows(43, 8) == 40
-    assert sources.splittable_rows(64, 8) == 64
-    assert sources.splittable_rows(5, 8) == 0
-    assert sources.splittable_rows(10, 1, slices=3) == 10
-    assert sources.splittable_rows(2, 1, slices=3) == 0
+    assert rows.splittable_rows(43, 8) == 40
+    assert rows.splittable_rows(64, 8) == 64
+    assert rows.splittable_rows(5, 8) == 0
+    assert rows.splittable_rows(10, 1, micro_batches=3) == 10
+    assert rows.splittable_rows(2, 1, micro_batches=3) == 0
 
 
 ENGINE_SCRIPT = textwrap.dedent("""

@@ -19,7 +19,7 @@ def _fit(strategy, logdir, dispatch=1, epochs=2):
         schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=6, decay_rate=0.5)
         model.compile(optimizer=keras.optimizers.SGD(schedule), loss="sparse_categorical_crossentropy",
                       metrics=["accuracy"], steps_per_execution=dispatch)
-    report = EpochReport(batch_size=16, strategy=strategy, stream=open(os.devnull, "w"))
+    report = EpochReport(global_batch=16, strategy=strategy, stream=open(os.devnull, "w"))
     log = TensorBoardLog(logdir, log_every=2, report=report, global_batch=16)
     strategy.fit(model, x, y, batch_size=16, epochs=epochs, validation_data=(x[:32], y[:32]),
                  callbacks=[report, log])  # 6 steps per epoch

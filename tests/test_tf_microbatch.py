@@ -20,13 +20,13 @@ def test_plan_slices_the_fashion_cnn_batch_to_fit_the_cache(strategy):
         model = recipes.get("fashion-mnist-cnn").build_model((28, 28, 1), 10)
     per_sample = 26 * 26 * 64 * 4  # the conv output, float32
     assert tf_microbatch.activation_bytes_per_sample(model) == per_sample
-    slices = tf_microbatch.plan(model, 1000)
+    slices = tf_microbatch.cache_sized(model, 1000)
     assert slices == 20  # the fewest equal slices of at most 16 MiB: 50 samples, 8.7 MB
     assert 1000 // slices * per_sample <= tf_microbatch.ACTIVATION_BUDGET_BYTES
     assert 1000 // 10 * per_sample > tf_microbatch.ACTIVATION_BUDGET_BYTES  # fewer would not fit
-    assert tf_microbatch.plan(model, 32) == 1  # small batches fit whole
-    assert tf_microbatch.plan(model, 64, budget_bytes=1) == 2  # never below MIN_SLICE samples
-    assert tf_microbatch.plan(model, 61, budget_bytes=1) == 1  # no equal slices of 32 or more
+    assert tf_microbatch.cache_sized(model, 32) == 1  # small batches fit whole
+    assert tf_microbatch.cache_sized(model, 64, budget_bytes=1) == 2  # never below MIN_SLICE samples
+    assert tf_microbatch.cache_sized(model, 61, budget_bytes=1) == 1  # no equal slices of 32 or more
 
 
 def test_plan_keeps_whole_batches_where_slicing_would_change_the_model(strategy):
@@ -34,24 +34,24 @@ def test_plan_keeps_whole_batches_where_slicing_would_change_the_model(strategy)
         cifar = recipes.get("cifar10-cnn").build_model((32, 32, 3), 10)  # batch normalization
         mlp = recipes.get("mnist-mlp-bf16").build_model((28, 28, 1), 10)
     assert tf_microbatch.batch_coupled_layers(cifar)
-    assert tf_microbatch.plan(cifar, 4096) == 1
+    assert tf_microbatch.cache_sized(cifar, 4096) == 1
     with pytest.raises(MeshfitError, match="use micro_batches=1"):
         tf_microbatch.check(cifar, 2)
-    assert tf_microbatch.plan(mlp, 128) == 1  # 2 KB per sample: the batch fits the cache whole
+    assert tf_microbatch.cache_sized(mlp, 128) == 1  # 2 KB per sample: the batch fits the cache whole
     with strategy.scope():
         keras.config.set_dtype_policy("mixed_bfloat16")
         try:
             half = recipes.get("fashion-mnist-cnn").build_model((28, 28, 1), 10)
         finally:
             keras.config.set_dtype_policy("float32")
-    assert tf_microbatch.plan(half, 1000) == 1  # bfloat16 ran faster in whole batches
+    assert tf_microbatch.cache_sized(half, 1000) == 1  # bfloat16 ran faster in whole batches
 
     class OwnStep(keras.Sequential):
         def train_step(self, data):
             return {}
 
     own = OwnStep([keras.Input((28, 28, 1)), keras.layers.Conv2D(64, 3)])
-    assert tf_microbatch.plan(own, 1000) == 1
+    assert tf_microbatch.cache_sized(own, 1000) == 1
     with pytest.raises(MeshfitError, match="own train_step"):
         tf_microbatch.check(own, 4)
     with pytest.raises(MeshfitError, match="at least 1 or 'auto'"):
@@ -61,9 +61,9 @@ def test_plan_keeps_whole_batches_where_slicing_would_change_the_model(strategy)
 def test_micro_batches_are_for_the_tensorflow_engine(strategy):
     with strategy.scope():
         model = recipes.get("fashion-mnist-cnn").build_model((28, 28, 1), 10)
-    assert tf_microbatch.choose(model, 1000, "auto", strategy.engine) == 1  # whole batches on JAX
+    assert tf_microbatch.plan_micro_batches(model, 1000, "auto", strategy.engine) == 1  # whole batches on JAX
     with pytest.raises(MeshfitError, match="TensorFlow engine"):
-        tf_microbatch.choose(model, 1000, 4, strategy.engine)
+        tf_microbatch.plan_micro_batches(model, 1000, 4, strategy.engine)
 
 
 SAME_STEP_SCRIPT = textwrap.dedent("""
@@ -137,7 +137,7 @@ def test_sliced_step_trains_exactly_like_the_whole_batch(tmp_path):
 def test_a_last_batch_shorter_than_the_slices_is_dropped_with_a_warning(strategy):
     x, y = np.zeros((22, 4)), np.zeros(22)
     with pytest.warns(UserWarning, match="dropping the last 2 of 22 samples .* 3 micro-batches"):
-        kept_x, kept_y, _ = sources.trim_last_batch([x, y, None], 10, strategy.replicas, slices=3)
+        kept_x, kept_y, _ = sources.trim_last_batch([x, y, None], 10, strategy.replicas, micro_batches=3)
     assert len(kept_x) == len(kept_y) == 20
-    kept_x, _ = sources.trim_last_batch([np.zeros((28, 4)), None], 10, strategy.replicas, slices=3)
+    kept_x, _ = sources.trim_last_batch([np.zeros((28, 4)), None], 10, strategy.replicas, micro_batches=3)
     assert len(kept_x) == 28  # 8 left: enough for the slices, and one per replica

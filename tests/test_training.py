@@ -39,7 +39,7 @@ def cli_run(data_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     run = tmp / "run"
     out = run_meshfit("train", "--data-dir", data_dir, "--out", str(run), "--epochs", "2",
-                      "--batch-size", "32", "--micro-batches", "2", "--json", "--profile", "2:5",
+                      "--global-batch", "32", "--micro-batches", "2", "--json", "--profile", "2:5",
                       "--log-every", "2", env=cli_env(tmp, "tensorflow"))
     assert out.returncode == 0, out.stderr
     return run, out
@@ -87,7 +87,7 @@ def test_train_writes_tensorboard_scalars_and_a_profile(cli_run):
 
 
 def test_monitoring_is_on_process_0_only_and_tensorboard_can_be_off(tmp_path):
-    from meshfit.run.train import monitoring
+    from meshfit.run.fitting import monitoring
 
     on = monitoring(str(tmp_path), True, False, None, 32, 4, True, 10, (2, 3))
     assert [type(c).__name__ for c in on.before + on.after] == ["Profile", "TensorBoardLog"]
@@ -127,7 +127,7 @@ def test_train_on_eight_devices(strategy, data_dir, tmp_path, capsys):
     from meshfit.run.evaluate import evaluate
     from meshfit.run.train import train
 
-    metrics = train(data_dir=data_dir, out=str(tmp_path / "run"), epochs=1, batch_size=64,
+    metrics = train(data_dir=data_dir, out=str(tmp_path / "run"), epochs=1, global_batch=64,
                     engine="jax", simulate_devices=8, checkpoint_every="off")
     assert metrics["replicas"] == 8 and metrics["engine"] == "jax"
     assert metrics["steps_per_epoch"] == N_TRAIN // 64
@@ -139,7 +139,7 @@ def test_train_on_eight_devices(strategy, data_dir, tmp_path, capsys):
 
 
 def test_batch_that_does_not_split_is_a_one_line_error(tmp_path):
-    out = run_meshfit("train", "--batch-size", "100", "--simulate-devices", "8", "--no-batch-rounding",
+    out = run_meshfit("train", "--global-batch", "100", "--simulate-devices", "8", "--no-batch-rounding",
                       env={**cli_env(tmp_path), "XLA_FLAGS": ""}, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
@@ -155,7 +155,7 @@ def test_bad_micro_batch_count_is_a_one_line_error(tmp_path):
 
 def test_image_folder_of_pngs_trains_on_eight_devices(strategy, tmp_path):
     """A user's own folder of PNGs (one sub-folder per class) trains through meshfit."""
-    from meshfit.data import arrays
+    from meshfit.fit.predict import predict
     from meshfit.recipes import fashion_mnist_cnn
 
     rng = np.random.default_rng(0)
@@ -172,13 +172,13 @@ def test_image_folder_of_pngs_trains_on_eight_devices(strategy, tmp_path):
         model = fashion_mnist_cnn.build_model(data.input_shape, data.num_classes)
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     strategy.fit(model, data.x_train, data.y_train, batch_size=16, epochs=8, report=False)
-    probabilities = arrays.predict(model, data.x_test, batch=16)  # 20 images: padded for 8 devices
+    probabilities = predict(model, data.x_test, global_batch=16)  # 20 images: padded for 8 devices
     accuracy = float((probabilities.argmax(1) == data.y_test).mean())
     assert accuracy >= 0.9, accuracy
 
 
 def test_steps_per_dispatch_divide_the_epoch_and_default_by_platform():
-    from meshfit.parallel.planning import steps_per_dispatch
+    from meshfit.parallel.planning import plan_steps_per_dispatch as steps_per_dispatch
 
     assert steps_per_dispatch("gpu", "jax", 48) == 24  # 2 calls per epoch, so compile is timed apart
     assert steps_per_dispatch("gpu", "jax", 390) == 30  # at most 32, dividing 390

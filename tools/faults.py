@@ -97,7 +97,7 @@ class Harness:
         self.work, self.rng = work, random.Random(seed)
         # --sharded: runs on 8 simulated JAX devices with fsdp, checkpointed by orbax (format 3)
         self.sharded_args = ["--engine", "jax", "--simulate-devices", "8", "--sharding", "fsdp",
-                             "--fsdp-min-size", "10KB"] if sharded else []
+                             "--fsdp-min-bytes", "10KB"] if sharded else []
         self.canary = os.path.join(work, "CANARY")
         self.env = {"MESHFIT_OFFLINE": "1", "HOME": work, "MESHFIT_CACHE": os.path.join(work, "cache"),
                     "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": ROOT}
@@ -189,7 +189,7 @@ class Harness:
         return call
 
     def train_args(self, out: str, *more: str) -> list[str]:
-        return ["train", "--epochs", str(EPOCHS), "--batch-size", str(BATCH), "--data-dir",
+        return ["train", "--epochs", str(EPOCHS), "--global-batch", str(BATCH), "--data-dir",
                 self.data, "--out", out, "--checkpoint-every", "1", "--no-tensorboard",
                 *self.sharded_args, *more]
 
@@ -437,10 +437,10 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
         os.makedirs(foreign_run, exist_ok=True)
         open(os.path.join(foreign_run, "config.json"), "w").write('{"recipe": "x"}')
         cases = []
-        for flag in ("--epochs", "--batch-size", "--keep-checkpoints", "--log-every",
+        for flag in ("--epochs", "--global-batch", "--keep-checkpoints", "--log-every",
                      "--steps-per-dispatch", "--micro-batches", "--simulate-devices"):
             cases += [(["train", flag, v, "--out", out, "--data-dir", self.data], False) for v in bad_numbers]
-        huge = [("--batch-size", str(10 ** 12)), ("--steps-per-dispatch", str(10 ** 9)),
+        huge = [("--global-batch", str(10 ** 12)), ("--steps-per-dispatch", str(10 ** 9)),
                 ("--micro-batches", str(10 ** 9)), ("--seed", str(2 ** 70)), ("--seed", "-1"),
                 ("--simulate-devices", str(10 ** 6)), ("--checkpoint-every", "0"),
                 ("--checkpoint-every", "-5"), ("--checkpoint-every", "abc"), ("--checkpoint-every", "1e999"),
@@ -452,7 +452,7 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
                 ("--resume", os.path.join(run, "checkpoints", "ckpt-99")), ("--require", "tpu")]
         cases += [(["train", flag, v, "--out", out, "--data-dir", self.data], False) for flag, v in huge]
         cases += [(["train", "no-such-recipe", "--out", out], False),
-                  (["train", "--resume", run, "--batch-size", "7"], False),
+                  (["train", "--resume", run, "--global-batch", "7"], False),
                   (["train", "--resume", run, "--seed", "5"], False),
                   (["train", "--resume", run, "--recipe-typo"], False)]
         image = os.path.join(self.work, "images", "good.png")
@@ -474,7 +474,7 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
                   (["export", run, "--out", "/proc/x.onnx"], False),
                   (["info", "--simulate-devices", "0"], False), (["info", "--precision", "x"], False),
                   (["info", "--engine", "x"], False), (["info", "--require", "tpu"], False)]
-        for flag in ("--batch-sizes", "--steps-per-dispatch"):
+        for flag in ("--global-batches", "--steps-per-dispatch"):
             cases += [(["bench", flag, v], False) for v in ("0", "-1", "abc", ",")]
         cases += [(["bench", flag, v], False) for flag in ("--rounds", "--repeats", "--steps")
                   for v in ("0", "-1", "abc")]

@@ -94,11 +94,11 @@ def launch_command(*train_args: str) -> list[str]:
             "--timeout", "600", "--", sys.executable, "-c", WRAPPER, "train", *train_args]
 
 
-SHARDING: list[str] = []  # --fsdp: ["--sharding", "fsdp", "--fsdp-min-size", "10KB"]
+SHARDING: list[str] = []  # --fsdp: ["--sharding", "fsdp", "--fsdp-min-bytes", "10KB"]
 
 
 def train_args(data: str, run: str) -> list[str]:
-    return ["fashion-mnist-cnn", "--batch-size", str(BATCH), "--seed", "0", "--epochs", str(EPOCHS),
+    return ["fashion-mnist-cnn", "--global-batch", str(BATCH), "--seed", "0", "--epochs", str(EPOCHS),
             "--data-dir", data, "--out", run, "--checkpoint-every", "epoch", "--no-tensorboard",
             *SHARDING]
 
@@ -194,7 +194,7 @@ def main() -> int:
                              "4 devices of the 2 processes, each process writing its own shards)")
     args = parser.parse_args()
     if args.fsdp:
-        SHARDING[:] = ["--sharding", "fsdp", "--fsdp-min-size", "10KB"]
+        SHARDING[:] = ["--sharding", "fsdp", "--fsdp-min-bytes", "10KB"]
     cases = args.cases.split(",")
     unknown = set(cases) - set(CASES)
     if unknown:

@@ -1,52 +1,57 @@
-"""`meshfit plan`: the memory plan of a recipe's train step, compiled but not run."""
+"""`meshfit plan`: the memory plan of a recipe's train step, compiled but not run.
+
+It takes the run's own steps (meshfit.run.train: the recipe, its options, connect, the global
+batch; meshfit.run.fitting: the model and the memory plan, 'auto' decided where a run decides
+it), without loading the data where the recipe's dataset says its shape, and without training.
+"""
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 from meshfit import recipes
 from meshfit.data import splits as data
 from meshfit.errors import MeshfitError
-from meshfit.parallel import planning
-from meshfit.run.train import build, start_session
+from meshfit.parallel import devices
+from meshfit.run import train
+from meshfit.run.options import TrainOptions
 
 
 def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = None,
-                batch_size: int | None = None, sharding: str | None = "auto",
+                global_batch: int | None = None, sharding: str | None = None,
                 fsdp_min_bytes: int | str | None = None,
                 device_memory: int | str | None = None, precision: str | None = None,
                 engine: str | None = None, require: str | None = None,
                 data_dir: str | None = None, verbose: bool = True) -> dict[str, Any]:
     """`meshfit plan`: the memory plan of a recipe's train step on these devices (both modes,
-    the largest per-core batch that fits each), without training. Returns `plan`'s dict with
-    "recipe" and "sharding" (the mode `meshfit train` would use with this `sharding`)."""
-    import types
-
-    from meshfit.parallel import devices, memory_plan, sharding as sharding_lib
-    from meshfit.parallel.distribution import connect
-
-    the_recipe = recipes.load(recipe)
-    strategy = connect(require=require, simulate=simulate_devices, engine=engine or "jax",
-                       precision=planning.asked_precision(precision, the_recipe.precision),
-                       verbose=verbose, sharding=sharding,
-                       fsdp_min_bytes=fsdp_min_bytes or sharding_lib.DEFAULT_FSDP_MIN_BYTES,
-                       device_memory=device_memory)
+    the largest per-core batch that fits each), without training; printed when `verbose`.
+    Returns meshfit.fit.memory_plan.plan_memory's dict with "recipe" and "sharding" (the mode
+    `meshfit train` would use with this `sharding`)."""
+    options = TrainOptions(global_batch=global_batch, simulate_devices=simulate_devices,
+                           precision=precision or "auto", engine=engine or "jax", require=require,
+                           sharding=sharding, fsdp_min_bytes=fsdp_min_bytes,
+                           device_memory=device_memory, data_dir=data_dir, verbose=verbose)
+    the_recipe = train.load_recipe(recipe, options)
+    asked = train.Asked(the_recipe, train.settle_options(options, the_recipe, None), run="")
+    strategy = train.connect_devices(asked)
     if strategy.engine != "jax":
         raise MeshfitError("meshfit plan compiles the train step with JAX; use --engine jax")
-    global_batch = planning.plan_global_batch(
-        strategy.replicas, strategy.platform, strategy.device_kind,
-        global_batch=batch_size or the_recipe.global_batch, per_core_batch=the_recipe.per_core_batch)
-    classes = len(recipes.dataset_class_names(the_recipe.dataset))
-    if classes and the_recipe.prepare is None:
-        shape = types.SimpleNamespace(input_shape=recipes.input_shape(the_recipe), num_classes=classes)
-    else:  # the recipe's own data says its shape and classes (or its prepare needs the data)
-        shape = data.load(the_recipe, data_dir, 0)
-    planned = strategy.with_sharding("fsdp") if strategy.distribution is not None else strategy
-    start_session(planned, 0)
-    with planned.scope():
-        model = build(the_recipe, shape, 1, the_recipe.epochs, 1)
+    planned_batch = train.check_batch(asked, strategy, warn=True)
     memory = devices.memory_bytes(strategy.info, strategy.device_memory)
-    result = memory_plan.plan(model, planned, global_batch, memory, largest=memory is not None)
-    asked = strategy.sharding_asked
-    result.update(recipe=the_recipe.name, sharding=result["choice"] if asked == "auto" else asked)
+    shape = data_shape(the_recipe, data_dir)
+    from meshfit.run import fitting  # the engine line: Keras is imported (connect_devices ran)
+
+    result = fitting.memory_plan_of(the_recipe, shape, strategy, planned_batch,
+                                    largest=memory is not None, verbose=verbose)
+    result.update(recipe=the_recipe.name)
     return result
+
+
+def data_shape(recipe: recipes.Recipe, data_dir: str | None):
+    """What building the model needs of the data (input_shape, num_classes): a built-in dataset's
+    without loading it; else the recipe's own data (or data its prepare needs) loaded."""
+    classes = len(recipes.dataset_class_names(recipe.dataset))
+    if classes and recipe.prepare is None:
+        return types.SimpleNamespace(input_shape=recipes.input_shape(recipe), num_classes=classes)
+    return data.load(recipe, data_dir, 0)

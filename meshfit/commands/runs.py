@@ -19,6 +19,7 @@ from typing import Any
 
 from meshfit.errors import MeshfitError
 from meshfit.run.rundir import CHECKPOINT_STATE, CHECKPOINTS, CONFIG, HISTORY, METRICS, list_checkpoints
+from meshfit.watch import figures
 
 _SETTINGS = ("recipe", "device_kind", "platform", "replicas", "precision", "engine")
 COLUMNS = (("run", "run"), ("recipe", "recipe"), ("device_kind", "device"), ("replicas", "x"),
@@ -148,8 +149,6 @@ def plot(rows: list[dict[str, Any]], histories: list[list[dict[str, Any]]], path
     cumulative training seconds and against epochs, also saved as a PNG at `path` when given.
     `histories` pairs with `rows`. A notebook cell ending with it shows the figure."""
     from matplotlib.ticker import MaxNLocator
-
-    from meshfit.watch import figures
 
     labels = [label(row) if records else None for row, records in zip(rows, histories)]
     labels = [f"{text} ({os.path.basename(os.path.normpath(row['run']))})" if labels.count(text) > 1

@@ -18,7 +18,7 @@ images whose predictions are dropped, so one compiled step serves all batches.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -252,14 +252,14 @@ class TrainBatches:
 class EvalBatches:
     """Evaluation batches covering every one of N samples once, the last batch zero-padded.
 
-    Iterating yields `(images,)` tuples of `batch` samples (as Keras' predict expects); with
+    Iterating yields `(images,)` tuples of `global_batch` samples (as Keras' predict expects); with
     flip=True the images are mirrored left-right. `trim(outputs)` drops the padding's rows.
     """
 
-    def __init__(self, x: np.ndarray, batch: int, on_device: bool | None = None):
-        self.x, self.batch, self.num_samples = x, batch, len(x)
-        self.num_batches = -(-len(x) // batch)
-        padded = self.num_batches * batch
+    def __init__(self, x: np.ndarray, global_batch: int, on_device: bool | None = None):
+        self.x, self.global_batch, self.num_samples = x, global_batch, len(x)
+        self.num_batches = -(-len(x) // global_batch)
+        padded = self.num_batches * global_batch
         if on_device is None:
             on_device = _on_jax() and _fits_on_devices(x.nbytes, _batch_sharding(x.shape))
         self.on_device = on_device
@@ -269,8 +269,8 @@ class EvalBatches:
 
             stacked = np.zeros((padded,) + x.shape[1:], x.dtype)
             stacked[:len(x)] = x
-            stacked = stacked.reshape((self.num_batches, batch) + x.shape[1:])
-            inner = _batch_sharding((batch,) + x.shape[1:])
+            stacked = stacked.reshape((self.num_batches, global_batch) + x.shape[1:])
+            inner = _batch_sharding((global_batch,) + x.shape[1:])
             sharding = inner
             if isinstance(inner, jax.sharding.NamedSharding):
                 sharding = jax.sharding.NamedSharding(
@@ -288,51 +288,14 @@ class EvalBatches:
             if self.on_device:
                 yield (self._take(self._x, i, flip),)
                 continue
-            images = self.x[i * self.batch:(i + 1) * self.batch]
-            if len(images) < self.batch:
-                pad = np.zeros((self.batch - len(images),) + images.shape[1:], images.dtype)
+            images = self.x[i * self.global_batch:(i + 1) * self.global_batch]
+            if len(images) < self.global_batch:
+                pad = np.zeros((self.global_batch - len(images),) + images.shape[1:], images.dtype)
                 images = np.concatenate([images, pad])
             yield (np.ascontiguousarray(images[:, :, ::-1]) if flip else images,)
 
     def trim(self, outputs: np.ndarray) -> np.ndarray:
         """The first N rows of outputs computed on the padded batches."""
-        if len(outputs) != self.num_batches * self.batch:
-            raise ValueError(f"expected {self.num_batches * self.batch} outputs, got {len(outputs)}")
+        if len(outputs) != self.num_batches * self.global_batch:
+            raise ValueError(f"expected {self.num_batches * self.global_batch} outputs, got {len(outputs)}")
         return outputs[:self.num_samples]
-
-
-def predict(model, data, batch: int | None = None, tta_flip: bool = False,
-            advance: Callable[[float], None] | None = None) -> np.ndarray:
-    """Model outputs for every sample (N rows) of `data`: an EvalBatches (or any object with its
-    iterate, trim and len, such as folders.FolderEvalBatches), or images with `batch`.
-
-    tta_flip: average the outputs for each image and its mirror image (for a model whose outputs
-    are probabilities, the average probabilities).
-    advance: called with 1 as each batch is taken (a meshfit.watch.progress.task bar's).
-    """
-    batches = data if hasattr(data, "iterate") else EvalBatches(data, batch)
-
-    def each(flip: bool = False):
-        if advance is None:
-            return batches.iterate(flip=flip)
-        from meshfit.watch import progress
-
-        return progress.counted(batches.iterate(flip=flip), advance)
-
-    outputs = _predict(model, each(), steps=len(batches))
-    if tta_flip:
-        mirrored = _predict(model, each(flip=True), steps=len(batches))
-        outputs = (outputs + mirrored) / 2
-    return batches.trim(np.asarray(outputs))
-
-
-def _predict(model, batches, steps: int):
-    """`model.predict` over `steps` batches; on several hosts meshfit.parallel.cluster.predict.
-
-    (Keras' own predict cannot gather the outputs of a multi-host mesh.)
-    """
-    from meshfit.parallel import cluster
-
-    if cluster.multi_process():
-        return cluster.predict(model, batches)
-    return model.predict(batches, steps=steps, verbose=0)

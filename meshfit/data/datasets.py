@@ -41,6 +41,7 @@ from typing import Iterator
 import numpy as np
 
 from meshfit import env
+from meshfit.data import folders
 from meshfit.watch import progress
 from meshfit.errors import MeshfitError
 
@@ -188,8 +189,6 @@ def image_folder(path: str | os.PathLike, image_size: tuple[int, int],
     are skipped with a warning, and in every class round(n * validation_split) images chosen with
     `seed` go to x_test/y_test. Both splits are then shuffled with `seed`.
     """
-    from meshfit.data import folders
-
     size = folders.check_image_size(image_size, channels)
     if not 0.0 <= validation_split < 1.0:
         raise MeshfitError(f"validation_split must be in [0, 1), got {validation_split}")

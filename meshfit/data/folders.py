@@ -57,6 +57,7 @@ import numpy as np
 
 from meshfit.data import arrays, order
 from meshfit.errors import MeshfitError
+from meshfit.parallel import cluster
 from meshfit.data.arrays import CROP_PADDING
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
@@ -474,8 +475,6 @@ def check_image_size(image_size, channels: int) -> tuple[int, int]:
 
 def _this_process() -> tuple[Sequence[Any], int] | None:
     """(devices of the job, this process's index) in a job of several processes, else None."""
-    from meshfit.parallel import cluster
-
     if not cluster.multi_process():
         return None
     import jax
@@ -528,7 +527,7 @@ class FolderTrainBatches:
         """Batches from step `step` of epoch `epoch` on, endless, PREFETCH_BATCHES decoded ahead.
 
         One process: a generator (what Keras' fit takes). Several: an iterator marked
-        `process_local = True` (it yields this process's rows; cluster.fit_arguments keeps them).
+        `process_local = True` (it yields this process's rows; hosts.fit_arguments keeps them).
         """
         stream = _prefetched(self._jobs(epoch, step), PREFETCH_BATCHES)
         return stream if self.rows is None else ProcessLocal(stream)
@@ -601,8 +600,6 @@ class ProcessLocal:
 
 def _local_positions(global_batch: int, devices: Sequence[Any], process_index: int) -> np.ndarray:
     """Positions in a global batch that this process feeds (its devices' slices, in mesh order)."""
-    from meshfit.parallel import cluster
-
     return cluster.local_rows(global_batch, global_batch, devices, process_index)
 
 
@@ -625,20 +622,20 @@ def _jitted_parameters(padding: int, flips: str):
 class FolderEvalBatches:
     """Evaluation batches covering every file of a Folder once, the last batch zero-padded.
 
-    The contract of arrays.EvalBatches: iterating yields `(images,)` of `batch` images (mirrored
+    The contract of arrays.EvalBatches: iterating yields `(images,)` of `global_batch` images (mirrored
     left-right with flip=True), decoded PREFETCH_BATCHES ahead; `trim(outputs)` keeps the first N
     rows; `labels` are all N labels. Every process decodes whole batches (multi-host predict
     gathers from the same global batch on every process).
     """
 
-    def __init__(self, folder: Folder, image_size: tuple[int, int], channels: int, batch: int,
-                 workers: int | None = None):
+    def __init__(self, folder: Folder, image_size: tuple[int, int], channels: int,
+                 global_batch: int, workers: int | None = None):
         self.image_size = check_image_size(image_size, channels)
-        if batch < 1:
-            raise MeshfitError(f"evaluation batch must be at least 1, got {batch}")
-        self.folder, self.channels, self.batch = folder, channels, batch
+        if global_batch < 1:
+            raise MeshfitError(f"evaluation batch must be at least 1, got {global_batch}")
+        self.folder, self.channels, self.global_batch = folder, channels, global_batch
         self.num_samples = len(folder)
-        self.num_batches = -(-len(folder) // batch)
+        self.num_batches = -(-len(folder) // global_batch)
         self.labels = folder.labels
         self._decoder = _Decoder(self.image_size, channels, workers)
 
@@ -648,8 +645,8 @@ class FolderEvalBatches:
     def iterate(self, flip: bool = False) -> Iterator[tuple[np.ndarray]]:
         """`(images,)` for every batch in order; mirrored left-right when flip=True."""
         mirror = (lambda images, where: np.ascontiguousarray(images[:, :, ::-1])) if flip else None
-        jobs = (self._decoder.submit(self.folder.files[i:i + self.batch], self.batch, mirror)
-                for i in range(0, self.num_samples, self.batch))
+        jobs = (self._decoder.submit(self.folder.files[i:i + self.global_batch], self.global_batch, mirror)
+                for i in range(0, self.num_samples, self.global_batch))
         for images in _prefetched(jobs, PREFETCH_BATCHES):
             yield (images,)
 

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from meshfit.data import datasets
+from meshfit.data import arrays, datasets, folders, streams
 from meshfit.errors import MeshfitError
 
 FOLDER_VALIDATION_SPLIT = 0.2  # share of a folder's images held out when its recipe sets none
@@ -57,8 +57,6 @@ class RunData:
     @property
     def from_source(self) -> bool:
         """True when the training data is a recipe's own streamed source (meshfit.data.streams)."""
-        from meshfit.data import streams
-
         return isinstance(self.train, streams.Source)
 
     @property
@@ -115,8 +113,6 @@ def load(recipe, data_dir: str | None, seed: int, source: str | None = None) -> 
         return _folder(recipe, path, seed)
     if how == "callable":
         result = recipe.dataset(seed)
-        from meshfit.data import streams
-
         if streams.is_streams(result):
             return _streams(recipe, result, source_of(recipe))
         loaded = _arrays(result)
@@ -133,8 +129,6 @@ def load(recipe, data_dir: str | None, seed: int, source: str | None = None) -> 
 
 
 def _folder(recipe, path: str, seed: int) -> RunData:
-    from meshfit.data import folders
-
     if not recipe.image_size:
         raise MeshfitError(f"recipe {recipe.name} reads the image folder {path} but sets no "
                            "image_size; add image_size=(height, width) to its Recipe")
@@ -150,8 +144,6 @@ def other_folder(path: str, class_names: tuple[str, ...], input_shape: tuple[int
     """A folder of class sub-folders to score a trained run on, as the test split: its images
     resized to input_shape (height, width, channels in pixels) and labelled by the run's
     class_names (every class folder must be one of them; the folder may have fewer)."""
-    from meshfit.data import folders
-
     if len(input_shape) != 3 or input_shape[2] not in (1, 3):
         raise MeshfitError(f"the run's model takes inputs of shape {tuple(input_shape)}, not images "
                            "(height, width, 1 or 3 channels); score it on its own data instead")
@@ -169,8 +161,6 @@ def other_folder(path: str, class_names: tuple[str, ...], input_shape: tuple[int
 
 def _streams(recipe, parts: dict, name: str) -> RunData:
     """A recipe's streamed sources {"train", "validation", "test", "class_names"} as RunData."""
-    from meshfit.data import streams
-
     unknown = sorted(set(map(str, parts)) - set(streams.KEYS))
     if unknown or parts.get("train") is None:
         problem = f"has the unknown keys {', '.join(unknown)}" if unknown else "has no \"train\" source"
@@ -244,8 +234,6 @@ def size(split: Split) -> int:
 def labels(split: Split) -> np.ndarray:
     """The int32 labels of every sample of a split, in order (of a streamed train source: its
     first batch's)."""
-    from meshfit.data import streams
-
     if isinstance(split, streams.Source):
         return np.asarray(split.first()[1]).reshape(-1).astype(np.int32)
     return split[1] if isinstance(split, tuple) else split.labels
@@ -254,8 +242,6 @@ def labels(split: Split) -> np.ndarray:
 def stream_batches(data: RunData, seed: int, replicas: int, steps: int | None):
     """The training batches of a recipe's streamed source (streams.TrainStream), planned: its
     global batch and steps per epoch come from the source."""
-    from meshfit.data import streams
-
     return streams.TrainStream(data.train, seed, replicas, steps)
 
 
@@ -263,25 +249,16 @@ def train_batches(data: RunData, recipe, global_batch: int, seed: int, steps: in
     """The training batches: arrays.TrainBatches in memory, folders.FolderTrainBatches from disk."""
     options = dict(augment=recipe.augment, crop_padding=recipe.crop_padding, flips=recipe.flips)
     if data.streamed:
-        from meshfit.data import folders
-
         return folders.FolderTrainBatches(data.train, data.input_shape[:2], data.input_shape[2],
-                                              global_batch, seed, steps, **options)
-    from meshfit.data import arrays
-
+                                          global_batch, seed, steps, **options)
     return arrays.TrainBatches(*data.train, global_batch, seed, steps, **options)
 
 
-def eval_batches(data: RunData, split: Split, batch: int):
+def eval_batches(data: RunData, split: Split, global_batch: int):
     """Batches covering every sample of `split` once (the last one zero-padded)."""
-    from meshfit.data import streams
-
     if isinstance(split, streams.EvalSource):
-        return streams.EvalStream(split, batch)
+        return streams.EvalStream(split, global_batch)
     if data.streamed:
-        from meshfit.data import folders
-
-        return folders.FolderEvalBatches(split, data.input_shape[:2], data.input_shape[2], batch)
-    from meshfit.data import arrays
-
-    return arrays.EvalBatches(split[0], batch)
+        return folders.FolderEvalBatches(split, data.input_shape[:2], data.input_shape[2],
+                                         global_batch)
+    return arrays.EvalBatches(split[0], global_batch)

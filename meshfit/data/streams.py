@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from meshfit.data.rows import first_rows, leading_rows, splittable_rows
 from meshfit.errors import MeshfitError
 
 KEYS = ("train", "validation", "test", "class_names")
@@ -90,8 +91,6 @@ def _batch(batch: Any, name: str) -> tuple:
 
 
 def _rows(batch: tuple) -> int:
-    from meshfit.fit.sources import leading_rows
-
     return leading_rows(batch[0]) or 0
 
 
@@ -170,16 +169,14 @@ class TrainStream:
     The contract of arrays.TrainBatches: `steps_per_epoch`, `global_batch` and
     `iterate(epoch, step)`, endless, from batch `step` of epoch `epoch` on (see the module
     docstring for the order and for how exact a resume is). `smallest_batch`: the fewest rows a
-    step has (after the cut; None when not counted). `slices`: micro-batches per batch, set before
+    step has (after the cut; None when not counted). `micro_batches`: slices per batch, set before
     training: a batch needs at least that many rows, else it is left out. `failure`: the error of
     the last failed pass (Keras on TensorFlow hands a generator's error on wrapped in its own).
     """
 
     def __init__(self, source: Source, seed: int, replicas: int, steps_per_epoch: int | None = None):
-        from meshfit.fit.sources import splittable_rows
-
         self.source, self.seed, self.replicas = source, int(seed), replicas
-        self.slices = 1
+        self.micro_batches = 1
         self.failure: MeshfitError | None = None
         self._warned_resume = False
         first = _rows(source.first())
@@ -211,8 +208,6 @@ class TrainStream:
                                "batches of the recipe's train source; use at most that many")
 
     def _warn_cut(self, rows: int) -> None:
-        from meshfit.fit.sources import splittable_rows
-
         keep = splittable_rows(rows, self.replicas)
         if keep != rows:
             warnings.warn(f"a batch of {rows} samples does not split across {self.replicas} "
@@ -244,10 +239,8 @@ class TrainStream:
             epoch, step = epoch + 1, 0
 
     def _cut(self, batch: tuple) -> tuple | None:
-        from meshfit.fit.sources import first_rows, splittable_rows
-
         rows = _rows(batch)
-        keep = splittable_rows(rows, self.replicas, self.slices)
+        keep = splittable_rows(rows, self.replicas, self.micro_batches)
         if keep == rows:
             return batch
         return first_rows(batch, keep) if keep else None
@@ -306,13 +299,13 @@ class EvalSource:
 
 class EvalStream:
     """Evaluation batches of an EvalSource: the contract of arrays.EvalBatches (iterate yields
-    `(images,)` of `batch` rows, the last zero-padded; trim keeps the first N rows of outputs).
+    `(images,)` of `global_batch` rows, the last zero-padded; trim keeps the first N rows of outputs).
     trim also checks that the pass yielded the labels of the first one (the source must not shuffle)."""
 
-    def __init__(self, source: EvalSource, batch: int):
-        self.source, self.batch = source, batch
+    def __init__(self, source: EvalSource, global_batch: int):
+        self.source, self.global_batch = source, global_batch
         self.num_samples = len(source)
-        self.num_batches = -(-self.num_samples // batch)
+        self.num_batches = -(-self.num_samples // global_batch)
         self._seen: list[np.ndarray] = []
 
     def __len__(self) -> int:
@@ -325,13 +318,13 @@ class EvalStream:
         for batch in self.source.source.batches(0):
             self._seen.append(np.asarray(batch[1]).reshape(-1))
             held.append(batch[0])
-            while held and sum(len(h) for h in held) >= self.batch:
+            while held and sum(len(h) for h in held) >= self.global_batch:
                 joined = np.concatenate(held) if len(held) > 1 else held[0]
-                held = [joined[self.batch:]] if len(joined) > self.batch else []
-                yield (self._mirror(joined[:self.batch], flip),)
+                held = [joined[self.global_batch:]] if len(joined) > self.global_batch else []
+                yield (self._mirror(joined[:self.global_batch], flip),)
         if held:
             rest = np.concatenate(held)
-            padded = np.zeros((self.batch,) + rest.shape[1:], rest.dtype)
+            padded = np.zeros((self.global_batch,) + rest.shape[1:], rest.dtype)
             padded[:len(rest)] = rest
             yield (self._mirror(padded, flip),)
 

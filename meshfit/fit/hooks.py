@@ -41,6 +41,11 @@ from typing import Any, Callable
 
 import keras
 
+from meshfit import env
+from meshfit.fit import jax_loop, sources
+from meshfit.watch import progress, progress_bar
+from meshfit.watch.report import EpochReport
+
 _active = None  # the Strategy activated last, or None
 _report_off = contextvars.ContextVar("meshfit_report_off", default=False)
 _fit_batches = contextvars.ContextVar("meshfit_fit_batches", default=None)  # inside fit: rows seen
@@ -144,11 +149,9 @@ def _make_function_hook(make: Callable, attribute: str) -> Callable:
 
 def _one_in_flight(function: Callable) -> Callable:
     """`function(state, iterator) -> (outputs, state)`, each call finished on several CPU devices."""
-    from meshfit.fit.jax_loop import finish_dispatch
-
     def step(state, iterator):
         outputs, state = function(state, iterator)
-        finish_dispatch(outputs)
+        jax_loop.finish_dispatch(outputs)
         return outputs, state
 
     step._meshfit_waits = True
@@ -168,25 +171,20 @@ def _fit_hook(fit: Callable) -> Callable:
         arguments = bound.arguments
         callbacks = arguments.get("callbacks")
         if callbacks is None or isinstance(callbacks, (list, tuple)):  # a CallbackList stays as given
-            from meshfit.watch import progress, progress_bar
-            from meshfit.watch.report import EpochReport
-
             callbacks, verbose = list(callbacks or []), arguments.get("verbose", "auto")
             chief = strategy.info.process_index == 0
-            if verbose == "auto" and chief and progress.notebook():
+            if verbose == "auto" and chief and env.notebook():
                 # A notebook: meshfit's bar redrawn in place, and Keras' one line per epoch, rather
                 # than Keras' bar, whose carriage returns pile up in the saved output.
-                callbacks.insert(0, progress_bar.ProgressBar(_batch_size(arguments)))
+                callbacks.insert(0, progress_bar.ProgressBar(_global_batch(arguments)))
                 verbose = arguments["verbose"] = 2
             if (verbose != 0 and not _report_off.get() and chief
                     and not any(isinstance(c, EpochReport) for c in callbacks)):
-                callbacks.append(EpochReport(batch_size=_batch_size(arguments), strategy=strategy))
+                callbacks.append(EpochReport(global_batch=_global_batch(arguments), strategy=strategy))
             _progress_bar_first(callbacks, verbose)
             arguments["callbacks"] = callbacks
         if (strategy.engine == "jax" and self.train_function is None and self.jit_compile
                 and not self.run_eagerly):
-            from meshfit.fit import jax_loop
-
             jax_loop.install(self, self.steps_per_execution)
         token = _fit_batches.set({})
         try:
@@ -202,18 +200,14 @@ def _progress_bar_first(callbacks: list, verbose) -> None:
     appends its bar after the given callbacks, so at an epoch's end the report would print its
     line into the middle of the bar's unfinished one; a ProgbarLogger among the callbacks is the
     one Keras uses, so placed first it ends its line first."""
-    from meshfit.watch.report import EpochReport
-
     first = next((i for i, c in enumerate(callbacks) if isinstance(c, EpochReport)), None)
     if first is not None and verbose != 0 and not any(
             isinstance(c, keras.callbacks.ProgbarLogger) for c in callbacks):
         callbacks.insert(first, keras.callbacks.ProgbarLogger())
 
 
-def _batch_size(arguments: dict[str, Any]) -> int | None:
+def _global_batch(arguments: dict[str, Any]) -> int | None:
     """The global batch of a `fit` call, where it is known (arrays: batch_size, else Keras' 32)."""
-    from meshfit.fit import sources
-
     if arguments.get("batch_size"):
         return arguments["batch_size"]
     x, y = arguments.get("x"), arguments.get("y")

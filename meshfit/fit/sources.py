@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import keras  # this module is imported by Strategy.fit, after meshfit.connect() chose the backend
 from keras.src.trainers import data_adapters  # Keras' data adapters have no public API
 
+from meshfit.data.rows import first_rows, leading_rows, splittable_rows
 from meshfit.errors import MeshfitError
 
 KERAS_BATCH = 32  # the batch Keras cuts arrays into when given no batch size
@@ -38,34 +39,17 @@ SOURCE_KINDS = ("numpy arrays", "a tf.data.Dataset", "a keras.utils.PyDataset", 
                 "a grain.MapDataset or grain.IterDataset")
 
 
-def splittable_rows(rows: int, replicas: int, slices: int = 1) -> int:
-    """Rows of a batch of `rows` that split across `replicas`: the largest multiple of them, or 0
-    when fewer than `slices` (micro-batches, one sample each at least) would remain."""
-    keep = rows - rows % replicas
-    return keep if keep >= slices else 0
-
-
-def leading_rows(data: Any) -> int | None:
-    """The first axis of the first array in `data` (an array or a tuple/list/dict of them)."""
-    leaves = [t for t in keras.tree.flatten(data) if t is not None]
-    return int(leaves[0].shape[0]) if leaves and getattr(leaves[0], "shape", None) else None
-
-
-def first_rows(data: Any, rows: int) -> Any:
-    """`data` with every array cut to its first `rows` rows (None entries stay None)."""
-    return keras.tree.map_structure(lambda t: None if t is None else t[:rows], data)
-
-
-def trim_last_batch(arrays: Sequence[Any], batch_size: int, replicas: int, slices: int = 1) -> list:
+def trim_last_batch(arrays: Sequence[Any], global_batch: int, replicas: int,
+                    micro_batches: int = 1) -> list:
     """Arrays (x, y, sample_weight: each an array, a dict/list of arrays, or None) shortened so
-    their last partial batch splits across `replicas` (and has at least `slices` samples), with a
-    warning saying how many samples were dropped."""
+    their last partial batch splits across `replicas` (and has at least `micro_batches`
+    samples), with a warning saying how many samples were dropped."""
     n = next((leading_rows(a) for a in arrays if a is not None), None)
-    rest = n % batch_size if n else 0
-    keep = n - rest + splittable_rows(rest, replicas, slices) if n else n
+    rest = n % global_batch if n else 0
+    keep = n - rest + splittable_rows(rest, replicas, micro_batches) if n else n
     if keep == n:
         return list(arrays)
-    into = f"{slices} micro-batches" if rest < slices else f"{replicas} replicas"
+    into = f"{micro_batches} micro-batches" if rest < micro_batches else f"{replicas} replicas"
     warnings.warn(f"dropping the last {n - keep} of {n} samples so the last batch splits into "
                   f"{into}", stacklevel=4)  # the caller of Strategy.fit
     return [None if a is None else first_rows(a, keep) for a in arrays]
@@ -85,13 +69,13 @@ def is_one_shot(source: Any) -> bool:
 class SplitBatches(data_adapters.data_adapter.DataAdapter):
     """Keras' adapter for `source`, every batch it yields cut to split across `replicas`.
 
-    slices: micro-batches per batch (TensorFlow engine); a batch needs at least that many rows.
+    micro_batches: slices per batch (TensorFlow engine); a batch needs at least that many rows.
     per_process: on several hosts, a function cutting a global batch to this process's rows
-    (see meshfit.parallel.cluster.fit_arguments); None on one host.
+    (see meshfit.fit.hosts.fit_arguments); None on one host.
     shuffle, class_weight, steps_per_epoch: as for `model.fit`, given to Keras' adapter.
     """
 
-    def __init__(self, source: Any, replicas: int, slices: int = 1, *, shuffle: bool = False,
+    def __init__(self, source: Any, replicas: int, micro_batches: int = 1, *, shuffle: bool = False,
                  class_weight: dict | None = None, steps_per_epoch: int | None = None):
         if is_one_shot(source) and not isinstance(source, types.GeneratorType):
             source = (batch for batch in source)  # Keras takes generators, not other iterators
@@ -104,17 +88,17 @@ class SplitBatches(data_adapters.data_adapter.DataAdapter):
                 message = (f"Strategy.fit cannot read a {type(source).__name__}; pass "
                            f"{', '.join(SOURCE_KINDS[:-1])} or {SOURCE_KINDS[-1]}")
             raise MeshfitError(message) from None
-        self.replicas, self.slices = replicas, slices
+        self.replicas, self.micro_batches = replicas, micro_batches
         self.per_process: Callable[[Any], Any] | None = None
         self.left_out = 0  # samples of the last cut batch that were left out (0: none so far)
 
     def split(self, batch: Any) -> Any | None:
         """`batch` cut to split across the replicas (then to this process's rows); None to skip it."""
         rows = leading_rows(batch)
-        keep = rows if rows is None else splittable_rows(rows, self.replicas, self.slices)
+        keep = rows if rows is None else splittable_rows(rows, self.replicas, self.micro_batches)
         if keep != rows:
             if not self.left_out:
-                into = f"{self.replicas} replicas" if rows % self.replicas else f"{self.slices} micro-batches"
+                into = f"{self.replicas} replicas" if rows % self.replicas else f"{self.micro_batches} micro-batches"
                 warnings.warn(f"a batch of {rows} samples does not split across {into}: using "
                               f"{keep} of them (each epoch)", stacklevel=2)
             self.left_out = rows - keep
@@ -139,7 +123,7 @@ class SplitBatches(data_adapters.data_adapter.DataAdapter):
         """Keras' dataset: TensorFlow runs one replica, so only micro-batches need a cut, which
         goes through `split` on the host (numpy) to warn like the other engines."""
         dataset = self.inner.get_tf_dataset()
-        if self.slices == 1:
+        if self.micro_batches == 1:
             return dataset
         import tensorflow as tf
 
@@ -162,11 +146,11 @@ class SplitBatches(data_adapters.data_adapter.DataAdapter):
         self.inner.on_epoch_end()
 
 
-def prepare(x: Any, y: Any, batch_size: int | None, replicas: int, slices: int, epochs: int,
-            kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+def prepare(x: Any, y: Any, global_batch: int | None, replicas: int, micro_batches: int,
+            epochs: int, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     """`Strategy.fit`'s (x, y, kwargs) with every batch splittable across `replicas`.
 
-    Arrays (with batch_size) lose the samples their last batch cannot split; any other source is
+    Arrays (with a global batch) lose the samples their last batch cannot split; any other source is
     wrapped in SplitBatches, which cuts its batches as they come. validation_data likewise.
     A generator, read only once, needs steps_per_epoch to train more than one epoch.
     """
@@ -182,9 +166,9 @@ def prepare(x: Any, y: Any, batch_size: int | None, replicas: int, slices: int, 
             kwargs["sample_weight"] = weights
     validation = kwargs.get("validation_data")
     if is_arrays(x, y, kwargs.get("sample_weight")):
-        if batch_size is not None:
-            x, y, weights = trim_last_batch([x, y, kwargs.get("sample_weight")], batch_size, replicas,
-                                            slices)
+        if global_batch is not None:
+            x, y, weights = trim_last_batch([x, y, kwargs.get("sample_weight")], global_batch,
+                                            replicas, micro_batches)
             if weights is not None:
                 kwargs["sample_weight"] = weights
     elif x is not None:
@@ -193,11 +177,11 @@ def prepare(x: Any, y: Any, batch_size: int | None, replicas: int, slices: int, 
             raise MeshfitError(f"a {type(x).__name__} carries its own targets and weights: yield "
                                f"(x, y) or (x, y, sample_weight) batches and pass no y or sample_weight")
         shuffle = kwargs.pop("shuffle", True)  # Keras shuffles only a PyDataset's batch order
-        x = SplitBatches(x, replicas, slices, class_weight=kwargs.pop("class_weight", None),
+        x = SplitBatches(x, replicas, micro_batches, class_weight=kwargs.pop("class_weight", None),
                          shuffle=shuffle and isinstance(x, keras.utils.PyDataset),
                          steps_per_epoch=kwargs.get("steps_per_epoch"))
     if isinstance(validation, (tuple, list)) and is_arrays(*validation):
-        validation_batch = kwargs.get("validation_batch_size") or batch_size or KERAS_BATCH
+        validation_batch = kwargs.get("validation_batch_size") or global_batch or KERAS_BATCH
         kwargs["validation_data"] = tuple(trim_last_batch(list(validation), validation_batch, replicas))
     elif validation is not None:
         _check_rereadable(validation, "validation_steps", kwargs.get("validation_steps"), epochs, kwargs)

@@ -10,7 +10,7 @@ one step per batch: the run is the same run.
 
 Models with layers that mix samples inside a batch (batch normalization) keep whole batches,
 because slicing would change what those layers compute. So do models with their own train_step,
-and, by default (see plan), models computing in 16-bit floats.
+and, by default (see cache_sized), models computing in 16-bit floats.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 from meshfit.errors import MeshfitError
 from meshfit.parallel import planning
 
-ACTIVATION_BUDGET_BYTES = 16 * 2**20  # largest activation of one slice; measured, see plan()
+ACTIVATION_BUDGET_BYTES = 16 * 2**20  # largest activation of one slice; measured, see cache_sized()
 MIN_SLICE = 32  # smaller slices are slower again (25-sample slices: ~80 against 61-74 ms/step)
 _BATCH_COUPLED = ("BatchNormalization", "SyncBatchNormalization")
 
@@ -49,7 +49,7 @@ def activation_bytes_per_sample(model) -> int | None:
     return largest
 
 
-def plan(model, batch: int, budget_bytes: int = ACTIVATION_BUDGET_BYTES) -> int:
+def cache_sized(model, global_batch: int, budget_bytes: int = ACTIVATION_BUDGET_BYTES) -> int:
     """Slices per batch (1 = whole batches) so that one slice's largest activation fits the budget.
 
     The fewest slices that fit, each of at least MIN_SLICE samples and all of one size; 1 when the
@@ -63,33 +63,29 @@ def plan(model, batch: int, budget_bytes: int = ACTIVATION_BUDGET_BYTES) -> int:
     if _must_train_whole(model) or model.dtype_policy.compute_dtype != "float32":
         return 1
     per_sample = activation_bytes_per_sample(model)
-    if not per_sample or batch * per_sample <= budget_bytes:
+    if not per_sample or global_batch * per_sample <= budget_bytes:
         return 1
-    counts = [k for k in range(2, batch // MIN_SLICE + 1) if batch % k == 0]
-    fitting = [k for k in counts if batch // k * per_sample <= budget_bytes]
+    counts = [k for k in range(2, global_batch // MIN_SLICE + 1) if global_batch % k == 0]
+    fitting = [k for k in counts if global_batch // k * per_sample <= budget_bytes]
     return fitting[0] if fitting else (counts[-1] if counts else 1)
 
 
-def choose(model, batch_size: int | None, requested: int | str, engine: str) -> int:
+def plan_micro_batches(model, global_batch: int | None, asked: int | str, engine: str) -> int:
     """Slices per batch for `model` on `engine`: 'auto' plans cache-sized slices on TensorFlow
-    when the batch size is known (else 1); a number is checked, and above 1 needs TensorFlow."""
-    if requested == "auto":
-        return plan(model, batch_size) if engine == "tensorflow" and batch_size else 1
-    slices = check(model, requested)
-    if slices > 1 and engine != "tensorflow":
-        raise MeshfitError(f"micro-batches run on the TensorFlow engine (one CPU), not on "
-                           f"{engine}; use micro_batches=1")
-    return slices
+    when the global batch is known (else 1); a number is checked, and above 1 needs TensorFlow."""
+    if asked == "auto":
+        return cache_sized(model, global_batch) if engine == "tensorflow" and global_batch else 1
+    return check(model, asked, engine)
 
 
-def check(model, slices: int) -> int:
-    """`slices` checked: a positive int, and 1 for models that must train on whole batches
-    (model None: the number alone)."""
-    planning.check_micro_batches(slices)
-    reason = _must_train_whole(model) if model is not None and slices > 1 else None
+def check(model, micro_batches: int, engine: str | None = None) -> int:
+    """`micro_batches` checked: a positive int, above 1 only on TensorFlow (engine None: not
+    checked) and only for models that may train in slices (model None: the number alone)."""
+    planning.check_micro_batches(micro_batches, engine)
+    reason = _must_train_whole(model) if model is not None and micro_batches > 1 else None
     if reason:
         raise MeshfitError(f"{reason}; use micro_batches=1")
-    return slices
+    return micro_batches
 
 
 def _must_train_whole(model) -> str | None:
@@ -102,16 +98,18 @@ def _must_train_whole(model) -> str | None:
     return None
 
 
-def install(model, slices: int) -> None:
-    """Make the model's TensorFlow train step sum its gradient over `slices` slices of each batch.
+def install(model, micro_batches: int) -> None:
+    """Make the model's TensorFlow train step sum its gradient over `micro_batches` slices of each
+    batch.
 
     Takes effect when Keras next builds the train function (call before `fit`); 1 restores
     Keras' own step.
     """
     model.__dict__.pop("train_step", None)
-    if slices > 1:
-        object.__setattr__(model, "train_step", lambda data: _sliced_train_step(model, data, slices))
-    object.__setattr__(model, "_meshfit_micro_batches", slices)
+    if micro_batches > 1:
+        object.__setattr__(model, "train_step",
+                           lambda data: _sliced_train_step(model, data, micro_batches))
+    object.__setattr__(model, "_meshfit_micro_batches", micro_batches)
     model.train_function = None
 
 

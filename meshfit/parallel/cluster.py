@@ -20,18 +20,16 @@ address (as under `meshfit launch`), on that address only, with gloo's collectiv
 too; else where JAX puts it: `$JAX_COORDINATOR_BIND_ADDRESS`, or every interface on the
 coordinator's port. On a real cluster set it to the private interface, e.g. 10.0.0.1:1234.
 
-In the job every process passes the same global data or batches: `fit_arguments()` (used by
-`Strategy.fit`) cuts them to each process's rows, `predict()` gathers outputs that Keras' predict
-cannot, `barrier()` lines the processes up.
-A process that fails leaves at once (`exit_failed()`), so its peers are not left waiting for it.
-Under `meshfit launch`, `join()` leaves a marker for the launcher (meshfit.parallel.heartbeat), which
-then names a process that never arrived.
-`Vote` lets the processes agree on a number (e.g. "stop, on this signal") without a host sync.
+In the job every process feeds its own rows of each global batch (`local_rows`, the rule), and
+`barrier()` lines the processes up. A process that fails leaves at once (`exit_failed()`), so its
+peers are not left waiting for it. Under `meshfit launch`, `join()` leaves a marker for the
+launcher (meshfit.parallel.heartbeat), which then names a process that never arrived. What needs
+Keras once the job runs (cutting fit's arguments to a process's rows, gathering predictions,
+agreeing on the seed and on a stop) is meshfit.fit.hosts.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import ipaddress
 import os
@@ -40,10 +38,10 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from meshfit import env
-from meshfit.parallel import engine, heartbeat
+from meshfit.parallel import heartbeat
 from meshfit.errors import MeshfitError
 
 SHUTDOWN_TIMEOUT_SECONDS = 300  # how long finished processes wait at exit for the slowest one
@@ -270,71 +268,6 @@ def _exit_after_traceback(previous_hook, kind, value, traceback) -> None:
     exit_failed(1)
 
 
-class Vote:
-    """The processes agree on a number without waiting for each other at every call.
-
-    Every process calls `cast(value)` at the same points of the program (like any collective);
-    each call starts a max-reduction of the values over all processes on the devices and returns,
-    without waiting, the result of the call `lag` calls before (0 for the first ones), which is
-    the same on every process. `settle()` waits for the reductions under way. Used to stop every
-    process of a job at the same step when only one was signalled (meshfit.run.checkpoints).
-    """
-
-    def __init__(self, lag: int = 1):
-        import jax
-        import jax.numpy as jnp
-        import numpy as np
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-        devices = jax.devices()
-        mesh = Mesh(np.array(devices), ("all",))
-        self._sharding = NamedSharding(mesh, PartitionSpec("all"))
-        self._shape = (len(devices),)
-        self._local = np.ones(jax.local_device_count(), np.int32)
-        self._max = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
-        self._pending: collections.deque = collections.deque()
-        self.lag = lag
-
-    def cast(self, value: int) -> int:
-        """Start the vote on `value`; the maximum of the vote `lag` calls ago, or 0."""
-        import jax
-
-        votes = jax.make_array_from_process_local_data(self._sharding, self._local * value, self._shape)
-        self._pending.append(self._max(votes))
-        return _read_int(self._pending.popleft()) if len(self._pending) > self.lag else 0
-
-    def settle(self) -> int:
-        """Wait for the votes under way; the largest of their maxima (0 when none)."""
-        result = 0
-        while self._pending:
-            result = max(result, _read_int(self._pending.popleft()))
-        return result
-
-
-def _read_int(array) -> int:
-    """A replicated scalar jax.Array as an int (this process's copy)."""
-    import numpy as np
-
-    return int(np.asarray(array.addressable_data(0)))
-
-
-def agree_on_seed() -> int:
-    """Give Keras the same random seed on every process (process 0's), so weights start equal.
-
-    Keeps a seed already set on process 0; otherwise process 0 draws one. Call after `join()`.
-    """
-    import numpy as np
-    from jax.experimental import multihost_utils
-    from keras.src.utils import rng_utils  # Keras has no public getter for the global seed
-
-    seed = rng_utils.get_random_seed()
-    if seed is None:
-        seed = int(np.random.default_rng().integers(0, 2**31 - 1))
-    seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))
-    engine.set_random_seed(seed)
-    return seed
-
-
 def local_rows(samples: int, global_batch: int, devices: Sequence[Any], process_index: int):
     """Indices of the rows this process feeds: its devices' slices of every global batch.
 
@@ -361,79 +294,6 @@ def local_rows(samples: int, global_batch: int, devices: Sequence[Any], process_
     return rows
 
 
-def local_batch(batch: Any, devices: Sequence[Any], process_index: int) -> Any:
-    """This process's part of one global batch (a pytree of arrays): what Keras' multi-process input takes.
-
-    A cross-host jax.Array (e.g. made on the devices by meshfit.data.arrays) becomes its host-local
-    part without a copy; a host array (the same on every process) is cut to this process's rows.
-    """
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    def part(array):
-        if isinstance(array, jax.Array) and not array.is_fully_addressable:
-            sharding = array.sharding
-            return multihost_utils.global_array_to_host_local_array(array, sharding.mesh, sharding.spec)
-        array = np.asarray(array)
-        return array[local_rows(len(array), len(array), devices, process_index)]
-
-    return jax.tree.map(part, batch)
-
-
-def fit_arguments(strategy, x, y, batch_size: int | None, kwargs: dict[str, Any]):
-    """`Strategy.fit`'s (x, y, batch_size, kwargs) cut to this process's share of every global batch.
-
-    Arrays with a global batch_size: each process keeps its rows of every batch and fits with its
-    per-process batch. A stream of global batches (a meshfit.fit.sources.SplitBatches, as
-    Strategy.fit wraps tf.data, PyDataset, generators, ...; or a plain iterator, with
-    steps_per_epoch): each batch is cut as it comes, unless the source has `process_local = True`
-    (it yields this process's rows already). validation_data is cut like x and y.
-    """
-    from meshfit.fit.sources import SplitBatches
-
-    devices, index = strategy.info.devices, strategy.info.process_index
-    kwargs = dict(kwargs)
-    if getattr(x, "process_local", False):  # a source that already reads only this process's rows
-        return (batch for batch in x), y, batch_size, kwargs  # Keras takes Python generators only
-    cut = functools.partial(local_batch, devices=devices, process_index=index)
-    validation = kwargs.get("validation_data")
-    if isinstance(validation, SplitBatches):
-        validation.per_process = cut
-    elif validation is not None:
-        validation_batch = kwargs.get("validation_batch_size") or batch_size
-        if validation_batch is None:
-            raise MeshfitError("on several hosts validation arrays need a global batch: pass "
-                               "validation_batch_size, or validation_data of the same kind as x")
-        validation, local_validation = share(list(validation), validation_batch, devices, index)
-        kwargs["validation_data"] = tuple(validation)
-        if kwargs.get("validation_batch_size"):
-            kwargs["validation_batch_size"] = local_validation
-    if isinstance(x, SplitBatches):
-        x.per_process = cut
-        return x, y, None, kwargs
-    if batch_size is None:
-        if y is not None or hasattr(x, "shape"):
-            raise MeshfitError("on several hosts Strategy.fit takes arrays with batch_size (the global "
-                               "batch), or an iterator of global batches with steps_per_epoch")
-        return (cut(b) for b in x), None, None, kwargs
-    (x, y, weights), local = share([x, y, kwargs.get("sample_weight")], batch_size, devices, index)
-    if weights is not None:
-        kwargs["sample_weight"] = weights
-    return x, y, local, kwargs
-
-
-def share(arrays: Sequence[Any], global_batch: int, devices: Sequence[Any], process_index: int):
-    """(this process's rows of each array, per-process batch size); None entries stay None."""
-    import numpy as np
-
-    samples = len(next(a for a in arrays if a is not None))
-    rows = local_rows(samples, global_batch, devices, process_index)
-    mine = sum(d.process_index == process_index for d in devices)
-    per_process = global_batch // len(devices) * mine
-    return [None if a is None else np.asarray(a)[rows] for a in arrays], per_process
-
-
 def multi_process() -> bool:
     """True in a process that joined a job of two or more processes."""
     if "jax" not in sys.modules:
@@ -451,36 +311,3 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def predict(model, batches: Iterable[Any]):
-    """Model outputs for every global batch of `batches`, gathered on every process (numpy).
-
-    Keras' `model.predict` cannot collect outputs that live on several hosts, so this runs the
-    model's inference call jitted on each global batch (a cross-host jax.Array, or a host array
-    that is the same on every process; `(x,)` tuples are unwrapped) and gathers each result.
-    """
-    import jax
-    import keras
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    if hasattr(model, "jax_state_sync"):
-        model.jax_state_sync()  # variables hold the newest values (fit keeps them apart)
-    distribution = keras.distribution.distribution()
-
-    def to_global(x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return x
-        x = np.asarray(x)
-        layout = distribution.get_data_layout(x.shape).backend_layout
-        return jax.make_array_from_callback(x.shape, layout, lambda index: x[index])
-
-    call = jax.jit(lambda trainable, other, x: model.stateless_call(trainable, other, x)[0])
-    trainable = [v.value for v in model.trainable_variables]
-    other = [v.value for v in model.non_trainable_variables]
-    outputs = []
-    for batch in batches:
-        heartbeat.advance()  # progress for meshfit launch's watchdog, before the batch may wait
-        x = batch[0] if isinstance(batch, tuple) and len(batch) == 1 else batch
-        result = call(trainable, other, jax.tree.map(to_global, x))
-        outputs.append(multihost_utils.process_allgather(result, tiled=True))
-    return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)

@@ -51,7 +51,7 @@ class DeviceInfo:
 MAX_SIMULATED = 1024  # JAX takes minutes to start with a million CPU devices
 
 
-def simulate_devices(count: int) -> None:
+def use_simulated_devices(count: int) -> None:
     """Make JAX show `count` CPU devices standing in for accelerator cores.
 
     Must run before JAX starts; afterwards it only succeeds if JAX already has exactly
@@ -66,14 +66,12 @@ def simulate_devices(count: int) -> None:
         have = jax.local_devices()  # this process's: a job of several has more in jax.devices()
         if have[0].platform == "cpu" and len(have) == count:
             return
-        from meshfit.watch import progress
-
-        where = ("restart the kernel and call" if progress.notebook() else
+        where = ("restart the kernel and call" if env.notebook() else
                  f"set {env.SIMULATE_DEVICES}={count} before starting Python, or call")
         raise MeshfitError(
             f"cannot simulate {count} devices: JAX already started with {len(have)} "
             f"{have[0].platform} device(s) in this process; {where} "
-            f"meshfit.connect(simulate={count}) before anything else uses JAX"
+            f"meshfit.connect(simulate_devices={count}) before anything else uses JAX"
         )
     flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
     os.environ["XLA_FLAGS"] = _without_ynn_fusions(f"{flags} {_COUNT_FLAG}={count}".strip())
@@ -111,10 +109,10 @@ def memory_bytes(info: DeviceInfo, asked: int | None = None) -> int | None:
         return None
 
 
-def requested_simulation(simulate: int | None) -> int | None:
+def requested_simulation(simulate_devices: int | None) -> int | None:
     """The simulated device count asked for by argument, else by $MESHFIT_SIMULATE_DEVICES."""
-    if simulate is not None:
-        return simulate
+    if simulate_devices is not None:
+        return simulate_devices
     return env.read_int(env.SIMULATE_DEVICES, example=8)
 
 
@@ -130,11 +128,11 @@ def cpu_model() -> str:
     return _platform.processor() or _platform.machine() or "cpu"
 
 
-def discover(simulate: int | None = None, require: str | None = None) -> DeviceInfo:
+def discover(simulate_devices: int | None = None, require: str | None = None) -> DeviceInfo:
     """Find the devices JAX sees (TPU before GPU before CPU) and describe them."""
-    simulate = requested_simulation(simulate)
-    if simulate is not None:
-        simulate_devices(simulate)
+    simulate_devices = requested_simulation(simulate_devices)
+    if simulate_devices is not None:
+        use_simulated_devices(simulate_devices)
     elif _COUNT_FLAG in os.environ.get("XLA_FLAGS", "") and not cluster.jax_started():
         os.environ["XLA_FLAGS"] = _without_ynn_fusions(os.environ["XLA_FLAGS"])  # devices simulated by hand
     cluster.join()  # a multi-host job must be joined before JAX starts its backends
@@ -162,6 +160,6 @@ def discover(simulate: int | None = None, require: str | None = None) -> DeviceI
         hosts=jax.process_count(),
         process_index=jax.process_index(),
         compute_capability=getattr(first, "compute_capability", None),
-        simulated=simulate is not None,
+        simulated=simulate_devices is not None,
         devices=devices,
     )

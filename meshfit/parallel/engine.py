@@ -10,8 +10,11 @@ TensorFlow settings, measured with the tutorial CNNs on a 2-core Xeon with AVX-5
 slower), no XLA (`jit_compile=True` was 3-7x slower and compiled for 5-20 s; Keras' "auto" already
 turns XLA off on CPU-only machines), and TF's own thread pools (intra- and inter-op threads = cores;
 other settings were within noise), so `activate` keeps those defaults and only pins oneDNN on.
-It also computes the bias gradient of convolutions apart from their filter gradient (see
-meshfit.fit.tf_bias_gradient).
+On TensorFlow meshfit also computes the bias gradient of convolutions apart from their filter
+gradient (meshfit.fit.tf_bias_gradient, installed by connect() once Keras is loaded).
+
+`start_engine` is the first half of `meshfit.connect()`: the devices found and Keras imported on
+the engine chosen for them. Nothing here imports Keras, JAX or TensorFlow at the top.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import warnings
 
 from meshfit import env
 from meshfit.errors import MeshfitError
+from meshfit.parallel import devices
 
 ENGINES = ("auto", "jax", "tensorflow")
 _MULTI_DEVICE_ENGINES = ("jax",)
@@ -86,7 +90,7 @@ def fastest(platform: str, device_count: int) -> str:
     return "jax"
 
 
-def choose(requested: str | None, platform: str, device_count: int) -> str:
+def choose_engine(requested: str | None, platform: str, device_count: int) -> str:
     """The engine to run: the requested one, or for 'auto' the fastest for these devices."""
     requested = (requested or os.environ.get(env.ENGINE) or "auto").lower()
     if requested not in ENGINES:
@@ -124,9 +128,7 @@ _PACKAGES = {"jax": "jax", "tensorflow": "tensorflow-cpu"}
 def _restart_fix(backend: str) -> str:
     """How to get Keras on `backend` once it was imported with another: a new process (in a
     notebook, a restarted kernel) that imports meshfit first or sets KERAS_BACKEND."""
-    from meshfit.watch import progress
-
-    if progress.notebook():
+    if env.notebook():
         return (f"restart the kernel (Colab: Runtime > Restart session), then run `import meshfit` "
                 f"and meshfit.connect() before `import keras`, or set "
                 f"os.environ['KERAS_BACKEND'] = '{backend}' before importing keras")
@@ -153,11 +155,20 @@ def activate(engine: str):
         raise MeshfitError(
             f"too late to switch to engine {engine}: Keras already runs on {keras.backend.backend()}"
         )
-    if engine == "tensorflow":
-        from meshfit.fit import tf_bias_gradient
-
-        tf_bias_gradient.install()
     return keras
+
+
+def start_engine(simulate_devices: int | None, engine: str | None,
+                 require: str | None) -> tuple[devices.DeviceInfo, str]:
+    """Find the devices and import Keras with the engine for them; returns (devices, engine).
+
+    `meshfit.connect()` starts with it; a recipe file is run only after it, so that a file
+    importing keras at its top gets the backend its run uses (Keras fixes it at its first import).
+    """
+    info = devices.discover(simulate_devices=simulate_devices, require=require)
+    chosen = choose_engine(engine, info.platform, info.device_count)
+    activate(chosen)
+    return info, chosen
 
 
 _hinted = False

@@ -161,7 +161,8 @@ def check_steps_per_dispatch(steps: int) -> None:
         raise MeshfitError(f"steps per dispatch must be a whole number of at least 1, got {steps!r}")
 
 
-def steps_per_dispatch(platform: str, engine: str, steps_per_epoch: int, wanted: int | None = None) -> int:
+def plan_steps_per_dispatch(platform: str, engine: str, steps_per_epoch: int,
+                            wanted: int | None = None) -> int:
     """Train steps per dispatch: `wanted`, or by default up to AUTO_STEPS_PER_DISPATCH on a GPU or
     TPU with JAX (2+ dispatches per epoch, so compilation is timed apart) and 1 otherwise; lowered
     to divide the epoch's steps so that no dispatch runs into the next epoch."""
@@ -172,11 +173,17 @@ def steps_per_dispatch(platform: str, engine: str, steps_per_epoch: int, wanted:
     return dividing_steps(steps_per_epoch, wanted)
 
 
-def check_micro_batches(slices: int | str) -> int | str:
-    """`slices` checked: 'auto' or a whole number >= 1 (gradient slices per batch)."""
-    if slices != "auto" and (not isinstance(slices, int) or isinstance(slices, bool) or slices < 1):
-        raise MeshfitError(f"micro-batches must be a whole number of at least 1 or 'auto', got {slices!r}")
-    return slices
+def check_micro_batches(micro_batches: int | str, engine: str | None = None) -> int | str:
+    """`micro_batches` (gradient slices per batch) checked: 'auto' or a whole number >= 1, and
+    above 1 only on the TensorFlow engine (`engine` None: not known yet, not checked)."""
+    if micro_batches != "auto" and (not isinstance(micro_batches, int) or isinstance(micro_batches, bool)
+                                    or micro_batches < 1):
+        raise MeshfitError(f"micro-batches must be a whole number of at least 1 or 'auto', got "
+                           f"{micro_batches!r}")
+    if engine is not None and micro_batches != "auto" and micro_batches > 1 and engine != "tensorflow":
+        raise MeshfitError(f"micro-batches run on the TensorFlow engine (one CPU), not on "
+                           f"{engine}; use micro_batches=1")
+    return micro_batches
 
 
 def fit_batch_to_data(global_batch: int, samples: int, replicas: int) -> int:
@@ -188,57 +195,49 @@ def fit_batch_to_data(global_batch: int, samples: int, replicas: int) -> int:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """How a run trains on these devices: sizes in samples and steps."""
+class BatchPlan:
+    """How a run's batches go on these devices: sizes in samples and steps."""
 
     global_batch: int  # samples per step over all replicas
     steps_per_epoch: int | None  # None: fewer training samples than one batch
     steps_per_dispatch: int  # train steps per call into the devices
-    precision: str  # compute precision: float32, bfloat16 or float16
     micro_batches: int | str  # gradient slices per batch, or 'auto' (cache-sized per model)
 
 
-def plan(hardware, *, samples: int | None = None, batch_size: int | None = None,
-         recipe_batch: int | None = None, per_core_batch: int | None = None,
-         recipe_steps: int | None = None, stream: tuple[int, int] | None = None,
-         dispatch: int | None = None, precision: str | None = "auto",
-         recipe_precision: str | None = "auto", micro_batches: int | str | None = "auto",
-         rounding: bool = True) -> Plan:
-    """The batch, steps, precision and micro-batches of a run on `hardware` (a Strategy: replicas,
-    platform, device_kind, engine, info.compute_capability).
+def plan_batch(hardware, *, samples: int | None = None, global_batch: int | None = None,
+               recipe_batch: int | None = None, per_core_batch: int | None = None,
+               recipe_steps: int | None = None, stream: tuple[int, int] | None = None,
+               steps_per_dispatch: int | None = None, micro_batches: int | str | None = "auto",
+               rounding: bool = True) -> BatchPlan:
+    """The global batch, steps per epoch, steps per dispatch and micro-batches of a run on
+    `hardware` (a Strategy: replicas, platform, device_kind, engine).
 
-    batch_size: the global batch asked for, else the recipe's `recipe_batch`, else
-    `per_core_batch` (or DEFAULT_PER_CORE_BATCH) rounded to the hardware multiple; a planned one
-    (neither given) is lowered to a quarter of the `samples` at most. Steps per epoch: the
-    recipe's `recipe_steps`, at most one pass over `samples`. stream: (global batch, steps per
-    epoch) that a streamed source sets instead. dispatch: steps per dispatch asked for (see
-    steps_per_dispatch). precision: see resolve_precision.
-    micro_batches: a number above 1 needs the TensorFlow engine; 'auto' is chosen per model
-    (meshfit.fit.tf_microbatch.choose).
+    global_batch: the one asked for, else the recipe's `recipe_batch`, else `per_core_batch` (or
+    DEFAULT_PER_CORE_BATCH) rounded to the hardware multiple; a planned one (neither given) is
+    lowered to a quarter of the `samples` at most. Steps per epoch: the recipe's `recipe_steps`,
+    at most one pass over `samples`. stream: (global batch, steps per epoch) that a streamed
+    source sets instead. steps_per_dispatch: asked for (see the function of that name).
+    micro_batches: a number above 1 needs the TensorFlow engine; 'auto' is decided per model
+    (meshfit.fit.tf_microbatch.plan_micro_batches). The compute precision is not planned here:
+    connect() resolves it once (resolve_precision).
     """
     replicas = hardware.replicas
     if stream is not None:
-        global_batch, steps = stream
-        if batch_size and batch_size != global_batch:
-            raise MeshfitError(f"the recipe's train source yields batches of {global_batch} samples "
-                               f"on {replicas} replica(s), not --batch-size {batch_size}; batch "
-                               "the source itself")
+        planned, steps = stream
+        if global_batch and global_batch != planned:
+            raise MeshfitError(f"the recipe's train source yields batches of {planned} samples "
+                               f"on {replicas} replica(s), not --global-batch {global_batch}; "
+                               "batch the source itself")
     else:
-        asked = batch_size or recipe_batch
-        global_batch = plan_global_batch(replicas, hardware.platform, hardware.device_kind,
-                                         global_batch=asked, per_core_batch=per_core_batch,
-                                         rounding=rounding)
+        asked = global_batch or recipe_batch
+        planned = plan_global_batch(replicas, hardware.platform, hardware.device_kind,
+                                    global_batch=asked, per_core_batch=per_core_batch,
+                                    rounding=rounding)
         if samples is not None and not asked and not per_core_batch:
-            global_batch = fit_batch_to_data(global_batch, samples, replicas)
-        full_steps = (samples or 0) // global_batch
+            planned = fit_batch_to_data(planned, samples, replicas)
+        full_steps = (samples or 0) // planned
         steps = min(recipe_steps or full_steps, full_steps) or None
-    slices = check_micro_batches(micro_batches or "auto")
-    if slices != "auto" and slices > 1 and hardware.engine != "tensorflow":
-        raise MeshfitError(f"micro-batches run on the TensorFlow engine (one CPU), not on "
-                           f"{hardware.engine}; use micro_batches=1")
-    return Plan(global_batch=global_batch, steps_per_epoch=steps,
-                steps_per_dispatch=steps_per_dispatch(hardware.platform, hardware.engine, steps or 1,
-                                                      dispatch),
-                precision=resolve_precision(precision, hardware.platform,
-                                            hardware.info.compute_capability, recipe_precision),
-                micro_batches=slices)
+    return BatchPlan(global_batch=planned, steps_per_epoch=steps,
+                     steps_per_dispatch=plan_steps_per_dispatch(hardware.platform, hardware.engine,
+                                                                steps or 1, steps_per_dispatch),
+                     micro_batches=check_micro_batches(micro_batches or "auto", hardware.engine))

@@ -2,44 +2,51 @@
 
 - data: every variable is replicated on every device; each device takes 1/N of the batch.
 - fsdp (fully sharded data parallel, ZeRO-3 style): every floating-point variable of at least
-  `min_bytes` (default 1 MiB) is split over all N devices along its largest dimension that N
+  `fsdp_min_bytes` (default 1 MiB) is split over all N devices along its largest dimension that N
   divides (on a tie, the trailing one); smaller, integer and indivisible variables stay
   replicated. The batch is still split over the same device axis ('batch'), and XLA gathers each
   weight for the step that uses it. Keras creates an optimizer variable with its weight's layout
   (`add_variable_from_reference`), so Adam's moments are sharded like their weights.
-- auto: data-parallel when the memory plan (meshfit.parallel.memory_plan) says the replicated step fits
+- auto: data-parallel when the memory plan (meshfit.fit.memory_plan) says the replicated step fits
   each device, else fsdp; data when the device memory is unknown.
 
-The rule is applied per variable through Keras' `Distribution.get_variable_layout` (a
-`DataParallel` subclass), so it works for any Keras model. A user's `LayoutMap` entries win.
-Keras is imported only inside the functions that need it.
+Here the rule is pure functions of shapes and dtypes; meshfit.fit.strategy.FsdpParallel applies it
+per variable through Keras' `Distribution.get_variable_layout` (a `DataParallel` subclass), so it
+works for any Keras model. A user's `LayoutMap` entries win.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 from typing import Any, Sequence
 
 from meshfit.errors import MeshfitError
 
-MODES = ("auto", "data", "fsdp")
-DEFAULT_MODE = "auto"
-DEFAULT_FSDP_MIN_BYTES = 1 << 20  # 1 MiB
+SHARDINGS = ("auto", "data", "fsdp")
+DEFAULT_SHARDING = "auto"
+# Small variables stay whole: sharding every variable of the tutorial CNN (threshold 1 byte)
+# cost ~10% per step in gathers (BENCHMARKS.md, section 2b).
+DEFAULT_FSDP_MIN_BYTES = 1 << 20
 REPLICATED_WARN_SHARE = 0.02  # above this share of the state left replicated under fsdp: a warning
 _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9,
           "gb": 10 ** 9, "t": 10 ** 12, "tb": 10 ** 12, "kib": 1 << 10, "mib": 1 << 20,
           "gib": 1 << 30, "tib": 1 << 40}
 
 
-def check_mode(mode: str | None) -> str:
-    """`mode` ('auto', 'data' or 'fsdp'; None: 'auto') checked, lower-cased."""
-    name = str(mode or DEFAULT_MODE).strip().lower()
-    if name not in MODES:
-        raise MeshfitError(f"unknown sharding {mode!r}; use one of: {', '.join(MODES)} "
+def check_sharding(sharding: str | None) -> str:
+    """`sharding` ('auto', 'data' or 'fsdp'; None: the default, 'auto') checked, lower-cased."""
+    name = str(sharding or DEFAULT_SHARDING).strip().lower()
+    if name not in SHARDINGS:
+        raise MeshfitError(f"unknown sharding {sharding!r}; use one of: {', '.join(SHARDINGS)} "
                            "(e.g. --sharding fsdp)")
     return name
+
+
+def parse_fsdp_min_bytes(size: str | int | None) -> int:
+    """The fsdp threshold in bytes: `size` ('1MiB', a byte count) parsed, None the default."""
+    parsed = parse_size(size, "--fsdp-min-bytes")
+    return DEFAULT_FSDP_MIN_BYTES if parsed is None else parsed
 
 
 def parse_size(text: str | int | None, flag: str = "--device-memory") -> int | None:
@@ -85,23 +92,23 @@ def itemsize(dtype: Any) -> int:
     return 2 if name == "bfloat16" else np.dtype(name).itemsize
 
 
-def shard_axis(shape: Sequence[int], dtype: Any, devices: int, min_bytes: int) -> int | None:
+def shard_axis(shape: Sequence[int], dtype: Any, devices: int, fsdp_min_bytes: int) -> int | None:
     """The axis fsdp splits a variable of `shape` and `dtype` along over `devices`, or None
-    (replicated): floating point, at least `min_bytes`, and some dimension divisible by
+    (replicated): floating point, at least `fsdp_min_bytes`, and some dimension divisible by
     `devices`; the largest such dimension, the trailing one on a tie."""
     if devices < 2 or not is_float(dtype) or not shape:
         return None
-    if math.prod(shape) * itemsize(dtype) < min_bytes:
+    if math.prod(shape) * itemsize(dtype) < fsdp_min_bytes:
         return None
     axes = [i for i, size in enumerate(shape) if size >= devices and size % devices == 0]
     return max(axes, key=lambda i: (shape[i], i)) if axes else None
 
 
-def partition(shape: Sequence[int], dtype: Any, mode: str, devices: int, min_bytes: int,
+def partition(shape: Sequence[int], dtype: Any, sharding: str, devices: int, fsdp_min_bytes: int,
               axis_name: str = "batch") -> list[str | None]:
-    """The per-axis partition spec of a variable under `mode` ('data' or 'fsdp')."""
+    """The per-axis partition spec of a variable under `sharding` ('data' or 'fsdp')."""
     spec: list[str | None] = [None] * len(shape)
-    axis = shard_axis(shape, dtype, devices, min_bytes) if mode == "fsdp" else None
+    axis = shard_axis(shape, dtype, devices, fsdp_min_bytes) if sharding == "fsdp" else None
     if axis is not None:
         spec[axis] = axis_name
     return spec
@@ -112,48 +119,3 @@ def bytes_per_device(shape: Sequence[int], dtype: Any, spec: Sequence[str | None
     """Bytes one device holds of a variable laid out by `spec` (from `partition`)."""
     count = math.prod(shape) * itemsize(dtype)
     return count // devices if any(spec) else count
-
-
-def distribution(devices: list, mode: str, min_bytes: int = DEFAULT_FSDP_MIN_BYTES,
-                 layout_map=None):
-    """The Keras distribution for `mode` over `devices` (a 1-D mesh 'batch'): Keras' own
-    `DataParallel` for 'data', meshfit's `FsdpParallel` for 'fsdp'."""
-    import keras
-
-    if mode == "fsdp":
-        return _fsdp_class()(devices=devices, auto_shard_dataset=False, min_bytes=min_bytes,
-                             layout_map=layout_map)
-    return keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False)
-
-
-@functools.cache
-def _fsdp_class():
-    """Defined on first use, so that importing this module does not import Keras."""
-    import keras
-
-    class FsdpParallel(keras.distribution.DataParallel):
-        """`DataParallel` whose large floating-point variables are sharded (meshfit.parallel.sharding).
-
-        min_bytes: variables smaller than this stay replicated. layout_map: an optional
-        `keras.distribution.LayoutMap` whose entries win over the rule.
-        """
-
-        def __init__(self, *, devices, auto_shard_dataset=False, min_bytes=DEFAULT_FSDP_MIN_BYTES,
-                     layout_map=None):
-            super().__init__(devices=devices, auto_shard_dataset=auto_shard_dataset)
-            self.min_bytes = min_bytes
-            self.layout_map = layout_map
-
-        def get_variable_layout(self, variable):
-            if getattr(variable, "_layout", None) is not None:  # e.g. an optimizer slot: its weight's
-                return variable._layout
-            if self.layout_map is not None:
-                layout = self.layout_map[variable.path]
-                if layout is not None:
-                    return layout
-            spec = partition(tuple(variable.shape), variable.dtype, "fsdp",
-                             len(self.device_mesh.devices.flat), self.min_bytes,
-                             self.batch_dim_name)
-            return keras.distribution.TensorLayout(spec, self.device_mesh)
-
-    return FsdpParallel

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from meshfit.errors import MeshfitError
+from meshfit.data import datasets, splits
 from meshfit.data.arrays import CROP_PADDING
 
 DATASET_SHAPES = {"mnist": (28, 28, 1), "fashion_mnist": (28, 28, 1), "cifar10": (32, 32, 3)}
@@ -103,8 +104,6 @@ class Recipe:
 
     def __post_init__(self) -> None:
         if self.validation_split is None:  # one default per kind of dataset, on every route
-            from meshfit.data import splits
-
             object.__setattr__(self, "validation_split",
                                splits.default_validation_split(self.dataset))
 
@@ -200,6 +199,4 @@ def input_shape(recipe: Recipe) -> tuple[int, ...]:
 
 def dataset_class_names(dataset: Any) -> tuple[str, ...]:
     """The class names of a built-in dataset (by name), else ()."""
-    from meshfit.data import datasets
-
     return datasets.CLASS_NAMES.get(dataset, ()) if isinstance(dataset, str) else ()

@@ -22,6 +22,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from meshfit.errors import MeshfitError
+
 _SKIPPED = ("params", "_model", "model")
 
 
@@ -68,8 +70,6 @@ class RecipeCallbacks(keras.callbacks.Callback):
         super().__init__()
         self.callbacks = list(callbacks)
         if state is not None and len(state) != len(self.callbacks):
-            from meshfit.errors import MeshfitError
-
             raise MeshfitError(f"the checkpoint holds the state of {len(state)} recipe callbacks but "
                                f"the recipe has {len(self.callbacks)}; resume with the same recipe")
         self._saved = state

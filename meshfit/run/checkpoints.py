@@ -32,7 +32,7 @@ raising `TrainingInterrupted`. It acts in `on_train_batch_begin`, which Keras ca
 without logs, so training pays no per-step host synchronization on JAX.
 
 In a multi-process job a signal often reaches one process only (a preemption notice, a Ctrl-C on
-one host), so the processes vote at every dispatch boundary (`cluster.Vote`, one step behind, so
+one host), so the processes vote at every dispatch boundary (`hosts.Vote`, one step behind, so
 still without a host sync) and all stop at the same step: every process writes its shards,
 process 0 commits, all wait until it has, and all raise `TrainingInterrupted` with the same exit
 code.
@@ -56,9 +56,10 @@ from typing import Any, Iterator
 import keras
 import numpy as np
 
-from meshfit.parallel import cluster, heartbeat
-from meshfit.run import rundir
 from meshfit.errors import MeshfitError
+from meshfit.fit import hosts
+from meshfit.parallel import cluster, heartbeat
+from meshfit.run import rundir, sharded_arrays
 from meshfit.run.rundir import list_checkpoints
 
 # 1: meshfit 0.1, committed by renaming the folder; 2: arrays.npz, committed by manifest.json;
@@ -271,8 +272,6 @@ def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, st
             os.makedirs(final)
         if sharded:
             cluster.barrier(f"meshfit: writing {os.path.basename(final)}")  # after the removal
-            from meshfit.run import sharded_arrays
-
             writing = sharded_arrays.write(os.path.join(final, sharded_arrays.FOLDER),
                                            {g: a for g, a in device_arrays.items() if a},
                                            background=background)
@@ -322,8 +321,6 @@ def _commit(final: str, host_arrays: dict[str, np.ndarray], state_text: bytes, g
         _write_file(os.path.join(final, name), write)
         files[name] = _describe(os.path.join(final, name))
     if sharded:
-        from meshfit.run import sharded_arrays
-
         folder = os.path.join(final, sharded_arrays.FOLDER)
         for name in sharded_arrays.files(folder):
             files[f"{sharded_arrays.FOLDER}/{name}"] = _describe(os.path.join(folder, name))
@@ -421,8 +418,6 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
 def _read_sharded(path: str, state: dict[str, Any], targets: dict[str, list]) -> dict[str, Any]:
     """The orbax-written arrays of a format-3 checkpoint, keyed 'model/00000'..., laid out as
     `targets` ({group: [sharded_arrays.target_of(...) per variable]})."""
-    from meshfit.run import sharded_arrays
-
     tree = {group: {f"{i:05d}": t for i, t in enumerate(items)} for group, items in targets.items()
             if items}  # as written: without empty groups
     try:
@@ -435,8 +430,6 @@ def _read_sharded(path: str, state: dict[str, Any], targets: dict[str, list]) ->
 
 def _saved_targets(state: dict[str, Any]) -> dict[str, list]:
     """numpy targets of the saved shapes and dtypes of a format-3 checkpoint's device arrays."""
-    from meshfit.run import sharded_arrays
-
     return {group: [sharded_arrays.target_of(shape, dtype) for _, shape, dtype in state["variables"][group]]
             for group in ("model", "optimizer")}
 
@@ -523,8 +516,6 @@ def restore(model, path: str | os.PathLike) -> dict[str, Any]:
 def _target(variable) -> Any:
     """How to read a saved array into `variable`: with its sharding on JAX (laid out for the
     devices there are now), else as numpy."""
-    from meshfit.run import sharded_arrays
-
     if keras.backend.backend() == "jax":
         value = variable.value
         return sharded_arrays.target_of(tuple(value.shape), str(np.dtype(value.dtype)), value.sharding)
@@ -571,7 +562,7 @@ class Checkpointer(keras.callbacks.Callback):
         self._resume = resume_state
         self._epoch, self._offset, self._global_step = 0, 0, 0
         self._last_time = time.monotonic()
-        self._vote: cluster.Vote | None = None
+        self._vote: hosts.Vote | None = None
 
     def request_stop(self, signum: int) -> None:
         """Ask training to save and stop at the next step boundary (called by signal handlers)."""
@@ -636,7 +627,7 @@ class Checkpointer(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._last_time = time.monotonic()
         if self._vote is None and cluster.multi_process():
-            self._vote = cluster.Vote()
+            self._vote = hosts.Vote()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch, self._offset = epoch, 0
@@ -714,8 +705,6 @@ def stop_on_signals(checkpointer: Checkpointer,
         with contextlib.suppress(BaseException):  # it short: the folder stays uncommitted)
             checkpointer.wait()
         if "orbax" in sys.modules:
-            from meshfit.run import sharded_arrays
-
             sharded_arrays.quiet_after_interrupt()
         raise
     except BaseException:

@@ -1,5 +1,6 @@
-"""Scoring a trained model: accuracy and mean loss over a split, the end-of-run scores, and
-`meshfit eval` (a run's model on its test set, its validation split, or another folder)."""
+"""`meshfit eval`: a run's model on its test set, its validation split, or another folder; and
+the headline score of a run. The scoring itself is meshfit.run.scores (Keras side), reached
+after connect()."""
 
 from __future__ import annotations
 
@@ -7,52 +8,11 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
-
+import meshfit
 from meshfit.data import splits as data
 from meshfit.errors import MeshfitError
 from meshfit.run import models, rundir, spec
-
-
-def _loss_value(loss, labels: np.ndarray, outputs: np.ndarray) -> float:
-    """The mean of `loss` over all samples (loss: a Keras loss name or object)."""
-    import keras
-
-    fn = keras.losses.get(loss) if isinstance(loss, str) else loss
-    return float(np.mean(keras.ops.convert_to_numpy(fn(labels, outputs))))
-
-
-def evaluate_model(model, batches, labels: np.ndarray, loss, tta_flip: bool = False,
-                   advance=None) -> dict[str, float]:
-    """{"accuracy", "loss"}: accuracy and mean loss over every sample of `batches` (a
-    arrays.EvalBatches or folders.FolderEvalBatches); advance: see arrays.predict."""
-    from meshfit.data import arrays
-
-    outputs = arrays.predict(model, batches, tta_flip=tta_flip, advance=advance)
-    accuracy = float(np.mean(np.argmax(outputs, axis=-1) == labels.reshape(-1)))
-    return {"accuracy": accuracy, "loss": _loss_value(loss, labels, outputs)}
-
-
-def score(model, history: list[dict[str, Any]], dataset, batch: int, loss, tta_flip: bool,
-          epochs: int) -> dict[str, float]:
-    """test_accuracy/test_loss and validation_accuracy/validation_loss, for the splits the data
-    has: the last epoch's evaluation where it ran on that split, else evaluated now."""
-
-
-    final = history[-1] if history else {}
-    done = final.get("epoch") == epochs and "val_accuracy" in final
-    scores = {}
-    for name, split in (("test", dataset.test), ("validation", dataset.validation)):
-        if split is None:
-            continue
-        if done and dataset.per_epoch[0] == name:
-            result = {"accuracy": final["val_accuracy"], "loss": final["val_loss"]}
-        else:
-            result = evaluate_model(model, data.eval_batches(dataset, split, batch),
-                                    data.labels(split), loss, tta_flip)
-        scores.update({f"{name}_accuracy": result["accuracy"], f"{name}_loss": result["loss"],
-                       f"{name}_samples": data.size(split)})
-    return scores
+from meshfit.watch import progress
 
 
 def headline(scores: dict[str, Any]) -> tuple[str, float | None, float | None, int | None]:
@@ -81,13 +41,11 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | No
     run, model_path = rundir.locate_run(run_or_model)
     saved, _ = spec.read(run)
 
-    from meshfit.parallel.distribution import connect
-
-    strategy = connect(require=require, simulate=simulate_devices, engine=engine, verbose=verbose)
+    strategy = meshfit.connect(require=require, simulate_devices=simulate_devices, engine=engine,
+                               verbose=verbose)
     recipe = models.recipe_of_run(run, saved)  # a recipe file runs after Keras has its engine
     recipe = dataclasses.replace(recipe, validation_split=saved.validation_split)  # as trained
-    from meshfit.serve import export
-    from meshfit.watch import progress
+    from meshfit.run import scores  # the engine line: Keras is imported (connect ran)
 
     if folder is not None:
         dataset = data.other_folder(folder, saved.class_names, saved.input_shape)
@@ -97,16 +55,16 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | No
     if split is None:
         raise MeshfitError(f"{run}'s data has no test set and no validation split to evaluate on; "
                            f"score it on other data: meshfit eval {run} --data FOLDER")
-    batch = math.ceil(saved.global_batch / strategy.replicas) * strategy.replicas
+    global_batch = math.ceil(saved.global_batch / strategy.replicas) * strategy.replicas
     with strategy.scope():
-        model = export.load_keras_model(model_path, run if saved.recipe_file else None, recipe,
+        model = models.load_keras_model(model_path, run if saved.recipe_file else None, recipe,
                                         distributed=True)
-        batches = data.eval_batches(dataset, split, batch)
+        batches = data.eval_batches(dataset, split, global_batch)
         passes = 2 if recipe.tta_flip else 1
         with progress.task("evaluating", total=len(batches) * passes) as advance:
-            scores = evaluate_model(model, batches, data.labels(split), recipe.make_loss(),
-                                    recipe.tta_flip, advance)
-    return {f"{name}_accuracy": scores["accuracy"], f"{name}_loss": scores["loss"], "split": name,
+            result = scores.evaluate_model(model, batches, data.labels(split), recipe.make_loss(),
+                                           recipe.tta_flip, advance)
+    return {f"{name}_accuracy": result["accuracy"], f"{name}_loss": result["loss"], "split": name,
             "samples": data.size(split), "data": dataset.source, "recipe": recipe.name,
             "model": model_path, "engine": strategy.engine, "replicas": strategy.replicas,
             "platform": strategy.platform}

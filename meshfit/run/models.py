@@ -13,19 +13,34 @@ a teacher) or that have none; rebuilding needs only the weights, so it covers ev
 trained. The recipe copy is trusted code (it ran at training time); other .keras files still load
 in Keras' safe mode. A model without a config is saved as a .keras archive holding its weights and
 a config naming its recipe (RECIPE_MODULE), so every run has a model.keras to hash and export.
+
+Loading a model (`load_keras_model`) lives here too, for `meshfit eval`, predict and export: on the
+CPU or under the run's distribution, in Keras' safe mode unless its run's recipe rebuilds it.
+Keras is imported inside the functions: `meshfit predict` on ONNX never loads it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 import zipfile
+from typing import Iterator
 
+from meshfit import recipes
 from meshfit.errors import MeshfitError
+from meshfit.parallel import engine
+from meshfit.run import rundir, spec
 
 RECIPE_MODULE = "meshfit.recipe"  # the config's module of a model only its recipe can rebuild
 _KERAS_MODULES = ("keras", "builtins")  # modules of the objects Keras saves itself
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+class ModelUnreadable(MeshfitError):
+    """A .keras file that is not a Keras 3 model meshfit can load (safely)."""
 
 
 def unsaveable(model) -> str | None:
@@ -91,8 +106,6 @@ def rebuild(run: str, keras_path: str, recipe=None):
 
     recipe: the run's recipe, when already loaded (else its copy, RUN/recipe.py, is run).
     """
-    from meshfit.run import spec
-
     saved, _ = spec.read(run)
     recipe = recipe or recipe_of_run(run, saved)
     shape = tuple(saved.input_shape)
@@ -119,9 +132,6 @@ def recipe_of_run(run: str, saved):
 
     saved: the run's RunSpec (config.json).
     """
-    from meshfit import recipes
-    from meshfit.run import rundir
-
     if not saved.recipe_file:
         return recipes.get(saved.recipe)
     path = os.path.join(run, saved.recipe_file)
@@ -132,3 +142,98 @@ def recipe_of_run(run: str, saved):
         raise MeshfitError(f"{path} was changed after the run started (its SHA-256 differs from "
                            "config.json's); undo the change, or train the edited file as a new run")
     return recipes.load_file(path)
+
+
+# ---------------------------------------------------------------------------------- loading
+
+@contextlib.contextmanager
+def without_distribution() -> Iterator[None]:
+    """No Keras distribution inside the block (the previous one is restored on exit).
+
+    For host-local Keras work on one process: saving a model under the multi-host mesh would
+    create cross-host variables and wait for processes that are not saving; CPU inference and
+    export want plain single-device variables.
+    """
+    import keras
+
+    active = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        yield
+    finally:
+        keras.distribution.set_distribution(active)
+
+
+def import_keras(backend: str | None = None):
+    """Keras: the one already imported, else imported now with `backend` (default: meshfit's
+    choice for one CPU device: $MESHFIT_ENGINE, $KERAS_BACKEND, else TensorFlow when installed,
+    which loads and runs a model far sooner than JAX, else JAX)."""
+    if "keras" in sys.modules:
+        import keras
+
+        return keras
+    return engine.activate(backend or engine.choose_engine(None, "cpu", 1))
+
+
+@contextlib.contextmanager
+def on_cpu(keras) -> Iterator[None]:
+    """Place variables and computation on the first CPU device, outside any data-parallel
+    distribution that training set (restored on exit)."""
+    # Entering a device scope when the default device is the CPU anyway would only make JAX
+    # compile every initializer again (its caches are keyed by the device scope).
+    with without_distribution(), \
+            contextlib.nullcontext() if _default_device_is_cpu(keras) else keras.device("cpu:0"):
+        yield
+
+
+def _default_device_is_cpu(keras) -> bool:
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return jax.devices()[0].platform == "cpu"
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return not tf.config.list_logical_devices("GPU")
+    return False
+
+
+def check_keras_file(path: str) -> None:
+    """A ModelUnreadable unless `path` is a readable zip archive, as every .keras file is
+    (Keras' own message for other files is 'File not found')."""
+    hint = "pass a .keras file written by Keras 3"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_HDF5_SIGNATURE))
+        archive = zipfile.is_zipfile(path)
+    except OSError as e:
+        raise ModelUnreadable(f"cannot read Keras model {path} ({e.strerror or e}); {hint}") from None
+    if head == _HDF5_SIGNATURE:
+        raise ModelUnreadable(f"{path} is an HDF5 file (Keras 2's .h5 format), not a .keras "
+                              "archive; save it as .keras with Keras 3 first")
+    if not archive:
+        raise ModelUnreadable(f"{path} is not a .keras model (a zip archive); {hint}")
+
+
+def load_keras_model(path: str, run: str | None = None, recipe=None,
+                     distributed: bool = False):
+    """A .keras model without its optimizer, loaded on the CPU (distributed: under the active
+    distribution instead), in Keras' safe mode (no Python code from the file, such as Lambda
+    layers, is run); one naming classes of its run's recipe file is rebuilt by that recipe
+    (see the module docstring).
+
+    run: the run directory whose model.keras `path` is (None for a bare .keras file); recipe: the
+    run's recipe when already loaded.
+    """
+    check_keras_file(path)
+    keras = import_keras()
+    with contextlib.nullcontext() if distributed else on_cpu(keras):
+        if run is not None and needs_recipe(path):
+            return rebuild(run, path, recipe)
+        try:
+            return keras.saving.load_model(path, compile=False, safe_mode=True)
+        except Exception as e:  # Keras raises many kinds for bad files (ValueError, OSError, ...)
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ModelUnreadable(f"cannot load Keras model {path} ({why}); pass a .keras file "
+                                  "written by Keras 3, or the run directory it came from") from e

@@ -5,8 +5,9 @@ add_flags and read back by from_args), Python builds it from train()'s keywords,
 carries it unchanged. None means "not given": the recipe's value, or on --resume the run's.
 What was trained is recorded in config.json by meshfit.run.spec.RunSpec.
 
-Adding a training setting: a field here (its help text makes the flag), a RunSpec field when
-config.json records it, and its use in meshfit.run.train.
+Adding a training setting: a field here (its help text makes the flag), a RunSpec field of the
+same name when config.json records it, and its use in meshfit.run.train or meshfit.run.fitting.
+A setting renamed since a release keeps its old flag (`aliases`) and Python keyword (OLD_NAMES).
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ from meshfit.parallel import planning, sharding
 from meshfit.run import spec
 
 
+OLD_NAMES = {"batch_size": "global_batch", "fsdp_min_size": "fsdp_min_bytes"}  # meshfit 0.1's
+
+
 def _setting(default: Any, help: str | None = None, **flag: Any) -> Any:
     """A field; with `help` it is also a flag of `meshfit train` (argparse keywords in `flag`;
-    `negated=True` makes a True-by-default setting the flag --no-NAME)."""
+    `negated=True` makes a True-by-default setting the flag --no-NAME; `aliases` are older
+    spellings of the flag, still accepted)."""
     return field(default=default, metadata={"help": help, **flag})
 
 
@@ -42,8 +47,9 @@ class TrainOptions:
     steps_per_epoch: int | None = _setting(
         None, "train steps per epoch (default: the recipe's, or one pass over the data)",
         type=int, metavar="N")
-    batch_size: int | None = _setting(
-        None, "global batch over all replicas (default: the recipe's)", type=int, metavar="GLOBAL")
+    global_batch: int | None = _setting(
+        None, "samples per step over all replicas (default: the recipe's)", type=int,
+        metavar="N", aliases=("--batch-size",))
     data_dir: str | None = _setting(None, "where the dataset is (see meshfit.data.datasets)",
                                     metavar="DIR")
     out: str | None = _setting(None, "the run directory (default: runs/<recipe>-<time>)",
@@ -84,9 +90,9 @@ class TrainOptions:
         None, "auto, data or fsdp: variables replicated (data) or the large ones sharded over the "
               "devices (fsdp); auto: fsdp only when the replicated step does not fit the device "
               "memory (default: auto; on --resume the run's)", metavar="S")
-    fsdp_min_size: int | str | None = _setting(
+    fsdp_min_bytes: int | str | None = _setting(
         None, "with fsdp: shard floating-point variables of at least SIZE (default: 1MiB; on "
-              "--resume the run's)", metavar="SIZE")
+              "--resume the run's)", metavar="SIZE", aliases=("--fsdp-min-size",))
     device_memory: int | str | None = _setting(
         None, "memory of one device to plan with, e.g. 48MB or 16GB (default: the device's own "
               "figure on TPUs and GPUs; unknown on CPUs)", metavar="SIZE")
@@ -95,7 +101,7 @@ class TrainOptions:
     command: str | None = _setting(None)  # the command line to record (default: the Python call)
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "batch_size", "keep_checkpoints", "steps_per_epoch", "log_every"):
+        for name in ("epochs", "global_batch", "keep_checkpoints", "steps_per_epoch", "log_every"):
             at_least_one(name, getattr(self, name))
         check_fraction("validation_split", self.validation_split)
         object.__setattr__(self, "precision", planning.precision_name(self.precision))
@@ -106,8 +112,9 @@ class TrainOptions:
             planning.check_steps_per_dispatch(self.steps_per_dispatch)
         if self.micro_batches not in (None, "auto"):
             planning.check_micro_batches(self.micro_batches)
-        sharding.check_mode(self.sharding)
-        sharding.parse_size(self.fsdp_min_size, "--fsdp-min-size")
+        if self.sharding is not None:
+            object.__setattr__(self, "sharding", sharding.check_sharding(self.sharding))
+        sharding.parse_fsdp_min_bytes(self.fsdp_min_bytes)
         sharding.parse_size(self.device_memory)
 
     @classmethod
@@ -123,6 +130,17 @@ class TrainOptions:
                 if getattr(self, f.name) != f.default}
 
 
+def current_names(settings: dict[str, Any]) -> dict[str, Any]:
+    """Python keywords of TrainOptions with the older spellings (OLD_NAMES) renamed."""
+    settings = dict(settings)
+    for old, new in OLD_NAMES.items():
+        if old in settings:
+            if new in settings:
+                raise MeshfitError(f"{old} is the older name of {new}; give {new} only")
+            settings[new] = settings.pop(old)
+    return settings
+
+
 def flag(name: str) -> str:
     """The command-line flag of setting `name`: --NAME with dashes (--no-NAME when negated)."""
     negated = TrainOptions.__dataclass_fields__[name].metadata.get("negated")
@@ -135,11 +153,12 @@ def add_flags(parser: argparse.ArgumentParser, *names: str) -> None:
         keywords = dict(f.metadata)
         if keywords.get("help") is None or (names and f.name not in names):
             continue
+        aliases = keywords.pop("aliases", ())
         if keywords.pop("negated", False):
             keywords["action"] = "store_false"
         else:
             keywords["default"] = f.default
-        parser.add_argument(flag(f.name), dest=f.name, **keywords)
+        parser.add_argument(flag(f.name), *aliases, dest=f.name, **keywords)
 
 
 def at_least_one(name: str, value: int | None) -> None:

@@ -44,10 +44,8 @@ def totals(history: list[dict[str, Any]]) -> dict[str, Any]:
 
 def write_results(run: str, model, history: list, metrics: dict[str, Any]) -> None:
     """model.keras, history.json, metrics.json and curves.png in the run directory."""
-    from meshfit.parallel.distribution import without_distribution
-
     with rundir.atomic_path(os.path.join(run, rundir.MODEL), ".keras") as tmp:
-        with without_distribution():  # saving alone under the multi-host mesh would wait for the others
+        with models.without_distribution():  # saving alone under the multi-host mesh would wait for the others
             models.save(model, tmp)
     rundir.write_json(os.path.join(run, rundir.HISTORY), history)
     rundir.write_json(os.path.join(run, rundir.METRICS), metrics)

@@ -2,8 +2,10 @@
 
 `meshfit train` writes it before the first step; `--resume`, `eval` and `predict` read it back,
 and metrics.json is this specification plus the results. A config.json written by an older
-meshfit reads back too: keys it lacks take their defaults, keys this version does not know
-(e.g. "started", "resumed") are kept in the file and ignored here.
+meshfit reads back too: keys it lacks take their defaults, keys renamed since are read under
+their old names (OLD_KEYS), keys this version does not know (e.g. "started", "resumed") are kept
+in the file and ignored here. Each setting has one name from its flag to its key here (see
+meshfit.run.options).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from meshfit.run import rundir
 from meshfit.errors import MeshfitError
+from meshfit.parallel import planning
+from meshfit.run import rundir
 
 DEFAULT_CHECKPOINT_EVERY = "60s"
 DEFAULT_KEEP_CHECKPOINTS = 3
+OLD_KEYS = {"simulated_devices": "simulate_devices"}  # config.json keys of meshfit 0.1 runs
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class RunSpec:
     replicas: int
     platform: str
     device_kind: str
-    simulated_devices: int | None = None
+    simulate_devices: int | None = None  # JAX CPU devices per process standing in for cores
     data_dir: str | None = None
     validation_split: float = 0.0  # share of the training data held out for val_* (0: none)
     evaluated_on: str = "test"  # the split behind the per-epoch val_* metrics: test or validation
@@ -69,6 +73,7 @@ class RunSpec:
     def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "RunSpec":
         """A specification from config.json's data (unknown keys ignored, missing optional ones
         defaulted); `source` names the file in the error for missing required keys."""
+        data = {OLD_KEYS.get(key, key): value for key, value in data.items()}
         fields = dataclasses.fields(cls)
         missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
         if missing:
@@ -88,17 +93,15 @@ def read(run: str) -> tuple[RunSpec, dict[str, Any]]:
 
 
 def check_resume(saved: RunSpec, run: str, *, recipe: str | None = None,
-                 batch_size: int | None = None, seed: int | None = None,
+                 global_batch: int | None = None, seed: int | None = None,
                  precision: str | None = None) -> None:
     """A MeshfitError when a setting asked for on `--resume` contradicts the saved run."""
-    from meshfit.parallel import planning
-
     hint = f"resume without it, or start a new run instead of --resume {run}"
     if recipe and recipe != saved.recipe:
         raise MeshfitError(f"{run} was trained with recipe {saved.recipe}, not {recipe}; {hint}")
-    if batch_size and batch_size != saved.global_batch:
+    if global_batch and global_batch != saved.global_batch:
         raise MeshfitError(f"{run} was trained with global batch {saved.global_batch}, not "
-                           f"{batch_size} (the data order depends on it); {hint}")
+                           f"{global_batch} (the data order depends on it); {hint}")
     if seed is not None and seed != saved.seed:
         raise MeshfitError(f"{run} was trained with seed {saved.seed}, not {seed}; {hint}")
     if planning.precision_name(precision) not in ("auto", saved.precision):

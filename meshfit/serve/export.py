@@ -25,9 +25,11 @@ from typing import Iterator
 
 import numpy as np
 
-from meshfit.run import models, rundir
-from meshfit.parallel.engine import installed, loaded_backend
 from meshfit.errors import MeshfitError
+from meshfit.parallel.engine import installed, loaded_backend
+from meshfit.run import models, rundir
+from meshfit.run.models import check_keras_file, import_keras, load_keras_model, on_cpu
+from meshfit.watch import progress
 
 FORMATS = ("keras", "onnx")
 # Max |probability difference| allowed between ONNX Runtime and Keras: float rounding of different
@@ -37,93 +39,9 @@ ONNX_TOLERANCE = 1e-4
 _LOW_PRECISION = {"mixed_bfloat16", "mixed_float16", "bfloat16", "float16"}
 METADATA_KEY = "meshfit"  # ONNX metadata entry: JSON with class_names, input_shape, source_sha256
 _ONNX_PACKAGES = ("tensorflow", "tf2onnx", "onnx", "onnxruntime")
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-
-class ModelUnreadable(MeshfitError):
-    """A .keras file that is not a Keras 3 model meshfit can load (safely)."""
 
 
 # ----------------------------------------------------------------------------------- Keras side
-
-def import_keras(backend: str | None = None):
-    """Keras: the one already imported, else imported now with `backend` (default: meshfit's
-    choice for one CPU device: $MESHFIT_ENGINE, $KERAS_BACKEND, else TensorFlow when installed,
-    which loads and runs a model far sooner than JAX, else JAX)."""
-    if "keras" in sys.modules:
-        import keras
-
-        return keras
-    from meshfit.parallel import engine
-
-    return engine.activate(backend or engine.choose(None, "cpu", 1))
-
-
-@contextlib.contextmanager
-def on_cpu(keras) -> Iterator[None]:
-    """Place variables and computation on the first CPU device, outside any data-parallel
-    distribution that training set (restored on exit)."""
-    from meshfit.parallel.distribution import without_distribution
-
-    # Entering a device scope when the default device is the CPU anyway would only make JAX
-    # compile every initializer again (its caches are keyed by the device scope).
-    with without_distribution(), \
-            contextlib.nullcontext() if _default_device_is_cpu(keras) else keras.device("cpu:0"):
-        yield
-
-
-def _default_device_is_cpu(keras) -> bool:
-    backend = keras.backend.backend()
-    if backend == "jax":
-        import jax
-
-        return jax.devices()[0].platform == "cpu"
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return not tf.config.list_logical_devices("GPU")
-    return False
-
-
-def check_keras_file(path: str) -> None:
-    """A ModelUnreadable unless `path` is a readable zip archive, as every .keras file is
-    (Keras' own message for other files is 'File not found')."""
-    hint = "pass a .keras file written by Keras 3"
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(_HDF5_SIGNATURE))
-        archive = zipfile.is_zipfile(path)
-    except OSError as e:
-        raise ModelUnreadable(f"cannot read Keras model {path} ({e.strerror or e}); {hint}") from None
-    if head == _HDF5_SIGNATURE:
-        raise ModelUnreadable(f"{path} is an HDF5 file (Keras 2's .h5 format), not a .keras "
-                              "archive; save it as .keras with Keras 3 first")
-    if not archive:
-        raise ModelUnreadable(f"{path} is not a .keras model (a zip archive); {hint}")
-
-
-def load_keras_model(path: str, run: str | None = None, recipe=None,
-                     distributed: bool = False):
-    """A .keras model without its optimizer, loaded on the CPU (distributed: under the active
-    distribution instead), in Keras' safe mode (no Python code from the file, such as Lambda
-    layers, is run); one naming classes of its run's recipe file is rebuilt by that recipe
-    (meshfit.run.models).
-
-    run: the run directory whose model.keras `path` is (None for a bare .keras file); recipe: the
-    run's recipe when already loaded.
-    """
-    check_keras_file(path)
-    keras = import_keras()
-    with contextlib.nullcontext() if distributed else on_cpu(keras):
-        if run is not None and models.needs_recipe(path):
-            return models.rebuild(run, path, recipe)
-        try:
-            return keras.saving.load_model(path, compile=False, safe_mode=True)
-        except Exception as e:  # Keras raises many kinds for bad files (ValueError, OSError, ...)
-            why = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ModelUnreadable(f"cannot load Keras model {path} ({why}); pass a .keras file "
-                                  "written by Keras 3, or the run directory it came from") from e
-
 
 def load_float32(files: rundir.ModelFiles):
     """The model of `files` on the CPU computing in float32: rebuilt by its run's recipe (under
@@ -212,8 +130,6 @@ def export_onnx(source: str | os.PathLike, out: str | None = None) -> str:
     missing = [m for m in _ONNX_PACKAGES if not installed(m)]
     if missing:
         raise MeshfitError(f"ONNX export needs {', '.join(missing)}: pip install 'meshfit[onnx]'")
-    from meshfit.watch import progress
-
     with progress.task(f"exporting {files.keras_path} to ONNX"):  # one long step: time so far
         if loaded_backend() in (None, "tensorflow"):
             _export_onnx_here(files, out)

@@ -24,11 +24,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from meshfit.serve import export as export_lib
-from meshfit.run import rundir
-from meshfit.parallel.engine import installed
+from meshfit.data import folders
 from meshfit.errors import MeshfitError
+from meshfit.parallel.engine import installed
+from meshfit.run import models, rundir
 from meshfit.run.rundir import ModelFiles
+from meshfit.serve import export as export_lib
+from meshfit.watch import figures
 
 BACKENDS = ("auto", "onnx", "keras")
 KERAS_BATCH = 256  # images per Keras call in the fallback
@@ -39,8 +41,6 @@ KERAS_BATCH = 256  # images per Keras call in the fallback
 def load_image(path: str, input_shape: Sequence[int]) -> np.ndarray:
     """One image file as the model's input: uint8 (H, W, C), decoded, converted and resized exactly
     as image folders are for training (meshfit.data.folders.load_image)."""
-    from meshfit.data import folders
-
     height, width, channels = (int(d) for d in input_shape)
     if channels not in (1, 3):
         raise MeshfitError(f"cannot convert {path} to the model's {channels} channels; "
@@ -55,7 +55,7 @@ def check_model(path: str | os.PathLike) -> None:
     .keras file, if any, is a zip archive; quick: nothing is loaded."""
     files = rundir.locate_model(path)
     if files.keras_path:
-        export_lib.check_keras_file(files.keras_path)
+        models.check_keras_file(files.keras_path)
 
 
 def check_images(paths: Sequence[str]) -> None:
@@ -112,7 +112,7 @@ def load_predictor(path: str | os.PathLike, backend: str = "auto", export: bool 
         raise MeshfitError(f"unknown backend {backend!r}; use one of: {', '.join(BACKENDS)}")
     files = rundir.locate_model(path)
     if files.keras_path:
-        export_lib.check_keras_file(files.keras_path)
+        models.check_keras_file(files.keras_path)
     if backend == "keras" or (backend == "auto" and not installed("onnxruntime")):
         return _keras_predictor(files)  # the result's "backend" says which ran
     session = _current_session(files, threads)
@@ -121,7 +121,7 @@ def load_predictor(path: str | os.PathLike, backend: str = "auto", export: bool 
         if why is None:  # once; a terminal shows a bar while it runs
             try:
                 export_lib.export_onnx(files.source, files.onnx_path)
-            except export_lib.ModelUnreadable:
+            except models.ModelUnreadable:
                 raise  # Keras cannot load it either
             except MeshfitError as e:
                 if backend == "onnx":
@@ -216,14 +216,14 @@ def _keras_predictor(files: ModelFiles) -> Predictor:
     if files.keras_path is None:
         raise MeshfitError(f"{files.source} has no .keras model for the Keras backend; "
                            "use --backend onnx")
-    keras = export_lib.import_keras()
+    keras = models.import_keras()
     model = export_lib.load_float32(files)
     shape = files.config.get("input_shape") or model.input_shape[1:]
     classes = model.output_shape[-1] if hasattr(model, "output_shape") else None  # subclassed: none
     names = _class_names(files, None, classes)
 
     def run(x: np.ndarray) -> np.ndarray:
-        with export_lib.on_cpu(keras):
+        with models.on_cpu(keras):
             return np.concatenate([np.asarray(model.predict_on_batch(x[i:i + KERAS_BATCH]))
                                    for i in range(0, len(x), KERAS_BATCH)])
 
@@ -285,8 +285,6 @@ def save_figure(path: str, images: np.ndarray, rows: list[dict]) -> None:
 def figure(images: np.ndarray, rows: list[dict]):
     """A matplotlib Figure of each image (as the model saw it) beside bars of its top-k
     probabilities; `rows` as `results` returns them. A notebook cell ending with it shows it."""
-    from meshfit.watch import figures
-
     fig = figures.new(figsize=(7, 1.8 * len(rows) + 0.3), layout="constrained")
     axes = fig.subplots(len(rows), 2, squeeze=False, width_ratios=(1, 2))
     for (ax_img, ax_bar), image, row in zip(axes, images, rows):

@@ -19,6 +19,7 @@ import warnings
 import keras
 
 from meshfit.errors import MeshfitError
+from meshfit.watch.report import wait_for_device
 from meshfit.watch.tensorboard import global_step
 
 
@@ -44,8 +45,6 @@ def _stop(model) -> None:
     """Wait for the dispatched steps, then stop the profiler and write the trace."""
     if keras.backend.backend() == "jax":
         import jax
-
-        from meshfit.watch.report import wait_for_device
 
         wait_for_device(model)  # steps run asynchronously: the trace must hold the last one
         jax.profiler.stop_trace()

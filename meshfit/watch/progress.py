@@ -2,14 +2,13 @@
 (logs, pipes, CI).
 
   bars(stream)      whether `stream` (default stdout) is a terminal that can draw them;
-  notebook()        whether this is a Jupyter kernel, where a bar is one output redrawn in place;
   live()            either: whether stdout shows live bars;
   track(...)        wraps any long loop in a bar;
   task(...)         a bar advanced by hand (evaluation batches, export stages, downloaded bytes);
 The bar of each epoch of fit is meshfit.watch.progress_bar.ProgressBar (a Keras callback).
 
-This module imports neither Keras nor rich at the top: the light core uses it before the engine
-is chosen.
+In a Jupyter kernel (meshfit.env.notebook) a bar is one output redrawn in place. This module
+imports neither Keras nor rich at the top: data downloads use it before the engine is chosen.
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ import sys
 import time
 from typing import Callable, Iterable, Iterator, TypeVar
 
+from meshfit import env
+
 T = TypeVar("T")
 
 
@@ -31,18 +32,9 @@ def bars(stream=None) -> bool:
     return bool(isatty and isatty()) and os.environ.get("TERM") != "dumb"
 
 
-def notebook() -> bool:
-    """True inside a Jupyter kernel: ipykernel is imported and runs an IPython kernel."""
-    if "ipykernel" not in sys.modules or "IPython" not in sys.modules:
-        return False
-    from IPython import get_ipython
-
-    return getattr(get_ipython(), "kernel", None) is not None
-
-
 def live() -> bool:
     """True when stdout shows live bars: a terminal that can draw (bars()) or a notebook."""
-    return bars() or notebook()
+    return bars() or env.notebook()
 
 
 class NotebookDisplay:
@@ -99,7 +91,7 @@ def track(iterable: Iterable[T], total: int | None = None, description: str = "w
     Console to draw on (default: stdout, if it is a terminal). Elsewhere a plain passthrough.
     """
     if console is None and not bars():
-        if not notebook():
+        if not env.notebook():
             return iterable
         if total is None and hasattr(iterable, "__len__"):
             total = len(iterable)
@@ -118,7 +110,7 @@ def task(description: str, total: float | None = None, data_bytes: bool = False,
     """Inside the block, `advance(n)` moves a transient bar on by n of `total` (None: unknown);
     with data_bytes the units are bytes (sizes and speed shown). Drawn only on a terminal
     (console, or stdout when bars() says so); elsewhere advance does nothing."""
-    in_notebook = console is None and not bars() and notebook()
+    in_notebook = console is None and not bars() and env.notebook()
     if not in_notebook and ((console is None and not bars()) or
                             (console is not None and not can_draw(console))):
         yield lambda n=1: None

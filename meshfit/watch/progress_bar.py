@@ -12,7 +12,8 @@ import time
 
 import keras
 
-from meshfit.watch.progress import NotebookDisplay, bars, can_draw, notebook, unseen_console
+from meshfit import env
+from meshfit.watch.progress import NotebookDisplay, bars, can_draw, unseen_console
 
 
 def _floats(logs) -> dict[str, float]:
@@ -48,7 +49,7 @@ class ProgressBar(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self.close()
-        in_notebook = self.console is None and not bars() and notebook()
+        in_notebook = self.console is None and not bars() and env.notebook()
         if self.console is None and not bars() and not in_notebook:
             return
         from rich.console import Console

@@ -13,8 +13,10 @@ from typing import Any
 
 import keras
 
+from meshfit.parallel.sharding import format_bytes
 
-def train_step_flops(model, batch_size: int) -> float | None:
+
+def train_step_flops(model, global_batch: int) -> float | None:
     """FLOPs of one training step on a global batch, from XLA's cost analysis; None if unknown.
 
     Lowers the model's own stateless `train_step` for the whole (unsharded) batch, so the count
@@ -30,13 +32,13 @@ def train_step_flops(model, batch_size: int) -> float | None:
 
         def spec(tensor, batch=False):
             shape = tuple(tensor.shape)
-            return jax.ShapeDtypeStruct(((batch_size,) + shape[1:]) if batch else shape, tensor.dtype)
+            return jax.ShapeDtypeStruct(((global_batch,) + shape[1:]) if batch else shape, tensor.dtype)
 
         state = tuple([spec(v) for v in group] for group in (
             model.trainable_variables, model.non_trainable_variables,
             model.optimizer.variables, model.metrics_variables))
         x = [spec(t, batch=True) for t in model.inputs]
-        y = [jax.ShapeDtypeStruct((batch_size,) + tuple(o.shape[1:-1]), "int32") for o in model.outputs]
+        y = [jax.ShapeDtypeStruct((global_batch,) + tuple(o.shape[1:-1]), "int32") for o in model.outputs]
         data = (x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
         # The lowered (not compiled) step's cost analysis: the same count without a second compile.
         # GPUs give none before compiling (seen on an H100, JAX 0.11.2), so the step is then lowered
@@ -88,8 +90,6 @@ def discovery_text(d: dict[str, Any]) -> str:
 
 def sharding_text(d: dict[str, Any]) -> str:
     """The discovery report's sharding row: the mode and why (see meshfit.parallel.sharding)."""
-    from meshfit.parallel.sharding import format_bytes
-
     memory = d.get("device_memory")
     known = f"{format_bytes(memory)} per device" if memory else "device memory unknown"
     if d["sharding_asked"] == "auto" and d["replicas"] > 1 and d["engine"] == "jax":
@@ -118,13 +118,15 @@ def format_epoch_line(epoch: int, epochs: int, logs: dict[str, Any], stats: dict
 class EpochReport(keras.callbacks.Callback):
     """Prints the per-epoch line and keeps the figures in `self.epochs` (a list of dicts).
 
-    batch_size: global samples per step, for samples/s and MFU (None: samples/s is "n/a").
+    global_batch: samples per step over all replicas, for samples/s and MFU (None: samples/s is
+    "n/a"); the older keyword `batch_size` is still accepted.
     strategy: the meshfit Strategy in use, for the devices' peak FLOP/s.
     """
 
-    def __init__(self, batch_size: int | None = None, strategy=None, stream=None):
+    def __init__(self, global_batch: int | None = None, strategy=None, stream=None, *,
+                 batch_size: int | None = None):
         super().__init__()
-        self.batch_size = batch_size
+        self.global_batch = global_batch if batch_size is None else batch_size
         self.strategy = strategy
         self.stream = stream or sys.stdout
         self.epochs: list[dict[str, Any]] = []
@@ -177,15 +179,15 @@ class EpochReport(keras.callbacks.Callback):
             compile_seconds = self.compile_seconds = max(self._first_step_seconds - first, 0.0)
             train_seconds += min(self._first_step_seconds, first)
         self._skipped = 0
-        if self.flops_per_step is None and self.batch_size:
-            self.flops_per_step = train_step_flops(self.model, self.batch_size) or 0.0
+        if self.flops_per_step is None and self.global_batch:
+            self.flops_per_step = train_step_flops(self.model, self.global_batch) or 0.0
         peak = self.strategy.peak_flops if self.strategy is not None else None
         stats = {
             "epoch": epoch + 1,
             "steps": steps,
             "train_seconds": train_seconds,
             "ms_per_step": 1000 * step_seconds,
-            "samples_per_second": (self.batch_size / step_seconds) if self.batch_size else None,
+            "samples_per_second": (self.global_batch / step_seconds) if self.global_batch else None,
             "flops_per_step": self.flops_per_step or None,
             "mfu": (self.flops_per_step / step_seconds / peak) if (peak and self.flops_per_step) else None,
             "compile_seconds": compile_seconds,

@@ -12,6 +12,7 @@ import sys
 import time
 
 from meshfit.commands.bench import table, worker
+from meshfit.data import folders
 from meshfit.errors import MeshfitError
 from meshfit.parallel import devices as devices_lib
 from meshfit.run import rundir
@@ -22,27 +23,25 @@ INPUT_WARMUP_BATCHES = 5
 
 
 def bench_input(folder: str, image_size: tuple[int, int], channels: int = 3,
-                batch_size: int = DEFAULT_INPUT_BATCH, rounds: int = 3, steps: int | None = None,
+                global_batch: int = DEFAULT_INPUT_BATCH, rounds: int = 3, steps: int | None = None,
                 out: str | None = None) -> dict:
     """Time the input pipeline alone on an image folder (see the module docstring); image_size
-    is (height, width) in pixels.
+    is (height, width) in pixels; global_batch: images per batch (one process).
 
     Each measurement decodes INPUT_WARMUP_BATCHES batches, then times `steps` more (default: one
     epoch); images/s is the median over the rounds. Writes bench.json to `out` (default
     runs/bench-input-<time>/) and returns the results.
     """
-    from meshfit.data import folders
-
     height, width = folders.check_image_size(image_size, channels)
-    if batch_size < 1 or rounds < 1 or (steps is not None and steps < 1):
-        raise MeshfitError(f"--batch-size, --rounds and --steps must be at least 1, got {batch_size}, "
-                           f"{rounds} and {steps}")
+    if global_batch < 1 or rounds < 1 or (steps is not None and steps < 1):
+        raise MeshfitError(f"--global-batches, --rounds and --steps must be at least 1, got "
+                           f"{global_batch}, {rounds} and {steps}")
     found = folders.scan(folder)  # bad folders fail here, in one line
-    if len(found) < batch_size:
+    if len(found) < global_batch:
         raise MeshfitError(f"{folder} has {len(found)} readable images, fewer than the batch of "
-                           f"{batch_size}; use a smaller --batch-size")
+                           f"{global_batch}; use a smaller --global-batches")
     spec = {"input": found.root, "image_size": [height, width], "channels": channels,
-            "batch": batch_size, "steps": steps or len(found) // batch_size}
+            "global_batch": global_batch, "steps": steps or len(found) // global_batch}
     rows, machine, skipped = [], None, []
     for _ in range(rounds):
         for path in (p for p in INPUT_PATHS if not any(s.startswith(p) for s in skipped)):
@@ -67,7 +66,7 @@ def bench_input(folder: str, image_size: tuple[int, int], channels: int = 3,
                  zip((r for r in rows if r["path"] == "meshfit"), (r for r in rows if r["path"] == "keras"))]
     out = out or rundir.timestamped("bench-input")
     result = {"input": found.root, "images": len(found), "skipped_files": len(found.skipped),
-              "image_size": [height, width], "channels": channels, "batch": batch_size,
+              "image_size": [height, width], "channels": channels, "global_batch": global_batch,
               "steps": spec["steps"], "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": worker.command_line(),
               "machine": machine, "skipped": skipped, "out": out,
@@ -83,13 +82,11 @@ def measure(spec: dict) -> None:
     import resource
 
     height, width = spec["image_size"]
-    batch, steps = spec["batch"], spec["steps"]
+    batch, steps = spec["global_batch"], spec["steps"]
     worker.emit_machine({"cpu": devices_lib.cpu_model(), "cores": os.cpu_count(),
                          "python": sys.version.split()[0]})
     setup = time.perf_counter()
     if spec["path"] == "meshfit":
-        from meshfit.data import folders
-
         folder = folders.scan(spec["input"])
         batches = folders.FolderTrainBatches(folder, (height, width), spec["channels"], batch)
         stream = batches.iterate()
@@ -119,7 +116,7 @@ def measure(spec: dict) -> None:
     peak_kb = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                   resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     row = {"path": spec["path"], "images_per_s": steps * batch / seconds, "seconds": seconds,
-           "batches": steps, "batch": batch, "setup_s": setup, "peak_rss_mb": peak_kb / 1024,
+           "batches": steps, "global_batch": batch, "setup_s": setup, "peak_rss_mb": peak_kb / 1024,
            "cpu_us_per_image": 1e6 * cpu / (steps * batch), **detail}
     worker.emit_row(row)
     print(f"bench: input {spec['path']}: {row['images_per_s']:,.0f} images/s, "

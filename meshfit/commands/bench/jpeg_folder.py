@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from meshfit.data import datasets, folders
 from meshfit.errors import MeshfitError
 
 JPEG_FOLDER_IMAGES = 30_000  # images in `meshfit bench --make-jpeg-folder`'s folder
@@ -22,8 +23,6 @@ def write_jpeg_folder(dest: str, data_dir: str | None = None, count: int = JPEG_
     import concurrent.futures
 
     from PIL import Image
-
-    from meshfit.data import datasets, folders
 
     if os.path.isdir(dest) and os.listdir(dest):
         raise MeshfitError(f"{dest} is not empty; give a new folder for the JPEGs")

@@ -8,13 +8,13 @@ import json
 import os
 from typing import Any
 
-COLUMNS = ("recipe", "engine", "path", "precision", "batch", "steps_per_dispatch", "micro_batches",
+COLUMNS = ("recipe", "engine", "path", "precision", "global_batch", "steps_per_dispatch", "micro_batches",
            "sharding", "replicas", "ms_per_step", "samples_per_s", "mfu", "compile_s", "vs_plain", "vs_fastest",
            "vs_meshfit",
            "flops_per_step", "auto_engine", "platform", "device_kind", "repeats", "steps_per_repeat",
            "rounds")  # bench.csv's, in order
 
-_TABLE = (("engine", "engine"), ("path", "path"), ("precision", "precision"), ("batch", "batch"),
+_TABLE = (("engine", "engine"), ("path", "path"), ("precision", "precision"), ("global_batch", "batch"),
           ("steps_per_dispatch", "steps/dispatch"), ("micro_batches", "micro-batches"),
           ("sharding", "sharding"), ("ms_per_step", "ms/step"),
           ("samples_per_s", "samples/s"), ("mfu", "MFU"), ("compile_s", "compile s"),
@@ -92,7 +92,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    labels = [f"{r['engine']} {r['path']} {r['precision']} b{r['batch']} x{r['steps_per_dispatch']}"
+    labels = [f"{r['engine']} {r['path']} {r['precision']} b{r['global_batch']} x{r['steps_per_dispatch']}"
               for r in rows]
     values = [r["samples_per_s"] for r in rows]
     colors = ["#9e9e9e" if r["path"] == "plain" else "#1f77b4" for r in rows]
@@ -115,7 +115,7 @@ def format_input_table(result: dict) -> str:
     m = result.get("machine") or {}
     height, width = result["image_size"]
     lines = [f"meshfit bench --input {result['input']}: {result['images']:,} images to "
-             f"{height}x{width}x{result['channels']}, batch {result['batch']}, {result['steps']} timed "
+             f"{height}x{width}x{result['channels']}, batch {result['global_batch']}, {result['steps']} timed "
              f"batches, on {m.get('cpu', '?')} ({m.get('cores', '?')} cores), {result['date']}",
              f"{'path':<8}  {'images/s':>9}  {'CPU-us/image':>12}  {'peak RSS MB':>11}  rounds (images/s)"]
     for r in result["rows"]:

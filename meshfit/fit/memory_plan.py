@@ -7,18 +7,26 @@ every variable laid out by meshfit.parallel.sharding), so nothing is allocated f
 Per device: weights and optimizer state (the variables' shards), the step's temporary memory
 (XLA's `temp_size_in_bytes`: activations, gradients, gathered weights) and the batch; total =
 XLA's arguments + outputs not aliased to them (the state is donated) + temporaries.
-JAX engine only; imports JAX and Keras inside the functions.
+JAX engine only.
+
+One function per question: `plan_memory` (both modes' bytes for a built model), `auto_sharding`
+(what 'auto' picks from them) and `choose_sharding` (the strategy a run trains with: 'auto'
+decided here, for `meshfit train`, `meshfit bench`, `meshfit plan` and Python alike).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from meshfit.parallel import devices, sharding
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
 from meshfit.errors import MeshfitError
+from meshfit.parallel import devices, sharding
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,7 @@ class ModePlan:
         return self.replicated / self.state if self.state else 0.0
 
 
-def step_arguments(model, batch_size: int, mesh=None, specs: dict | None = None,
+def step_arguments(model, global_batch: int, mesh=None, specs: dict | None = None,
                    one_hot: bool = False) -> tuple:
     """(state, data) of the model's stateless `train_step` as abstract arrays for a global batch.
 
@@ -50,9 +58,6 @@ def step_arguments(model, batch_size: int, mesh=None, specs: dict | None = None,
     `v` laid out by `specs[id(v)]`, replicated when absent); None: no shardings.
     one_hot: labels shaped like the outputs (float), else sparse integer labels.
     """
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
     def placed(spec):
         return None if mesh is None else NamedSharding(mesh, PartitionSpec(*spec))
 
@@ -61,7 +66,7 @@ def step_arguments(model, batch_size: int, mesh=None, specs: dict | None = None,
         return jax.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=placed(spec))
 
     def batch(shape, dtype):
-        shape = (batch_size,) + tuple(shape[1:])
+        shape = (global_batch,) + tuple(shape[1:])
         return jax.ShapeDtypeStruct(shape, dtype, sharding=placed(["batch"] + [None] * (len(shape) - 1)))
 
     state = tuple([variable(v) for v in group] for group in state_groups(model))
@@ -95,17 +100,15 @@ def _specs(model, mode: str, strategy) -> dict[int, list]:
     return specs
 
 
-def _compiled_bytes(model, batch_size: int, mesh, specs) -> tuple[int, int]:
+def _compiled_bytes(model, global_batch: int, mesh, specs) -> tuple[int, int]:
     """(total, temporaries) per device of the compiled step for a global batch."""
-    import jax
-
     last_error = None
     for one_hot in (False, True):  # sparse labels first, as meshfit's recipes use
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # donation notes
                 compiled = jax.jit(model.train_step, donate_argnums=0).lower(
-                    *step_arguments(model, batch_size, mesh, specs, one_hot)).compile()
+                    *step_arguments(model, global_batch, mesh, specs, one_hot)).compile()
             stats = compiled.memory_analysis()
             break
         except Exception as error:  # a loss wanting the other label shape
@@ -118,7 +121,7 @@ def _compiled_bytes(model, batch_size: int, mesh, specs) -> tuple[int, int]:
     return int(total), int(stats.temp_size_in_bytes)
 
 
-def plan_mode(model, strategy, mode: str, global_batch: int, memory: int | None,
+def plan_mode(model, strategy, mode: str, global_batch: int, device_memory: int | None,
               largest: bool = False) -> ModePlan:
     """The plan of one mode for `model` (built and compiled) on `strategy`'s devices.
 
@@ -144,56 +147,61 @@ def plan_mode(model, strategy, mode: str, global_batch: int, memory: int | None,
     per_core = global_batch // devices
     batch = _batch_bytes(model, per_core)
     best = None
-    if largest and memory is not None:
+    if largest and device_memory is not None:
         total2, _ = _compiled_bytes(model, 2 * global_batch, mesh, specs)
         slope = (total2 - total) / per_core  # bytes per sample per device
         if slope > 0:
             multiple = strategy.per_core_multiple
-            best = int((memory - (total - slope * per_core)) // slope) // multiple * multiple
+            best = int((device_memory - (total - slope * per_core)) // slope) // multiple * multiple
             best = best if best >= multiple else 0
     return ModePlan(mode, weights, optimizer, temp, batch, total, replicated, whole,
-                    None if memory is None else total <= memory, best)
+                    None if device_memory is None else total <= device_memory, best)
 
 
 def _batch_bytes(model, rows: int) -> int:
     """Bytes of `rows` samples of the model's inputs (labels not counted)."""
-    import math
-
     return sum(rows * math.prod(t.shape[1:]) * sharding.itemsize(t.dtype) for t in model.inputs)
 
 
-def plan(model, strategy, global_batch: int, memory: int | None, largest: bool = False) -> dict[str, Any]:
+def plan_memory(model, strategy, global_batch: int, device_memory: int | None,
+                largest: bool = False) -> dict[str, Any]:
     """Both modes' plans for `model` on `strategy`'s devices, and the mode `auto` picks.
 
     Returns {"device_memory", "global_batch", "devices", "modes": {mode: ModePlan as dict},
     "choice": 'data' or 'fsdp', "why": one line}.
     """
     modes = ("data", "fsdp") if strategy.distribution is not None else ("data",)
-    plans = {mode: plan_mode(model, strategy, mode, global_batch, memory, largest) for mode in modes}
-    choice, why = choose(plans, memory)
-    return {"device_memory": memory, "global_batch": global_batch, "devices": strategy.replicas,
+    plans = {mode: plan_mode(model, strategy, mode, global_batch, device_memory, largest)
+             for mode in modes}
+    choice, why = auto_sharding(plans, device_memory)
+    return {"device_memory": device_memory, "global_batch": global_batch, "devices": strategy.replicas,
             "modes": {m: {**dataclasses.asdict(p), "replicated_share": p.replicated_share}
                       for m, p in plans.items()},
             "choice": choice, "why": why}
 
 
-def choose(plans: dict[str, ModePlan], memory: int | None) -> tuple[str, str]:
+def auto_sharding(plans: dict[str, ModePlan], device_memory: int | None) -> tuple[str, str]:
     """The mode `auto` picks from the plans and why: data when it fits or memory is unknown."""
     data = plans["data"]
     fsdp = plans.get("fsdp")
-    if memory is None:
+    if device_memory is None:
         return "data", "device memory unknown (set --device-memory): data-parallel"
     if data.fits or fsdp is None:
         return "data", (f"the replicated step fits: {sharding.format_bytes(data.total)} of "
-                        f"{sharding.format_bytes(memory)} per device")
+                        f"{sharding.format_bytes(device_memory)} per device")
     return "fsdp", (f"the replicated step needs {sharding.format_bytes(data.total)} per device, "
-                    f"more than {sharding.format_bytes(memory)}; sharded: "
+                    f"more than {sharding.format_bytes(device_memory)}; sharded: "
                     f"{sharding.format_bytes(fsdp.total)}")
+
+
+def sharding_to_use(result: dict, asked: str) -> str:
+    """The mode a run trains with: `asked` ('data' or 'fsdp'), or for 'auto' the plan's choice."""
+    return result["choice"] if asked == "auto" else asked
 
 
 def check_fits(result: dict, mode: str) -> None:
     """A MeshfitError when `mode` ('data' or 'fsdp') does not fit the device memory of `result`
-    (from `plan`), naming the bytes needed, the bytes there are and the fix."""
+    (from `plan_memory`), naming the bytes needed, the bytes there are and the fix."""
     memory = result["device_memory"]
     chosen = result["modes"].get(mode)
     if memory is None or chosen is None or chosen["fits"]:
@@ -237,28 +245,36 @@ def replicated_warning(result: dict, mode: str) -> str | None:
         return None
     return (f"fsdp leaves {p['replicated_share']:.1%} of the state "
             f"({sharding.format_bytes(p['replicated'])}) replicated on every device: variables "
-            f"under --fsdp-min-size or with no dimension divisible by {result['devices']}")
+            f"under --fsdp-min-bytes or with no dimension divisible by {result['devices']}")
 
 
-def settle(strategy, make_model, global_batch: int, reset, verbose: bool = True):
-    """The strategy to train with, and its plan (None where none was made).
+def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
+                    fresh_session: Callable[[Any], None], verbose: bool = True,
+                    largest: bool = False, always: bool = False):
+    """The strategy to train with, and its memory plan (None where none was made): the one place
+    where 'auto' is decided.
 
     'auto' becomes fsdp when the device memory is known and the replicated step does not fit,
     else data; an asked mode that does not fit is a MeshfitError (see `check_fits`). The plan is
     made on a model built by `make_model()` under fsdp (which allocates the least), after
-    `reset(strategy)` (a fresh seeded session); build the model again under the returned strategy.
-    Without several JAX devices, or for data-parallel with unknown device memory, nothing is planned.
+    `fresh_session(strategy)`; build the model again under the returned strategy. Without several
+    JAX devices, or for data-parallel with unknown device memory, nothing is planned unless
+    `always` (then the plan is shown, not enforced: `meshfit plan`). largest: see plan_mode.
     """
-    memory = devices.memory_bytes(strategy.info, strategy.device_memory)
-    if strategy.distribution is None or (strategy.sharding_asked != "fsdp" and memory is None):
+    device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
+    skip = strategy.distribution is None or (strategy.sharding_asked != "fsdp" and device_memory is None)
+    if skip and not always:
         return strategy, None
-    sharded = strategy.with_sharding("fsdp")
-    reset(sharded)
-    with sharded.scope():
+    planned = strategy.with_sharding("fsdp") if strategy.distribution is not None else strategy
+    fresh_session(planned)
+    with planned.scope():
         model = make_model()
-    result = plan(model, sharded, global_batch, memory)
+    result = plan_memory(model, planned, global_batch, device_memory, largest)
     del model
-    mode = result["choice"] if strategy.sharding_asked == "auto" else strategy.sharding_asked
+    mode = sharding_to_use(result, strategy.sharding_asked)
+    result["sharding"] = mode
+    if always:
+        return strategy, result
     check_fits(result, mode)
     if verbose and strategy.info.process_index == 0:
         print("\n".join(summary_lines(result, mode)), flush=True)

@@ -1,9 +1,10 @@
-"""`connect()` and `Strategy`: one model on every device, each taking 1/N of a batch.
+"""`Strategy`: one model on every device, each taking 1/N of a batch; `meshfit.connect()` returns
+one once the engine is chosen (`connected`).
 
 On JAX this is Keras' own `keras.distribution.DataParallel` over a `jax.sharding` mesh: variables
 are replicated, every global batch is split along its first axis, and XLA inserts the gradient
 all-reduce. With sharding="fsdp" the large variables are sharded over the same devices instead
-(meshfit.parallel.sharding). Nothing here writes a collective by hand.
+(`FsdpParallel`, by the rule of meshfit.parallel.sharding). Nothing here writes a collective by hand.
 """
 
 from __future__ import annotations
@@ -13,34 +14,76 @@ import sys
 import warnings
 from typing import Any, Iterator
 
+import keras
+
+from meshfit.fit import hooks, hosts, sources, tf_bias_gradient, tf_microbatch
 from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
 from meshfit.parallel import planning
 from meshfit.parallel import sharding as sharding_lib
+from meshfit.watch.report import EpochReport, discovery_text
+
+
+class FsdpParallel(keras.distribution.DataParallel):
+    """`DataParallel` whose large floating-point variables are sharded (meshfit.parallel.sharding).
+
+    fsdp_min_bytes: variables smaller than this stay replicated. layout_map: an optional
+    `keras.distribution.LayoutMap` whose entries win over the rule.
+    """
+
+    def __init__(self, *, devices, fsdp_min_bytes: int, auto_shard_dataset=False, layout_map=None):
+        super().__init__(devices=devices, auto_shard_dataset=auto_shard_dataset)
+        self.fsdp_min_bytes = fsdp_min_bytes
+        self.layout_map = layout_map
+
+    def get_variable_layout(self, variable):
+        # Keras gives an optimizer slot its weight's layout (add_variable_from_reference): keep it,
+        # so that Adam's moments are sharded like their weights.
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout
+        if self.layout_map is not None:
+            layout = self.layout_map[variable.path]
+            if layout is not None:
+                return layout
+        spec = sharding_lib.partition(tuple(variable.shape), variable.dtype, "fsdp",
+                                      len(self.device_mesh.devices.flat), self.fsdp_min_bytes,
+                                      self.batch_dim_name)
+        return keras.distribution.TensorLayout(spec, self.device_mesh)
+
+
+def keras_distribution(devices: list, sharding: str, fsdp_min_bytes: int, layout_map=None):
+    """The Keras distribution for `sharding` ('data' or 'fsdp') over `devices` (a 1-D mesh
+    'batch'): Keras' own `DataParallel` for 'data', meshfit's `FsdpParallel` for 'fsdp'.
+    auto_shard_dataset is off: on several hosts each process feeds its own rows (see fit)."""
+    if sharding == "fsdp":
+        return FsdpParallel(devices=devices, fsdp_min_bytes=fsdp_min_bytes, layout_map=layout_map)
+    return keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False)
 
 
 class Strategy:
     """The devices in use, the engine and precision chosen, the batch plan and the sharding.
 
     sharding: 'data' (replicated variables), 'fsdp' (large variables sharded, see
-    meshfit.parallel.sharding) or 'auto' (data-parallel until a memory plan picks: see `with_sharding`).
+    meshfit.parallel.sharding) or 'auto', which lays variables out as 'data' until
+    meshfit.fit.memory_plan.choose_sharding, the one place that decides 'auto', picks a mode.
     fsdp_min_bytes: under fsdp, variables smaller than this stay replicated.
     device_memory: bytes per device to plan with (None: the device's own figure, where known).
     layout_map: optional keras.distribution.LayoutMap whose entries win over the fsdp rule.
+    Values come checked (meshfit.connect checks what users pass).
     """
 
     def __init__(self, info: devices_lib.DeviceInfo, engine: str, precision: str,
-                 sharding: str | None = "data", fsdp_min_bytes: int = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
+                 sharding: str = "data", fsdp_min_bytes: int = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
                  device_memory: int | None = None, layout_map=None):
         self.info = info
         self.engine = engine
         self.precision = precision
         self.per_core_multiple = planning.batch_multiple(info.platform, info.device_kind)
-        self.sharding_asked = sharding_lib.check_mode(sharding)
+        self.sharding_asked = sharding
         self.fsdp_min_bytes = fsdp_min_bytes
         self.device_memory = device_memory
         self.layout_map = layout_map
-        self.sharding = "data" if self.sharding_asked == "auto" else self.sharding_asked
+        self.sharding = "data" if sharding == "auto" else sharding  # until choose_sharding decides
         self._distribution = None
         distributed = engine == "jax" and len(info.devices) > 1
         if self.sharding == "fsdp" and not distributed:
@@ -49,14 +92,13 @@ class Strategy:
                           "each device (data-parallel)", stacklevel=2)
             self.sharding = "data"
         if distributed:
-            # Multi-host: each process feeds its own rows of every batch (see fit), no auto-sharding.
-            # One device needs no distribution; Keras' distributed input path would cost ~0.3 ms/step.
-            self._distribution = sharding_lib.distribution(list(info.devices), self.sharding,
-                                                           fsdp_min_bytes, layout_map)
+            # One device needs no distribution: Keras' distributed input path would cost ~0.3 ms/step.
+            self._distribution = keras_distribution(list(info.devices), self.sharding,
+                                                    fsdp_min_bytes, layout_map)
 
     def with_sharding(self, sharding: str) -> "Strategy":
         """This strategy on the same devices with another sharding ('data' or 'fsdp'), e.g. the
-        one a memory plan chose for 'auto'; activate it before building the model."""
+        one the memory plan chose for 'auto'; activate it before building the model."""
         chosen = Strategy(self.info, self.engine, self.precision, sharding, self.fsdp_min_bytes,
                           self.device_memory, self.layout_map)
         chosen.sharding_asked = self.sharding_asked
@@ -82,10 +124,6 @@ class Strategy:
     def activate(self) -> None:
         """Make this strategy's distribution and precision the global Keras ones, and this the
         strategy plain `model.fit`/`evaluate`/`predict` run under (see meshfit.fit.hooks)."""
-        import keras
-
-        from meshfit.fit import hooks
-
         keras.config.set_dtype_policy(planning.keras_policy(self.precision))
         if self.engine == "jax":
             keras.distribution.set_distribution(self._distribution)  # None on one device
@@ -95,10 +133,6 @@ class Strategy:
     def scope(self) -> Iterator["Strategy"]:
         """Create and compile models inside this scope to replicate them on every device; the
         Keras distribution and dtype policy in force before are restored on exit."""
-        import keras
-
-        from meshfit.fit import hooks
-
         policy, distribution = keras.config.dtype_policy(), keras.distribution.distribution()
         strategy = hooks.active()
         self.activate()
@@ -142,8 +176,6 @@ class Strategy:
 
     def report(self) -> str:
         """The discovery report as text (see meshfit.watch.report.discovery_text)."""
-        from meshfit.watch.report import discovery_text
-
         return discovery_text(self.describe())
 
     def fit(self, model, x=None, y=None, *, batch_size: int | None = None, epochs: int = 1,
@@ -152,11 +184,11 @@ class Strategy:
         """`model.fit` under this strategy, with the global batch checked and the report on.
 
         Plain `model.fit` after `connect()` already runs on every replica with the per-epoch
-        report (see meshfit.fit.hooks); this adds: `batch_size` (the global batch) checked to
-        split across the replicas, the report even with verbose=0 (report=False: none), and
-        micro-batches on TensorFlow (slices each batch's gradient is summed over; 'auto':
-        cache-sized on a CPU; 1: whole batches; with slices, every batch needs at least that
-        many samples, and a shorter one is cut with a warning).
+        report (see meshfit.fit.hooks); this adds: `batch_size` (Keras' keyword, here the global
+        batch over all replicas) checked to split across the replicas, the report even with
+        verbose=0 (report=False: none), and micro-batches on TensorFlow (slices each batch's
+        gradient is summed over; 'auto': cache-sized on a CPU; 1: whole batches; with slices,
+        every batch needs at least that many samples, and a shorter one is cut with a warning).
         x: numpy arrays, or any source Keras reads yielding (x, y) or (x, y, sample_weight) global
         batches: a tf.data.Dataset, a keras.utils.PyDataset, a generator or other iterator, a
         grain.MapDataset / IterDataset; validation_data likewise. On one host a batch that does
@@ -165,99 +197,45 @@ class Strategy:
         replicas with one warning (see meshfit.fit.sources). A generator (read only once) trains one
         epoch unless steps_per_epoch is given.
         """
-        from meshfit.fit import hooks, sources, tf_microbatch
-        from meshfit.watch.report import EpochReport
-
+        global_batch = batch_size
         callbacks = list(callbacks or [])
-        slices = tf_microbatch.choose(model, batch_size, micro_batches, self.engine)
-        if batch_size is not None:
-            batch_size = self.check_batch(batch_size)
+        micro_batches = tf_microbatch.plan_micro_batches(model, global_batch, micro_batches, self.engine)
+        if global_batch is not None:
+            global_batch = self.check_batch(global_batch)
         if report and self.info.process_index == 0 and not any(isinstance(c, EpochReport) for c in callbacks):
-            callbacks.append(EpochReport(batch_size=batch_size, strategy=self))
-        if self.engine == "tensorflow" and tf_microbatch.installed(model) != slices:
-            tf_microbatch.install(model, slices)
+            callbacks.append(EpochReport(global_batch=global_batch, strategy=self))
+        if self.engine == "tensorflow" and tf_microbatch.installed(model) != micro_batches:
+            tf_microbatch.install(model, micro_batches)
         with self.scope(), warnings.catch_warnings(), (
                 contextlib.nullcontext() if report else hooks.report_off()):
             if not (self.hosts > 1 and getattr(x, "process_local", False)):  # else it yields its own rows
                 cut_to = self.replicas if self.hosts > 1 else 1  # one host: the placement copes
-                x, y, kwargs = sources.prepare(x, y, batch_size, cut_to, slices, epochs, kwargs)
+                x, y, kwargs = sources.prepare(x, y, global_batch, cut_to, micro_batches, epochs, kwargs)
             if self.hosts > 1:  # each process feeds its own rows of every global batch
-                from meshfit.parallel import cluster
-
-                x, y, batch_size, kwargs = cluster.fit_arguments(self, x, y, batch_size, kwargs)
+                x, y, global_batch, kwargs = hosts.fit_arguments(self, x, y, global_batch, kwargs)
             if (isinstance(x, sources.SplitBatches) and not kwargs.get("steps_per_epoch")) or (
                     isinstance(kwargs.get("validation_data"), sources.SplitBatches)
                     and not kwargs.get("validation_steps")):
                 # The source's end is the epoch's end; Keras warns there all the same.
                 warnings.filterwarnings("ignore", message="Your input ran out of data")
-            return model.fit(x, y, batch_size=batch_size, epochs=epochs, callbacks=callbacks,
+            return model.fit(x, y, batch_size=global_batch, epochs=epochs, callbacks=callbacks,
                              verbose=verbose, **kwargs)
 
 
-@contextlib.contextmanager
-def without_distribution() -> Iterator[None]:
-    """No Keras distribution inside the block (the previous one is restored on exit).
-
-    For host-local Keras work on one process: saving a model under the multi-host mesh would
-    create cross-host variables and wait for processes that are not saving; CPU inference and
-    export want plain single-device variables.
-    """
-    import keras
-
-    active = keras.distribution.distribution()
-    keras.distribution.set_distribution(None)
-    try:
-        yield
-    finally:
-        keras.distribution.set_distribution(active)
-
-
-def start_engine(simulate: int | None, engine: str | None,
-                 require: str | None) -> tuple[devices_lib.DeviceInfo, str]:
-    """Find the devices and import Keras with the engine for them; returns (devices, engine).
-
-    `connect()` starts with it; a recipe file is run only after it, so that a file importing
-    keras at its top gets the backend its run uses (Keras fixes it at its first import).
-    """
-    info = devices_lib.discover(simulate=simulate, require=require)
-    chosen = engine_lib.choose(engine, info.platform, info.device_count)
-    engine_lib.activate(chosen)
-    return info, chosen
-
-
-def connect(require: str | None = None, simulate: int | None = None, precision: str = "auto",
-            engine: str | None = None, verbose: bool = True, sharding: str | None = "auto",
-            fsdp_min_bytes: int | str = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
-            device_memory: int | str | None = None, layout_map=None) -> Strategy:
-    """Find the devices, pick engine and precision, print what was found, return the Strategy.
-
-    require: 'tpu' or 'gpu' to fail unless that platform is present.
-    simulate: run on this many JAX CPU devices (also $MESHFIT_SIMULATE_DEVICES).
-    precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32).
-    engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
-    sharding: 'auto', 'data' or 'fsdp' (see meshfit.parallel.sharding). 'auto' is data-parallel here;
-      `meshfit train` plans the model's memory and switches to fsdp when the replicated step
-      does not fit (Python: `strategy.with_sharding(meshfit.parallel.memory_plan.plan(...)["choice"])`).
-    fsdp_min_bytes: under fsdp, floating-point variables of at least this size ('1MiB', bytes)
-      are sharded. device_memory: bytes per device to plan with ('16GB'; default: the device's).
-    layout_map: a keras.distribution.LayoutMap whose entries win over the fsdp rule.
-    """
-    planning.precision_name(precision)  # reject unknown names before any slow work
-    sharding_lib.check_mode(sharding)
-    fsdp_min_bytes = sharding_lib.parse_size(fsdp_min_bytes, "--fsdp-min-size")
-    device_memory = sharding_lib.parse_size(device_memory)
-    info, chosen = start_engine(simulate, engine, require)
+def connected(info: devices_lib.DeviceInfo, engine: str, precision: str, sharding: str,
+              fsdp_min_bytes: int, device_memory: int | None, layout_map=None,
+              verbose: bool = True) -> Strategy:
+    """The second half of `meshfit.connect()`, once Keras runs on `engine`: the Strategy for
+    these devices (precision already resolved, settings checked), activated; the report printed."""
+    if engine == "tensorflow":
+        tf_bias_gradient.install()  # before any model is built on TensorFlow
     if info.hosts > 1:
-        from meshfit.parallel import cluster
-
-        cluster.agree_on_seed()  # the same initial weights on every host
-    strategy = Strategy(info, chosen, planning.resolve_precision(precision, info.platform,
-                                                                 info.compute_capability),
-                        sharding, fsdp_min_bytes, device_memory, layout_map)
+        hosts.agree_on_seed()  # the same initial weights on every host
+    strategy = Strategy(info, engine, precision, sharding, fsdp_min_bytes, device_memory, layout_map)
     strategy.activate()
     if verbose and info.process_index == 0:
         print(strategy.report(), flush=True)
-        hint = engine_lib.hint_faster_engine(chosen, info.platform, info.device_count)
+        hint = engine_lib.hint_faster_engine(engine, info.platform, info.device_count)
         if hint:
             print(f"  note: {hint}", file=sys.stderr)
     return strategy
