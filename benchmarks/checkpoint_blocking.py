@@ -4,7 +4,7 @@ against synchronous saves, on a model with >= 100 MB of state (weights + Adam's 
     python benchmarks/checkpoint_blocking.py [--devices 8] [--width 2048] [--layers 3] [--runs 5]
                                              [--sharding fsdp] [--dir DIR]
 
-Builds an MLP of `layers` Dense(width, width) layers under meshfit.connect(simulate=devices,
+Builds an MLP of `layers` Dense(width, width) layers under meshfit.connect(simulate_devices=devices,
 engine="jax", sharding=...), trains it one step (so the optimizer state exists), then saves it
 `runs` times each way, alternating (async, sync, npz, npz, sync, async, ...) after one untimed
 save of each: "async" is orbax in the background (format 3, what training does on JAX), "sync"
@@ -36,7 +36,7 @@ def main() -> None:
 
     import meshfit
 
-    strategy = meshfit.connect(simulate=args.devices, engine="jax", sharding=args.sharding,
+    strategy = meshfit.connect(simulate_devices=args.devices, engine="jax", sharding=args.sharding,
                                verbose=False)
     import keras
     import numpy as np

@@ -41,7 +41,7 @@ CONFIGS = {  # name: (multi-threaded kernels, finish each dispatch)
 CHILD = textwrap.dedent("""
     import os, sys, time
     import meshfit
-    strategy = meshfit.connect(simulate=8, verbose=False)
+    strategy = meshfit.connect(simulate_devices=8, verbose=False)
     import keras, numpy as np
     from meshfit.fit import jax_loop
     from meshfit.watch import report
@@ -75,7 +75,7 @@ CHILD = textwrap.dedent("""
 COST_CHILD = textwrap.dedent("""
     import statistics, sys, time
     import meshfit
-    strategy = meshfit.connect(simulate=8, verbose=False)
+    strategy = meshfit.connect(simulate_devices=8, verbose=False)
     import keras, numpy as np
     from meshfit.fit import jax_loop
     from meshfit.watch import report

@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    strategy = meshfit.connect(simulate=8, engine="jax", verbose=False)
+    strategy = meshfit.connect(simulate_devices=8, engine="jax", verbose=False)
     import keras
     from keras.src.trainers import data_adapters
 

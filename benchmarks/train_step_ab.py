@@ -63,7 +63,7 @@ def main() -> None:
             model = recipe.build_model(shape, 10)
             model.compile(optimizer=recipe.optimizer(args.steps, args.rounds + 1),
                           loss=recipe.make_loss(), metrics=["accuracy"])
-        slices = tf_microbatch.plan(model, batch) if slices is None else slices
+        slices = tf_microbatch.cache_sized(model, batch) if slices is None else slices
         tf_microbatch.install(model, slices)
         batches = arrays.TrainBatches(x, y, batch, seed=0)
         model.fit(batches.iterate(0), steps_per_epoch=args.steps, epochs=1, verbose=0)

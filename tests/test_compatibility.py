@@ -74,3 +74,39 @@ def test_a_legacy_run_predicts_with_its_class_names(legacy, tmp_path):
     assert prediction["label"] == names[prediction["index"]] == prediction["top_k"][0]["label"]
     assert len(prediction["probabilities"]) == 10
     assert sum(prediction["probabilities"]) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_config_json_keys_of_before_the_rename_are_read_under_their_new_names(legacy):
+    """One name per setting since 0.1.0: config.json's "simulated_devices" is now
+    "simulate_devices"; a run written before reads back with its value."""
+    from meshfit.run import spec
+
+    run, _, _ = legacy
+    saved, config = spec.read(run)
+    assert "simulated_devices" in config and "simulate_devices" not in config
+    assert saved.simulate_devices is None and saved.global_batch == 32
+    config["simulated_devices"] = 8
+    assert spec.RunSpec.from_dict(config).simulate_devices == 8
+
+
+@pytest.mark.slow
+def test_a_run_recorded_under_the_old_names_resumes_on_its_simulated_devices(tmp_path):
+    """A run on 8 simulated devices whose config.json says "simulated_devices" (as meshfit wrote
+    it before the rename) resumes on 8 devices without --simulate-devices."""
+    data = str(tmp_path / "data")
+    write_idx_dataset(os.path.join(data, "fashion-mnist"))
+    run = str(tmp_path / "run")
+    env = {**cli_env(tmp_path), "KERAS_BACKEND": None, "MESHFIT_SIMULATE_DEVICES": None, "XLA_FLAGS": ""}
+    out = run_meshfit("train", "--data-dir", data, "--out", run, "--epochs", "1", "--engine", "jax",
+                      "--simulate-devices", "8", "--global-batch", "32", "--checkpoint-every", "epoch",
+                      env=env)
+    assert out.returncode == 0, out.stderr
+    path = os.path.join(run, "config.json")
+    config = json.loads(open(path).read())
+    assert config["simulate_devices"] == 8
+    config["simulated_devices"] = config.pop("simulate_devices")  # as written before the rename
+    open(path, "w").write(json.dumps(config))
+    out = run_meshfit("train", "--resume", run, "--epochs", "2", env=env)
+    assert out.returncode == 0, out.stderr
+    resumed = json.loads(open(path).read())["resumed"][0]
+    assert (resumed["replicas"], resumed["engine"]) == (8, "jax")

@@ -76,3 +76,23 @@ def test_bad_flag_values_fail_in_one_line(capsys):
     assert cli.main(["train", "--precision", "fp8"]) == 2
     assert capsys.readouterr().err.strip() == ("meshfit: error: unknown precision 'fp8'; use one "
                                                "of: auto, float32, bfloat16, float16")
+
+
+def test_the_older_spellings_of_renamed_settings_are_still_accepted(strategy):
+    """Renamed for one name per setting, the flags --batch-size and --fsdp-min-size, the Python
+    keywords batch_size and fsdp_min_size (train), simulate (connect) and batch_size (EpochReport)
+    still work and mean the same."""
+    from meshfit.run.options import current_names
+    from meshfit.watch.report import EpochReport
+
+    old = TrainOptions.from_args(parsed("--batch-size", "64", "--fsdp-min-size", "2MiB"))
+    new = TrainOptions.from_args(parsed("--global-batch", "64", "--fsdp-min-bytes", "2MiB"))
+    assert old == new and new.global_batch == 64 and new.fsdp_min_bytes == "2MiB"
+    assert current_names({"batch_size": 64, "fsdp_min_size": "1MiB", "epochs": 1}) == {
+        "global_batch": 64, "fsdp_min_bytes": "1MiB", "epochs": 1}
+    with pytest.raises(meshfit.MeshfitError, match="batch_size is the older name of global_batch"):
+        current_names({"batch_size": 64, "global_batch": 64})
+    assert meshfit.connect(simulate=8, engine="jax", verbose=False).replicas == 8
+    assert EpochReport(batch_size=16).global_batch == 16
+    bench = cli._parser("bench").parse_args(["bench", "--batch-sizes", "8,16"])
+    assert bench.global_batches == "8,16"

@@ -178,11 +178,11 @@ def test_image_folder_of_pngs_trains_on_eight_devices(strategy, tmp_path):
 
 
 def test_steps_per_dispatch_divide_the_epoch_and_default_by_platform():
-    from meshfit.parallel.planning import plan_steps_per_dispatch as steps_per_dispatch
+    from meshfit.parallel.planning import plan_steps_per_dispatch
 
-    assert steps_per_dispatch("gpu", "jax", 48) == 24  # 2 calls per epoch, so compile is timed apart
-    assert steps_per_dispatch("gpu", "jax", 390) == 30  # at most 32, dividing 390
-    assert steps_per_dispatch("cpu", "jax", 48) == 1
-    assert steps_per_dispatch("cpu", "jax", 48, 5) == 4
+    assert plan_steps_per_dispatch("gpu", "jax", 48) == 24  # 2 calls per epoch, so compile is timed apart
+    assert plan_steps_per_dispatch("gpu", "jax", 390) == 30  # at most 32, dividing 390
+    assert plan_steps_per_dispatch("cpu", "jax", 48) == 1
+    assert plan_steps_per_dispatch("cpu", "jax", 48, 5) == 4
     with pytest.raises(MeshfitError, match="steps per dispatch must be a whole number of at least 1"):
-        steps_per_dispatch("gpu", "jax", 48, 0)
+        plan_steps_per_dispatch("gpu", "jax", 48, 0)

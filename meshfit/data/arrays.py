@@ -104,7 +104,7 @@ def _put_sharded(array: np.ndarray, multiple: int):
     """`array` padded with zeros to a multiple of `multiple` rows, placed batch-sharded."""
     import jax
 
-    extra = -len(array) % multiple
+    extra = -len(array) % multiple  # JAX shards an array only in equal parts; no order reaches the padding
     if extra:
         array = np.concatenate([array, np.zeros((extra,) + array.shape[1:], array.dtype)])
     sharding = _batch_sharding(array.shape)
@@ -204,6 +204,7 @@ class TrainBatches:
     def _order_function(self):
         import jax
 
+        # Each device gathers its batch rows from anywhere in the data: the order is whole on each.
         out = _replicated(_batch_sharding(self.x.shape)) if self.on_device else None
         return jax.jit(functools.partial(permutation, self.seed, n=self.num_samples),
                        out_shardings=out)

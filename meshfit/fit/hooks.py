@@ -39,7 +39,9 @@ import inspect
 import warnings
 from typing import Any, Callable
 
+import jax
 import keras
+from jax.sharding import NamedSharding, PartitionSpec
 
 from meshfit import env
 from meshfit.fit import jax_loop, sources
@@ -109,9 +111,6 @@ def _placement_hook(place: Callable) -> Callable:
         _note_batch(shape[0], splits, strategy.replicas)
         if splits:
             return place(per_process_batch, layout, batch_dim_name)
-        import jax
-        from jax.sharding import NamedSharding, PartitionSpec
-
         sharding = getattr(layout, "backend_layout", layout)
         return jax.device_put(per_process_batch, NamedSharding(sharding.mesh, PartitionSpec()))
 

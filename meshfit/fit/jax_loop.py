@@ -23,6 +23,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
+import keras
+from jax.sharding import NamedSharding, PartitionSpec
+
 from meshfit.parallel import heartbeat
 from meshfit.parallel.planning import check_steps_per_dispatch
 
@@ -39,9 +44,6 @@ def make_multi_step(model, steps: int, state_shardings: Any = None) -> Callable:
     Returns the last step's logs (Keras metrics are running means, so these are the epoch's so
     far) and the new state. The input state's buffers are donated.
     """
-    import jax
-    import jax.numpy as jnp
-
     check_steps_per_dispatch(steps)
 
     def run(state, batches):
@@ -94,8 +96,6 @@ def install(model, steps: int = 1) -> None:
     compiles again at the second step and after every metrics reset.
     On other engines Keras' own `steps_per_execution` is set (an in-graph loop on TensorFlow).
     """
-    import keras
-
     check_steps_per_dispatch(steps)
     model.steps_per_execution = steps
     model.train_function = None
@@ -116,8 +116,6 @@ class _TrainFunction:
         self._single = None
 
     def _compile(self, state) -> None:
-        import jax
-
         self._shardings = jax.tree.map(lambda a: a.sharding, state)
         self._single = jax.jit(self.model.train_step, donate_argnums=0,
                                out_shardings=(None, self._shardings))
@@ -125,8 +123,6 @@ class _TrainFunction:
             self._multi = make_multi_step(self.model, self.steps, self._shardings)
 
     def __call__(self, state, iterator):
-        import jax
-
         if self._single is None:
             self._compile(state)
         if not all(a.committed for a in jax.tree.leaves(state)):
@@ -156,8 +152,6 @@ def finish_dispatch(outputs) -> None:
     collective waits for all of them; with two collective programs in flight the pool can fill
     with parts of both and the process aborts (see meshfit.fit.hooks). One at a time cannot.
     """
-    import jax
-
     leaf = next((t for t in jax.tree.leaves(outputs) if isinstance(t, jax.Array)), None)
     devices = leaf.sharding.device_set if leaf is not None else ()
     if len(devices) > 1 and next(iter(devices)).platform == "cpu":
@@ -165,18 +159,12 @@ def finish_dispatch(outputs) -> None:
 
 
 def _same_shapes(batches) -> bool:
-    import jax
-
     shapes = [jax.tree.map(lambda t: tuple(t.shape), b) for b in batches]
     return all(s == shapes[0] for s in shapes)
 
 
 def _keep_batch_sharded(stacked):
     """Under a Keras distribution, shard the stacked batches along the batch axis (axis 1)."""
-    import jax
-    import keras
-    from jax.sharding import NamedSharding, PartitionSpec
-
     distribution = keras.distribution.distribution()
     if distribution is None or not hasattr(distribution, "batch_dim_name"):
         return stacked

@@ -265,12 +265,13 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     skip = strategy.distribution is None or (strategy.sharding_asked != "fsdp" and device_memory is None)
     if skip and not always:
         return strategy, None
+    # Built under fsdp, the layout that allocates the least: planning must not run out of memory.
     planned = strategy.with_sharding("fsdp") if strategy.distribution is not None else strategy
     fresh_session(planned)
     with planned.scope():
         model = make_model()
     result = plan_memory(model, planned, global_batch, device_memory, largest)
-    del model
+    del model  # its variables would hold device memory while the run builds its own
     mode = sharding_to_use(result, strategy.sharding_asked)
     result["sharding"] = mode
     if always:

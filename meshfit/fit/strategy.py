@@ -101,7 +101,7 @@ class Strategy:
         one the memory plan chose for 'auto'; activate it before building the model."""
         chosen = Strategy(self.info, self.engine, self.precision, sharding, self.fsdp_min_bytes,
                           self.device_memory, self.layout_map)
-        chosen.sharding_asked = self.sharding_asked
+        chosen.sharding_asked = self.sharding_asked  # the report says 'auto' chose it, not the user
         return chosen
 
     platform = property(lambda self: self.info.platform, doc="'tpu', 'gpu' or 'cpu'.")

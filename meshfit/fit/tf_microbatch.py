@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from meshfit.errors import MeshfitError
 from meshfit.parallel import planning
 
@@ -32,8 +34,6 @@ def batch_coupled_layers(model) -> list[str]:
 
 def activation_bytes_per_sample(model) -> int | None:
     """Bytes of the model's largest layer output for one sample, None when no shape is known."""
-    import numpy as np
-
     largest = None
     for layer in _layers(model):
         try:

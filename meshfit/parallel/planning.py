@@ -1,4 +1,6 @@
-"""Planning from the hardware: the batch, precision, steps per dispatch and peak FLOP/s.
+"""Planning from the hardware, one function per question: the batch of a run (`plan_batch`, with
+`plan_global_batch` and `plan_steps_per_dispatch`), the precision (`resolve_precision`, decided
+once, by connect()) and peak FLOP/s. Pure functions of the devices' description: no Keras.
 
 Peak figures are dense (no sparsity) FLOP/s per JAX device at the compute precision, from the
 vendors' data sheets. On TPU v2/v3 a JAX device is one core (half a chip); from v4 on it is a chip.

@@ -236,47 +236,15 @@ def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, st
     background = sharded if background is None else background
     global_step = epoch * steps_per_epoch + step
     final = os.path.join(directory, checkpoint_name(global_step))
-    if rundir.checkpoint_complete(final):
-        try:
-            verify(final)
-            return PendingSave(final)
-        except CheckpointDamaged:
-            pass
-    if not commit and not sharded:
+    if _intact(final) or (not commit and not sharded):
         return PendingSave(final)
     _sync(model)
-    host_arrays, variables, device_arrays = {}, {}, {}
-    for group, values in variable_groups(model).items():
-        variables[group], device_arrays[group] = [], {}
-        for i, v in enumerate(values):
-            if sharded and group != "metrics":
-                value = v.value
-                device_arrays[group][f"{i:05d}"] = value
-                shape, dtype = tuple(value.shape), str(np.dtype(value.dtype))
-            else:
-                value = _host_value(v)
-                host_arrays[f"{group}/{i:05d}"] = value
-                shape, dtype = value.shape, str(value.dtype)
-            variables[group].append([v.path, list(shape), dtype])
-    host_arrays.update({f"{EXTRA}/{key}": np.asarray(value)
-                        for key, value in (extra_arrays or {}).items()})
+    host_arrays, variables, device_arrays = _arrays_of(model, sharded, extra_arrays)
     state = {"format": FORMAT if sharded else NPZ_FORMAT, "epoch": epoch, "step": step,
              "global_step": global_step, "steps_per_epoch": steps_per_epoch,
              "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **(extra or {}), "variables": variables}
     state_text = json.dumps(state).encode()  # now: `extra` may change while the files are written
-    writing = None
-    try:
-        if commit and os.path.exists(final):  # a save of this step cut short, or a damaged one
-            shutil.rmtree(final)
-        if commit:
-            os.makedirs(final)
-        if sharded:
-            cluster.barrier(f"meshfit: writing {os.path.basename(final)}")  # after the removal
-            writing = sharded_arrays.write(os.path.join(final, sharded_arrays.FOLDER),
-                                           {g: a for g, a in device_arrays.items() if a},
-                                           background=background)
-    except BaseException as e:  # orbax's threads may still write there: leave it to the next save
-        _failed(final, directory, e, commit and not sharded)
+    writing = _start_writing(final, directory, device_arrays, sharded, background, commit)
 
     def finish() -> None:
         try:
@@ -298,6 +266,60 @@ def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, st
         with contextlib.suppress(BaseException):
             writing.wait()
         raise
+
+
+def _intact(final: str) -> bool:
+    """True when the checkpoint folder `final` is committed and intact (a save of the same step
+    keeps it); a damaged one is written again."""
+    if not rundir.checkpoint_complete(final):
+        return False
+    try:
+        verify(final)
+        return True
+    except CheckpointDamaged:
+        return False
+
+
+def _arrays_of(model, sharded: bool, extra_arrays: dict[str, np.ndarray] | None):
+    """(host arrays for arrays.npz, each group's [name, shape, dtype] list, device arrays for orbax):
+    with `sharded`, the model's and optimizer's variables stay on the devices (orbax writes each
+    process's shards); the metrics' running totals and the extra arrays always go to the host."""
+    host_arrays, variables, device_arrays = {}, {}, {}
+    for group, values in variable_groups(model).items():
+        variables[group], device_arrays[group] = [], {}
+        for i, v in enumerate(values):
+            if sharded and group != "metrics":
+                value = v.value
+                device_arrays[group][f"{i:05d}"] = value
+                shape, dtype = tuple(value.shape), str(np.dtype(value.dtype))
+            else:
+                value = _host_value(v)
+                host_arrays[f"{group}/{i:05d}"] = value
+                shape, dtype = value.shape, str(value.dtype)
+            variables[group].append([v.path, list(shape), dtype])
+    host_arrays.update({f"{EXTRA}/{key}": np.asarray(value)
+                        for key, value in (extra_arrays or {}).items()})
+    return host_arrays, variables, device_arrays
+
+
+def _start_writing(final: str, directory: str, device_arrays: dict, sharded: bool,
+                   background: bool, commit: bool):
+    """A fresh folder `final` (process 0) and, when sharded, orbax writing every process's shards
+    into it (returned, to wait for); None when there is nothing for orbax to write."""
+    writing = None
+    try:
+        if commit and os.path.exists(final):  # a save of this step cut short, or a damaged one
+            shutil.rmtree(final)
+        if commit:
+            os.makedirs(final)
+        if sharded:
+            cluster.barrier(f"meshfit: writing {os.path.basename(final)}")  # after the removal
+            writing = sharded_arrays.write(os.path.join(final, sharded_arrays.FOLDER),
+                                           {g: a for g, a in device_arrays.items() if a},
+                                           background=background)
+    except BaseException as e:  # orbax's threads may still write there: leave it to the next save
+        _failed(final, directory, e, commit and not sharded)
+    return writing
 
 
 def _failed(final: str, directory: str, error: BaseException, remove: bool):

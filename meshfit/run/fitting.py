@@ -341,7 +341,7 @@ def fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[in
     steps, dispatch = batches.steps_per_epoch, model.steps_per_execution
     with checkpoints.stop_on_signals(checkpointer):
         if step and epoch < epochs:
-            if (steps - step) % dispatch:
+            if (steps - step) % dispatch:  # a dispatch must end where the cut epoch ends
                 jax_loop.install(model, planning.dividing_steps(steps - step, dispatch))
             strategy.fit(model, batches.iterate(epoch, step), epochs=epoch + 1, initial_epoch=epoch,
                          steps_per_epoch=steps - step, shuffle=False, callbacks=callbacks,
@@ -439,6 +439,7 @@ def score_and_write(asked, model, history: list, dataset, run_spec: RunSpec,
     r, run = asked.recipe, asked.run
     scores = score(model, history, dataset, run_spec.global_batch, r.make_loss(), r.tta_flip,
                    run_spec.epochs)
+    # metrics.json is config.json's specification plus the results (see meshfit.run.spec).
     metrics = {**scores, **totals(history), **run_spec.to_dict(),
                "resumed": asked.saved is not None, "run_dir": run}
     checkpoints.gather_for_saving(model)  # fsdp on several processes: every process

@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any
 
+import jax
 import keras
 
 from meshfit.parallel.sharding import format_bytes
@@ -25,8 +26,6 @@ def train_step_flops(model, global_batch: int) -> float | None:
     if keras.backend.backend() != "jax" or not getattr(model, "optimizer", None):
         return None
     try:
-        import jax
-
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
 
@@ -60,8 +59,6 @@ def wait_for_device(model) -> None:
     if keras.backend.backend() != "jax":
         keras.ops.convert_to_numpy(model.trainable_variables[0])  # TensorFlow runs each step to the end
         return
-    import jax
-
     state = getattr(model, "_jax_state", None)
     leaves = state if state else [v.value for v in model.trainable_variables[:1]]
     jax.block_until_ready(leaves)

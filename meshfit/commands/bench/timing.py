@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import keras
 import numpy as np
 
@@ -96,8 +97,6 @@ def _wait_each_dispatch(info) -> list:
     """
     if info.platform != "cpu" or info.device_count == 1:
         return []
-    import jax  # several CPU devices: JAX
-
     return [keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: jax.block_until_ready(logs))]
 
 
