@@ -26,7 +26,6 @@ import numpy as np
 import meshfit
 from meshfit.data import arrays
 from meshfit import recipes
-from meshfit.fit import tf_bias_gradient, tf_microbatch
 
 
 def main() -> None:
@@ -41,6 +40,8 @@ def main() -> None:
     strategy = meshfit.connect(engine="tensorflow", precision=args.precision, verbose=False)
     import keras
     from tensorflow.python.framework import ops
+
+    from meshfit.fit import tf_bias_gradient, tf_microbatch  # imports Keras: after connect()
 
     recipe = recipes.get(args.recipe)
     batch = recipe.global_batch or recipe.per_core_batch

@@ -2,14 +2,17 @@
 
 Every command has `add_<command>_arguments(parser)` and `run_<command>(args) -> int` here, and
 every flag is defined once; the work itself is done by the library module of its concept. Library
-modules never import this one. Every module imported here runs before the engine is chosen, so
-none imports Keras, JAX or TensorFlow at its top: each command's module crosses the engine line
-itself, after connect() (see docs/reference/code.md).
+modules never import this one. Every module the command line imports runs before the engine is
+chosen, so none imports Keras, JAX or TensorFlow at its top: each command's module crosses the
+engine line itself, after connect() (see docs/reference/code.md). The modules that load numpy and
+the data packages (~0.3 s) are imported inside the command that needs them, so that `meshfit
+predict`'s cold start, `launch` and `--help` do not pay for the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -18,15 +21,10 @@ import warnings
 from typing import Callable
 
 import meshfit
-from meshfit import recipes
 from meshfit.commands import launch, runs
-from meshfit.commands import plan as plan_command
-from meshfit.commands.bench import inputs, jpeg_folder, step, table
 from meshfit.errors import MeshfitError
 from meshfit.parallel import cluster
-from meshfit.recipes import image_folder
-from meshfit.run import evaluate, options, train
-from meshfit.serve import export, inference
+from meshfit.run import options
 
 FIGURE_FORMATS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")  # what `predict --show` can write
 COMMANDS = {
@@ -64,6 +62,13 @@ def sharding_options(args: argparse.Namespace) -> dict:
     """The connect() keywords of add_sharding_arguments' flags."""
     return {"sharding": args.sharding, "fsdp_min_bytes": args.fsdp_min_bytes,
             "device_memory": args.device_memory}
+
+
+def _recipes():
+    """meshfit.recipes, for the commands that name recipes."""
+    from meshfit import recipes  # start-up: loads numpy and the data modules (see the docstring)
+
+    return recipes
 
 
 def add_json_argument(parser: argparse.ArgumentParser, what: str = "the results") -> None:
@@ -112,6 +117,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """The recipe, the folder flags (--data ...), --json and every setting of TrainOptions."""
+    recipes = _recipes()
     parser.add_argument("recipe", nargs="?", metavar="RECIPE",
                         help=f"one of: {', '.join(recipes.names())}, or a recipe file defining "
                              f"RECIPE = meshfit.Recipe(...) (default: {recipes.DEFAULT})")
@@ -131,6 +137,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """Train; a stop by SIGTERM/SIGINT (state saved) exits with its own code and one line."""
+    from meshfit.run import train  # start-up: only this command loads the data modules
+
     command = shlex.join(["meshfit", *sys.argv[1:]])
     recipe = args.recipe
     if args.data is not None:
@@ -153,7 +161,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def folder_recipe(args: argparse.Namespace, command: str):
     """The image-folder recipe `--data FOLDER --image-size H W ...` asks for, with its file's text."""
-    import dataclasses
+    from meshfit.recipes import image_folder  # start-up: only --data loads it
 
     if args.recipe or args.resume:
         raise MeshfitError("--data trains a new run on a folder; give a RECIPE, --resume RUN_DIR "
@@ -186,9 +194,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from meshfit.run import evaluate  # start-up: only this command loads the data modules
+
     result = evaluate.evaluate(args.model, args.data_dir, folder=args.data,
-                      simulate_devices=args.simulate_devices, engine=args.engine,
-                      require=args.require, verbose=not args.json)
+                               simulate_devices=args.simulate_devices, engine=args.engine,
+                               require=args.require, verbose=not args.json)
     if args.json:
         print(json.dumps(result), flush=True)
     else:
@@ -220,6 +230,8 @@ def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
 def run_predict(args: argparse.Namespace) -> int:
     """Classify image files on the CPU."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras fallback on JAX stays on the CPU
+    from meshfit.serve import inference  # start-up: predict's cold start loads only what it uses
+
     if args.top_k is not None and args.top_k < 1:
         raise MeshfitError(f"--top-k must be at least 1, got {args.top_k}")
     if args.threads is not None and args.threads < 1:
@@ -269,6 +281,8 @@ def run_export(args: argparse.Namespace) -> int:
     """Write a float32 model for CPU serving."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras on JAX stays on the CPU
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    from meshfit.serve import export  # start-up: only this command loads it
+
     write = export.export_onnx if args.format == "onnx" else export.export_keras
     print(f"wrote {write(args.model, args.out)}")
     return 0
@@ -277,6 +291,9 @@ def run_export(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from meshfit.commands.bench import inputs, jpeg_folder, step  # start-up: only for bench
+
+    recipes = _recipes()
     parser.add_argument("recipe", nargs="?", default=recipes.DEFAULT,
                         help=f"recipe whose model is timed (default: {recipes.DEFAULT})")
     parser.add_argument("--engines", help="comma-separated Keras backends (default: every installed "
@@ -317,6 +334,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Measure, print the table (or JSON) and write the files."""
+    from meshfit.commands.bench import jpeg_folder, step, table  # start-up: only for bench
+
     if args.make_jpeg_folder:
         count = jpeg_folder.write_jpeg_folder(args.make_jpeg_folder, args.data_dir,
                                               image_size=tuple(args.image_size or (160, 160)))
@@ -345,6 +364,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_bench_input(args: argparse.Namespace) -> int:
     """`meshfit bench --input FOLDER --image-size H W`: the input pipeline alone."""
+    from meshfit.commands.bench import inputs, table  # start-up: only for bench
+
     if not args.image_size:
         raise MeshfitError("--input needs --image-size H W (the pixels to decode to)")
     batches = comma_counts(args.global_batches, "--global-batches") or [inputs.DEFAULT_INPUT_BATCH]
@@ -365,7 +386,7 @@ def run_bench_input(args: argparse.Namespace) -> int:
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", nargs="?", metavar="RECIPE",
-                        help=f"a built-in recipe or a recipe file (default: {recipes.DEFAULT})")
+                        help=f"a built-in recipe or a recipe file (default: {_recipes().DEFAULT})")
     options.add_flags(parser, "global_batch")
     parser.add_argument("--data-dir", metavar="DIR",
                         help="where the dataset is, for recipes whose data says their shape")
@@ -376,6 +397,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Compile the recipe's train step per sharding (never run it) and print the bytes per device."""
+    from meshfit.commands import plan as plan_command  # start-up: only this command loads it
+
     result = plan_command.plan_memory(args.recipe, simulate_devices=args.simulate_devices,
                                       global_batch=args.global_batch, precision=args.precision,
                                       engine=args.engine, require=args.require,
@@ -417,6 +440,7 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_recipe(args: argparse.Namespace) -> int:
     """Print a built-in recipe's file (e.g. `meshfit recipe fashion-mnist-cnn > mine.py`), or list them."""
+    recipes = _recipes()
     if args.name:
         sys.stdout.write(recipes.source(args.name))
         return 0

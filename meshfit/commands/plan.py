@@ -40,10 +40,8 @@ def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = Non
     planned_batch = train.check_batch(asked, strategy, warn=True)
     memory = devices.memory_bytes(strategy.info, strategy.device_memory)
     shape = data_shape(the_recipe, data_dir)
-    from meshfit.run import fitting  # the engine line: Keras is imported (connect_devices ran)
-
-    result = fitting.memory_plan_of(the_recipe, shape, strategy, planned_batch,
-                                    largest=memory is not None, verbose=verbose)
+    result = train.keras_side().memory_plan_of(the_recipe, shape, strategy, planned_batch,
+                                               largest=memory is not None, verbose=verbose)
     result.update(recipe=the_recipe.name)
     return result
 

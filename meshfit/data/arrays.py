@@ -260,7 +260,7 @@ class EvalBatches:
     def __init__(self, x: np.ndarray, global_batch: int, on_device: bool | None = None):
         self.x, self.global_batch, self.num_samples = x, global_batch, len(x)
         self.num_batches = -(-len(x) // global_batch)
-        padded = self.num_batches * global_batch
+        padded = self.num_batches * global_batch  # one shape for every batch: predict compiles once
         if on_device is None:
             on_device = _on_jax() and _fits_on_devices(x.nbytes, _batch_sharding(x.shape))
         self.on_device = on_device

@@ -125,7 +125,7 @@ def fit_arguments(strategy, x, y, global_batch: int | None, kwargs: dict[str, An
             kwargs["validation_batch_size"] = local_validation
     if isinstance(x, SplitBatches):
         x.per_process = cut
-        return x, y, None, kwargs
+        return x, y, None, kwargs  # Keras takes no batch_size with a source of batches
     if global_batch is None:
         if y is not None or hasattr(x, "shape"):
             raise MeshfitError("on several hosts Strategy.fit takes arrays with batch_size (the global "

@@ -56,7 +56,9 @@ def make_multi_step(model, steps: int, state_shardings: Any = None) -> Callable:
             logs, new_state = model.train_step(carry, batch)
             return new_state, logs
 
+        # One XLA program for the k steps: no Python or launch overhead between them.
         state, logs = jax.lax.scan(one_step, state, stacked)
+        # Keras' metrics are running means: the last step's logs are the epoch's so far.
         return jax.tree.map(lambda t: t[-1], logs), state
 
     out_shardings = None if state_shardings is None else (None, state_shardings)
@@ -136,6 +138,8 @@ class _TrainFunction:
         if not batches:
             raise StopIteration
         heartbeat.advance(len(batches))  # and so may the dispatch (no device sync here)
+        # A short dispatch (an epoch's end) or a cut batch runs as single steps: the k-step
+        # program keeps its one shape and compiles once.
         if self._multi is not None and len(batches) == self.steps and _same_shapes(batches):
             logs, state = self._multi(state, batches)
         else:

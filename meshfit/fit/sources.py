@@ -97,12 +97,12 @@ class SplitBatches(data_adapters.data_adapter.DataAdapter):
         rows = leading_rows(batch)
         keep = rows if rows is None else splittable_rows(rows, self.replicas, self.micro_batches)
         if keep != rows:
-            if not self.left_out:
+            if not self.left_out:  # once per fit, not at every epoch's short batch
                 into = f"{self.replicas} replicas" if rows % self.replicas else f"{self.micro_batches} micro-batches"
                 warnings.warn(f"a batch of {rows} samples does not split across {into}: using "
                               f"{keep} of them (each epoch)", stacklevel=2)
             self.left_out = rows - keep
-            if not keep:
+            if not keep:  # fewer rows than replicas (or slices): the whole batch is left out
                 return None
             batch = first_rows(batch, keep)
         return self.per_process(batch) if self.per_process else batch
@@ -123,7 +123,7 @@ class SplitBatches(data_adapters.data_adapter.DataAdapter):
         """Keras' dataset: TensorFlow runs one replica, so only micro-batches need a cut, which
         goes through `split` on the host (numpy) to warn like the other engines."""
         dataset = self.inner.get_tf_dataset()
-        if self.micro_batches == 1:
+        if self.micro_batches == 1:  # one replica on TensorFlow: every batch splits as it is
             return dataset
         import tensorflow as tf
 

@@ -1,5 +1,6 @@
-"""The light core: finding the devices, choosing the engine, planning batch, precision and memory,
-and spreading a model over the devices (`connect`, `Strategy`, data-parallel or fsdp layouts), on
-one host or several (cluster, heartbeat). Nothing here imports Keras, JAX or TensorFlow at import
-time; the engine is chosen first, and the packages that need it (fit, run, watch, serve) come after.
+"""The light core, everything that runs before Keras: finding the devices, choosing the engine,
+planning the batch and the precision, the fsdp rule as pure functions of shapes (sharding), and
+joining a job of several hosts (cluster, heartbeat). No module here imports Keras, JAX or
+TensorFlow at its top, nor any meshfit package above this one (fit, watch, data, run, serve,
+commands), at its top or inside a function: the packages that need Keras come after it.
 """

@@ -171,6 +171,7 @@ def plan_steps_per_dispatch(platform: str, engine: str, steps_per_epoch: int,
     if wanted is None:
         if platform == "cpu" or engine != "jax":
             return 1
+        # Two dispatches per epoch at least: the first holds the compilation, timed apart.
         wanted = min(AUTO_STEPS_PER_DISPATCH, max(steps_per_epoch // 2, 1))
     return dividing_steps(steps_per_epoch, wanted)
 

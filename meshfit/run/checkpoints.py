@@ -515,7 +515,7 @@ def restore(model, path: str | os.PathLike) -> dict[str, Any]:
     verify(path)
     state, arrays = read_state(path), _read_npz(path)
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and not optimizer.built:
+    if optimizer is not None and not optimizer.built:  # its variables exist only once built
         optimizer.build(model.trainable_variables)
     groups = variable_groups(model)
     sharded = state["format"] == FORMAT
@@ -527,6 +527,7 @@ def restore(model, path: str | os.PathLike) -> dict[str, Any]:
     _check_arrays(path, state, arrays)
     for group in ("model", "optimizer"):
         _check_fits(path, group, state["variables"][group], groups[group])
+    # Every check came first: a checkpoint that fails one leaves the model as it was.
     for group in ("model", "optimizer"):
         _assign(groups[group], arrays, group)
     count = len(state["variables"]["metrics"])

@@ -59,6 +59,8 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
 
 def start_session(strategy, seed: int) -> None:
     """A fresh Keras session with this strategy active, seeded, deterministic on TensorFlow."""
+    # Whatever was built before (the memory plan's model), the run's model starts from the
+    # weights its seed gives: a resumed run then loads into the same variables.
     keras.backend.clear_session()
     strategy.activate()
     engine.set_random_seed(seed)

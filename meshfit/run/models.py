@@ -29,7 +29,6 @@ import tempfile
 import zipfile
 from typing import Iterator
 
-from meshfit import recipes
 from meshfit.errors import MeshfitError
 from meshfit.parallel import engine
 from meshfit.run import rundir, spec
@@ -132,6 +131,8 @@ def recipe_of_run(run: str, saved):
 
     saved: the run's RunSpec (config.json).
     """
+    from meshfit import recipes  # start-up: `meshfit predict` on ONNX loads no recipes or datasets
+
     if not saved.recipe_file:
         return recipes.get(saved.recipe)
     path = os.path.join(run, saved.recipe_file)

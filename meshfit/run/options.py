@@ -91,8 +91,9 @@ class TrainOptions:
               "devices (fsdp); auto: fsdp only when the replicated step does not fit the device "
               "memory (default: auto; on --resume the run's)", metavar="S")
     fsdp_min_bytes: int | str | None = _setting(
-        None, "with fsdp: shard floating-point variables of at least SIZE (default: 1MiB; on "
-              "--resume the run's)", metavar="SIZE", aliases=("--fsdp-min-size",))
+        None, "with fsdp: shard floating-point variables of at least SIZE (default: "
+              f"{sharding.DEFAULT_FSDP_MIN_BYTES >> 20}MiB; on --resume the run's)", metavar="SIZE",
+        aliases=("--fsdp-min-size",))
     device_memory: int | str | None = _setting(
         None, "memory of one device to plan with, e.g. 48MB or 16GB (default: the device's own "
               "figure on TPUs and GPUs; unknown on CPUs)", metavar="SIZE")

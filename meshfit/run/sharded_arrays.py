@@ -26,6 +26,7 @@ Tree = dict[str, dict[str, Any]]  # {"model": {"00000": array, ...}, "optimizer"
 
 
 def _orbax():
+    # orbax imports JAX: on first use, so that a TensorFlow run and meshfit's start-up skip it.
     import orbax.checkpoint as ocp
     from orbax.checkpoint.path import atomicity
 
@@ -53,6 +54,8 @@ def write(path: str | os.PathLike, arrays: Tree, *, background: bool = True) -> 
     else once written."""
     ocp, atomicity = _orbax()
     kind = ocp.AsyncCheckpointer if background else ocp.Checkpointer
+    # A commit file marks the folder complete, not a rename: gcsfuse-like mounts cannot rename
+    # a folder atomically.
     checkpointer = kind(ocp.StandardCheckpointHandler(),
                         temporary_path_class=atomicity.CommitFileTemporaryPath)
     try:

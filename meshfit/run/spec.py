@@ -73,7 +73,7 @@ class RunSpec:
     def from_dict(cls, data: dict[str, Any], source: str = "config.json") -> "RunSpec":
         """A specification from config.json's data (unknown keys ignored, missing optional ones
         defaulted); `source` names the file in the error for missing required keys."""
-        data = {OLD_KEYS.get(key, key): value for key, value in data.items()}
+        data = {OLD_KEYS.get(key, key): value for key, value in data.items()}  # runs of meshfit 0.1
         fields = dataclasses.fields(cls)
         missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in data]
         if missing:

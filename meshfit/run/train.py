@@ -144,11 +144,11 @@ def connect_devices(asked: Asked):
 
 def check_batch(asked: Asked, strategy, warn: bool = False) -> int:
     """A batch that cannot split across the replicas fails now, before the data loads (slow);
-    plan_batch() decides the batch (and warns of rounding) once the data is known. Returns the
+    batch_plan() decides the batch (and warns of rounding) once the data is known. Returns the
     global batch as planned without the data (warn: say here when it is rounded)."""
     o, r = asked.options, asked.recipe
     with warnings.catch_warnings():
-        if not warn:
+        if not warn:  # plan_batch warns of a rounding once the data is known: once, not twice
             warnings.simplefilter("ignore")
         return planning.plan_global_batch(strategy.replicas, strategy.platform, strategy.device_kind,
                                           global_batch=o.global_batch or r.global_batch,
@@ -164,8 +164,9 @@ def load_data(asked: Asked, strategy):
     return dataset, stream
 
 
-def plan_batch(asked: Asked, strategy, dataset, stream) -> planning.BatchPlan:
-    """Batch, steps per epoch, steps per dispatch and micro-batches of this run on these devices."""
+def batch_plan(asked: Asked, strategy, dataset, stream) -> planning.BatchPlan:
+    """Batch, steps per epoch, steps per dispatch and micro-batches of this run on these devices
+    (planning.plan_batch with the run's options, its recipe's and its data's sizes)."""
     o, r = asked.options, asked.recipe
     return planning.plan_batch(
         strategy, samples=None if stream else data.size(dataset.train), global_batch=o.global_batch,
@@ -210,10 +211,15 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
     strategy = connect_devices(asked)
     check_batch(asked, strategy)
     dataset, stream = load_data(asked, strategy)
-    batch_plan = plan_batch(asked, strategy, dataset, stream)
-    from meshfit.run import fitting  # the engine line: Keras is imported (connect_devices ran)
+    the_plan = batch_plan(asked, strategy, dataset, stream)
+    return keras_side().run(asked, strategy, dataset, stream, the_plan, command)
 
-    return fitting.run(asked, strategy, dataset, stream, batch_plan, command)
+
+def keras_side():
+    """meshfit.run.fitting, the run's steps after connect(): call this only once connect() ran."""
+    from meshfit.run import fitting  # the engine line: Keras is imported by connect() by now
+
+    return fitting
 
 
 def python_command(recipe: str | recipes.Recipe | None, options: TrainOptions) -> str:

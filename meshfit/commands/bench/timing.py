@@ -149,7 +149,7 @@ def time_one(spec: dict, info, recipe: recipes.Recipe, strategy: Strategy, preci
              global_batch: int, steps_per_dispatch: int) -> dict[str, Any]:
     """One row: `repeats` timed epochs (after one of warm-up) of the recipe's model on random data."""
     repeats = spec["repeats"]
-    steps = -(-spec["steps"] // steps_per_dispatch) * steps_per_dispatch
+    steps = -(-spec["steps"] // steps_per_dispatch) * steps_per_dispatch  # whole dispatches
     x, y, data = random_data(recipe, steps, global_batch)
 
     def build():
@@ -173,7 +173,7 @@ def time_one(spec: dict, info, recipe: recipes.Recipe, strategy: Strategy, preci
         flops, micro_batches = fit_plain(spec, info, model, x, y, timer, fit, peak)
     else:  # Strategy.fit runs k steps per dispatch (meshfit.fit.jax_loop)
         flops, micro_batches = fit_meshfit(spec, chosen, model, x, y, timer, fit)
-    median = statistics.median(timer.seconds[1:])
+    median = statistics.median(timer.seconds[1:])  # epoch 0 holds the compilation (compile_s)
     step_seconds = median / steps
     return {"recipe": recipe.name, "engine": spec["engine"], "path": spec["path"],
             "precision": precision, "global_batch": global_batch,
