@@ -19,6 +19,7 @@ from typing import Any
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel import planning, sharding
+from meshfit.parallel.sharding import DEFAULT_FSDP_MIN_BYTES
 from meshfit.run import spec
 
 
@@ -92,7 +93,7 @@ class TrainOptions:
               "memory (default: auto; on --resume the run's)", metavar="S")
     fsdp_min_bytes: int | str | None = _setting(
         None, "with fsdp: shard floating-point variables of at least SIZE (default: "
-              f"{sharding.DEFAULT_FSDP_MIN_BYTES >> 20}MiB; on --resume the run's)", metavar="SIZE",
+              f"{DEFAULT_FSDP_MIN_BYTES >> 20}MiB; on --resume the run's)", metavar="SIZE",
         aliases=("--fsdp-min-size",))
     device_memory: int | str | None = _setting(
         None, "memory of one device to plan with, e.g. 48MB or 16GB (default: the device's own "
