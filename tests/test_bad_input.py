@@ -189,7 +189,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_variable_changes(strategy, t
 
 
 def test_resume_falls_back_to_the_newest_intact_checkpoint_with_a_warning(strategy, tmp_path):
-    from meshfit.run import train as training
+    from meshfit.run import fitting as training
 
     model = _dense_model(strategy)
     directory = tmp_path / "checkpoints"
