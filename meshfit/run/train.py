@@ -485,9 +485,12 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
     dataset, stream = load_data(asked, strategy)
     the_plan = plan(asked, strategy, dataset, stream)
     strategy = settle_memory(asked, strategy, dataset, the_plan)
-    from meshfit.parallel import cluster
+    from meshfit.parallel import cluster, stall
 
-    with strategy.scope():
+    stall.set_resume_hint(f"its committed checkpoints are intact: continue with meshfit train "
+                          f"--resume {asked.run}")
+    guard = stall.watching() if strategy.engine == "jax" else contextlib.nullcontext()
+    with guard, strategy.scope():
         model, batches, run_spec = build_run(asked, strategy, dataset, stream, the_plan, command)
         chief = strategy.info.process_index == 0
         cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
