@@ -21,11 +21,13 @@ stateless train_step), tfdata (a CNN fed by tf.data) and pydataset (an MLP fed b
 with 2 workers).
 
     python benchmarks/stress_cpu_devices.py [--rounds 3] [--families cnn vit ...] [--routes plain cli]
-    python benchmarks/stress_cpu_devices.py --cost [--rounds 5]
+    python benchmarks/stress_cpu_devices.py --cost [--rounds 5] [--baseline DIR]
 
 --cost: the epoch time of the cnn family's plain program with meshfit's CPU-client pool against
-XLA's own (PJRT_NPROC=8, the default on this 2-core machine; the run may abort), alternating
-fresh processes, and their ratio. Results: BENCHMARKS.md, section 2.
+XLA's own (PJRT_NPROC=8, the default on this 2-core machine; such a run may abort) and, with
+--baseline DIR, against another checkout's meshfit (the commit before: XLA's pool and a wait
+after every dispatch), alternating fresh processes, with the ratios. Results: BENCHMARKS.md,
+section 2.
 """
 
 from __future__ import annotations
@@ -304,12 +306,7 @@ import meshfit
 
 FAMILY
 
-def batches(n, seed):
-    def source():
-        x, y = data(n, seed)
-        for i in range(0, n, BATCH):
-            yield x[i:i + BATCH], y[i:i + BATCH]
-    return source
+SOURCE
 
 
 def dataset(seed):
@@ -325,9 +322,36 @@ RECIPE = meshfit.Recipe(name="NAME", dataset=dataset, build_model=lambda shape, 
 '''
 
 
+SOURCES = {  # a recipe file's batches(n, seed): the streamed source of each kind of feed
+    "arrays": '''def batches(n, seed):
+    def source():
+        x, y = data(n, seed)
+        for i in range(0, n, BATCH):
+            yield x[i:i + BATCH], y[i:i + BATCH]
+    return source''',
+    "tfdata": '''def batches(n, seed):
+    import tensorflow as tf
+    return tf.data.Dataset.from_tensor_slices(data(n, seed)).batch(BATCH)''',
+    "pydataset": '''def batches(n, seed):
+    class Batches(keras.utils.PyDataset):
+        def __init__(self, x, y):
+            super().__init__(workers=2)
+            self.x, self.y = x, y
+
+        def __len__(self):
+            return -(-len(self.x) // BATCH)
+
+        def __getitem__(self, i):
+            return self.x[i * BATCH:(i + 1) * BATCH], self.y[i * BATCH:(i + 1) * BATCH]
+
+    return Batches(*data(n, seed))''',
+}
+
+
 def fill(template: str, name: str) -> str:
     family = FAMILIES[name]
-    values = {"FAMILY": family.code, "FEED": FEEDS[family.feed], "NAME": name, "SAMPLES": str(SAMPLES),
+    values = {"FAMILY": family.code, "FEED": FEEDS[family.feed], "SOURCE": SOURCES[family.feed],
+              "NAME": name, "SAMPLES": str(SAMPLES),
               "BATCH": str(BATCH), "EPOCHS": str(EPOCHS)}
     for key, value in values.items():
         template = template.replace(key, value)
@@ -388,7 +412,7 @@ def cli(name: str, folder: str, stall: int, limit: float) -> Outcome:
     with open(path, "w") as f:
         f.write(fill(RECIPE, name))
     return run([sys.executable, "-m", "meshfit", "train", path, "--simulate-devices", "8", "--engine", "jax",
-                "--out", os.path.join(folder, "runs"), "--checkpoint-every", "off"],
+                "--out", os.path.join(tempfile.mkdtemp(dir=folder), "run"), "--checkpoint-every", "off"],
                dict(environment(8, stall), MESHFIT_OFFLINE="1"), limit)
 
 
@@ -468,26 +492,31 @@ print("EPOCH", statistics.median(times[1:]))
 
 
 def cost(args) -> None:
-    """Epoch time with meshfit's pool against XLA's own (PJRT_NPROC=8), fresh processes alternating."""
+    """Epoch time with meshfit's pool, with XLA's own pool (PJRT_NPROC=8) and, given --baseline,
+    with another meshfit checkout (e.g. the commit before), fresh processes alternating."""
     program = "import statistics\n" + fill(COST, "cnn")
-    times: dict[str, list[float]] = {"meshfit": [], "xla": []}
+    sides = {"meshfit": ({}, ROOT), "xla pool": ({"XLA_POOL": "1"}, ROOT)}
+    if args.baseline:  # `python -c` imports meshfit from its working folder first
+        sides["baseline"] = ({}, os.path.abspath(args.baseline))
+    times: dict[str, list[float]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
-        for which in times:
-            env = environment(8, args.stall)
-            if which == "xla":
-                env["XLA_POOL"] = "1"
-            out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env,
-                                 timeout=args.limit)
+        for side, (extra, folder) in sides.items():
+            out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=folder,
+                                 env={**environment(8, args.stall), **extra}, timeout=args.limit)
             line = [l for l in out.stdout.splitlines() if l.startswith("EPOCH ")]
             if line:
-                times[which].append(float(line[0].split()[1]))
-            print(f"round {round_ + 1} {which}: {line[0] if line else f'failed (exit {out.returncode})'}",
-                  file=sys.stderr, flush=True)
-    medians = {k: statistics.median(v) for k, v in times.items() if v}
-    print(f"epoch (2,048 images, batch 128, 8 simulated devices): meshfit's pool {medians.get('meshfit', 0):.2f} s "
-          f"({len(times['meshfit'])} runs), XLA's own {medians.get('xla', 0):.2f} s ({len(times['xla'])} runs "
-          f"finished of {args.rounds}); ratio meshfit/XLA "
-          f"{medians['meshfit'] / medians['xla']:.2f}x" if len(medians) == 2 else "")
+                times[side].append(float(line[0].split()[1]))
+            print(f"round {round_ + 1} {side}: {line[0] if line else f'failed (exit {out.returncode})'} "
+                  f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    ours = statistics.median(times["meshfit"])
+    print(f"epoch of 2,048 images, batch 128, 8 simulated devices, cnn family, median of {args.rounds} "
+          "alternating fresh processes:")
+    for side, seconds in times.items():
+        if seconds:
+            print(f"  {side:<9} {statistics.median(seconds):.2f} s ({len(seconds)} of {args.rounds} runs "
+                  f"finished; meshfit / {side} = {ours / statistics.median(seconds):.2f}x)")
+        else:
+            print(f"  {side:<9} no run finished")
 
 
 def main() -> None:
@@ -499,6 +528,7 @@ def main() -> None:
     parser.add_argument("--stall", type=int, default=180, help="MESHFIT_STALL_TIMEOUT of each run")
     parser.add_argument("--limit", type=float, default=1800, help="seconds before a run counts as hung")
     parser.add_argument("--cost", action="store_true", help="the pool's cost: epoch time A/B")
+    parser.add_argument("--baseline", help="--cost: also time the meshfit of this checkout (a folder)")
     args = parser.parse_args()
     cost(args) if args.cost else stress(args)
 
