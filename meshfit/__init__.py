@@ -18,8 +18,9 @@ __all__ = ["connect", "Strategy", "EpochReport", "Recipe", "MeshfitError", "__ve
 def connect(require: str | None = None, simulate_devices: int | None = None, precision: str = "auto",
             engine: str | None = None, verbose: bool = True, sharding: str | None = None,
             fsdp_min_bytes: int | str | None = None, device_memory: int | str | None = None,
-            layout_map=None, *, simulate: int | None = None) -> "Strategy":
-    """Find the devices, pick engine and precision, print what was found, return the Strategy.
+            layout_map=None, *, simulate: int | None = None):
+    """Find the devices, pick engine and precision, print what was found, return the Strategy
+    (meshfit.fit.strategy.Strategy).
 
     require: 'tpu' or 'gpu' to fail unless that platform is present.
     simulate_devices: run on this many JAX CPU devices (also $MESHFIT_SIMULATE_DEVICES); the

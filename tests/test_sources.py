@@ -21,7 +21,6 @@ import pytest
 from helpers import ONE_CPU, environment, run_meshfit
 
 from meshfit.data import rows
-from meshfit.fit import sources
 from meshfit.fit.strategy import Strategy
 from meshfit.errors import MeshfitError
 

@@ -9,6 +9,7 @@ This module imports Keras at its top: meshfit.run.train imports it only after co
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import os
 import time
@@ -23,7 +24,7 @@ from meshfit import __version__, recipes
 from meshfit.data import splits as data
 from meshfit.errors import MeshfitError
 from meshfit.fit import jax_loop, memory_plan, tf_microbatch
-from meshfit.parallel import cluster, engine, planning
+from meshfit.parallel import cluster, engine, planning, stall
 from meshfit.run import checkpoints, models, rundir, spec
 from meshfit.run.callbacks import RecipeCallbacks
 from meshfit.run.evaluate import headline
@@ -39,7 +40,10 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
     """The run of meshfit.run.train.train() from the sharding on (asked: its train.Asked);
     returns the metrics."""
     strategy = plan_sharding(asked, strategy, dataset, batch_plan)
-    with strategy.scope():
+    stall.set_resume_hint(f"its committed checkpoints are intact: continue with meshfit train "
+                          f"--resume {asked.run}")
+    guard = stall.watching() if strategy.engine == "jax" else contextlib.nullcontext()
+    with guard, strategy.scope():
         model, batches, run_spec = build_run(asked, strategy, dataset, stream, batch_plan, command)
         chief = strategy.info.process_index == 0
         cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
@@ -98,6 +102,8 @@ def build(recipe: recipes.Recipe, dataset, steps_per_epoch: int, epochs: int, st
     """The recipe's model, built, prepared and compiled (call inside the strategy's scope).
     dataset: anything with input_shape and num_classes (a data.RunData)."""
     model = recipe.build_model(tuple(recipe.input_shape or dataset.input_shape), dataset.num_classes)
+    if recipe.compile is None:
+        check_compile_signature(model)  # before prepare(), which may train a teacher first
     if recipe.prepare is not None:
         recipe.prepare(model, dataset)
     optimizer = recipe.optimizer(steps_per_epoch, epochs)
@@ -108,6 +114,22 @@ def build(recipe: recipes.Recipe, dataset, steps_per_epoch: int, epochs: int, st
         recipe.compile(model, optimizer)
         model.steps_per_execution = steps_per_dispatch
     return model
+
+
+def check_compile_signature(model) -> None:
+    """A one-line MeshfitError for a model whose own compile() cannot take meshfit's arguments
+    (optimizer, loss, metrics, steps_per_execution), as keras-io's Distiller's: its recipe must
+    say how to compile it."""
+    parameters = inspect.signature(model.compile).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return
+    missing = [name for name in ("optimizer", "loss", "metrics") if name not in parameters]
+    if missing:
+        own = ", ".join(name for name in parameters)
+        raise MeshfitError(
+            f"{type(model).__name__}.compile() has its own arguments ({own}) and no {missing[0]!r}; "
+            f"say how to compile it in the recipe: meshfit.Recipe(..., compile=lambda model, "
+            f"optimizer: model.compile(optimizer=optimizer, ...))")
 
 
 def check_saveable(model, recipe: recipes.Recipe) -> None:

@@ -14,14 +14,11 @@ input shape and the SHA-256 of the .keras file it came from.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import warnings
-import zipfile
-from typing import Iterator
 
 import numpy as np
 
