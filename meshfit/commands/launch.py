@@ -221,6 +221,33 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
     seconds (None: no limit). A process dying stops the others within `grace` seconds; so does a
     process that never joins or a job that stops progressing (MESHFIT_STALL_TIMEOUT).
     """
+    _check_arguments(processes, devices_per_process, timeout, show)
+    argv = command_line(command)
+    port = port or free_port()
+    init_timeout, stall_timeout = _timeouts()
+    _catch_stop_signals()
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    started: list[_Process] = []
+    status = tempfile.mkdtemp(prefix="meshfit-launch-")
+    watch = _Watch(status, processes, init_timeout, stall_timeout)
+    try:
+        _start_processes(started, argv, processes, devices_per_process, port, status, show, exits)
+        verdict, codes, failure = _wait_for_exits(started, exits, watch, processes, timeout, grace)
+    finally:
+        _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
+        missing, positions = watch.missing(), watch.positions()
+        shutil.rmtree(status, ignore_errors=True)
+    if verdict is not None:
+        return verdict
+    _finish(started)
+    if failure is None:
+        return 0
+    return _report_failure(started, codes, failure, show, missing, positions, watch.init_timeout)
+
+
+def _check_arguments(processes: int, devices_per_process: int, timeout: float | None,
+                     show: str) -> None:
+    """A one-line MeshfitError for a count below 1, a timeout not above 0 or an unknown --show."""
     if processes < 1:
         raise MeshfitError(f"--processes must be at least 1, got {processes}")
     if devices_per_process < 1:
@@ -229,11 +256,18 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
         raise MeshfitError(f"--timeout must be more than 0 seconds, got {timeout:g}")
     if show not in ("all", "first"):
         raise MeshfitError(f"unknown --show {show!r}; use all or first")
-    argv = command_line(command)
-    port = port or free_port()
+
+
+def _timeouts() -> tuple[float, float]:
+    """(init, stall) timeouts in seconds, as the launched processes get them."""
     stall_timeout = env.read_int(env.STALL_TIMEOUT, example=STALL_TIMEOUT_SECONDS)
     stall_timeout = STALL_TIMEOUT_SECONDS if stall_timeout is None else stall_timeout
     init_timeout = env.read_int(env.INIT_TIMEOUT) or INIT_TIMEOUT_SECONDS  # as the processes get it
+    return init_timeout, stall_timeout
+
+
+def _catch_stop_signals() -> None:
+    """Ctrl-C, SIGTERM and SIGHUP raise KeyboardInterrupt in the launcher (main thread only)."""
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C must reach the launcher even when it started with SIGINT ignored or blocked (as
         # a background job of a non-interactive shell does): Python then installs no handler.
@@ -241,59 +275,68 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for signum in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, _interrupt)  # a stopped launch stops its processes too
+
+
+def _start_processes(started: list[_Process], argv: list[str], processes: int,
+                     devices_per_process: int, port: int, status: str, show: str,
+                     exits: queue.Queue) -> None:
+    """Start the job's processes into `started` (the caller stops what started, should one
+    fail), then their output pumps, and say what runs."""
     lock = threading.Lock()
-    exits: queue.Queue[tuple[int, int]] = queue.Queue()
-    started: list[_Process] = []
+    for i in range(processes):
+        variables = process_environment(i, processes, port, devices_per_process, status=status)
+        shown = show == "all" or i == 0
+        prefix = f"[{i}] " if show == "all" else ""
+        try:
+            started.append(_Process(i, argv, variables, shown, prefix, lock))
+        except OSError as e:
+            raise MeshfitError(f"cannot start {argv[0]!r} ({e.strerror}); check the command after --") from None
+    for p in started:  # only now: Popen's preexec_fn must run while no pump thread exists
+        p.start_pumps(exits)
+    print(f"meshfit launch: {processes} process(es) x {devices_per_process} device(s), coordinator "
+          f"127.0.0.1:{port}, pids {' '.join(str(p.popen.pid) for p in started)}",
+          file=sys.stderr, flush=True)
+
+
+def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "_Watch", processes: int,
+                    timeout: float | None, grace: float):
+    """(verdict, exit codes, first failure): wait until every process has exited, stopping the
+    others at the first failure. verdict: 124 once the job was stopped for running past
+    `timeout` or by the watchdog (its line printed), else None. failure: (index, code) or None."""
     codes: dict[int, int] = {}
-    status = tempfile.mkdtemp(prefix="meshfit-launch-")
-    watch = _Watch(status, processes, init_timeout, stall_timeout)
-    try:
-        for i in range(processes):
-            variables = process_environment(i, processes, port, devices_per_process, status=status)
-            shown = show == "all" or i == 0
-            prefix = f"[{i}] " if show == "all" else ""
-            try:
-                started.append(_Process(i, argv, variables, shown, prefix, lock))
-            except OSError as e:
-                raise MeshfitError(f"cannot start {argv[0]!r} ({e.strerror}); check the command after --") from None
-        for p in started:
-            p.start_pumps(exits)
-        print(f"meshfit launch: {processes} process(es) x {devices_per_process} device(s), coordinator "
-              f"127.0.0.1:{port}, pids {' '.join(str(p.popen.pid) for p in started)}",
-              file=sys.stderr, flush=True)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        failure = None
-        while len(codes) < processes:
-            wait = POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
-            try:
-                index, code = exits.get(timeout=max(0.0, wait))
-            except queue.Empty:
-                now = time.monotonic()
-                verdict = None
-                if deadline is not None and now >= deadline:
-                    verdict = f"the job ran past --timeout {timeout:g} s ({watch.positions()})"
-                    stopped = _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
-                elif failure is None:
-                    verdict = watch.poll(now)
-                    stopped = verdict is not None and _stop_to_resume(started, grace)
-                if verdict is None:
-                    continue
-                _finish(started)
-                after = (f"all {processes} processes stopped together after saving; continue with "
-                         "--resume" if stopped else f"stopped all {processes} processes")
-                print(f"meshfit: error: {verdict}; {after}", file=sys.stderr, flush=True)
-                return 124
-            codes[index] = code
-            if code != 0 and failure is None:
-                failure = (index, code)
-                _stop(started, grace, patience=grace if code in STOP_CODES else 0.0)
-    finally:
-        _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
-        missing, positions = watch.missing(), watch.positions()
-        shutil.rmtree(status, ignore_errors=True)
-    _finish(started)
-    if failure is None:
-        return 0
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failure = None
+    while len(codes) < processes:
+        wait = POLL_SECONDS if deadline is None else min(POLL_SECONDS, deadline - time.monotonic())
+        try:
+            index, code = exits.get(timeout=max(0.0, wait))
+        except queue.Empty:
+            now = time.monotonic()
+            verdict = None
+            if deadline is not None and now >= deadline:
+                verdict = f"the job ran past --timeout {timeout:g} s ({watch.positions()})"
+                stopped = _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
+            elif failure is None:
+                verdict = watch.poll(now)
+                stopped = verdict is not None and _stop_to_resume(started, grace)
+            if verdict is None:
+                continue
+            _finish(started)
+            after = (f"all {processes} processes stopped together after saving; continue with "
+                     "--resume" if stopped else f"stopped all {processes} processes")
+            print(f"meshfit: error: {verdict}; {after}", file=sys.stderr, flush=True)
+            return 124, codes, failure
+        codes[index] = code
+        if code != 0 and failure is None:
+            failure = (index, code)
+            _stop(started, grace, patience=grace if code in STOP_CODES else 0.0)
+    return None, codes, failure
+
+
+def _report_failure(started: list[_Process], codes: dict[int, int], failure: tuple[int, int],
+                    show: str, missing: list[int], positions: str, init_timeout: float) -> int:
+    """Print the one line naming the failed process and why; return the launch's exit code."""
+    processes = len(started)
     index, code = failure
     if code in STOP_CODES and all(codes.get(p.index) == code for p in started):
         name = signal.Signals(code - 128).name
@@ -305,7 +348,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
             print(f"[{index}] {line}", file=sys.stderr)
     others = processes - 1
     if missing and index not in missing:  # it was waiting for processes that never came
-        what = (never_joined(missing, processes, watch.init_timeout)
+        what = (never_joined(missing, processes, init_timeout)
                 + f"; process {index} gave up waiting ({describe_exit(code)})")
     else:
         what = f"process {index} of {processes} failed with {describe_exit(code)}"
