@@ -128,7 +128,7 @@ def check_train_batches(samples: int, image_size: tuple[int, int], global_batch:
                            f"use 0 to {min(height, width) - 1} pixels")
     if global_batch > samples:
         raise MeshfitError(f"global batch {global_batch} is larger than the {samples} training "
-                           f"samples; use --batch-size {samples} or less")
+                           f"samples; use --global-batch {samples} or less")
     full_steps = samples // global_batch
     if steps_per_epoch is not None and not 1 <= steps_per_epoch <= full_steps:
         raise MeshfitError(f"steps_per_epoch {steps_per_epoch} x global batch {global_batch} "

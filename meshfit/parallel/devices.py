@@ -122,8 +122,9 @@ def _warn_if_pool_small(count: int) -> None:
     if count > 1 and max(pool, count) < threads:
         warnings.warn(f"JAX started before meshfit.connect(), so XLA's CPU thread pool has "
                       f"{max(pool, count)} threads for {count} devices and can deadlock on a busy "
-                      f"machine; call meshfit.connect(simulate_devices={count}) before anything uses JAX, "
-                      f"or set {_POOL_VARIABLE}={threads} before starting Python", stacklevel=3)
+                      f"machine; call meshfit.connect(simulate_devices={count}) before anything "
+                      f"uses JAX, or set {_POOL_VARIABLE}={threads} before starting Python",
+                      stacklevel=3)
 
 
 def _with_flag(flags: str, flag: str) -> str:

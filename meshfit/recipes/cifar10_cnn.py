@@ -3,7 +3,7 @@
 Model: BatchNorm -> 2x Conv(32, 3x3, same, relu) -> MaxPool -> Dropout .25 -> BatchNorm ->
 Conv(64, 3x3, same, relu) -> Conv(64, 3x3, valid, relu) -> MaxPool -> Dropout .25 -> Flatten ->
 Dense(512, relu) -> Dropout .5 -> Dense(10, softmax). Adam 1e-3.
-Batch: 128 per core, so 1024 on a TPU v2-8 as in the tutorial (`--batch-size 1024` gives the
+Batch: 128 per core, so 1024 on a TPU v2-8 as in the tutorial (`--global-batch 1024` gives the
 tutorial's global batch on any machine). Pixels are scaled to [0, 1] inside the model.
 Tutorial: 90.06% train / 80.79% test after 50 epochs, ~6 s/epoch (~300 s) on a TPU v2-8.
 Measured on a 2-vCPU Intel Xeon (AMX), Keras on TensorFlow, float32, batch 128: 82.21% test
