@@ -1,6 +1,8 @@
-"""The documentation site: `mkdocs build --strict` passes (broken links, bad API references and
-docstrings fail it), and its CLI reference, generated from meshfit.cli, has exactly the flags of
-`meshfit COMMAND --help`."""
+"""The documentation site: `mkdocs build --strict` passes (broken links and anchors, bad API
+references and docstrings fail it), and its CLI reference, generated from meshfit.cli, has exactly
+the flags of `meshfit COMMAND --help`. The pages hold in the repository too: their relative links
+resolve there, every troubleshooting entry the code points to exists, and every `meshfit` command
+they show names a command and flags that exist."""
 
 import importlib.util
 import os
@@ -134,8 +136,7 @@ def _meshfit_commands(markdown: str):
     code spans that begin with `meshfit `, also inside `--command="..."` and after `launch --`."""
     import shlex
 
-    snippets = [block for block in FENCE.findall(markdown)]
-    snippets += re.findall(r"`(meshfit [^`\n]+)`", markdown)
+    snippets = FENCE.findall(markdown) + re.findall(r"`(meshfit [^`\n]+)`", markdown)
     for snippet in snippets:
         for line in snippet.replace("\\\n", " ").splitlines():
             if "meshfit" not in line or line.lstrip().startswith(("import", "from", ">>>")):
@@ -157,6 +158,7 @@ def _meshfit_commands(markdown: str):
 
 
 def test_shell_commands_of_the_docs_name_commands_and_flags_that_exist():
+    """Each `meshfit COMMAND --flag` shown in README.md, docs/ and BENCHMARKS.md exists as shown."""
     from meshfit import cli
 
     seen, wrong = 0, []
