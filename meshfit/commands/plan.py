@@ -11,7 +11,7 @@ import types
 from typing import Any
 
 from meshfit import recipes
-from meshfit.data import splits as data
+from meshfit.data import datasets, splits as data
 from meshfit.errors import MeshfitError
 from meshfit.parallel import devices
 from meshfit.run import train
@@ -28,6 +28,7 @@ def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = Non
     the largest per-core batch that fits each), without training; printed when `verbose`.
     Returns meshfit.fit.memory_plan.plan_memory's dict with "recipe" and "sharding" (the mode
     `meshfit train` would use with this `sharding`)."""
+    datasets.check_data_dir(data_dir)
     options = TrainOptions(global_batch=global_batch, simulate_devices=simulate_devices,
                            precision=precision or "auto", engine=engine or "jax", require=require,
                            sharding=sharding, fsdp_min_bytes=fsdp_min_bytes,

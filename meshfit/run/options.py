@@ -24,6 +24,7 @@ from meshfit.run import spec
 
 
 OLD_NAMES = {"batch_size": "global_batch", "fsdp_min_size": "fsdp_min_bytes"}  # meshfit 0.1's
+ON_RESUME = "; on --resume the run's"  # in the help of a default a resumed run keeps: train's only
 
 
 def _setting(default: Any, help: str | None = None, **flag: Any) -> Any:
@@ -90,10 +91,10 @@ class TrainOptions:
     sharding: str | None = _setting(
         None, "auto, data or fsdp: variables replicated (data) or the large ones sharded over the "
               "devices (fsdp); auto: fsdp only when the replicated step does not fit the device "
-              "memory (default: auto; on --resume the run's)", metavar="S")
+              f"memory (default: auto{ON_RESUME})", metavar="S")
     fsdp_min_bytes: int | str | None = _setting(
         None, "with fsdp: shard floating-point variables of at least SIZE (default: "
-              f"{DEFAULT_FSDP_MIN_BYTES >> 20}MiB; on --resume the run's)", metavar="SIZE",
+              f"{DEFAULT_FSDP_MIN_BYTES >> 20}MiB{ON_RESUME})", metavar="SIZE",
         aliases=("--fsdp-min-size",))
     device_memory: int | str | None = _setting(
         None, "memory of one device to plan with, e.g. 48MB or 16GB (default: the device's own "
@@ -150,12 +151,15 @@ def flag(name: str) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser, *names: str) -> None:
-    """Add the flags of settings `names` (default: every setting with a help text), in field order."""
+    """Add the flags of settings `names` (default: every setting with a help text), in field order;
+    a command without --resume gets no help text about it."""
     for f in dataclasses.fields(TrainOptions):
         keywords = dict(f.metadata)
         if keywords.get("help") is None or (names and f.name not in names):
             continue
         aliases = keywords.pop("aliases", ())
+        if names and "resume" not in names:
+            keywords["help"] = keywords["help"].replace(ON_RESUME, "")
         if keywords.pop("negated", False):
             keywords["action"] = "store_false"
         else:

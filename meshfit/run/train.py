@@ -26,7 +26,7 @@ from typing import Any
 
 import meshfit
 from meshfit import recipes
-from meshfit.data import splits as data
+from meshfit.data import datasets, splits as data
 from meshfit.errors import MeshfitError
 from meshfit.parallel import engine, planning
 from meshfit.run import models, rundir, spec
@@ -54,6 +54,7 @@ class Asked:
 def specify(recipe: str | recipes.Recipe | None, options: TrainOptions) -> Asked:
     """The recipe loaded (the resumed run's own), checked, and the options settled: a recipe
     file starts the engine first (it may import Keras)."""
+    datasets.check_data_dir(options.data_dir)  # as given: a resumed run's own may have moved
     resume, checkpoint = rundir.resume_target(options.resume) if options.resume else (None, None)
     saved, saved_config = spec.read(resume) if resume is not None else (None, None)
     if saved is not None:

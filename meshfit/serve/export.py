@@ -126,7 +126,8 @@ def export_onnx(source: str | os.PathLike, out: str | None = None) -> str:
     _refuse_to_overwrite(files, out)
     missing = [m for m in _ONNX_PACKAGES if not installed(m)]
     if missing:
-        raise MeshfitError(f"ONNX export needs {', '.join(missing)}: pip install 'meshfit[onnx]'")
+        raise MeshfitError(f"ONNX export needs {', '.join(missing)}: pip install 'meshfit[onnx]'",
+                           see="onnx-not-installed")
     with progress.task(f"exporting {files.keras_path} to ONNX"):  # one long step: time so far
         if loaded_backend() in (None, "tensorflow"):
             _export_onnx_here(files, out)
