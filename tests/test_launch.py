@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import run_meshfit, write_idx_dataset
+from helpers import assert_same_weights, model_weights, run_meshfit, write_idx_dataset
 
 from meshfit.parallel import cluster
 from meshfit import env
@@ -34,18 +34,6 @@ JOB_TIMEOUT = 300  # seconds; a job that hangs fails the test instead of the CI 
 def launch_args(*command, processes=2, devices=4):
     return ["launch", "--processes", str(processes), "--devices-per-process", str(devices),
             "--timeout", str(JOB_TIMEOUT), "--", *command]
-
-
-def model_weights(path):
-    import keras
-
-    return keras.saving.load_model(path, compile=False).get_weights()
-
-
-def assert_same_weights(a, b):
-    assert len(a) == len(b) and any(np.abs(w).sum() > 0 for w in a)
-    for x, y in zip(a, b, strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
