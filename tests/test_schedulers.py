@@ -133,7 +133,7 @@ def test_sbatch_job_joins_stops_on_sigterm_requeues_and_ends_as_one_process(slur
     assert sorted(task for task, _ in stops) == ["0", "1"], text[-3000:]
     step = int(stops[0][1])
     assert stops[1][1] == str(step) and step < EPOCHS * 4, text[-3000:]  # one step, mid-run
-    assert "every task stopped on SIGTERM after saving; requeued to resume" in text
+    assert "every task stopped on SIGTERM (exit code 143); requeued to resume" in text
     assert re.search(rf"^0: resuming {re.escape(run)} from {checkpoints.checkpoint_name(step)}:", text, re.M)
     fields = job_fields(slurm, job)
     assert fields["Restarts"] == "1" and fields["ExitCode"] == "0:0", fields

@@ -59,7 +59,9 @@ SlurmctldLogFile=$DIR/slurmctld.log
 SlurmdLogFile=$DIR/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
+# a job's processes are its tasks' process groups (no cgroups needed; proctrack/linuxproc, which
+# walks /proc, listed every process of this machine as a batch step's)
+ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
