@@ -120,8 +120,8 @@ def test_sbatch_job_joins_stops_on_sigterm_requeues_and_ends_as_one_process(slur
     notice SLURM's --signal sends) stops both at one step with a checkpoint, the job requeues
     itself and resumes, and the run ends with the weights of an uninterrupted 1 x 8 run."""
     run, log = str(tmp_path / "run"), str(tmp_path / "job.out")
-    job = slurm_command(slurm, "sbatch", "--parsable", f"--output={log}", os.path.join(SLURM_TOOLS, "train.sbatch"),
-                        run, *TRAIN, "--data-dir", data_dir, *TWO_TASKS)
+    job = slurm_command(slurm, "sbatch", "--parsable", "--ntasks=2", f"--output={log}",
+                        os.path.join(SLURM_TOOLS, "train.sbatch"), run, *TRAIN, "--data-dir", data_dir, *TWO_TASKS)
     first = os.path.join(run, rundir.CHECKPOINTS, checkpoints.checkpoint_name(4))  # after epoch 1
     wait_for(slurm, job, log, lambda: rundir.checkpoint_complete(first), "its first checkpoint")
     slurm_command(slurm, "scancel", "--signal=TERM", job)

@@ -3,8 +3,8 @@
 #
 #   tools/slurm/down.sh DIR [--keep]    # --keep: leave DIR (its logs) in place
 #
-# Cancels the cluster's jobs, then ends its daemons by the pids in their pid files (nothing else):
-# SIGTERM, SIGKILL after 10 s. The jobs' processes are slurmd's children and end with their jobs.
+# Cancels the cluster's jobs, then ends its daemons by the pids in their pid files: SIGTERM,
+# SIGKILL after 10 s; then any process of its jobs still left.
 set -uo pipefail
 
 DIR=${1:?usage: tools/slurm/down.sh DIR [--keep]}
@@ -32,5 +32,18 @@ for _ in $(seq 100); do
     sleep 0.1
 done
 for pid in "${alive[@]}"; do kill -KILL "$pid" 2>/dev/null; done
+
+# Anything of the cluster's jobs still left (a slurmstepd of a job on a node set DOWN outlives
+# the daemons): processes whose environment names this cluster's slurm.conf and that are a
+# slurmstepd or part of a job.
+for proc in /proc/[0-9]*; do
+    pid=${proc#/proc/}
+    [ "$pid" = $$ ] && continue
+    variables=$(tr '\0' '\n' < "$proc/environ" 2>/dev/null) || continue
+    grep -qx "SLURM_CONF=$DIR/slurm.conf" <<<"$variables" || continue
+    if [ "$(cat "$proc/comm" 2>/dev/null)" = slurmstepd ] || grep -q '^SLURM_JOB_ID=' <<<"$variables"; then
+        kill -KILL "$pid" 2>/dev/null
+    fi
+done
 
 [ "${2:-}" = --keep ] || rm -rf "$DIR"
