@@ -76,9 +76,11 @@ class Cluster:
         return dict(field.split("=", 1) for field in text.split() if "=" in field)
 
     def task_pids(self, job: str) -> list[int]:
-        """The pids of the job's tasks (of its srun steps, not the batch script)."""
+        """The pids of the job's tasks in the order of their numbers (of its srun steps, not the
+        batch script, nor other processes of their process group)."""
         rows = [line.split() for line in self.run("scontrol", "listpids", job, check=False).splitlines()[1:]]
-        return [int(r[0]) for r in rows if len(r) >= 3 and r[2].isdigit() and int(r[0]) > 0]
+        tasks = sorted((int(r[4]), int(r[0])) for r in rows if len(r) == 5 and r[2].isdigit() and r[4].isdigit())
+        return [pid for _, pid in tasks if pid > 0]
 
     def wait(self, job: str, until, what: str) -> None:
         deadline = time.monotonic() + PATIENCE
@@ -126,6 +128,9 @@ def ended(pids: list[int], start: float) -> float:
 
 def run_case(case: str, cluster: Cluster, data: str, work: str, references: dict) -> dict:
     run, log = os.path.join(work, case), os.path.join(work, f"{case}.log")
+    shutil.rmtree(run, ignore_errors=True)  # else the job would resume an earlier drill's run
+    if os.path.exists(log):
+        os.remove(log)
     epochs = LONG if case in LONG_CASES else SHORT
     first = os.path.join(run, "checkpoints", FIRST, "manifest.json")
     if case == "time-limit":  # a plain job: no warning signal, no requeue
@@ -159,6 +164,7 @@ def run_case(case: str, cluster: Cluster, data: str, work: str, references: dict
         # it came back by itself (ReturnToService=2)
     cluster.wait(job, lambda j: j["JobState"] in ENDED, "its end")
     state = cluster.job(job)
+    drained = False
     if case == "node-drained":
         drained = "drain" in cluster.run("sinfo", "-h", "-o", "%T")
         cluster.run("scontrol", "update", f"nodename={cluster.node}", "state=resume", check=False)
@@ -198,6 +204,8 @@ def run_case(case: str, cluster: Cluster, data: str, work: str, references: dict
                 "node-drained": state["JobState"] == "COMPLETED" and not resumed and drained,
                 "time-limit": state["JobState"] == "TIMEOUT"}[case]
     ok = expected and exact == "yes" and "NOT" not in outcome
+    if case == "warning-signal":  # when SLURM sent it is not known here
+        seconds = float("nan")
     return {"case": case, "outcome": outcome, "seconds": seconds, "named": named,
             "resumed": ", ".join(resumed) or "-", "exact": exact, "ok": ok,
             "last": next((l for l in reversed(text.splitlines()) if l.startswith(("meshfit job", "srun: error"))), "")}
@@ -239,6 +247,8 @@ def main() -> int:
         for epochs in sorted({LONG if c in LONG_CASES else SHORT for c in cases}):
             run = os.path.join(work, f"reference-{epochs}")
             shutil.rmtree(run, ignore_errors=True)
+            if os.path.exists(run + ".log"):
+                os.remove(run + ".log")
             job = sbatch(cluster, run, run + ".log", epochs, data)
             cluster.wait(job, lambda j: j["JobState"] in ENDED, "the reference's end")
             if cluster.job(job)["JobState"] != "COMPLETED":

@@ -39,7 +39,7 @@ for pid in "${alive[@]}"; do kill -KILL "$pid" 2>/dev/null; done
 for proc in /proc/[0-9]*; do
     pid=${proc#/proc/}
     [ "$pid" = $$ ] && continue
-    variables=$(tr '\0' '\n' < "$proc/environ" 2>/dev/null) || continue
+    variables=$({ tr '\0' '\n' < "$proc/environ"; } 2>/dev/null) || continue
     grep -qx "SLURM_CONF=$DIR/slurm.conf" <<<"$variables" || continue
     if [ "$(cat "$proc/comm" 2>/dev/null)" = slurmstepd ] || grep -q '^SLURM_JOB_ID=' <<<"$variables"; then
         kill -KILL "$pid" 2>/dev/null
