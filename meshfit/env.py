@@ -12,9 +12,11 @@
   MESHFIT_LOCAL_DEVICE_IDS   the local devices this process uses, e.g. "0"
   MESHFIT_INIT_TIMEOUT       seconds to wait for every process to join (default 300)
   MESHFIT_HEARTBEAT_TIMEOUT  seconds of silence after which a process counts as dead (default 60)
-  MESHFIT_STALL_TIMEOUT      meshfit launch: seconds without training progress in any process,
-                             after the first step, before the job counts as hung and is stopped
-                             (default 600; 0: never)
+  MESHFIT_STALL_TIMEOUT      seconds a training process may wait without progress (blocked in a
+                             device computation, for input or on a checkpoint) before it ends with
+                             one line and exit code 124 (meshfit.parallel.stall), and that
+                             meshfit launch waits for progress in any process before it stops the
+                             job (default 600; 0: never)
   MESHFIT_LAUNCH_STATUS      set by meshfit launch: the folder of its processes' status files
                              (meshfit.parallel.heartbeat)
 """

@@ -298,3 +298,18 @@ def test_a_model_keras_cannot_save_without_a_recipe_file_is_refused_before_train
     assert "\n" not in str(error.value)
     assert not os.path.exists(tmp_path / "run" / rundir.CONFIG)
 
+
+
+def test_a_model_with_its_own_compile_signature_and_no_recipe_compile_is_one_line(tmp_path):
+    """keras-io's Distiller compiles with (optimizer, metrics, student_loss_fn, ...): a recipe file
+    without Recipe(compile=...) is refused in one line saying what to add, before training."""
+    path = tmp_path / "distill.py"
+    path.write_text(DISTILLER.replace("compile=compile, ", ""))
+    out = run_meshfit("train", str(path), "--out", str(tmp_path / "run"), "--simulate-devices", "2",
+                      env=cli_env(tmp_path), timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "meshfit: error: Distiller.compile() has its own arguments (optimizer, metrics, student_loss_fn, "
+        "distillation_loss_fn, alpha, temperature) and no 'loss'; say how to compile it in the recipe: "
+        "meshfit.Recipe(..., compile=lambda model, optimizer: model.compile(optimizer=optimizer, ...))")

@@ -160,7 +160,49 @@ def test_launch_timeout_stops_everything():
     out = run_meshfit("launch", "--processes", "2", "--timeout", "1", "--", sys.executable, "-c",
                       "import time; time.sleep(60)", timeout=60)
     assert out.returncode == 124
-    assert "ran past --timeout 1 s; stopped all 2 processes" in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "meshfit: error: the job ran past --timeout 1 s (process 0 before its first step, process 1 "
+        "before its first step); stopped all 2 processes")
+
+
+# Reports 3 + 3 training steps, then process 0 waits for a batch in meshfit.data and process 1
+# sleeps in Python; both stop on SIGTERM as `meshfit train` does after its agreed save (exit 143).
+AT_STEP_SIX = """
+import os, signal, sys, time
+from meshfit.parallel import heartbeat
+from meshfit.data import streams
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+heartbeat.advance(3)
+heartbeat.advance(3)
+print("at step 6", flush=True)
+def never():  # a data source that never answers
+    time.sleep(600)
+    yield
+if os.environ["MESHFIT_PROCESS_ID"] == "0":
+    next(streams.Source(never, "train").batches())
+time.sleep(600)
+"""
+
+
+def test_timeout_names_each_processes_step_and_wait_and_they_stop_to_resume(tmp_path):
+    script = tmp_path / "at_step_six.py"
+    script.write_text(AT_STEP_SIX)
+    out = run_meshfit("launch", "--processes", "2", "--timeout", "15", "--", sys.executable, str(script),
+                      timeout=120)
+    assert out.returncode == 124, out.stderr[-3000:]
+    assert out.stdout.count("at step 6") == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "meshfit: error: the job ran past --timeout 15 s (process 0 at step 6 waiting for input, "
+        "process 1 at step 6 in Python); all 2 processes stopped together after saving; continue "
+        "with --resume")
+
+
+def test_gloos_connection_lines_are_not_shown():
+    out = run_meshfit("launch", "--processes", "2", "--", sys.executable, "-c",
+                      "print('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected "
+                      "peer ranks is : 1'); print('trained')", timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[0] trained", "[1] trained"]
 
 
 def test_coordinator_bind_address(monkeypatch):
@@ -260,18 +302,21 @@ def test_second_ctrl_c_kills_the_processes_instead_of_abandoning_them(sigint_ign
 def test_watch_names_the_process_furthest_behind_once_none_progresses(tmp_path):
     watch = launch._Watch(str(tmp_path), 3, init_timeout=5, stall_timeout=30)
     for i in range(3):  # in the first dispatch (compiling) for a long time: not armed yet
-        (tmp_path / f"progress-{i}").write_text("1 2 1\n")  # steps started, reports, dispatches
+        (tmp_path / f"progress-{i}").write_text("1 2 1 compiling\n")  # steps, reports, dispatches, doing
     assert watch.poll(0.0) is None and watch.poll(1000.0) is None
-    for i, counts in enumerate(["13 40 13", "12 38 12", "13 41 13"]):
+    for i, counts in enumerate(["13 40 13 device", "12 38 12 python", "13 41 13 device"]):
         (tmp_path / f"progress-{i}").write_text(counts + "\n")
     assert watch.poll(1001.0) is None and watch.poll(1030.0) is None
-    assert watch.poll(1031.5) == ("process 1 of 3 hung after starting 12 training steps (the others "
-                                  "started 13): no process made progress for 30 s (MESHFIT_STALL_TIMEOUT)")
-    (tmp_path / "progress-1").write_text("13 40 13\n")  # it moved on: a new 30 s
+    assert watch.poll(1031.5) == (
+        "process 1 of 3 hung after starting 12 training steps (the others started 13): no process made "
+        "progress for 30 s (MESHFIT_STALL_TIMEOUT; process 0 at step 13 in a device computation, "
+        "process 1 at step 12 in Python, process 2 at step 13 in a device computation)")
+    (tmp_path / "progress-1").write_text("13 40 13 device\n")  # it moved on: a new 30 s
     assert watch.poll(1040.0) is None
     assert watch.poll(1071.0).startswith("the job hung: no process made progress for 30 s (MESHFIT_STALL_"
-                                         "TIMEOUT), and processes 0, 1 stopped at the same point")
-    (tmp_path / "progress-0").write_text("13 42 13\n")
+                                         "TIMEOUT; process 0 at step 13")
+    assert "), and processes 0, 1 stopped at the same point" in watch.poll(1071.0)
+    (tmp_path / "progress-0").write_text("13 42 13 device\n")
     assert watch.poll(1072.0) is None
     assert watch.poll(1103.0).startswith("process 1 of 3 hung after starting 13 training steps (the "
                                          "others as many, but got further)")
@@ -287,7 +332,7 @@ def test_watch_names_processes_that_never_joined(tmp_path):
         "MESHFIT_INIT_TIMEOUT)")
     for i in (1, 2):
         (tmp_path / f"joining-{i}").touch()
-    (tmp_path / "progress-0").write_text("5 6 5\n")
+    (tmp_path / "progress-0").write_text("5 6 5 device\n")
     assert watch.poll(100.0) is None and watch.poll(10_000.0) is None  # stall_timeout 0: never
 
 
@@ -380,7 +425,8 @@ def test_a_hung_process_is_named_and_the_job_ends_after_the_stall_timeout(tmp_pa
     assert code == 124, text[-3000:]
     assert text.strip().splitlines()[-1] == (
         "meshfit: error: process 1 of 2 hung after starting 5 training steps (the others started 6): no "
-        "process made progress for 3 s (MESHFIT_STALL_TIMEOUT); stopped all 2 processes")
+        "process made progress for 3 s (MESHFIT_STALL_TIMEOUT; process 0 at step 6 in a device "
+        "computation, process 1 at step 5 in Python); stopped all 2 processes")
     # the stall timeout, the progress files' and the launcher's 1 s periods, SIGTERM to SIGKILL
     assert seconds < stall + 2 * launch.POLL_SECONDS + grace + 10
     pids = [int(p) for p in re.search(r"pids (\d+) (\d+)", text).groups()]

@@ -5,6 +5,7 @@ fsdp by default; its run evaluates, predicts, exports and resumes."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -152,6 +153,30 @@ def wide_recipe(tmp_path_factory):
     path = tmp_path_factory.mktemp("wide") / "wide.py"
     path.write_text(RECIPE)
     return str(path)
+
+
+def test_when_neither_mode_fits_plan_and_train_name_the_largest_batch_that_does(strategy, wide_recipe,
+                                                                              capsys):
+    """1 MB per device: the wide model fits neither replicated (8 MB) nor sharded (1.2 MB) at its
+    batch of 64. plan says so and names the largest global batch that fits, train refuses in one
+    line naming it, and at that batch the sharded step does fit."""
+    from meshfit import cli
+
+    small = ["--simulate-devices", "8", "--engine", "jax", "--device-memory", "1MB", "--fsdp-min-size", "100KB"]
+    try:
+        assert cli.main(["plan", wide_recipe, *small]) == 0
+        using = capsys.readouterr().out.strip().splitlines()[-1]
+        largest = int(re.search(r"the largest global batch that fits is (\d+) \(--batch-size \d+\)$", using)[1])
+        assert "and sharded it needs 1.2 MB: neither fits" in using and 8 <= largest < 64
+        assert cli.main(["train", wide_recipe, *small, "--out", "unused"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("meshfit: error: out of device memory:")
+        assert f"it does not fit replicated either (8.0 MB); use --batch-size {largest} or less" in err[0]
+        assert cli.main(["plan", wide_recipe, *small, "--batch-size", str(largest), "--json"]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["modes"]["fsdp"]["fits"] is True
+    finally:
+        connect_eight_devices()
 
 
 def test_too_big_for_data_parallel_is_refused_then_trained_with_fsdp(strategy, wide_recipe, tmp_path,

@@ -33,6 +33,7 @@ import contextlib
 import ctypes
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -44,7 +45,7 @@ import time
 from typing import IO, Iterator, Sequence
 
 from meshfit import env
-from meshfit.parallel import heartbeat
+from meshfit.parallel import heartbeat, stall
 from meshfit.errors import MeshfitError
 
 GRACE_SECONDS = 10.0  # between SIGTERM and SIGKILL when stopping the other processes
@@ -55,6 +56,12 @@ STALL_TIMEOUT_SECONDS = 600  # no training progress in any process for this long
 POLL_SECONDS = 1.0  # how often the launcher reads its processes' status files
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a process that stopped after saving
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WHERE = {"device": "in a device computation", "input": "waiting for input", "checkpoint":
+         "on a checkpoint", "compiling": "compiling", "thread": "waiting for another thread",
+         "python": "in Python"}  # heartbeat.where()'s kinds
+STOP_PATIENCE_SECONDS = 60  # --timeout: how long the processes get to stop at an agreed step and save
+# gloo prints one such line per process pair as the job connects: noise, kept out of the output
+GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
 def free_port() -> int:
@@ -154,7 +161,7 @@ class _Process:
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip("\r\n")
             self.tail.append(line)
-            if show:
+            if show and not GLOO_CONNECTED.match(line):
                 with lock:
                     out.write(f"{prefix}{line}\n")
                     out.flush()
@@ -175,6 +182,14 @@ def _wait_all(processes: list[_Process], seconds: float) -> None:
             p.popen.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return
+
+
+def _stop_to_resume(processes: list[_Process], grace: float) -> bool:
+    """SIGTERM every process (meshfit train stops all of them at one agreed step and saves, see
+    meshfit.run.checkpoints), SIGKILL what is left after `grace` seconds; True when every process
+    stopped that way (exit 143)."""
+    _stop(processes, grace)
+    return all(p.popen.returncode == 128 + signal.SIGTERM for p in processes)
 
 
 def _stop(processes: list[_Process], grace: float, patience: float = 0.0) -> None:
@@ -256,15 +271,17 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
                 now = time.monotonic()
                 verdict = None
                 if deadline is not None and now >= deadline:
-                    verdict = f"the job ran past --timeout {timeout:g} s"
+                    verdict = f"the job ran past --timeout {timeout:g} s ({watch.positions()})"
+                    stopped = _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
                 elif failure is None:
                     verdict = watch.poll(now)
+                    stopped = verdict is not None and _stop_to_resume(started, grace)
                 if verdict is None:
                     continue
-                _stop(started, grace)
                 _finish(started)
-                print(f"meshfit: error: {verdict}; stopped all {processes} processes", file=sys.stderr,
-                      flush=True)
+                after = (f"all {processes} processes stopped together after saving; continue with "
+                         "--resume" if stopped else f"stopped all {processes} processes")
+                print(f"meshfit: error: {verdict}; {after}", file=sys.stderr, flush=True)
                 return 124
             codes[index] = code
             if code != 0 and failure is None:
@@ -272,7 +289,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
                 _stop(started, grace, patience=grace if code in STOP_CODES else 0.0)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
-        missing = watch.missing()
+        missing, positions = watch.missing(), watch.positions()
         shutil.rmtree(status, ignore_errors=True)
     _finish(started)
     if failure is None:
@@ -293,6 +310,8 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
     else:
         what = f"process {index} of {processes} failed with {describe_exit(code)}"
         what += diagnosis(started[index].tail)
+        if code == stall.EXIT_CODE:
+            what += f" ({positions})"
     print(f"meshfit: error: {what}" + (f"; stopped the other {others} process(es)" if others else ""),
           file=sys.stderr, flush=True)
     return code if code > 0 else 128 - code
@@ -345,12 +364,25 @@ class _Watch:
             return self.hung()
         return None
 
+    def positions(self) -> str:
+        """Where each process is: 'process 0 at step 12 in a device computation, process 1 ...'."""
+        found = heartbeat.progress(self.directory)
+        where = []
+        for i in range(self.processes):
+            if i not in found:
+                where.append(f"process {i} before its first step")
+                continue
+            steps, _, _, doing = found[i]
+            where.append(f"process {i} at step {steps} {WHERE.get(doing, doing)}")
+        return ", ".join(where)
+
     def hung(self) -> str:
         """Which process hung: the one furthest behind (fewest steps, then fewest reports)."""
         counts = {i: self.progress.get(i, (0, 0)) for i in range(self.processes)}
         lowest = min(counts.values())
         behind = [i for i, c in counts.items() if c == lowest]
-        still = f"no process made progress for {self.stall_timeout:g} s ({env.STALL_TIMEOUT})"
+        still = (f"no process made progress for {self.stall_timeout:g} s ({env.STALL_TIMEOUT}; "
+                 f"{self.positions()})")
         if self.processes == 1:
             return f"process 0 of 1 hung after starting {lowest[0]} training steps: {still}"
         if len(behind) > 1:
@@ -371,6 +403,8 @@ def diagnosis(lines: Sequence[str]) -> str:
     """
     lines = list(lines)
     for i, line in enumerate(lines):
+        if line.startswith(stall.LINE):  # its own stall guard's line (meshfit.parallel.stall)
+            return ": " + line[len(stall.LINE) - len("stalled for "):]
         if "stopped sending heartbeats" in line:
             silent = []
             for after in lines[i + 1:]:

@@ -10,24 +10,20 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   IndivisibleError. Every sample counts exactly as on one device (no cut, no padding: see
   meshfit.fit.sources for why padding is not exact); the price is one more compilation for that
   shape and that batch computed on every device rather than split.
-- One program in flight (JAX, several CPU devices): XLA:CPU runs every device's part of a
-  program on one pool with a thread per device, and an all-reduce blocks its thread until every
-  device has arrived. With two collective programs in flight (say the last validation step and
-  the next train step, which do not depend on each other) the pool can fill with threads
-  waiting for parts that have no thread left, and the process aborts after 40 s ("Termination
-  timeout for 'all reduce'"). With one program at a time, at most one thread fewer than the
-  devices can wait, so one is always free. So each train, test and predict dispatch is finished
-  before the next one starts (`jax_loop.finish_dispatch`): 0 of 13 stress runs hung, against 4 of
-  5 with Keras' defaults (BENCHMARKS.md, section 2, with the cost). Real TPUs and GPUs keep
-  asynchronous dispatch.
+- Progress and the stall guard (JAX): every train, test and predict dispatch is counted
+  (meshfit.parallel.heartbeat), and fit, evaluate and predict run under meshfit.parallel.stall's
+  guard, so a computation that never finishes ends the process with one line after
+  MESHFIT_STALL_TIMEOUT seconds instead of XLA's SIGABRT or a hang. Dispatch stays asynchronous:
+  the deadlock of several CPU devices that once made meshfit finish each dispatch before the next
+  is prevented at its cause, XLA:CPU's thread pool (meshfit.parallel.devices, THREADS_PER_DEVICE),
+  for every computation, Keras' or not.
 - `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given; in a Jupyter
   kernel with verbose left at "auto", meshfit's live bar and Keras' one line per epoch) and, on JAX,
   meshfit's on-device k-step loop (`meshfit.fit.jax_loop`), as `Strategy.fit` has them.
 
-`Strategy.activate` installs the hooks once per process. The placement and `fit` hooks do
-nothing unless a meshfit strategy is active (for placement, with its distribution Keras' current
-one); the dispatch wait applies wherever a step's outputs live on several CPU devices
-(`jax_loop.finish_dispatch`), so Keras behaves as usual otherwise. Imports Keras: reached only after connect().
+`Strategy.activate` installs the hooks once per process. They do nothing unless a meshfit
+strategy is active (for placement, with its distribution Keras' current one), so Keras behaves as
+usual otherwise. Imports Keras: reached only after connect().
 """
 
 from __future__ import annotations
@@ -40,6 +36,8 @@ import warnings
 from typing import Any, Callable
 
 import keras
+
+from meshfit.parallel import heartbeat, stall
 
 _active = None  # the Strategy activated last, or None
 _report_off = contextvars.ContextVar("meshfit_report_off", default=False)
@@ -88,6 +86,29 @@ def _install() -> None:
     distribution_lib.distribute_data_input = _placement_hook(distribution_lib.distribute_data_input)
     for name in _FUNCTIONS:
         setattr(trainer, f"make_{name}", _make_function_hook(getattr(trainer, f"make_{name}"), name))
+    for name in ("fit", "evaluate", "predict"):  # fit around its report hook: all of it guarded
+        setattr(trainer, name, _guarded(getattr(trainer, name)))
+
+
+def _guarded(method: Callable) -> Callable:
+    """Keras' fit, evaluate or predict under the stall guard while a meshfit strategy is active.
+    fit returns once its last step has run: dispatch is asynchronous, so without the wait a step
+    that never finishes would be waited for after fit, unguarded (evaluate and predict return
+    computed values already)."""
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if _active is None:
+            return method(self, *args, **kwargs)
+        with stall.watching():
+            result = method(self, *args, **kwargs)
+            if method.__name__ == "fit":
+                import jax
+
+                jax.block_until_ready([v.value for v in self.variables])
+            return result
+
+    return guarded
 
 
 def _placement_hook(place: Callable) -> Callable:
@@ -129,29 +150,29 @@ def _note_batch(rows: int, splits: bool, replicas: int) -> None:
 
 
 def _make_function_hook(make: Callable, attribute: str) -> Callable:
-    """`Trainer.make_*_function`, whose function finishes each dispatch on several CPU devices."""
+    """`Trainer.make_*_function`, whose function reports each call as progress (heartbeat)."""
+    steps = attribute == "train_function"
 
     @functools.wraps(make)
     def make_function(self, force=False):
         make(self, force)
         function = getattr(self, attribute)
-        if function is not None and not getattr(function, "_meshfit_waits", False):
-            setattr(self, attribute, _one_in_flight(function))
+        if function is not None and not getattr(function, "_meshfit_counted", False):
+            setattr(self, attribute, _counted(function, self.steps_per_execution if steps else 0))
         return getattr(self, attribute)
 
     return make_function
 
 
-def _one_in_flight(function: Callable) -> Callable:
-    """`function(state, iterator) -> (outputs, state)`, each call finished on several CPU devices."""
-    from meshfit.fit.jax_loop import finish_dispatch
+def _counted(function: Callable, steps: int) -> Callable:
+    """`function(state, iterator) -> (outputs, state)`, reporting `steps` training steps (0: a
+    test or predict dispatch) before each call."""
 
     def step(state, iterator):
-        outputs, state = function(state, iterator)
-        finish_dispatch(outputs)
-        return outputs, state
+        heartbeat.advance(steps)
+        return function(state, iterator)
 
-    step._meshfit_waits = True
+    step._meshfit_counted = True
     return step
 
 

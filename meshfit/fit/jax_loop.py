@@ -106,7 +106,7 @@ def install(model, steps: int = 1) -> None:
 class _TrainFunction:
     """Keras' JAX `train_function(state, iterator)`, running k steps per call on the device."""
 
-    _meshfit_waits = True  # it finishes its own dispatches where needed (finish_dispatch)
+    _meshfit_counted = True  # it reports its own progress (heartbeat.advance)
 
     def __init__(self, model, steps: int):
         self.model = model
@@ -145,23 +145,7 @@ class _TrainFunction:
         else:
             for batch in batches:
                 logs, state = self._single(state, batch)
-        finish_dispatch(logs)
         return logs, state
-
-
-def finish_dispatch(outputs) -> None:
-    """Wait for a dispatched program's outputs when they live on several CPU devices.
-
-    XLA:CPU runs each device's part of a program on one pool with a thread per device, and a
-    collective waits for all of them; with two collective programs in flight the pool can fill
-    with parts of both and the process aborts (see meshfit.fit.hooks). One at a time cannot.
-    """
-    import jax
-
-    leaf = next((t for t in jax.tree.leaves(outputs) if isinstance(t, jax.Array)), None)
-    devices = leaf.sharding.device_set if leaf is not None else ()
-    if len(devices) > 1 and next(iter(devices)).platform == "cpu":
-        jax.block_until_ready(outputs)
 
 
 def _same_shapes(batches) -> bool:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import platform as _platform
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshfit.parallel import cluster
+from meshfit.parallel import cluster, stall
 from meshfit import env
 from meshfit.errors import MeshfitError
 
@@ -27,6 +28,21 @@ _COUNT_FLAG = "--xla_force_host_platform_device_count"
 # and later.
 _NO_YNN_FUSIONS = "--xla_cpu_experimental_ynn_fusion_type="
 _NO_YNN_FUSIONS_SINCE = (0, 9, 2)
+# XLA:CPU runs the device parts of every program, and the launches of those parts, on one pool of
+# max(cores, devices) threads ($PJRT_NPROC stands in for the cores), and two things block a pool
+# thread: a collective waits until every device's part of its program has arrived, and a launch
+# waits while its device already has 32 programs queued (XLA's in-flight limit). With as many
+# threads as devices, Python running 32 small programs ahead (a busy machine, or Keras running a
+# model op by op) makes launches take the threads that the collective running now still needs for
+# its last parts: a deadlock, which XLA ends with SIGABRT after 40 s (docs/xla-cpu-deadlock.md has
+# the reproduction). Enough threads make it impossible: XLA runs multi-device programs one at a time
+# (each waits for the last), so at most N threads wait in that one program's collectives, and a
+# dispatching thread has at most N launches out at once (Execute returns when they are done), so
+# at most N more threads wait on the limit. THREADS_PER_DEVICE = 3 leaves room for two threads
+# dispatching at once (the training thread and one more, e.g. a data or checkpoint thread). The
+# larger pool also trains faster on a busy 2-core machine (BENCHMARKS.md, section 2).
+THREADS_PER_DEVICE = 3
+_POOL_VARIABLE = "PJRT_NPROC"  # read by XLA's DefaultThreadPoolSize() when the CPU client starts
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,7 @@ def simulate_devices(count: int) -> None:
 
         have = jax.local_devices()  # this process's: a job of several has more in jax.devices()
         if have[0].platform == "cpu" and len(have) == count:
+            _warn_if_pool_small(count)
             return
         from meshfit.watch import progress
 
@@ -76,16 +93,46 @@ def simulate_devices(count: int) -> None:
             f"meshfit.connect(simulate={count}) before anything else uses JAX"
         )
     flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
-    os.environ["XLA_FLAGS"] = _without_ynn_fusions(f"{flags} {_COUNT_FLAG}={count}".strip())
+    os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={count}".strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
+    _prepare_cpu_client(count)
 
 
-def _without_ynn_fusions(flags: str) -> str:
-    """XLA_FLAGS `flags` with YNNPACK fusions off where this jaxlib knows the flag (see
-    _NO_YNN_FUSIONS), unless `flags` sets it already (the user's own setting wins)."""
-    if _NO_YNN_FUSIONS.rstrip("=") in flags or _jaxlib_version() < _NO_YNN_FUSIONS_SINCE:
-        return flags
-    return f"{flags} {_NO_YNN_FUSIONS}".strip()
+def _prepare_cpu_client(count: int) -> None:
+    """Settings for XLA's CPU client with `count` simulated devices, made before JAX starts it:
+    YNNPACK fusions off (see _NO_YNN_FUSIONS), a thread pool that cannot deadlock (see
+    THREADS_PER_DEVICE), and XLA's own 40 s abort of a stuck collective moved behind meshfit's
+    stall guard, which ends a stall with one line instead (meshfit.parallel.stall)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _jaxlib_version() >= _NO_YNN_FUSIONS_SINCE:  # older jaxlibs abort on unknown flags; 0.9.2
+        # has these (read from its binary), the collective timeouts too
+        flags = _with_flag(flags, _NO_YNN_FUSIONS)
+        for flag, seconds in stall.xla_collective_timeouts().items():
+            flags = _with_flag(flags, f"{flag}={seconds}")
+    os.environ["XLA_FLAGS"] = flags.strip()
+    threads = THREADS_PER_DEVICE * count
+    asked = env.read_int(_POOL_VARIABLE, example=threads)
+    if asked is None or asked < threads:  # fewer can deadlock; more is the user's choice
+        os.environ[_POOL_VARIABLE] = str(max(threads, os.cpu_count() or 1))
+
+
+def _warn_if_pool_small(count: int) -> None:
+    """One warning when JAX started its CPU client before meshfit could size its thread pool and
+    the pool may be too small for `count` devices (see THREADS_PER_DEVICE)."""
+    threads = THREADS_PER_DEVICE * count
+    pool = env.read_int(_POOL_VARIABLE, example=threads) or os.cpu_count() or 1
+    if count > 1 and max(pool, count) < threads:
+        warnings.warn(f"JAX started before meshfit.connect(), so XLA's CPU thread pool has "
+                      f"{max(pool, count)} threads for {count} devices and can deadlock on a busy "
+                      f"machine; call meshfit.connect(simulate={count}) before anything uses JAX, "
+                      f"or set {_POOL_VARIABLE}={threads} before starting Python", stacklevel=3)
+
+
+def _with_flag(flags: str, flag: str) -> str:
+    """XLA_FLAGS `flags` with `flag` ("--name=value") added, unless `flags` names it already (the
+    user's own setting wins)."""
+    name = flag.split("=", 1)[0]
+    return flags if re.search(rf"{name}(=|\s|$)", flags) else f"{flags} {flag}".strip()
 
 
 def _jaxlib_version() -> tuple[int, ...]:
@@ -135,8 +182,9 @@ def discover(simulate: int | None = None, require: str | None = None) -> DeviceI
     simulate = requested_simulation(simulate)
     if simulate is not None:
         simulate_devices(simulate)
-    elif _COUNT_FLAG in os.environ.get("XLA_FLAGS", "") and not cluster.jax_started():
-        os.environ["XLA_FLAGS"] = _without_ynn_fusions(os.environ["XLA_FLAGS"])  # devices simulated by hand
+    elif (by_hand := re.search(rf"{_COUNT_FLAG}=(\d+)", os.environ.get("XLA_FLAGS", ""))) \
+            and not cluster.jax_started():
+        _prepare_cpu_client(int(by_hand.group(1)))  # devices simulated by hand
     cluster.join()  # a multi-host job must be joined before JAX starts its backends
     import jax
 

@@ -5,24 +5,28 @@ real cluster, a plain run) everything here does nothing. In the folder, for proc
 
   joining-<i>    created when process i starts joining the job (`meshfit.parallel.cluster.join`), so that
                  the launcher can name a process that never arrived;
-  progress-<i>   "<steps> <beats> <dispatches>": the training steps process i has started, its
-                 progress reports and its training dispatches so far. A background thread rewrites
-                 it at most once a second, when it changed, so the launcher's stall watchdog sees
-                 when each process last moved and which one is furthest behind; the watchdog
-                 starts once a process began its second dispatch (the first, with its
-                 compilation, is done by then).
+  progress-<i>   "<steps> <beats> <dispatches> <doing>": the training steps process i has
+                 started, its progress reports and its training dispatches so far, and what its
+                 main thread is doing (`where()`: compiling, checkpoint, input, device, thread or
+                 python).
+                 A background thread rewrites it at most once a second, when it changed, so the
+                 launcher's stall watchdog sees when each process last moved, which one is
+                 furthest behind and what each waits for; the watchdog starts once a process
+                 began its second dispatch (the first, with its compilation, is done by then).
 
 Progress is reported with `advance()` just before each point where a process may wait for the
 others (on CPUs a collective's dispatch blocks until every process has reached it): every training
 dispatch (meshfit.fit.jax_loop, with its number of steps), every stop vote at a dispatch boundary or
 epoch end (meshfit.run.checkpoints) and every multi-host predict batch. So a process that hangs between
 two such points stays behind the others, which wait at the next one. `advance` adds two integers
-on the calling thread; no file I/O there and no device sync.
+on the calling thread; no file I/O there and no device sync. The counts are kept in every process:
+meshfit.parallel.stall reads them to tell a stalled process from a slow one.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
@@ -51,48 +55,134 @@ def joining(process_id: int | None) -> None:
         pass
 
 
+_steps = _beats = _dispatches = 0  # this process's progress, see counts()
+
+
+def counts() -> tuple[int, int, int]:
+    """(training steps started, progress reports, training dispatches) of this process so far."""
+    return _steps, _beats, _dispatches
+
+
+# What the main thread does, by the files its stack runs in. Compiling (or tracing, which can take
+# as long) when any frame is in JAX's compiler or tracer; otherwise the innermost frame of a known
+# kind decides: a checkpoint that waits for its arrays waits on the device, and so does a batch
+# being placed on the devices, while one still being read or decoded is input. A jitted function
+# called through JAX's C++ fast path leaves no JAX frame, so the places that call the train, test
+# and predict steps and the processes' votes count as device too. A main thread that waits for
+# another thread (Keras 3 runs batch-end callbacks, which read the step's logs, in a thread pool) is
+# doing what the first waiting thread it may wait for does.
+_COMPILING = ("/jax/_src/compiler.py", "/jax/_src/interpreters/partial_eval.py")
+_KINDS = (
+    ("device", ("/jax/_src/", "/jaxlib/", "/keras/src/backend/jax/trainer.py",
+                "/meshfit/fit/jax_loop.py", "/meshfit/parallel/cluster.py")),
+    ("checkpoint", ("/orbax/", "/meshfit/run/checkpoints.py", "/meshfit/run/sharded_arrays.py")),
+    ("input", ("/keras/src/trainers/data_adapters/", "/keras/src/trainers/epoch_iterator.py",
+               "/tensorflow/python/data/", "/grain/", "/meshfit/data/", "/meshfit/fit/sources.py")),
+)
+_THREAD_WAITS = ("/threading.py", "/queue.py", "/concurrent/futures/")
+DOING = {
+    "compiling": "compiles a program",
+    "checkpoint": "writes or reads a checkpoint",
+    "input": "waits for the next batch",
+    "device": "waits in a device computation (its collectives) or a transfer",
+    "thread": "waits for another thread",
+    "python": "runs Python code",
+}
+
+
+def where() -> tuple[str, str]:
+    """(kind, 'file:line') of what the main thread does now: a kind of DOING, and the innermost
+    frame's place, e.g. ('device', 'jax/_src/array.py:642')."""
+    frames = sys._current_frames()
+    kind, at = _doing(frames.get(threading.main_thread().ident))
+    if kind != "thread":
+        return kind, at
+    ours = {threading.main_thread().ident, threading.get_ident()} | {
+        t.ident for t in threading.enumerate() if t.name.startswith("meshfit-")}
+    for ident, frame in frames.items():
+        other = _doing(frame) if ident not in ours else ("python", "")
+        if other[0] in ("device", "input", "checkpoint"):
+            return other
+    return kind, at
+
+
+def _doing(frame) -> tuple[str, str]:
+    """(kind, place) of one thread's stack, from its innermost `frame` (see _KINDS)."""
+    if frame is None:
+        return "python", "?"
+    innermost = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+    files = []  # innermost first
+    while frame is not None:
+        files.append(frame.f_code.co_filename.replace(os.sep, "/"))
+        frame = frame.f_back
+    if any(part in name for name in files for part in _COMPILING):
+        return "compiling", innermost
+    for name in files:
+        for kind, parts in _KINDS:
+            if any(part in name for part in parts):
+                return kind, innermost
+    if any(part in files[0] for part in _THREAD_WAITS):
+        return "thread", innermost
+    return "python", innermost
+
+
+def thread_cpu_seconds(ident: int) -> float | None:
+    """CPU seconds the thread `ident` has used (None where the platform cannot tell): a thread
+    blocked in a call that does not return uses none, however busy the machine."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (AttributeError, OSError):
+        return None
+
+
+def _short(filename: str) -> str:
+    """A frame's file from its package on, e.g. 'jax/_src/array.py'."""
+    filename = filename.replace(os.sep, "/")
+    for package in ("jax/", "jaxlib/", "keras/", "meshfit/", "orbax/", "tensorflow/", "grain/"):
+        at = filename.rfind("/" + package)
+        if at >= 0:
+            return filename[at + 1:]
+    return os.path.basename(filename)
+
+
 class _Reporter:
-    """This process's progress counts, written to its progress file by a daemon thread."""
+    """Writes this process's progress counts and what it does to its progress file, from a daemon
+    thread."""
 
     def __init__(self, path: str):
         self.path = path
-        self.steps = 0
-        self.beats = 0
-        self.dispatches = 0
         threading.Thread(target=self._write_changes, name="meshfit-progress", daemon=True).start()
 
     def _write_changes(self) -> None:
         written = None
         while True:
-            counts = (self.steps, self.beats, self.dispatches)
-            if counts != written:
+            line = " ".join(map(str, (*counts(), where()[0])))
+            if line != written:
                 try:
                     with open(self.path + ".tmp", "w") as f:
-                        f.write(" ".join(map(str, counts)) + "\n")
+                        f.write(line + "\n")
                     os.replace(self.path + ".tmp", self.path)  # the launcher never reads half a line
                 except OSError:
                     return  # the launcher's folder is gone
-                written = counts
+                written = line
             time.sleep(WRITE_INTERVAL_SECONDS)
 
 
-_reporter: _Reporter | None = None
 _checked = False
 
 
 def advance(steps: int = 0) -> None:
     """Report progress: `steps` more training steps about to start (0: progress of another kind)."""
-    global _reporter, _checked
+    global _checked, _steps, _beats, _dispatches
     if not _checked:
         _checked = True
         directory = _directory()
         if directory is not None:
-            _reporter = _Reporter(os.path.join(directory, f"progress-{_index()}"))
-    if _reporter is not None:
-        _reporter.beats += 1
-        if steps:
-            _reporter.steps += steps
-            _reporter.dispatches += 1
+            _Reporter(os.path.join(directory, f"progress-{_index()}"))
+    _beats += 1
+    if steps:
+        _steps += steps
+        _dispatches += 1
 
 
 # ------------------------------------------------------------------------- the launcher's side
@@ -103,9 +193,9 @@ def joined(directory: str) -> set[int]:
             if name.startswith("joining-") and name.split("-", 1)[1].isdigit()}
 
 
-def progress(directory: str) -> dict[int, tuple[int, int, int]]:
-    """{process index: (training steps started, progress reports, training dispatches)} of the
-    processes that reported."""
+def progress(directory: str) -> dict[int, tuple[int, int, int, str]]:
+    """{process index: (training steps started, progress reports, training dispatches, what it
+    does)} of the processes that reported."""
     found = {}
     for name in _names(directory):
         index = name.split("-", 1)[1] if name.startswith("progress-") else ""
@@ -113,10 +203,10 @@ def progress(directory: str) -> dict[int, tuple[int, int, int]]:
             continue
         try:
             with open(os.path.join(directory, name)) as f:
-                steps, beats, dispatches = (int(n) for n in f.read().split())
+                steps, beats, dispatches, doing = f.read().split()
+            found[int(index)] = (int(steps), int(beats), int(dispatches), doing)
         except (OSError, ValueError):
             continue
-        found[int(index)] = (steps, beats, dispatches)
     return found
 
 

@@ -186,9 +186,18 @@ def choose(plans: dict[str, ModePlan], memory: int | None) -> tuple[str, str]:
     if data.fits or fsdp is None:
         return "data", (f"the replicated step fits: {sharding.format_bytes(data.total)} of "
                         f"{sharding.format_bytes(memory)} per device")
-    return "fsdp", (f"the replicated step needs {sharding.format_bytes(data.total)} per device, "
-                    f"more than {sharding.format_bytes(memory)}; sharded: "
-                    f"{sharding.format_bytes(fsdp.total)}")
+    needs = (f"the replicated step needs {sharding.format_bytes(data.total)} per device, more than "
+             f"{sharding.format_bytes(memory)}")
+    if fsdp.fits:
+        return "fsdp", f"{needs}; sharded: {sharding.format_bytes(fsdp.total)}"
+    return "fsdp", f"{needs}, and sharded it needs {sharding.format_bytes(fsdp.total)}: neither fits"
+
+
+def largest_global_batch(result: dict, mode: str) -> int | None:
+    """The largest global batch whose step in `mode` fits (from `plan(..., largest=True)`): 0 when
+    none does, None when unknown."""
+    per_core = result["modes"].get(mode, {}).get("largest_per_core_batch")
+    return None if per_core is None else per_core * result["devices"]
 
 
 def check_fits(result: dict, mode: str) -> None:
@@ -200,12 +209,18 @@ def check_fits(result: dict, mode: str) -> None:
         return
     need, have = sharding.format_bytes(chosen["total"]), sharding.format_bytes(memory)
     fsdp = result["modes"].get("fsdp")
+    largest = largest_global_batch(result, mode)
     if mode == "data" and fsdp and fsdp["fits"]:
         fix = f"use --sharding fsdp (or auto), which needs {sharding.format_bytes(fsdp['total'])}"
+    elif largest:
+        fix = (f"use --batch-size {largest} or less (the largest global batch that fits, "
+               f"{largest // result['devices']} per device), more devices or a smaller model")
+    elif largest == 0:
+        fix = "no batch fits: use more devices, or a smaller model"
     else:
         fix = "use a smaller --batch-size, more devices or a smaller model"
-        if chosen.get("largest_per_core_batch"):
-            fix = f"use at most {chosen['largest_per_core_batch']} samples per device, more devices or a smaller model"
+    if mode == "fsdp" and not result["modes"]["data"]["fits"]:
+        fix = f"it does not fit replicated either ({sharding.format_bytes(result['modes']['data']['total'])}); {fix}"
     raise MeshfitError(f"out of device memory: the model's train step needs {need} per device with "
                        f"--sharding {mode} "
                        f"(weights {sharding.format_bytes(chosen['weights'])}, optimizer "
@@ -227,6 +242,10 @@ def summary_lines(result: dict, mode: str) -> list[str]:
         if p.get("largest_per_core_batch") is not None:
             lines[-1] += f"  largest per-core batch {p['largest_per_core_batch'] or 'none'}"
     lines.append(f"  using {mode}: {result['why'] if mode == result['choice'] else 'as asked'}")
+    largest = largest_global_batch(result, mode)
+    if result["modes"][mode]["fits"] is False and largest is not None:
+        lines[-1] += (f"; the largest global batch that fits is {largest} (--batch-size {largest})"
+                      if largest else "; no batch fits: use more devices or a smaller model")
     return lines
 
 
@@ -257,8 +276,10 @@ def settle(strategy, make_model, global_batch: int, reset, verbose: bool = True)
     with sharded.scope():
         model = make_model()
     result = plan(model, sharded, global_batch, memory)
-    del model
     mode = result["choice"] if strategy.sharding_asked == "auto" else strategy.sharding_asked
+    if result["modes"][mode]["fits"] is False:  # the refusal names the largest batch that fits
+        result = plan(model, sharded, global_batch, memory, largest=True)
+    del model
     check_fits(result, mode)
     if verbose and strategy.info.process_index == 0:
         print("\n".join(summary_lines(result, mode)), flush=True)

@@ -199,6 +199,8 @@ def build(recipe: recipes.Recipe, dataset, steps: int, epochs: int, dispatch_ste
     """The recipe's model, built, prepared and compiled (call inside the strategy's scope).
     dataset: anything with input_shape and num_classes (a data.RunData)."""
     model = recipe.build_model(tuple(recipe.input_shape or dataset.input_shape), dataset.num_classes)
+    if recipe.compile is None:
+        check_compile_signature(model)  # before prepare(), which may train a teacher first
     if recipe.prepare is not None:
         recipe.prepare(model, dataset)
     optimizer = recipe.optimizer(steps, epochs)
@@ -209,6 +211,24 @@ def build(recipe: recipes.Recipe, dataset, steps: int, epochs: int, dispatch_ste
         recipe.compile(model, optimizer)
         model.steps_per_execution = dispatch_steps
     return model
+
+
+def check_compile_signature(model) -> None:
+    """A one-line MeshfitError for a model whose own compile() cannot take meshfit's arguments
+    (optimizer, loss, metrics, steps_per_execution), as keras-io's Distiller's: its recipe must
+    say how to compile it."""
+    import inspect
+
+    parameters = inspect.signature(model.compile).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return
+    missing = [name for name in ("optimizer", "loss", "metrics") if name not in parameters]
+    if missing:
+        own = ", ".join(name for name in parameters)
+        raise MeshfitError(
+            f"{type(model).__name__}.compile() has its own arguments ({own}) and no {missing[0]!r}; "
+            f"say how to compile it in the recipe: meshfit.Recipe(..., compile=lambda model, "
+            f"optimizer: model.compile(optimizer=optimizer, ...))")
 
 
 def check_saveable(model, recipe: recipes.Recipe) -> None:
@@ -485,9 +505,12 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
     dataset, stream = load_data(asked, strategy)
     the_plan = plan(asked, strategy, dataset, stream)
     strategy = settle_memory(asked, strategy, dataset, the_plan)
-    from meshfit.parallel import cluster
+    from meshfit.parallel import cluster, stall
 
-    with strategy.scope():
+    stall.set_resume_hint(f"its committed checkpoints are intact: continue with meshfit train "
+                          f"--resume {asked.run}")
+    guard = stall.watching() if strategy.engine == "jax" else contextlib.nullcontext()
+    with guard, strategy.scope():
         model, batches, run_spec = build_run(asked, strategy, dataset, stream, the_plan, command)
         chief = strategy.info.process_index == 0
         cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
