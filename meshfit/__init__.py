@@ -26,3 +26,8 @@ def __getattr__(name: str):
 
         return Recipe
     raise AttributeError(f"module 'meshfit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names too (tab completion, `dir(meshfit)`), without importing them."""
+    return sorted(set(globals()) | set(__all__))

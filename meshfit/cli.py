@@ -262,6 +262,7 @@ def run_predict(args: argparse.Namespace) -> int:
         print(json.dumps({"model": args.model, "backend": predictor.backend, "predictions": rows}))
     else:
         print(inference.format_results(rows))
+        print(f"answered on the CPU by {predictor.engine()} ({predictor.model_file})")
     return 0
 
 
@@ -453,7 +454,7 @@ def run_recipe(args: argparse.Namespace) -> int:
         sys.stdout.write(recipes.source(args.name))
         return 0
     for name in recipes.names():
-        summary = (recipes.get(name).doc.strip().splitlines() or [""])[0]
+        summary = " ".join(recipes.get(name).doc.strip().split("\n\n")[0].split())  # 1st paragraph
         print(f"{name:20s} {summary.split(': ', 1)[-1]}")
     print("\nmeshfit recipe NAME > my_recipe.py   then edit it and run: meshfit train my_recipe.py")
     return 0
@@ -490,23 +491,67 @@ def run_runs(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------- main
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with a bad argument reported as one line (exit code 2) like every other error."""
+    """argparse, with a bad argument reported as one line (exit code 2) like every other error,
+    and no abbreviated flags (`--epoch` is not silently `--epochs`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"meshfit: error: {self.prog}: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"meshfit: error: {message} (see {self.prog} --help)\n")
 
 
 def _parser(command: str | None) -> argparse.ArgumentParser:
-    """The parser; only the chosen command's arguments are added (each may import its module)."""
+    """The parser; only the chosen command's arguments are added (each may import its module).
+    Its `commands` attribute holds the sub-parser of each command."""
     parser = _Parser(
         prog="meshfit",
         description="Train any Keras model on every core of a TPU, GPU or CPU; infer on the CPU.")
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = {}
     for name, help_text in COMMANDS.items():
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd = parser.commands[name] = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
             _function("add", name)(cmd)
     return parser
+
+
+def version_text() -> str:
+    """`meshfit --version`: meshfit's version and those of Python and the engines installed
+    (read from the packages' metadata: nothing heavy is imported)."""
+    from importlib import metadata
+
+    from meshfit import __version__
+
+    found = []
+    for name, package in (("JAX", "jax"), ("Keras", "keras"), ("TensorFlow", "tensorflow"),
+                          ("TensorFlow", "tensorflow-cpu")):
+        try:
+            found.append(f"{name} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            pass
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"meshfit {__version__} (Python {python}; {', '.join(dict.fromkeys(found)) or 'no engine installed'})"
+
+
+def _did_you_mean(word: str, choices) -> str:
+    """'; did you mean X?' for the choice a mistyped or abbreviated `word` most likely meant (the
+    shortest that begins with it, else the closest), else ''."""
+    import difflib
+
+    completions = sorted((c for c in choices if c.startswith(word)), key=len)
+    close = completions or difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """The one-line error for arguments the command does not have, with the closest flag."""
+    unknown = next((a for a in extras if a.startswith("-")), extras[0]).split("=", 1)[0]
+    flags = [f for f in parser._option_string_actions if f.startswith("--")]
+    return (f"unrecognized argument {unknown} for {parser.prog}"
+            f"{_did_you_mean(unknown, flags) if unknown.startswith('-') else ''} "
+            f"(see {parser.prog} --help)")
 
 
 def _function(kind: str, command: str) -> Callable:
@@ -521,10 +566,19 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; a MeshfitError becomes one line on stderr and exit code 2."""
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = _parser(command if command in COMMANDS else None).parse_args(argv)
+    if command is not None and command not in COMMANDS:
+        print(f"meshfit: error: unknown command {command!r}{_did_you_mean(command, COMMANDS)} "
+              f"(see meshfit --help)", file=sys.stderr)
+        return 2
+    parser = _parser(command)
+    args, extras = parser.parse_known_args(argv)
     if args.command is None:
-        _parser(None).print_help()
+        parser.print_help()
         return 1
+    if extras:
+        print(f"meshfit: error: {_unrecognized(parser.commands[args.command], extras)}",
+              file=sys.stderr)
+        return 2
     warnings.formatwarning = _one_line_warning
     try:
         code = _function("run", args.command)(args) or 0
@@ -535,6 +589,12 @@ def main(argv: list[str] | None = None) -> int:
         print("meshfit: interrupted", file=sys.stderr)
         code = 130
     if code:
+        import gc
+
+        # A stopped fit leaves TensorFlow's generator-backed dataset in reference cycles; freed at
+        # interpreter shutdown, it logs "Error occurred when finalizing GeneratorDataset iterator:
+        # FAILED_PRECONDITION" after meshfit's own line. Freed now, it says nothing.
+        gc.collect()
         from meshfit.parallel.cluster import exit_failed
 
         exit_failed(code)  # a failed process of a multi-host job must not wait for the others

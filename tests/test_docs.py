@@ -1,6 +1,8 @@
-"""The documentation site: `mkdocs build --strict` passes (broken links, bad API references and
-docstrings fail it), and its CLI reference, generated from meshfit.cli, has exactly the flags of
-`meshfit COMMAND --help`."""
+"""The documentation site: `mkdocs build --strict` passes (broken links and anchors, bad API
+references and docstrings fail it), and its CLI reference, generated from meshfit.cli, has exactly
+the flags of `meshfit COMMAND --help`. The pages hold in the repository too: their relative links
+resolve there, every troubleshooting entry the code points to exists, and every `meshfit` command
+they show names a command and flags that exist."""
 
 import importlib.util
 import os
@@ -36,6 +38,21 @@ def test_the_site_builds_strictly_offline(tmp_path):
     assert "Find the devices, pick engine and precision" in api_page  # connect's docstring
     assert (site / "notebooks" / "01_fashion_mnist_cnn.ipynb").is_file()
     assert "fonts.googleapis.com" not in (site / "index.html").read_text()
+    assert _unresolved_site_links(site) == []
+
+
+def _unresolved_site_links(site) -> list[str]:
+    """The relative links of the built site's pages that lead to no file of the site."""
+    unresolved = []
+    for page in site.rglob("*.html"):
+        for href in re.findall(r'href="([^"]+)"', page.read_text()):
+            path = href.split("#", 1)[0].split("?", 1)[0]
+            if not path or re.match(r"[a-z]+:", path) or path.startswith("/"):
+                continue
+            target = (page.parent / path).resolve()
+            if not (target.is_file() or (target / "index.html").is_file()):
+                unresolved.append(f"{page.relative_to(site)}: {href}")
+    return unresolved
 
 
 def _sections(markdown: str) -> dict[str, str]:
@@ -59,3 +76,102 @@ def test_cli_reference_lists_exactly_the_flags_of_help(capsys):
                   for f in FLAG.findall(line.split("  ")[1] if line.startswith("  -") else "")}
         assert documented == helped, (name, documented ^ helped)
         assert "--help" in documented
+
+
+# ------------------------------------------------------------------ the pages agree with the repo
+
+PAGES = sorted([os.path.join(ROOT, "README.md")]
+               + [os.path.join(d, f) for d, _, files in os.walk(os.path.join(ROOT, "docs"))
+                  for f in files if f.endswith(".md")])
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def _prose(markdown: str) -> str:
+    """The text without fenced code blocks and inline code spans (their brackets are not links)."""
+    return re.sub(r"`[^`\n]*`", "", FENCE.sub("", markdown))
+
+
+def _anchors(path: str) -> set[str]:
+    """The heading anchors MkDocs gives the page (markdown's toc slugs)."""
+    from markdown.extensions.toc import slugify
+
+    text = FENCE.sub("", open(path, encoding="utf-8").read())
+    return {slugify(re.sub(r"[`*]", "", h), "-") for h in re.findall(r"^#+\s+(.+?)\s*$", text, re.M)}
+
+
+def test_relative_links_resolve_in_the_repository():
+    """Every relative link of README.md and docs/ names a file of the repository, and an anchor one
+    of its headings (the site build checks the same links strictly, mkdocs.yml `validation`)."""
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(_prose(open(page, encoding="utf-8").read())):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if not os.path.exists(resolved):
+                broken.append(f"{os.path.relpath(page, ROOT)}: {target} (no such file)")
+            elif anchor and resolved.endswith(".md") and anchor not in _anchors(resolved):
+                broken.append(f"{os.path.relpath(page, ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_troubleshooting_pointer_of_the_code_has_its_entry():
+    """`see="anchor"` and `troubleshooting("anchor")` in meshfit/ name headings of the page."""
+    from meshfit.errors import TROUBLESHOOTING
+
+    named = set()
+    for folder, _, files in os.walk(os.path.join(ROOT, "meshfit")):
+        for name in files:
+            if name.endswith(".py") and name != "errors.py":  # its docstring's example
+                text = open(os.path.join(folder, name), encoding="utf-8").read()
+                named |= set(re.findall(r"""(?:see=|troubleshooting\()["']([\w-]+)["']""", text))
+    assert len(named) >= 6, named
+    assert named <= _anchors(os.path.join(ROOT, TROUBLESHOOTING)), named - _anchors(os.path.join(ROOT, TROUBLESHOOTING))
+
+
+def _meshfit_commands(markdown: str):
+    """(command, flags) of every `meshfit COMMAND ...` in the shell code blocks and in the inline
+    code spans that begin with `meshfit `, also inside `--command="..."` and after `launch --`."""
+    import shlex
+
+    snippets = FENCE.findall(markdown) + re.findall(r"`(meshfit [^`\n]+)`", markdown)
+    for snippet in snippets:
+        for line in snippet.replace("\\\n", " ").splitlines():
+            if "meshfit" not in line or line.lstrip().startswith(("import", "from", ">>>")):
+                continue
+            try:
+                tokens = shlex.split(line, comments=True)
+            except ValueError:  # an unbalanced quote in prose-like text
+                tokens = line.split()
+            words = [w for t in tokens for w in (t.split("=", 1)[1].split() if t.startswith("--command=")
+                                                  else [t])]
+            for i, word in enumerate(words):
+                if word.rsplit("/", 1)[-1] == "meshfit" and i + 1 < len(words) and \
+                        not words[i + 1].startswith(("-", "[")) and words[i - 1:i] != ["import"]:
+                    rest = words[i + 2:]
+                    end = next((j for j, w in enumerate(rest) if w in ("--", "|", "&&", ";", ">")
+                                or w.rsplit("/", 1)[-1] == "meshfit"), len(rest))
+                    flags = {m for w in rest[:end] for m in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", w)}
+                    yield words[i + 1], flags
+
+
+def test_shell_commands_of_the_docs_name_commands_and_flags_that_exist():
+    """Each `meshfit COMMAND --flag` shown in README.md, docs/ and BENCHMARKS.md exists as shown."""
+    from meshfit import cli
+
+    seen, wrong = 0, []
+    for page in PAGES + [os.path.join(ROOT, "BENCHMARKS.md")]:
+        for command, flags in _meshfit_commands(open(page, encoding="utf-8").read()):
+            seen += 1
+            where = os.path.relpath(page, ROOT)
+            if command not in cli.COMMANDS:
+                if not command.isupper():  # COMMAND, a placeholder
+                    wrong.append(f"{where}: meshfit {command}")
+                continue
+            parser = cli._parser(command).commands[command]
+            unknown = flags - set(parser._option_string_actions)
+            if unknown:
+                wrong.append(f"{where}: meshfit {command} {' '.join(sorted(unknown))}")
+    assert seen > 50 and not wrong, "\n".join(wrong)

@@ -108,8 +108,9 @@ def test_cli_predict_top_k_text_and_show_picture(cifar_run, tmp_path):
                       env=ONE_DEVICE)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert len(lines) == 2 * (1 + 4)
-    for block, path, p in zip((lines[:5], lines[5:]), paths, expected):
+    assert len(lines) == 2 * (1 + 4) + 1
+    assert lines[-1] == f"answered on the CPU by ONNX Runtime ({run / 'model.onnx'})"
+    for block, path, p in zip((lines[:5], lines[5:10]), paths, expected):
         order = np.argsort(-p)[:4]
         assert block[0].startswith(f"{path}: {CLASS_NAMES[order[0]]} (")
         assert [line.split()[0] for line in block[1:]] == [CLASS_NAMES[i] for i in order]
@@ -189,17 +190,19 @@ def test_bare_keras_file_reads_any_image_as_the_models_input(tmp_path):
     np.testing.assert_allclose(predictor.predict_files([str(picture)]), predictor.predict(x))
 
 
-@pytest.mark.parametrize("content, message", [(b"not an image", "cannot read image"),
-                                              (None, "not found")])
-def test_cli_bad_image_is_a_one_line_error(cifar_run, tmp_path, content, message):
+@pytest.mark.parametrize("name, content, message", [
+    ("notes.txt", b"shopping: milk", "cannot read image {} (not an image file: no PNG, JPEG"),
+    ("bad.png", b"not an image", "cannot read image {} (not an image file"),
+    ("bad.png", None, "image {} not found")])
+def test_cli_bad_image_is_a_one_line_error(cifar_run, tmp_path, name, content, message):
     run, paths, _ = cifar_run
-    bad = tmp_path / "bad.png"
+    bad = tmp_path / name
     if content is not None:
         bad.write_bytes(content)
     out = run_meshfit("predict", str(run), paths[0], str(bad), env=ONE_DEVICE)
     assert out.returncode == 2
     assert out.stderr.startswith("meshfit: error: ") and out.stderr.count("\n") == 1
-    assert message in out.stderr and str(bad) in out.stderr
+    assert message.format(bad) in out.stderr and "BytesIO" not in out.stderr, out.stderr
     assert out.stdout == ""
 
 

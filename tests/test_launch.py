@@ -426,7 +426,8 @@ def test_a_hung_process_is_named_and_the_job_ends_after_the_stall_timeout(tmp_pa
     assert text.strip().splitlines()[-1] == (
         "meshfit: error: process 1 of 2 hung after starting 5 training steps (the others started 6): no "
         "process made progress for 3 s (MESHFIT_STALL_TIMEOUT; process 0 at step 6 in a device "
-        "computation, process 1 at step 5 in Python); stopped all 2 processes")
+        "computation, process 1 at step 5 in Python); stopped all 2 processes (see "
+        "docs/troubleshooting.md#a-job-hangs)")
     # the stall timeout, the progress files' and the launcher's 1 s periods, SIGTERM to SIGKILL
     assert seconds < stall + 2 * launch.POLL_SECONDS + grace + 10
     pids = [int(p) for p in re.search(r"pids (\d+) (\d+)", text).groups()]

@@ -269,6 +269,7 @@ def test_data_folder_trains_with_validation_curves_and_predicts_by_class_name(tm
                       "--epochs", "10", "--batch-size", "8", "--out", run, "--json", env=env)
     assert out.returncode == 0, out.stderr
     metrics = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "(no test set, so none is scored)" in out.stdout and "test set scored" not in out.stdout
     assert metrics["class_names"] == ["dark", "light"] and metrics["input_shape"] == [12, 12, 3]
     assert metrics["evaluated_on"] == "validation" and metrics["validation_samples"] == 12  # 20% of each class
     assert metrics["validation_accuracy"] >= 0.9, metrics

@@ -1,5 +1,6 @@
 """MkDocs hook: the CLI reference page built from meshfit.cli's argparse definitions (no flag
-list is copied by hand), and the notebooks copied into the site for the tutorials page."""
+list is copied by hand), and the notebooks copied into the site for the tutorials page (a page's
+link to the repository's notebooks/X.ipynb, right in the repository, leads to the site's copy)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import glob
 import html
 import os
+import re
 
 PLACEHOLDER = "<!-- meshfit cli reference -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,7 +51,23 @@ def markdown() -> str:
 
 
 def on_page_markdown(text: str, page, config, files) -> str:
-    return text.replace(PLACEHOLDER, markdown()) if PLACEHOLDER in text else text
+    text = text.replace(PLACEHOLDER, markdown()) if PLACEHOLDER in text else text
+    return notebook_links(text, page.file.src_uri, config["docs_dir"])
+
+
+def notebook_links(text: str, src_uri: str, docs_dir: str) -> str:
+    """Links of the page `src_uri` to ROOT/notebooks/X.ipynb (as the repository has them) pointed
+    at the site's copies, docs_dir/notebooks/X.ipynb (see on_files)."""
+    folder = os.path.dirname(os.path.join(docs_dir, src_uri))
+
+    def site_link(match: re.Match) -> str:
+        target = os.path.normpath(os.path.join(folder, match.group(2)))
+        if os.path.dirname(target) != os.path.join(ROOT, "notebooks"):
+            return match.group(0)
+        copy = os.path.join(docs_dir, "notebooks", os.path.basename(target))
+        return f"{match.group(1)}({os.path.relpath(copy, folder)})"
+
+    return re.sub(r"(\[[^\]]*\])\(([^)\s#]+\.ipynb)\)", site_link, text)
 
 
 def on_files(files, config):

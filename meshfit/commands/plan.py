@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshfit import recipes
-from meshfit.data import splits as data
+from meshfit.data import datasets, splits as data
 from meshfit.errors import MeshfitError
 from meshfit.parallel import planning
 from meshfit.run.train import build, start_session
@@ -25,6 +25,7 @@ def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = Non
     from meshfit.parallel import devices, memory_plan, sharding as sharding_lib
     from meshfit.parallel.distribution import connect
 
+    datasets.check_data_dir(data_dir)
     the_recipe = recipes.load(recipe)
     strategy = connect(require=require, simulate=simulate_devices, engine=engine or "jax",
                        precision=planning.asked_precision(precision, the_recipe.precision),

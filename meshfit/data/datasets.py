@@ -123,6 +123,17 @@ class Dataset:
 
 # ----------------------------------------------------------------------------------- public API
 
+def check_data_dir(data_dir: str | os.PathLike | None) -> None:
+    """A MeshfitError when `data_dir` (--data-dir) is given but is not a folder: a typo, named
+    before any slow work (connecting, planning) instead of as a dataset not found after it."""
+    if data_dir is None or os.path.isdir(data_dir):
+        return
+    what = "is a file, not a folder" if os.path.exists(data_dir) else "does not exist"
+    raise MeshfitError(f"--data-dir {data_dir} {what}; give the folder that holds the dataset's "
+                       "folder (e.g. DIR for DIR/fashion-mnist/), or leave --data-dir out to use "
+                       "$MESHFIT_DATA, ~/.keras/datasets or a download", see="dataset-not-found")
+
+
 def load(name: str, data_dir: str | os.PathLike | None = None, download: bool = True,
          verify: bool = True) -> Dataset:
     """Load "mnist", "fashion_mnist" (or "fashion-mnist") or "cifar10" as a `Dataset`.
@@ -154,12 +165,13 @@ def load(name: str, data_dir: str | os.PathLike | None = None, download: bool = 
             "or set MESHFIT_DATA=DIR")
     if not download or offline:
         why = "download=False" if not download else "MESHFIT_OFFLINE is set"
-        raise MeshfitError(f"{key} not found in: {places}; downloads are off ({why}); {hint}")
+        raise MeshfitError(f"{key} not found in: {places}; downloads are off ({why}); {hint}",
+                           see="dataset-not-found")
     try:
         found = _download_dataset(key, _cache_root())
     except (OSError, http.client.HTTPException) as e:
         raise MeshfitError(f"{key} not found in: {places}; downloading it from {URLS[key]} "
-                           f"failed ({e}); {hint}") from e
+                           f"failed ({e}); {hint}", see="dataset-not-found") from e
     return _not_empty(_read(key, found, verify), found)
 
 

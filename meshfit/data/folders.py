@@ -182,6 +182,10 @@ def _jpeg_header_size(head: bytes) -> tuple[int, int] | None:
 
 
 def _reason(error: Exception) -> str:
+    from PIL import UnidentifiedImageError
+
+    if isinstance(error, UnidentifiedImageError):  # its text names an in-memory buffer, not the file
+        return "not an image file: no PNG, JPEG, BMP, GIF, WebP or other format Pillow reads"
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 

@@ -200,8 +200,9 @@ def discover(simulate: int | None = None, require: str | None = None) -> DeviceI
         if platform != require:
             raise MeshfitError(
                 f"no {require.upper()} found (JAX sees {len(devices)} {platform} device(s)); "
-                f"attach a {require.upper()} runtime and install meshfit[{'tpu' if require == 'tpu' else 'cuda'}]"
-            )
+                f"attach a {require.upper()} runtime and install "
+                f"{'meshfit[tpu]' if require == 'tpu' else 'meshfit[cuda13] or meshfit[cuda12]'}",
+                see="no-gpu-or-tpu-found")
     kind = cpu_model() if platform == "cpu" else first.device_kind
     return DeviceInfo(
         platform=platform,

@@ -101,12 +101,13 @@ def choose(requested: str | None, platform: str, device_count: int) -> str:
             fix = (_restart_fix("jax") if loaded else
                    "let meshfit choose the engine: unset KERAS_BACKEND or set KERAS_BACKEND=jax")
             raise MeshfitError(f"{why}, which trains on one CPU device in meshfit, but "
-                               f"{device_count} {platform} device(s) are in use; {fix}")
+                               f"{device_count} {platform} device(s) are in use; {fix}",
+                               see="keras-imported-first")
         return chosen
     if loaded and loaded != requested:
         raise MeshfitError(
             f"too late to switch to engine {requested}: Keras was already imported with the "
-            f"{loaded} backend; {_restart_fix(requested)}"
+            f"{loaded} backend; {_restart_fix(requested)}", see="keras-imported-first"
         )
     if requested not in _MULTI_DEVICE_ENGINES and (device_count > 1 or platform != "cpu"):
         raise MeshfitError(
@@ -151,8 +152,8 @@ def activate(engine: str):
 
     if keras.backend.backend() != engine:
         raise MeshfitError(
-            f"too late to switch to engine {engine}: Keras already runs on {keras.backend.backend()}"
-        )
+            f"too late to switch to engine {engine}: Keras already runs on {keras.backend.backend()}",
+            see="keras-imported-first")
     if engine == "tensorflow":
         from meshfit.fit import tf_bias_gradient
 

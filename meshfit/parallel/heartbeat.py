@@ -94,16 +94,16 @@ def where() -> tuple[str, str]:
     """(kind, 'file:line') of what the main thread does now: a kind of DOING, and the innermost
     frame's place, e.g. ('device', 'jax/_src/array.py:642')."""
     frames = sys._current_frames()
-    kind, at = _doing(frames.get(threading.main_thread().ident))
-    if kind != "thread":
-        return kind, at
-    ours = {threading.main_thread().ident, threading.get_ident()} | {
-        t.ident for t in threading.enumerate() if t.name.startswith("meshfit-")}
-    for ident, frame in frames.items():
-        other = _doing(frame) if ident not in ours else ("python", "")
-        if other[0] in ("device", "input", "checkpoint"):
-            return other
-    return kind, at
+    main = frames.get(threading.main_thread().ident)
+    if main is not None and any(part in main.f_code.co_filename.replace(os.sep, "/")
+                                for part in _THREAD_WAITS):
+        ours = {threading.main_thread().ident, threading.get_ident()} | {
+            t.ident for t in threading.enumerate() if t.name.startswith("meshfit-")}
+        for ident, frame in frames.items():
+            other = _doing(frame) if ident not in ours else ("python", "")
+            if other[0] in ("device", "input", "checkpoint"):
+                return other
+    return _doing(main)
 
 
 def _doing(frame) -> tuple[str, str]:

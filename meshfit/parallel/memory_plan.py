@@ -225,7 +225,8 @@ def check_fits(result: dict, mode: str) -> None:
                        f"--sharding {mode} "
                        f"(weights {sharding.format_bytes(chosen['weights'])}, optimizer "
                        f"{sharding.format_bytes(chosen['optimizer'])}, step "
-                       f"{sharding.format_bytes(chosen['step_temp'])}) but a device has {have} of memory; {fix}")
+                       f"{sharding.format_bytes(chosen['step_temp'])}) but a device has {have} of memory; {fix}",
+                       see="out-of-device-memory")
 
 
 def summary_lines(result: dict, mode: str) -> list[str]:

@@ -12,7 +12,7 @@ import math
 import warnings
 from dataclasses import dataclass
 
-from meshfit.errors import MeshfitError
+from meshfit.errors import MeshfitError, troubleshooting
 
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_PER_CORE_BATCH = 128  # the tutorials' per-core batch: one pass of a 128x128 matrix unit
@@ -123,10 +123,10 @@ def split_global_batch(global_batch: int, replicas: int, rounding: bool = True) 
         hint = f"{lower} or {upper}" if lower else f"{upper}"
         raise MeshfitError(
             f"global batch {global_batch} does not split evenly across {replicas} replicas; "
-            f"use a multiple of {replicas} ({hint}) or allow rounding"
+            f"use a multiple of {replicas} ({hint}) or allow rounding", see="batch-does-not-split"
         )
-    warnings.warn(f"global batch {global_batch} rounded up to {upper} to split across {replicas} replicas",
-                  stacklevel=2)
+    warnings.warn(f"global batch {global_batch} rounded up to {upper} to split across {replicas} "
+                  f"replicas{troubleshooting('batch-does-not-split')}", stacklevel=2)
     return upper
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from meshfit.data import splits as data
+from meshfit.data import datasets, splits as data
 from meshfit.errors import MeshfitError
 from meshfit.run import models, rundir, spec
 
@@ -78,6 +78,7 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | No
     if folder is not None and data_dir is not None:
         raise MeshfitError("give --data FOLDER (a folder of class sub-folders) or --data-dir DIR "
                            "(where a built-in dataset is), not both")
+    datasets.check_data_dir(data_dir)
     run, model_path = rundir.locate_run(run_or_model)
     saved, _ = spec.read(run)
 

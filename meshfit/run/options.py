@@ -21,6 +21,9 @@ from meshfit.parallel import planning, sharding
 from meshfit.run import spec
 
 
+ON_RESUME = "; on --resume the run's"  # in the help of a default a resumed run keeps: train's only
+
+
 def _setting(default: Any, help: str | None = None, **flag: Any) -> Any:
     """A field; with `help` it is also a flag of `meshfit train` (argparse keywords in `flag`;
     `negated=True` makes a True-by-default setting the flag --no-NAME)."""
@@ -83,10 +86,10 @@ class TrainOptions:
     sharding: str | None = _setting(
         None, "auto, data or fsdp: variables replicated (data) or the large ones sharded over the "
               "devices (fsdp); auto: fsdp only when the replicated step does not fit the device "
-              "memory (default: auto; on --resume the run's)", metavar="S")
+              f"memory (default: auto{ON_RESUME})", metavar="S")
     fsdp_min_size: int | str | None = _setting(
-        None, "with fsdp: shard floating-point variables of at least SIZE (default: 1MiB; on "
-              "--resume the run's)", metavar="SIZE")
+        None, f"with fsdp: shard floating-point variables of at least SIZE (default: 1MiB"
+              f"{ON_RESUME})", metavar="SIZE")
     device_memory: int | str | None = _setting(
         None, "memory of one device to plan with, e.g. 48MB or 16GB (default: the device's own "
               "figure on TPUs and GPUs; unknown on CPUs)", metavar="SIZE")
@@ -130,11 +133,14 @@ def flag(name: str) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser, *names: str) -> None:
-    """Add the flags of settings `names` (default: every setting with a help text), in field order."""
+    """Add the flags of settings `names` (default: every setting with a help text), in field order;
+    a command without --resume gets no help text about it."""
     for f in dataclasses.fields(TrainOptions):
         keywords = dict(f.metadata)
         if keywords.get("help") is None or (names and f.name not in names):
             continue
+        if names and "resume" not in names:
+            keywords["help"] = keywords["help"].replace(ON_RESUME, "")
         if keywords.pop("negated", False):
             keywords["action"] = "store_false"
         else:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from meshfit import __version__, recipes
-from meshfit.data import splits as data
+from meshfit.data import datasets, splits as data
 from meshfit.run import models, rundir, spec
 from meshfit.run.evaluate import evaluate_model, headline, score
 from meshfit.run.results import totals, write_results
@@ -56,6 +56,7 @@ class Asked:
 def specify(recipe: str | recipes.Recipe | None, options: TrainOptions) -> Asked:
     """The recipe loaded (the resumed run's own), checked, and the options settled: a recipe
     file starts the engine first (it may import Keras)."""
+    datasets.check_data_dir(options.data_dir)  # as given: a resumed run's own may have moved
     resume, checkpoint = rundir.resume_target(options.resume) if options.resume else (None, None)
     saved, saved_config = spec.read(resume) if resume is not None else (None, None)
     if saved is not None:
@@ -345,17 +346,21 @@ def write_config(run: str, run_spec: RunSpec, saved_config: dict | None, resume_
 EVALUATION_NOTES = {  # what announce says about the per-epoch val_* metrics
     "test": "val_* on the test set each epoch, as the tutorials did; ",
     "validation": "val_* on a held-out validation split, the test set scored at the end; ",
+    "validation-only": "val_* on a held-out validation split (no test set, so none is scored); ",
     "none": "no validation data (set validation_split); ",
     "test-own": "val_* on the test set each epoch (no validation split or source given); "}
 
 
-def evaluation_note(run_spec: RunSpec) -> str:
-    """What the start line says about val_*: built-in recipes follow the tutorials, recipe files do not."""
+def evaluation_note(run_spec: RunSpec, has_test: bool = True) -> str:
+    """What the start line says about val_*: built-in recipes follow the tutorials, recipe files
+    do not; a run without a test set (a folder without test/) says none is scored."""
     own = run_spec.evaluated_on == "test" and run_spec.recipe_file
-    return EVALUATION_NOTES.get("test-own" if own else run_spec.evaluated_on, "")
+    key = "test-own" if own else run_spec.evaluated_on
+    return EVALUATION_NOTES.get("validation-only" if key == "validation" and not has_test else key, "")
 
 
-def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state) -> None:
+def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state,
+             has_test: bool = True) -> None:
     """Print where training starts (resumed from which checkpoint) and what it will do."""
     if resume_state:
         note = ""
@@ -370,7 +375,7 @@ def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state) -
         per_dispatch += f", gradients summed over {run_spec.micro_batches} cache-sized micro-batches"
     print(f"training {run_spec.recipe}: {run_spec.epochs} epoch(s) x {run_spec.steps_per_epoch} steps "
           f"of {run_spec.global_batch} images (global batch){per_dispatch}, seed {run_spec.seed}; "
-          f"{evaluation_note(run_spec)}run directory {run}", flush=True)
+          f"{evaluation_note(run_spec, has_test)}run directory {run}", flush=True)
 
 
 class _EpochEnd:
@@ -523,7 +528,8 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
                 write_recipe(asked.run, asked.recipe)
                 write_config(asked.run, run_spec, asked.saved_config, resume_state, command)
                 if options.verbose:
-                    announce(asked.run, run_spec, asked.saved, resume_state)
+                    announce(asked.run, run_spec, asked.saved, resume_state,
+                             has_test=dataset.test is not None)
             history = fit_run(asked, strategy, model, batches, dataset, run_spec, resume_state)
             return score_and_write(asked, model, history, dataset, run_spec, chief)
 

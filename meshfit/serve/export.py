@@ -211,7 +211,8 @@ def export_onnx(source: str | os.PathLike, out: str | None = None) -> str:
     _refuse_to_overwrite(files, out)
     missing = [m for m in _ONNX_PACKAGES if not installed(m)]
     if missing:
-        raise MeshfitError(f"ONNX export needs {', '.join(missing)}: pip install 'meshfit[onnx]'")
+        raise MeshfitError(f"ONNX export needs {', '.join(missing)}: pip install 'meshfit[onnx]'",
+                           see="onnx-not-installed")
     from meshfit.watch import progress
 
     with progress.task(f"exporting {files.keras_path} to ONNX"):  # one long step: time so far

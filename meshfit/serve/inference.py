@@ -27,7 +27,7 @@ import numpy as np
 from meshfit.serve import export as export_lib
 from meshfit.run import rundir
 from meshfit.parallel.engine import installed
-from meshfit.errors import MeshfitError
+from meshfit.errors import MeshfitError, troubleshooting
 from meshfit.run.rundir import ModelFiles
 
 BACKENDS = ("auto", "onnx", "keras")
@@ -77,6 +77,7 @@ class Predictor:
     """A model ready for CPU inference.
 
     backend: 'onnxruntime' or 'keras'. input_shape: (height, width, channels) in pixels.
+    model_file: the file that answers (the .onnx or the .keras).
     """
 
     source: str
@@ -84,6 +85,15 @@ class Predictor:
     class_names: tuple[str, ...]
     input_shape: tuple[int, int, int]
     run: Callable[[np.ndarray], np.ndarray] = field(repr=False)
+    model_file: str | None = None
+
+    def engine(self) -> str:
+        """Who answers, for people: 'ONNX Runtime' or 'Keras on <backend>'."""
+        if self.backend == "onnxruntime":
+            return "ONNX Runtime"
+        import keras
+
+        return f"Keras on {keras.backend.backend()}"
 
     def predict(self, images: np.ndarray) -> np.ndarray:
         """Class probabilities (N, classes) float32 for raw pixels (N, H, W, C) or one (H, W, C)."""
@@ -146,7 +156,8 @@ def _cannot_export(files: ModelFiles) -> str | None:
     """Why the ONNX copy cannot be written here, or None when it can."""
     missing = [m for m in ("tensorflow", "tf2onnx", "onnx") if not installed(m)]
     if missing:
-        return f"{', '.join(missing)} not installed (pip install 'meshfit[onnx]')"
+        return (f"{', '.join(missing)} not installed (pip install 'meshfit[onnx]')"
+                f"{troubleshooting('onnx-not-installed')}")
     if os.path.exists(files.onnx_path) and not export_lib.written_by_meshfit(files.onnx_path):
         return (f"{files.onnx_path} exists and was not written by meshfit, so it is left alone "
                 "(export elsewhere with `meshfit export MODEL --out X.onnx` and predict with X.onnx)")
@@ -209,7 +220,8 @@ def _onnx_predictor(files: ModelFiles, session) -> Predictor:
     def run(x: np.ndarray) -> np.ndarray:
         return session.run(None, {input_name: x})[0]
 
-    return Predictor(files.source, "onnxruntime", names, tuple(int(d) for d in shape), run)
+    return Predictor(files.source, "onnxruntime", names, tuple(int(d) for d in shape), run,
+                     files.onnx_path)
 
 
 def _keras_predictor(files: ModelFiles) -> Predictor:
@@ -227,7 +239,8 @@ def _keras_predictor(files: ModelFiles) -> Predictor:
             return np.concatenate([np.asarray(model.predict_on_batch(x[i:i + KERAS_BATCH]))
                                    for i in range(0, len(x), KERAS_BATCH)])
 
-    return Predictor(files.source, "keras", names, tuple(int(d) for d in shape), run)
+    return Predictor(files.source, "keras", names, tuple(int(d) for d in shape), run,
+                     files.keras_path)
 
 
 def _class_names(files: ModelFiles, stored: list | None, classes: Any) -> tuple[str, ...]:
