@@ -5,8 +5,9 @@
 Starts a one-node SLURM cluster (tools/slurm/up.sh: root, Debian's slurm-wlm and munge), trains
 the 2-task x 2-device Fashion-MNIST job of tools/faults_multihost.py uninterrupted as the
 reference (a short run of 3 epochs and a long one of 40, for the cases that wait for a time
-limit), then per case starts the job, injects its fault once the epoch-1 checkpoint is committed,
-and measures the seconds until every task hit has ended. A job cut short is continued (SLURM's
+limit), then per case starts the job, injects its fault once the epoch-1 checkpoint is committed
+(in the long cases SLURM's clock brings it), and measures the seconds until every task hit has
+ended. A job cut short is continued (SLURM's
 requeue, or the same sbatch line again) and its final weights are compared bit for bit with the
 reference. Cases:
 
@@ -34,6 +35,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -145,7 +147,7 @@ def run_case(case: str, cluster: Cluster, data: str, work: str, references: dict
     if case == "preempt-notice":
         cluster.run("scancel", "--signal=TERM", job)
     elif case == "kill-task":
-        os.kill(pids[1], 9)
+        os.kill(pids[1], signal.SIGKILL)
     elif case == "node-down":
         cluster.run("scontrol", "update", f"nodename={cluster.node}", "state=down", "reason=fault drill")
     elif case == "node-drained":
