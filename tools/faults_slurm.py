@@ -7,9 +7,8 @@ the 2-task x 2-device Fashion-MNIST job of tools/faults_multihost.py uninterrupt
 reference (a short run of 3 epochs and a long one of 40, for the cases that wait for a time
 limit), then per case starts the job, injects its fault once the epoch-1 checkpoint is committed
 (in the long cases SLURM's clock brings it), and measures the seconds until every task hit has
-ended. A job cut short is continued (SLURM's
-requeue, or the same sbatch line again) and its final weights are compared bit for bit with the
-reference. Cases:
+ended. A job cut short is continued (SLURM's requeue, or the same sbatch line again) and its
+final weights are compared bit for bit with the reference. Cases:
 
   preempt-notice  scancel --signal=TERM, the preemption notice, to every task: one agreed step
                   saved, the job requeues itself and resumes
