@@ -148,3 +148,47 @@ KILL_AT_CALLBACKS = '''def callbacks():
 
     return [KillAt()]
 '''
+
+
+# ------------------------------------------------------------ multi-process jobs (test_launch,
+# test_schedulers): the run's weights against one process's, and each process's shards
+
+def model_weights(path) -> list:
+    """The weights of the model.keras file at `path`."""
+    import keras
+
+    return keras.saving.load_model(path, compile=False).get_weights()
+
+
+def assert_same_weights(a, b, atol=1e-6):
+    """Two trained models' weights are equal up to float rounding (and not all zero)."""
+    assert len(a) == len(b) and any(np.abs(w).sum() > 0 for w in a)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=atol)
+
+
+def assert_each_process_wrote_shards(checkpoint, processes=2):
+    """The checkpoint's arrays (orbax) hold shards written by each of the job's processes."""
+    for process in range(processes):
+        assert os.listdir(os.path.join(checkpoint, "arrays", f"ocdbt.process_{process}", "d")), process
+
+
+def run_following_progress(command, log, env=None, stall_seconds=300) -> tuple[int, str]:
+    """Run `command` with its output in the file `log`; stop it (SIGKILL of its process group)
+    once the output has not grown for `stall_seconds`, which a busy machine never reaches while
+    the command makes progress. Returns (exit code, -9 when stopped; the output)."""
+    import signal
+    import time
+
+    with open(log, "w") as out:
+        job = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environment(env),
+                               start_new_session=True)
+    size, moved = -1, time.monotonic()
+    while job.poll() is None:
+        if os.path.getsize(log) != size:
+            size, moved = os.path.getsize(log), time.monotonic()
+        elif time.monotonic() - moved > stall_seconds:
+            os.killpg(job.pid, signal.SIGKILL)
+        time.sleep(0.5)
+    with open(log, errors="replace") as f:
+        return job.wait(), f.read()

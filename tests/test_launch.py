@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import run_meshfit, write_idx_dataset
+from helpers import assert_same_weights, model_weights, run_meshfit, write_idx_dataset
 
 from meshfit import env
 from meshfit.fit import hosts
@@ -35,18 +35,6 @@ JOB_TIMEOUT = 300  # seconds; a job that hangs fails the test instead of the CI 
 def launch_args(*command, processes=2, devices=4):
     return ["launch", "--processes", str(processes), "--devices-per-process", str(devices),
             "--timeout", str(JOB_TIMEOUT), "--", *command]
-
-
-def model_weights(path):
-    import keras
-
-    return keras.saving.load_model(path, compile=False).get_weights()
-
-
-def assert_same_weights(a, b):
-    assert len(a) == len(b) and any(np.abs(w).sum() > 0 for w in a)
-    for x, y in zip(a, b, strict=True):
-        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -440,7 +428,8 @@ def test_a_hung_process_is_named_and_the_job_ends_after_the_stall_timeout(tmp_pa
     assert text.strip().splitlines()[-1] == (
         "meshfit: error: process 1 of 2 hung after starting 5 training steps (the others started 6): no "
         "process made progress for 3 s (MESHFIT_STALL_TIMEOUT; process 0 at step 6 in a device "
-        "computation, process 1 at step 5 in Python); stopped all 2 processes")
+        "computation, process 1 at step 5 in Python); stopped all 2 processes (see "
+        "docs/troubleshooting.md#a-job-hangs)")
     # the stall timeout, the progress files' and the launcher's 1 s periods, SIGTERM to SIGKILL
     assert seconds < stall + 2 * launch.POLL_SECONDS + grace + 10
     pids = [int(p) for p in re.search(r"pids (\d+) (\d+)", text).groups()]

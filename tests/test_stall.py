@@ -187,7 +187,8 @@ def test_a_stalled_run_ends_with_one_line_and_resumes_to_the_uninterrupted_weigh
         stdout, stderr = job.communicate(timeout=600)
     hang.unlink()
     last = stalled_output_is_one_line(subprocess.CompletedProcess(command, job.returncode, stdout, stderr), 5)
-    assert last.endswith(f"its committed checkpoints are intact: continue with meshfit train --resume {run}")
+    assert last.endswith(f"its committed checkpoints are intact: continue with meshfit train --resume {run} "
+                         "(see docs/troubleshooting.md#a-job-hangs)")
 
     newest = checkpoints.latest(os.path.join(run, "checkpoints"))
     assert newest is not None and checkpoints.read_state(newest)["global_step"] >= 4

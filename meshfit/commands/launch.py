@@ -46,7 +46,7 @@ from typing import IO, Iterator, Sequence
 
 from meshfit import env
 from meshfit.parallel import heartbeat, stall
-from meshfit.errors import MeshfitError
+from meshfit.errors import MeshfitError, troubleshooting
 
 GRACE_SECONDS = 10.0  # between SIGTERM and SIGKILL when stopping the other processes
 TAIL_LINES = 20  # lines of a failed process's output shown when only process 0 is shown
@@ -324,7 +324,8 @@ def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "_Watch"
             _finish(started)
             after = (f"all {processes} processes stopped together after saving; continue with "
                      "--resume" if stopped else f"stopped all {processes} processes")
-            print(f"meshfit: error: {verdict}; {after}", file=sys.stderr, flush=True)
+            see = "" if deadline is not None and now >= deadline else troubleshooting("a-job-hangs")
+            print(f"meshfit: error: {verdict}; {after}{see}", file=sys.stderr, flush=True)
             return 124, codes, failure
         codes[index] = code
         if code != 0 and failure is None:
@@ -355,8 +356,8 @@ def _report_failure(started: list[_Process], codes: dict[int, int], failure: tup
         what += diagnosis(started[index].tail)
         if code == stall.EXIT_CODE:
             what += f" ({positions})"
-    print(f"meshfit: error: {what}" + (f"; stopped the other {others} process(es)" if others else ""),
-          file=sys.stderr, flush=True)
+    print(f"meshfit: error: {what}" + (f"; stopped the other {others} process(es)" if others else "")
+          + (troubleshooting("a-job-hangs") if code == stall.EXIT_CODE else ""), file=sys.stderr, flush=True)
     return code if code > 0 else 128 - code
 
 
@@ -447,7 +448,7 @@ def diagnosis(lines: Sequence[str]) -> str:
     lines = list(lines)
     for i, line in enumerate(lines):
         if line.startswith(stall.LINE):  # its own stall guard's line (meshfit.parallel.stall)
-            return ": " + line[len(stall.LINE) - len("stalled for "):]
+            return ": " + line[len(stall.LINE) - len("stalled for "):].removesuffix(troubleshooting("a-job-hangs"))
         if "stopped sending heartbeats" in line:
             silent = []
             for after in lines[i + 1:]:

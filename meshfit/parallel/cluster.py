@@ -170,6 +170,9 @@ def join(environ=os.environ) -> Job | None:
     bind = bind_address(job.coordinator, environ)
     if job.coordinator and is_loopback(job.coordinator):
         _gloo_on_loopback()
+    if explicit:  # JAX still asks its detectors for local device ids: in a Kubernetes pod without
+        # jax[k8s] it would warn that joining needs that package, which this job does not
+        warnings.filterwarnings("ignore", message="Kubernetes environment detected")
     try:
         jax.distributed.initialize(
             coordinator_address=job.coordinator, num_processes=job.num_processes if explicit else None,

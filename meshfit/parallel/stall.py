@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Iterator
 
-from meshfit import env
+from meshfit import env, errors
 from meshfit.parallel import heartbeat
 
 DEFAULT_SECONDS = 600
@@ -136,6 +136,7 @@ def _stop(stalled: float, kind: str, at: str, cpu: float, steps: int) -> None:
             f"{env.STALL_TIMEOUT}={timeout_seconds()})")
     if _resume_hint:
         line += f"; {_resume_hint}"
+    line += errors.troubleshooting("a-job-hangs")
     try:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
