@@ -617,6 +617,10 @@ def test_a_run_of_one_process_resumes_on_two(data_dir, single_process_run, tmp_p
                       timeout=JOB_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"^\[0\] resuming .* from ckpt-00000004", out.stdout, re.M), out.stdout[-3000:]
+    # meshfit launch's 4 devices per process, not the saved run's 8: $MESHFIT_SIMULATE_DEVICES
+    # counts as given again
+    assert re.search(r"^\[0\] +devices per host +4$", out.stdout, re.M), out.stdout[-3000:]
+    assert re.search(r"^\[0\] +replicas +8$", out.stdout, re.M), out.stdout[-3000:]
 
     from meshfit.run import checkpoints
 
@@ -624,5 +628,10 @@ def test_a_run_of_one_process_resumes_on_two(data_dir, single_process_run, tmp_p
     assert checkpoints.read_state(final)["global_step"] == EPOCHS * 4
     for process in (0, 1):  # fsdp kept: each process wrote its own shards
         assert os.listdir(os.path.join(final, "arrays", f"ocdbt.process_{process}", "d"))
+    # The reference trained data parallel: its all-reduce adds the replicas' gradients in another
+    # order than fsdp's reduce-scatter across two processes, and Adam's division by sqrt(v)
+    # magnifies that rounding where a gradient is near zero (measured: one weight of 64 off by
+    # 3.3e-6 after 8 steps, the rest within 1e-6; the same program on 1 and 2 processes, in
+    # test_two_processes_train_the_same_model_as_one, stays within 1e-6)
     assert_same_weights(model_weights(os.path.join(run, "model.keras")),
-                        model_weights(os.path.join(single_process_run, "model.keras")))
+                        model_weights(os.path.join(single_process_run, "model.keras")), atol=1e-5)

@@ -28,7 +28,7 @@ import meshfit
 from meshfit import recipes
 from meshfit.data import datasets, splits as data
 from meshfit.errors import MeshfitError
-from meshfit.parallel import engine, planning
+from meshfit.parallel import devices, engine, planning
 from meshfit.run import models, rundir, spec
 from meshfit.run.options import TrainOptions, at_least_one, check_fraction, current_names
 from meshfit.run.spec import RunSpec
@@ -55,6 +55,10 @@ def specify(recipe: str | recipes.Recipe | None, options: TrainOptions) -> Asked
     """The recipe loaded (the resumed run's own), checked, and the options settled: a recipe
     file starts the engine first (it may import Keras)."""
     datasets.check_data_dir(options.data_dir)  # as given: a resumed run's own may have moved
+    # $MESHFIT_SIMULATE_DEVICES counts as given: `meshfit launch` sets it per process, and a run
+    # of one process resumed on two must run 2 x its share, not 2 x the saved count.
+    options = dataclasses.replace(
+        options, simulate_devices=devices.requested_simulation(options.simulate_devices))
     resume, checkpoint = rundir.resume_target(options.resume) if options.resume else (None, None)
     saved, saved_config = spec.read(resume) if resume is not None else (None, None)
     if saved is not None:
