@@ -229,6 +229,16 @@ def test_the_light_core_imports_nothing_that_comes_after_it():
     assert not offences, offences
 
 
+def test_the_light_core_never_imports_keras_or_tensorflow_even_inside_a_function():
+    """Keras is imported above the engine line only (meshfit.fit): no import statement of
+    meshfit/parallel names keras or tensorflow, at its top or inside a function."""
+    offences = [f"{module}:{node.lineno} imports {', '.join(names)}"
+                for module, tree in _sources().items() if module.startswith("meshfit.parallel")
+                for node, names in _imports(tree)
+                if any(n.split(".")[0] in ("keras", "tensorflow") for n in names)]
+    assert not offences, offences
+
+
 MAX_IMPORTS_IN_FUNCTIONS = 20
 
 

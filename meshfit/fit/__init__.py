@@ -10,4 +10,18 @@ below the engine line (meshfit.parallel, and the modules of data, run, serve and
 run before connect()) imports nothing from here at its top.
 """
 
-import keras  # the package is the engine line: importing any module of fit/ loads Keras
+import os
+
+from meshfit.parallel import engine
+
+# The package is the engine line: importing any module of fit/ loads Keras, on the backend
+# meshfit.connect() chose (engine.activate set it); TensorFlow's load notices are dropped.
+with engine.tensorflow_notices_dropped(os.environ.get("KERAS_BACKEND") == "tensorflow"):
+    import keras
+
+
+def set_random_seed(seed: int) -> None:
+    """keras.utils.set_random_seed(seed), which also seeds (and so imports) TensorFlow where it is
+    installed, on any engine (tf.data shuffles by it): without TensorFlow's load notices."""
+    with engine.tensorflow_notices_dropped(engine.installed("tensorflow")):
+        keras.utils.set_random_seed(seed)

@@ -22,8 +22,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshfit.errors import MeshfitError
+from meshfit.fit import set_random_seed
 from meshfit.fit.sources import SplitBatches
-from meshfit.parallel import cluster, engine, heartbeat
+from meshfit.parallel import cluster, heartbeat
 
 
 class Vote:
@@ -76,7 +77,7 @@ def agree_on_seed() -> int:
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**31 - 1))
     seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))
-    engine.set_random_seed(seed)
+    set_random_seed(seed)
     return seed
 
 

@@ -13,8 +13,9 @@ other settings were within noise), so `activate` keeps those defaults and only p
 On TensorFlow meshfit also computes the bias gradient of convolutions apart from their filter
 gradient (meshfit.fit.tf_bias_gradient, installed by connect() once Keras is loaded).
 
-`start_engine` is the first half of `meshfit.connect()`: the devices found and Keras imported on
-the engine chosen for them. Nothing here imports Keras, JAX or TensorFlow at the top.
+`start_engine` is the first half of `meshfit.connect()`: the devices found and the engine chosen
+for them, set for Keras' first import (meshfit.fit's). Nothing here imports Keras, JAX or
+TensorFlow, at the top or in a function.
 """
 
 from __future__ import annotations
@@ -40,8 +41,14 @@ _LOAD_NOTICES = (b"All log messages before absl::InitializeLog() is called",
 
 
 @contextlib.contextmanager
-def _load_notices_dropped():
-    """Capture file descriptor 2 for the block, then write back all but TensorFlow's load notices."""
+def tensorflow_notices_dropped(loads_tensorflow: bool = True):
+    """For a block that may import TensorFlow (`import keras` on the tensorflow engine, Keras'
+    set_random_seed): capture file descriptor 2 while TensorFlow is first loaded, then write back
+    all but its load notices. A no-op when TensorFlow is loaded already or `loads_tensorflow` is
+    False."""
+    if not loads_tensorflow or "tensorflow" in sys.modules:
+        yield
+        return
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as captured:
@@ -59,16 +66,6 @@ def _load_notices_dropped():
                 os.write(2, kept)
 
 
-def set_random_seed(seed: int) -> None:
-    """keras.utils.set_random_seed(seed), which also seeds (and so imports) TensorFlow where it is
-    installed, on any engine: without TensorFlow's load notices on stderr."""
-    import keras
-
-    loading_tensorflow = "tensorflow" not in sys.modules and installed("tensorflow")
-    with _load_notices_dropped() if loading_tensorflow else contextlib.nullcontext():
-        keras.utils.set_random_seed(seed)
-
-
 def installed(module: str) -> bool:
     """True when the module (an engine's framework, onnxruntime, ...) can be imported."""
     return importlib.util.find_spec(module) is not None
@@ -76,11 +73,8 @@ def installed(module: str) -> bool:
 
 def loaded_backend() -> str | None:
     """The backend of an already imported Keras, else None."""
-    if "keras" not in sys.modules:
-        return None
-    import keras
-
-    return keras.backend.backend()
+    keras = sys.modules.get("keras")  # read, never imported here: this is the light core
+    return keras.backend.backend() if keras is not None else None
 
 
 def fastest(platform: str, device_count: int) -> str:
@@ -137,8 +131,10 @@ def _restart_fix(backend: str) -> str:
             f"KERAS_BACKEND={backend}")
 
 
-def activate(engine: str):
-    """Import Keras with `engine` as its backend and return the keras module."""
+def activate(engine: str) -> None:
+    """Set what Keras reads at its first import so that it runs on `engine`. The import itself
+    happens above the engine line (meshfit.fit imports Keras at its top; a recipe file may import
+    it first), inside tensorflow_notices_dropped(): nothing in the light core imports Keras."""
     os.environ["KERAS_BACKEND"] = engine
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
     if engine == "tensorflow":
@@ -148,20 +144,12 @@ def activate(engine: str):
                           "the meshfit command line, so a run resumed there is not bit-identical; "
                           f"import meshfit first or set {ONEDNN}=1", stacklevel=3)
         os.environ.setdefault(ONEDNN, "1")  # oneDNN kernels: 2-4x faster CNNs on x86
-    loading_tensorflow = engine == "tensorflow" and "tensorflow" not in sys.modules
-    with _load_notices_dropped() if loading_tensorflow else contextlib.nullcontext():
-        import keras
-
-    if keras.backend.backend() != engine:
-        raise MeshfitError(
-            f"too late to switch to engine {engine}: Keras already runs on {keras.backend.backend()}",
-            see="keras-imported-first")
-    return keras
 
 
 def start_engine(simulate_devices: int | None, engine: str | None,
                  require: str | None) -> tuple[devices.DeviceInfo, str]:
-    """Find the devices and import Keras with the engine for them; returns (devices, engine).
+    """Find the devices and choose the engine for them, set for Keras' first import; returns
+    (devices, engine).
 
     `meshfit.connect()` starts with it; a recipe file is run only after it, so that a file
     importing keras at its top gets the backend its run uses (Keras fixes it at its first import).

@@ -23,8 +23,8 @@ import numpy as np
 from meshfit import __version__, recipes
 from meshfit.data import splits as data
 from meshfit.errors import MeshfitError
-from meshfit.fit import jax_loop, memory_plan, tf_microbatch
-from meshfit.parallel import cluster, engine, planning, stall
+from meshfit.fit import jax_loop, memory_plan, set_random_seed, tf_microbatch
+from meshfit.parallel import cluster, planning, stall
 from meshfit.run import checkpoints, models, rundir, spec
 from meshfit.run.callbacks import RecipeCallbacks
 from meshfit.run.evaluate import headline
@@ -68,7 +68,7 @@ def start_session(strategy, seed: int) -> None:
     # weights its seed gives: a resumed run then loads into the same variables.
     keras.backend.clear_session()
     strategy.activate()
-    engine.set_random_seed(seed)
+    set_random_seed(seed)
     if strategy.engine == "tensorflow":
         import tensorflow as tf  # only on the TensorFlow engine
 

@@ -169,11 +169,11 @@ def import_keras(backend: str | None = None):
     """Keras: the one already imported, else imported now with `backend` (default: meshfit's
     choice for one CPU device: $MESHFIT_ENGINE, $KERAS_BACKEND, else TensorFlow when installed,
     which loads and runs a model far sooner than JAX, else JAX)."""
-    if "keras" in sys.modules:
+    if "keras" not in sys.modules:
+        engine.activate(backend or engine.choose_engine(None, "cpu", 1))
+    with engine.tensorflow_notices_dropped(os.environ.get("KERAS_BACKEND") == "tensorflow"):
         import keras
-
-        return keras
-    return engine.activate(backend or engine.choose_engine(None, "cpu", 1))
+    return keras
 
 
 @contextlib.contextmanager

@@ -77,7 +77,7 @@ def load_recipe(recipe: str | recipes.Recipe | None, options: TrainOptions) -> r
     """The recipe of a new run, with the options that override its own settings: a recipe file
     runs only after the engine is started, since it may import Keras at its top."""
     if isinstance(recipe, str) and recipes.is_file(recipe):
-        engine.start_engine(options.simulate_devices, options.engine, options.require)
+        start_engine_for_file(options.simulate_devices, options.engine, options.require)
     the_recipe = recipe if isinstance(recipe, recipes.Recipe) else recipes.load(recipe)
     changes = {"steps_per_epoch": options.steps_per_epoch,
                "validation_split": options.validation_split}
@@ -90,8 +90,8 @@ def resumed_recipe(recipe: str | recipes.Recipe | None, options: TrainOptions, r
     was asked."""
     from_python = isinstance(recipe, recipes.Recipe) and not saved.recipe_file
     if saved.recipe_file:
-        engine.start_engine(options.simulate_devices or saved.simulate_devices,
-                            options.engine or saved.engine, options.require)
+        start_engine_for_file(options.simulate_devices or saved.simulate_devices,
+                              options.engine or saved.engine, options.require)
     the_recipe = recipe if from_python else models.recipe_of_run(resume, saved)
     the_recipe = dataclasses.replace(the_recipe, steps_per_epoch=saved.steps_per_epoch,
                                      validation_split=saved.validation_split)
@@ -103,6 +103,14 @@ def resumed_recipe(recipe: str | recipes.Recipe | None, options: TrainOptions, r
     spec.check_resume(saved, resume, recipe=asked, global_batch=options.global_batch,
                       seed=options.seed, precision=options.precision)
     return the_recipe
+
+
+def start_engine_for_file(simulate_devices: int | None, engine_name: str | None,
+                          require: str | None) -> None:
+    """Devices found and Keras imported on their engine before a recipe file runs: the file may
+    import keras at its top, and Keras keeps the backend of its first import."""
+    engine.start_engine(simulate_devices, engine_name, require)
+    models.import_keras()
 
 
 def check_recipe(recipe: recipes.Recipe) -> None:
