@@ -5,6 +5,8 @@ Tests marked `slow` take more than about 20 s each on a 2-core CPU: `pytest -m "
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -12,6 +14,12 @@ from meshfit.parallel import devices  # noqa: E402 (light: no JAX yet)
 
 devices.use_simulated_devices(8)  # the device count and meshfit's other XLA flags for simulated devices
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# One JAX compilation cache for the session, its xdist workers and every meshfit subprocess they
+# start (all inherit this environment): the suite compiles the same small programs in dozens of
+# processes. Entries are keyed by program, flags and devices, so a hit is the same executable.
+_JAX_CACHE = None if "JAX_COMPILATION_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="meshfit-tests-jax-")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _JAX_CACHE or "")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402 (the environment above must come first)
 from helpers import connect_eight_devices, write_idx_dataset  # noqa: E402
@@ -32,3 +40,8 @@ def data_dir(tmp_path_factory):
     write_idx_dataset(root / "fashion-mnist")
     write_idx_dataset(root / "mnist", seed=1)
     return str(root)
+
+
+def pytest_unconfigure(config):
+    if _JAX_CACHE:  # the session (or xdist controller) that made the cache removes it
+        shutil.rmtree(_JAX_CACHE, ignore_errors=True)
