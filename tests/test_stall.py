@@ -82,6 +82,23 @@ def test_eager_collectives_on_eight_devices_finish_on_a_busy_machine():
     assert out.stdout.startswith("done: 2000 steps")
 
 
+@pytest.mark.slow
+def test_the_stress_harness_short_version():
+    """benchmarks/stress_cpu_devices.py's subclassed model with its own train_step, through plain
+    fit and through `meshfit train FILE.py`, with a busy process per core: both finish. (The whole
+    harness, 8 families at two busy processes per core: BENCHMARKS.md, section 2; one per core
+    here, since the busy processes slow the suite's other worker too.)"""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "stress_cpu_devices.py"),
+                          "--rounds", "1", "--families", "train_step", "--no-reference", "--busy", "1",
+                          "--stall", "300", "--limit", "900"],
+                         capture_output=True, text=True, timeout=1900,
+                         env=environment({"XLA_FLAGS": "", "MESHFIT_SIMULATE_DEVICES": None}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for route in ("plain", "cli"):
+        assert f"| train_step | {route} | 1 | 1 | 0 | 0 | 0 |" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "2 runs, 0 not finished" in out.stdout
+
+
 # ------------------------------------------------------------------------------------ the stall guard
 
 def test_where_names_a_main_thread_in_python():
