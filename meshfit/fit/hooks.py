@@ -76,7 +76,7 @@ def report_off():
 
 def _distributed(strategy) -> bool:
     """True when `strategy` runs JAX on several devices and its distribution is Keras' current one."""
-    return (strategy is not None and strategy.engine == "jax" and strategy.replicas > 1
+    return (strategy is not None and strategy.engine == "jax" and strategy.distribution is not None
             and keras.distribution.distribution() is strategy.distribution)
 
 
@@ -90,6 +90,8 @@ def _install() -> None:
     from keras.src.backend.jax import distribution_lib  # Keras places every batch through it
 
     distribution_lib.distribute_data_input = _placement_hook(distribution_lib.distribute_data_input)
+    distribution_lib.distribute_tensor = sources.divisible_placement(distribution_lib.distribute_tensor,
+                                                                     active)
     for name in _FUNCTIONS:
         setattr(trainer, f"make_{name}", _make_function_hook(getattr(trainer, f"make_{name}"), name))
     for name in ("fit", "evaluate", "predict"):  # fit around its report hook: all of it guarded
