@@ -40,7 +40,7 @@ import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshfit import env
-from meshfit.fit import jax_loop, sources
+from meshfit.fit import jax_loop, memory_plan, sources
 from meshfit.parallel import heartbeat, stall
 from meshfit.watch import progress_bar
 from meshfit.watch.report import EpochReport
@@ -204,6 +204,7 @@ def _fit_hook(fit: Callable) -> Callable:
                 callbacks.append(EpochReport(global_batch=_global_batch(arguments), strategy=strategy))
             _progress_bar_first(callbacks, verbose)
             arguments["callbacks"] = callbacks
+        memory_plan.plan_at_first_fit(strategy, self, arguments)  # sharding="auto": laid out to fit
         if (strategy.engine == "jax" and self.train_function is None and self.jit_compile
                 and not self.run_eagerly):
             jax_loop.install(self, self.steps_per_execution)
