@@ -184,3 +184,17 @@ def test_a_keras_hub_layout_map_is_used_as_written():
             strategy.layout_map = lacking
     finally:
         connect_eight_devices()
+
+
+def test_model_parallel_must_divide_the_devices(strategy):
+    from meshfit.run.options import TrainOptions
+
+    with pytest.raises(meshfit.MeshfitError, match="model_parallel=3 does not divide the 8 devices"):
+        meshfit.connect(simulate_devices=8, verbose=False, model_parallel=3)
+    with pytest.raises(meshfit.MeshfitError, match="--model-parallel 0 is not a whole number"):
+        TrainOptions(model_parallel=0)
+    try:
+        mesh = meshfit.connect(simulate_devices=8, verbose=False, model_parallel=8)
+        assert mesh.replicas == 1 and "1, each on 8 devices" in mesh.report()
+    finally:
+        connect_eight_devices()
