@@ -12,7 +12,7 @@ from meshfit.parallel import planning as _planning
 from meshfit.parallel import sharding as _sharding
 
 __version__ = "0.1.0"
-__all__ = ["connect", "Strategy", "EpochReport", "Recipe", "MeshfitError", "__version__"]
+__all__ = ["connect", "plan", "Strategy", "EpochReport", "Recipe", "MeshfitError", "__version__"]
 
 
 def connect(require: str | None = None, simulate_devices: int | None = None, precision: str = "auto",
@@ -28,8 +28,9 @@ def connect(require: str | None = None, simulate_devices: int | None = None, pre
     precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32).
     engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
     sharding: 'auto' (default), 'data' or 'fsdp' (see meshfit.parallel.sharding). 'auto' lays
-      variables out as 'data' until meshfit.fit.memory_plan.choose_sharding plans the model's
-      memory and picks fsdp when the replicated step does not fit (`meshfit train` calls it).
+      variables out as 'data' until a model's first fit plans its train step with fit's batch
+      (meshfit.fit.memory_plan) and, when the device memory is known and the replicated step
+      does not fit, lays its variables out as fsdp (`meshfit train` plans before building).
     fsdp_min_bytes: under fsdp, floating-point variables of at least this size ('1MiB', bytes;
       default 1 MiB) are sharded. device_memory: bytes per device to plan with ('16GB'; default:
       the device's).
@@ -62,10 +63,10 @@ def connect(require: str | None = None, simulate_devices: int | None = None, pre
 def __getattr__(name: str):
     # The public names below load on first use: Strategy and EpochReport import Keras, which must
     # wait for connect() to choose the engine; Recipe would load the recipes and data packages.
-    if name == "Strategy":
-        from meshfit.fit.strategy import Strategy  # imports Keras: use after connect()
+    if name in ("Strategy", "plan"):  # plan: the memory plan of a model built by a function
+        from meshfit.fit.strategy import Strategy, plan  # imports Keras: use after connect()
 
-        return Strategy
+        return Strategy if name == "Strategy" else plan
     if name == "EpochReport":
         from meshfit.watch.report import EpochReport  # imports Keras: use after connect()
 

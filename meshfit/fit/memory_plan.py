@@ -16,6 +16,7 @@ decided here, for `meshfit train`, `meshfit bench`, `meshfit plan` and Python al
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -26,6 +27,9 @@ import jax
 import keras
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+
+from keras.src.backend.common import global_state  # Keras' list of variables awaiting values
+from keras.src.optimizers import base_optimizer  # has no public name
 
 from meshfit.errors import MeshfitError
 from meshfit.fit import sources
@@ -137,9 +141,13 @@ def _specs(model, mode: str, strategy) -> dict[int, list]:
     distribution = strategy.distribution
     for group in state_groups(model):
         for v in group:
-            live = getattr(getattr(v.value, "sharding", None), "spec", None)
+            # v._value, not v.value: an abstract model's (plan_build) variables have none, and
+            # .value would make one.
+            live = getattr(getattr(getattr(v, "_value", None), "sharding", None), "spec", None)
             if mode == strategy.sharding and live is not None:
                 specs[id(v)] = list(live) + [None] * (len(v.shape) - len(live))
+            elif mode == strategy.sharding and distribution is not None:  # as it will be laid out
+                specs[id(v)] = list(distribution.get_variable_layout(v).axes)
             elif distribution is not None:
                 specs[id(v)] = distribution.spec(tuple(v.shape), v.dtype, mode)
             else:
@@ -426,4 +434,57 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
     if result["modes"][mode]["fits"] is False:
         warnings.warn(f"sharding auto: {result['why']}; expect the device to run out of memory "
                       "(use a smaller batch, more devices or model_parallel)", stacklevel=3)
+    return result
+
+
+@contextlib.contextmanager
+def _abstract_variables():
+    """Variables created inside get a shape, dtype and layout but no value: Keras'
+    StatelessScope, left without initializing them. Keras' optimizer makes its step counter and
+    learning rate from values (scalars), which that scope refuses, so an optimizer's __init__
+    runs outside it."""
+    base = base_optimizer.BaseOptimizer
+    init = base.__init__
+
+    def concrete_init(self, *args, **kwargs):
+        scope = global_state.get_global_attribute("stateless_scope")
+        global_state.set_global_attribute("stateless_scope", None)
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            global_state.set_global_attribute("stateless_scope", scope)
+
+    base.__init__ = concrete_init
+    try:
+        with keras.StatelessScope(initialize_variables=False):  # leaving it gives no values
+            yield
+    finally:
+        base.__init__ = init
+
+
+def plan_build(strategy, build: Callable[[], Any], global_batch: int, input_shapes=None,
+               verbose: bool = True) -> dict[str, Any]:
+    """`meshfit.plan`: the memory plan of the model `build()` returns (compiled, with its
+    optimizer), for `global_batch` on `strategy`'s devices and device memory, without allocating
+    its weights: the model is built in a Keras `StatelessScope`, where variables get a shape, a
+    dtype and a layout but no value, and its train step is compiled (never run) on abstract
+    arrays. So a 7-billion-parameter configuration plans on a laptop. input_shapes: the inputs'
+    shapes without the batch where `keras.Input` leaves them unknown (see input_structs).
+    Returns plan_memory's dict; printed (summary_lines) when `verbose`."""
+    device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
+    waiting = list(global_state.get_global_attribute("uninitialized_variables", []) or [])
+    try:
+        with strategy.scope(), _abstract_variables():
+            model = build()
+            if getattr(model, "optimizer", None) is None:
+                raise MeshfitError("meshfit.plan needs build() to return a compiled model "
+                                   "(model.compile(optimizer=..., loss=...) inside build)")
+            state_groups(model)  # the optimizer's variables, abstract too
+        result = plan_memory(model, strategy, global_batch, device_memory, input_shapes=input_shapes)
+    finally:  # forget this model's variables: nothing ever gives them values
+        global_state.set_global_attribute("uninitialized_variables", waiting)
+    mode = sharding_to_use(result, strategy.sharding_asked)
+    result["sharding"] = mode
+    if verbose and strategy.info.process_index == 0:
+        print("\n".join(summary_lines(result, mode)), flush=True)
     return result

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import keras
 
-from meshfit.fit import hooks, hosts, sources, tf_bias_gradient, tf_microbatch
+from meshfit.fit import hooks, hosts, memory_plan, sources, tf_bias_gradient, tf_microbatch
 from meshfit.errors import MeshfitError
 from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
@@ -318,6 +318,23 @@ class Strategy:
                 warnings.filterwarnings("ignore", message="Your input ran out of data")
             return model.fit(x, y, batch_size=global_batch, epochs=epochs, callbacks=callbacks,
                              verbose=verbose, **kwargs)
+
+
+def plan(build, global_batch: int, input_shapes=None, verbose: bool = True) -> dict[str, Any]:
+    """The memory plan of the model `build()` returns (compiled) on the devices and device memory
+    of the last `meshfit.connect()` (e.g. `connect(simulate_devices=8, device_memory="16GB",
+    model_parallel=2)`), without allocating its weights: per device the weights, optimizer state
+    and the step's temporary memory under data and fsdp (with the connected model parallelism),
+    whether each fits and the layout 'auto' would choose. input_shapes: the inputs' shapes without
+    the batch where keras.Input leaves them unknown, e.g. {"token_ids": (1024,), "padding_mask":
+    (1024,)}. See meshfit.fit.memory_plan.plan_build."""
+    strategy = hooks.active()
+    if strategy is None:
+        raise MeshfitError("meshfit.plan plans on the connected devices: call meshfit.connect() "
+                           "first (e.g. connect(simulate_devices=8, device_memory='16GB'))")
+    if strategy.engine != "jax":
+        raise MeshfitError("meshfit.plan compiles the train step with JAX; connect(engine='jax')")
+    return memory_plan.plan_build(strategy, build, global_batch, input_shapes, verbose)
 
 
 def connected(info: devices_lib.DeviceInfo, engine: str, precision: str, sharding: str,
