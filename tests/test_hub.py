@@ -129,7 +129,7 @@ def test_auto_shards_a_model_that_does_not_fit_at_its_first_fit(one_device_loss,
         connect_eight_devices()
 
 
-def test_plan_takes_the_sequence_length_keras_input_leaves_unknown(strategy):
+def test_plan_takes_the_sequence_length_keras_input_leaves_unknown(strategy, capsys):
     from meshfit.fit import memory_plan
 
     with strategy.scope():
@@ -141,6 +141,13 @@ def test_plan_takes_the_sequence_length_keras_input_leaves_unknown(strategy):
                    for n in (16, 256))
     assert short.fits and short.batch == 2 * 16 * (4 + 4)  # 2 rows per device of 16 int32 ids and mask
     assert long.step_temp > 4 * short.step_temp
+    # meshfit.plan builds the model without giving its variables values: the same plan.
+    built = []
+    abstract = meshfit.plan(lambda: built.append(llama()) or built[0], 16,
+                            input_shapes={"token_ids": (16,), "padding_mask": (16,)})
+    assert abstract["modes"]["data"]["total"] == short.total
+    assert "using data: device memory unknown" in capsys.readouterr().out
+    assert all(v._value is None for v in built[0].variables)  # nothing allocated
 
 
 def test_model_parallel_pairs_kernels_as_megatron_and_trains_as_one_device(one_device_loss):

@@ -480,9 +480,11 @@ def plan_build(strategy, build: Callable[[], Any], global_batch: int, input_shap
                 raise MeshfitError("meshfit.plan needs build() to return a compiled model "
                                    "(model.compile(optimizer=..., loss=...) inside build)")
             state_groups(model)  # the optimizer's variables, abstract too
-        result = plan_memory(model, strategy, global_batch, device_memory, input_shapes=input_shapes)
-    finally:  # forget this model's variables: nothing ever gives them values
+    finally:
+        # Forget this model's variables before compiling: Keras initializes every variable on
+        # its list when the train step's own StatelessScope ends (here with tracers, leaked).
         global_state.set_global_attribute("uninitialized_variables", waiting)
+    result = plan_memory(model, strategy, global_batch, device_memory, input_shapes=input_shapes)
     mode = sharding_to_use(result, strategy.sharding_asked)
     result["sharding"] = mode
     if verbose and strategy.info.process_index == 0:
