@@ -406,9 +406,10 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
     """'auto' in Python: at a model's first `fit` under an active strategy asked for 'auto' with
     several devices and a known device memory, plan its train step with fit's real batch shapes
     (so variable-length inputs plan) and, when the replicated step does not fit, lay the model's
-    variables out as fsdp before the first step (Strategy.relayout), saying so in one line; when
-    neither fits, one warning says by how much. A source whose shapes are unknown before it is read
-    gets one line saying how to choose. Returns the plan, or None where none was made."""
+    variables out as fsdp before the first step (Strategy.relayout), printing the plan; when
+    neither fits, one warning says by how much. When the replicated step fits, nothing is printed
+    and only that step was compiled (once more). A source whose shapes are unknown before it is
+    read gets one line saying how to choose. Returns the plan when one was printed, else None."""
     device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
     if (strategy.sharding_asked != "auto" or strategy.distribution is None or device_memory is None
             or getattr(model, "_meshfit_planned", False) or model.optimizer is None):
@@ -424,6 +425,8 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
                   flush=True)
         return None
     data, global_batch = found
+    if plan_mode(model, strategy, "data", global_batch, device_memory, data=data).fits:
+        return None  # the replicated step fits: nothing changes, and nothing more is compiled
     result = plan_memory(model, strategy, global_batch, device_memory, data=data)
     mode = result["choice"]
     if mode != strategy.sharding:

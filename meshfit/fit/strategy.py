@@ -16,8 +16,8 @@ from typing import Any, Iterator
 
 import keras
 
-from meshfit.fit import hooks, hosts, memory_plan, sources, tf_bias_gradient, tf_microbatch
 from meshfit.errors import MeshfitError
+from meshfit.fit import hooks, hosts, memory_plan, sources, tf_bias_gradient, tf_microbatch
 from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
 from meshfit.parallel import planning
