@@ -178,6 +178,9 @@ def test_model_parallel_pairs_kernels_as_megatron_and_trains_as_one_device(one_d
 def test_a_keras_hub_layout_map_is_used_as_written():
     strategy = meshfit.connect(simulate_devices=8, verbose=False, sharding="data", model_parallel=2)
     try:
+        with strategy.scope():
+            assert tuple(gemma().backbone.get_layer("token_embedding").embeddings.value.sharding.spec) == (
+                "model", None)  # the rule, before the map
         strategy.layout_map = keras_hub.models.GemmaBackbone.get_layout_map(strategy.device_mesh)
         with strategy.scope():
             model = gemma()
@@ -189,6 +192,14 @@ def test_a_keras_hub_layout_map_is_used_as_written():
         lacking[".*embeddings"] = ("model", "data")
         with pytest.warns(UserWarning, match="1 entry .* name an axis this mesh lacks"):
             strategy.layout_map = lacking
+        # The function itself, given to connect(), is called with meshfit's mesh. (Under fsdp x
+        # model meshfit's rule lays every Gemma kernel out as this map does; under data it
+        # would leave 'batch' out, so 'batch' here is the map's.)
+        meshfit.connect(simulate_devices=8, verbose=False, sharding="data", model_parallel=2,
+                        layout_map=keras_hub.models.GemmaBackbone.get_layout_map)
+        model = gemma()
+        assert tuple(model.backbone.get_layer("token_embedding").embeddings.value.sharding.spec) == (
+            "model", "batch")
     finally:
         connect_eight_devices()
 

@@ -415,8 +415,13 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
             or getattr(model, "_meshfit_planned", False) or model.optimizer is None):
         return None
     model._meshfit_planned = True  # once per model: later fits keep the layout chosen
-    found = first_fit_batch(arguments)
     chief = strategy.info.process_index == 0
+    if strategy.hosts > 1:  # each process reads its own rows: they could decide differently
+        if chief:
+            print("meshfit: sharding auto on several hosts is planned by meshfit train (before the "
+                  "model is built); in Python pass sharding='fsdp' or 'data' to connect()", flush=True)
+        return None
+    found = first_fit_batch(arguments)
     if found is None:
         if chief:
             print(f"meshfit: sharding auto: a {type(arguments.get('x')).__name__} does not say its "
