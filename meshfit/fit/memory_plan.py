@@ -243,6 +243,7 @@ def plan_memory(model, strategy, global_batch: int, device_memory: int | None,
              for mode in modes}
     choice, why = auto_sharding(plans, device_memory)
     return {"device_memory": device_memory, "global_batch": global_batch, "devices": strategy.replicas,
+            "model_parallel": strategy.model_parallel,
             "modes": {m: {**dataclasses.asdict(p), "replicated_share": p.replicated_share}
                       for m, p in plans.items()},
             "choice": choice, "why": why}
@@ -308,8 +309,10 @@ def check_fits(result: dict, mode: str) -> None:
 def summary_lines(result: dict, mode: str) -> list[str]:
     """The plan as text lines: per mode its bytes per device, then the mode used and why."""
     memory = result["device_memory"]
+    k = result.get("model_parallel", 1)
+    on = f"{result['devices']} device(s)" if k == 1 else f"{result['devices']} x {k} devices (batch x model)"
     lines = [f"memory per device (of {sharding.format_bytes(memory)}), global batch "
-             f"{result['global_batch']} on {result['devices']} device(s):"]
+             f"{result['global_batch']} on {on}:"]
     for name, p in result["modes"].items():
         fits = {True: "fits", False: "does not fit", None: "fit unknown"}[p["fits"]]
         lines.append(f"  {name:<5} weights {sharding.format_bytes(p['weights'])}  optimizer "
