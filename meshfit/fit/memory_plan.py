@@ -356,11 +356,14 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     skip = strategy.distribution is None or (strategy.sharding_asked != "fsdp" and device_memory is None)
     if skip and not always:
         return strategy, None
-    # Built under fsdp, the layout that allocates the least: planning must not run out of memory.
+    # Under fsdp, and with abstract variables (no values: see abstract_model) where the model
+    # builds so; else built for real under fsdp, the layout that allocates the least.
     planned = strategy.with_sharding("fsdp") if strategy.distribution is not None else strategy
     fresh_session(planned)
-    with planned.scope():
-        model = make_model()
+    model = abstract_model(planned, make_model, fallback=True)
+    if model is None:
+        with planned.scope():
+            model = make_model()
     result = plan_memory(model, planned, global_batch, device_memory, largest)
     mode = sharding_to_use(result, strategy.sharding_asked)
     if result["modes"][mode]["fits"] is False and not largest:  # the refusal names the batch that fits
@@ -473,6 +476,30 @@ def _abstract_variables():
         base.__init__ = init
 
 
+def abstract_model(strategy, make_model: Callable[[], Any], fallback: bool = False):
+    """The compiled model `make_model()` returns, built in `strategy`'s scope with variables that
+    have a shape, dtype and layout but no value (its optimizer's too), so nothing of it is
+    allocated. fallback: return None, rather than raise, for a model that cannot be built so (one
+    that computes with its weights while being built)."""
+    waiting = list(global_state.get_global_attribute("uninitialized_variables", []) or [])
+    try:
+        with strategy.scope(), _abstract_variables():
+            model = make_model()
+            if getattr(model, "optimizer", None) is None:
+                raise MeshfitError("planning needs the model compiled (model.compile(optimizer=..., "
+                                   "loss=...) where it is built)")
+            state_groups(model)  # the optimizer's variables, abstract too
+        return model
+    except Exception:
+        if fallback:
+            return None
+        raise
+    finally:
+        # Forget this model's variables before compiling: Keras initializes every variable on
+        # its list when the train step's own StatelessScope ends (here with tracers, leaked).
+        global_state.set_global_attribute("uninitialized_variables", waiting)
+
+
 def plan_build(strategy, build: Callable[[], Any], global_batch: int, input_shapes=None,
                verbose: bool = True) -> dict[str, Any]:
     """`meshfit.plan`: the memory plan of the model `build()` returns (compiled, with its
@@ -483,18 +510,7 @@ def plan_build(strategy, build: Callable[[], Any], global_batch: int, input_shap
     shapes without the batch where `keras.Input` leaves them unknown (see input_structs).
     Returns plan_memory's dict; printed (summary_lines) when `verbose`."""
     device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
-    waiting = list(global_state.get_global_attribute("uninitialized_variables", []) or [])
-    try:
-        with strategy.scope(), _abstract_variables():
-            model = build()
-            if getattr(model, "optimizer", None) is None:
-                raise MeshfitError("meshfit.plan needs build() to return a compiled model "
-                                   "(model.compile(optimizer=..., loss=...) inside build)")
-            state_groups(model)  # the optimizer's variables, abstract too
-    finally:
-        # Forget this model's variables before compiling: Keras initializes every variable on
-        # its list when the train step's own StatelessScope ends (here with tracers, leaked).
-        global_state.set_global_attribute("uninitialized_variables", waiting)
+    model = abstract_model(strategy, build)
     result = plan_memory(model, strategy, global_batch, device_memory, input_shapes=input_shapes)
     mode = sharding_to_use(result, strategy.sharding_asked)
     result["sharding"] = mode
