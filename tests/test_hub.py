@@ -72,12 +72,15 @@ def test_generate_on_any_number_of_prompts_matches_one_device(strategy, one_devi
     assert placed.sharding.is_fully_replicated and placed.shape == (3, 4)
 
 
-def llama(seed=0):
-    """A 2-layer Llama causal LM (hidden 32, 4 query and 2 key/value heads, MLP 128), Adam."""
+def llama(seed=0, lora=False):
+    """A 2-layer Llama causal LM (hidden 32, 4 query and 2 key/value heads, MLP 128), Adam;
+    lora: with LoRA adapters of rank 4, the only variables trained."""
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.LlamaBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
                                               num_key_value_heads=2, hidden_dim=32, intermediate_dim=128)
     model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    if lora:
+        backbone.enable_lora(rank=4)
     model.compile(optimizer=keras.optimizers.Adam(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -93,13 +96,19 @@ def train(model):
 
 
 @pytest.fixture(scope="module")
-def one_device_loss():
+def one_device_losses():
+    """Losses of 2 steps on one device: the Llama trained whole, and with LoRA."""
     one = one_device(connect_eight_devices())
     try:
         with one.scope():
-            return train(llama())
+            return train(llama()), train(llama(lora=True))
     finally:
         connect_eight_devices()
+
+
+@pytest.fixture
+def one_device_loss(one_device_losses):
+    return one_device_losses[0]
 
 
 def device_zero_share(model) -> float:
@@ -214,5 +223,18 @@ def test_model_parallel_must_divide_the_devices(strategy):
     try:
         mesh = meshfit.connect(simulate_devices=8, verbose=False, model_parallel=8)
         assert mesh.replicas == 1 and "1, each on 8 devices" in mesh.report()
+    finally:
+        connect_eight_devices()
+
+
+def test_lora_under_fsdp_and_model_parallelism_trains_its_adapters_as_one_device(one_device_losses):
+    meshfit.connect(simulate_devices=8, verbose=False, sharding="fsdp", model_parallel=2,
+                    fsdp_min_bytes=1)
+    try:
+        model = llama(lora=True)
+        assert model.trainable_variables and all("lora_kernel" in v.path for v in model.trainable_variables)
+        frozen = [np.array(v.value) for v in model.non_trainable_variables]
+        np.testing.assert_allclose(train(model), one_device_losses[1], rtol=1e-5)
+        assert all(np.array_equal(a, np.array(v.value)) for a, v in zip(frozen, model.non_trainable_variables))
     finally:
         connect_eight_devices()
