@@ -12,13 +12,13 @@ from meshfit.parallel import planning as _planning
 from meshfit.parallel import sharding as _sharding
 
 __version__ = "0.1.0"
-__all__ = ["connect", "Strategy", "EpochReport", "Recipe", "MeshfitError", "__version__"]
+__all__ = ["connect", "plan", "Strategy", "EpochReport", "Recipe", "MeshfitError", "__version__"]
 
 
 def connect(require: str | None = None, simulate_devices: int | None = None, precision: str = "auto",
             engine: str | None = None, verbose: bool = True, sharding: str | None = None,
             fsdp_min_bytes: int | str | None = None, device_memory: int | str | None = None,
-            layout_map=None, *, simulate: int | None = None):
+            layout_map=None, *, simulate: int | None = None, model_parallel: int = 1):
     """Find the devices, pick engine and precision, print what was found, return the Strategy
     (meshfit.fit.strategy.Strategy).
 
@@ -28,12 +28,18 @@ def connect(require: str | None = None, simulate_devices: int | None = None, pre
     precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32).
     engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
     sharding: 'auto' (default), 'data' or 'fsdp' (see meshfit.parallel.sharding). 'auto' lays
-      variables out as 'data' until meshfit.fit.memory_plan.choose_sharding plans the model's
-      memory and picks fsdp when the replicated step does not fit (`meshfit train` calls it).
+      variables out as 'data' until a model's first fit plans its train step with fit's batch
+      (meshfit.fit.memory_plan) and, when the device memory is known and the replicated step
+      does not fit, lays its variables out as fsdp (`meshfit train` plans before building).
     fsdp_min_bytes: under fsdp, floating-point variables of at least this size ('1MiB', bytes;
       default 1 MiB) are sharded. device_memory: bytes per device to plan with ('16GB'; default:
       the device's).
-    layout_map: a keras.distribution.LayoutMap whose entries win over the fsdp rule.
+    layout_map: a keras.distribution.LayoutMap (on any mesh with axes 'batch' and 'model', or a
+      function of the mesh returning one, e.g. keras-hub's `GemmaBackbone.get_layout_map`) whose
+      entries win over meshfit's rule; or set `strategy.layout_map` later.
+    model_parallel: K devices per model replica: the mesh is (devices/K) x K with axes 'batch'
+      and 'model', and every kernel is split over 'model' (tensor parallelism chosen from its
+      shape, see meshfit.parallel.sharding), combined with `sharding` on 'batch'.
     """
     if simulate is not None:
         if simulate_devices is not None and simulate_devices != simulate:
@@ -45,21 +51,22 @@ def connect(require: str | None = None, simulate_devices: int | None = None, pre
     sharding = _sharding.check_sharding(sharding)
     fsdp_min_bytes = _sharding.parse_fsdp_min_bytes(fsdp_min_bytes)
     device_memory = _sharding.parse_size(device_memory)
+    model_parallel = _sharding.check_model_parallel(model_parallel)
     info, chosen = _engine.start_engine(simulate_devices, engine, require)
     from meshfit.fit import strategy  # the engine line: Keras is imported, on the engine just chosen
 
     return strategy.connected(
         info, chosen, _planning.resolve_precision(precision, info.platform, info.compute_capability),
-        sharding, fsdp_min_bytes, device_memory, layout_map, verbose)
+        sharding, fsdp_min_bytes, device_memory, layout_map, verbose, model_parallel)
 
 
 def __getattr__(name: str):
     # The public names below load on first use: Strategy and EpochReport import Keras, which must
     # wait for connect() to choose the engine; Recipe would load the recipes and data packages.
-    if name == "Strategy":
-        from meshfit.fit.strategy import Strategy  # imports Keras: use after connect()
+    if name in ("Strategy", "plan"):  # plan: the memory plan of a model built by a function
+        from meshfit.fit.strategy import Strategy, plan  # imports Keras: use after connect()
 
-        return Strategy
+        return Strategy if name == "Strategy" else plan
     if name == "EpochReport":
         from meshfit.watch.report import EpochReport  # imports Keras: use after connect()
 

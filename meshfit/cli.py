@@ -102,6 +102,7 @@ def comma_counts(text: str | None, flag: str) -> list[int] | None:
 def add_info_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arguments(parser)
     add_sharding_arguments(parser)
+    options.add_flags(parser, "model_parallel")
     add_json_argument(parser, "the report")
 
 
@@ -109,7 +110,7 @@ def run_info(args: argparse.Namespace) -> int:
     """The discovery report."""
     strategy = meshfit.connect(require=args.require, simulate_devices=args.simulate_devices,
                        precision=args.precision, engine=args.engine, verbose=not args.json,
-                       **sharding_options(args))
+                       model_parallel=args.model_parallel, **sharding_options(args))
     if args.json:
         print(json.dumps(strategy.describe()))
     return 0
@@ -395,6 +396,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the dataset is, for recipes whose data says their shape")
     add_device_arguments(parser)
     add_sharding_arguments(parser)
+    options.add_flags(parser, "model_parallel")
     add_json_argument(parser, "the plan")
 
 
@@ -406,7 +408,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                       global_batch=args.global_batch, precision=args.precision,
                                       engine=args.engine, require=args.require,
                                       data_dir=args.data_dir, verbose=not args.json,
-                                      **sharding_options(args))
+                                      model_parallel=args.model_parallel, **sharding_options(args))
     if args.json:  # without --json, plan_memory printed the plan
         print(json.dumps(result))
     return 0

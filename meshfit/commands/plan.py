@@ -23,7 +23,8 @@ def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = Non
                 fsdp_min_bytes: int | str | None = None,
                 device_memory: int | str | None = None, precision: str | None = None,
                 engine: str | None = None, require: str | None = None,
-                data_dir: str | None = None, verbose: bool = True) -> dict[str, Any]:
+                data_dir: str | None = None, verbose: bool = True,
+                model_parallel: int | None = None) -> dict[str, Any]:
     """`meshfit plan`: the memory plan of a recipe's train step on these devices (both modes,
     the largest per-core batch that fits each), without training; printed when `verbose`.
     Returns meshfit.fit.memory_plan.plan_memory's dict with "recipe" and "sharding" (the mode
@@ -32,7 +33,8 @@ def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = Non
     options = TrainOptions(global_batch=global_batch, simulate_devices=simulate_devices,
                            precision=precision or "auto", engine=engine or "jax", require=require,
                            sharding=sharding, fsdp_min_bytes=fsdp_min_bytes,
-                           device_memory=device_memory, data_dir=data_dir, verbose=verbose)
+                           device_memory=device_memory, data_dir=data_dir, verbose=verbose,
+                           model_parallel=model_parallel)
     the_recipe = train.load_recipe(recipe, options)
     asked = train.Asked(the_recipe, train.settle_options(options, the_recipe, None), run="")
     strategy = train.connect_devices(asked)

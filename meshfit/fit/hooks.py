@@ -40,7 +40,7 @@ import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshfit import env
-from meshfit.fit import jax_loop, sources
+from meshfit.fit import jax_loop, memory_plan, sources
 from meshfit.parallel import heartbeat, stall
 from meshfit.watch import progress_bar
 from meshfit.watch.report import EpochReport
@@ -76,7 +76,7 @@ def report_off():
 
 def _distributed(strategy) -> bool:
     """True when `strategy` runs JAX on several devices and its distribution is Keras' current one."""
-    return (strategy is not None and strategy.engine == "jax" and strategy.replicas > 1
+    return (strategy is not None and strategy.engine == "jax" and strategy.distribution is not None
             and keras.distribution.distribution() is strategy.distribution)
 
 
@@ -90,6 +90,8 @@ def _install() -> None:
     from keras.src.backend.jax import distribution_lib  # Keras places every batch through it
 
     distribution_lib.distribute_data_input = _placement_hook(distribution_lib.distribute_data_input)
+    distribution_lib.distribute_tensor = sources.divisible_placement(distribution_lib.distribute_tensor,
+                                                                     active)
     for name in _FUNCTIONS:
         setattr(trainer, f"make_{name}", _make_function_hook(getattr(trainer, f"make_{name}"), name))
     for name in ("fit", "evaluate", "predict"):  # fit around its report hook: all of it guarded
@@ -202,6 +204,7 @@ def _fit_hook(fit: Callable) -> Callable:
                 callbacks.append(EpochReport(global_batch=_global_batch(arguments), strategy=strategy))
             _progress_bar_first(callbacks, verbose)
             arguments["callbacks"] = callbacks
+        memory_plan.plan_at_first_fit(strategy, self, arguments)  # sharding="auto": laid out to fit
         if (strategy.engine == "jax" and self.train_function is None and self.jit_compile
                 and not self.run_eagerly):
             jax_loop.install(self, self.steps_per_execution)

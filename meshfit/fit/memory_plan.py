@@ -16,6 +16,7 @@ decided here, for `meshfit train`, `meshfit bench`, `meshfit plan` and Python al
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -23,9 +24,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import keras
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from keras.src.backend.common import global_state  # Keras' list of variables awaiting values
+from keras.src.optimizers import base_optimizer  # has no public name
+
 from meshfit.errors import MeshfitError
+from meshfit.fit import sources
 from meshfit.parallel import devices, sharding
 
 
@@ -51,12 +58,16 @@ class ModePlan:
 
 
 def step_arguments(model, global_batch: int, mesh=None, specs: dict | None = None,
-                   one_hot: bool = False) -> tuple:
+                   one_hot: bool = False, data=None, input_shapes=None) -> tuple:
     """(state, data) of the model's stateless `train_step` as abstract arrays for a global batch.
 
     mesh: a jax Mesh to give them shardings on (the batch split along axis 'batch'; variable
     `v` laid out by `specs[id(v)]`, replicated when absent); None: no shardings.
-    one_hot: labels shaped like the outputs (float), else sparse integer labels.
+    data: the batch as fit reads it ((x, y) or (x, y, sample_weight): any structure of arrays or
+    jax.ShapeDtypeStruct, whose first dimension is replaced by global_batch); None: made from the
+    model's inputs and outputs, their unknown dimensions taken from `input_shapes`
+    (see `input_structs`), with labels of the outputs' shape (one_hot: float, like the outputs;
+    else sparse integer labels without the last axis).
     """
     def placed(spec):
         return None if mesh is None else NamedSharding(mesh, PartitionSpec(*spec))
@@ -70,10 +81,49 @@ def step_arguments(model, global_batch: int, mesh=None, specs: dict | None = Non
         return jax.ShapeDtypeStruct(shape, dtype, sharding=placed(["batch"] + [None] * (len(shape) - 1)))
 
     state = tuple([variable(v) for v in group] for group in state_groups(model))
-    x = [batch(t.shape, t.dtype) for t in model.inputs]
-    y = [batch(o.shape, "float32") if one_hot else batch(tuple(o.shape[:-1]), "int32")
-         for o in model.outputs]
-    return state, (x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
+    if data is not None:
+        return state, jax.tree.map(lambda a: batch(a.shape, a.dtype), data)
+    x = input_structs(model, input_shapes)
+    known = next(iter(jax.tree.leaves(x)), None)
+    def label(o):  # unknown output dimensions (a sequence) as the first input's
+        shape = [d if d is not None else (known.shape[i] if known is not None and i < len(known.shape)
+                                          else None) for i, d in enumerate(o.shape)]
+        if any(d is None for d in shape[1:]):
+            raise MeshfitError(f"cannot plan for an output of shape {tuple(o.shape)}: give its "
+                               "unknown dimensions in input_shapes (e.g. input_shapes={'token_ids': (1024,)})")
+        return batch(shape, "float32") if one_hot else batch(shape[:-1], "int32")
+    x = jax.tree.map(lambda a: batch(a.shape, a.dtype), x)
+    y = [label(o) for o in model.outputs]
+    return state, (x, y[0] if len(y) == 1 else y)
+
+
+def input_structs(model, input_shapes=None):
+    """The model's inputs as jax.ShapeDtypeStruct (batch dimension 1, replaced later), in the
+    structure the model takes them (a dict by name for keras-hub models). input_shapes: each
+    input's shape without the batch dimension, for the dimensions `keras.Input` leaves unknown
+    (None, e.g. a sequence length): a dict by input name, a list in the inputs' order, or one
+    shape for every input. A MeshfitError names an input whose shape is still unknown."""
+    inputs = model.inputs
+    names = [t.name for t in inputs]
+    structure = getattr(model, "_inputs_struct", None)
+    if isinstance(input_shapes, dict):
+        given = [input_shapes.get(name) for name in names]
+    elif input_shapes is not None and all(isinstance(d, int) for d in input_shapes):
+        given = [input_shapes] * len(inputs)
+    else:
+        given = list(input_shapes) if input_shapes is not None else [None] * len(inputs)
+    structs = {}
+    for t, name, shape in zip(inputs, names, given):
+        shape = tuple(t.shape[1:]) if shape is None else tuple(shape)
+        if any(d is None for d in shape):
+            raise MeshfitError(f"cannot plan for input {name!r} of shape {tuple(t.shape)}: give its "
+                               f"unknown dimensions, e.g. input_shapes={{{name!r}: (1024,)}} (without "
+                               "the batch)")
+        structs[id(t)] = jax.ShapeDtypeStruct((1,) + shape, t.dtype)
+    if structure is not None:
+        return keras.tree.map_structure(lambda t: structs[id(t)], structure)
+    leaves = [structs[id(t)] for t in inputs]
+    return leaves[0] if len(leaves) == 1 else leaves
 
 
 def state_groups(model) -> tuple:
@@ -88,27 +138,38 @@ def _specs(model, mode: str, strategy) -> dict[int, list]:
     """Each variable's partition spec under `mode`: as laid out now when the model was built in
     that mode (a LayoutMap's entries included), else by meshfit.parallel.sharding's rule."""
     specs = {}
-    devices = strategy.replicas
+    distribution = strategy.distribution
     for group in state_groups(model):
         for v in group:
-            live = getattr(getattr(v.value, "sharding", None), "spec", None)
+            # v._value, not v.value: an abstract model's (plan_build) variables have none, and
+            # .value would make one.
+            live = getattr(getattr(getattr(v, "_value", None), "sharding", None), "spec", None)
             if mode == strategy.sharding and live is not None:
                 specs[id(v)] = list(live) + [None] * (len(v.shape) - len(live))
+            elif mode == strategy.sharding and distribution is not None:  # as it will be laid out
+                specs[id(v)] = list(distribution.get_variable_layout(v).axes)
+            elif distribution is not None:
+                specs[id(v)] = distribution.spec(tuple(v.shape), v.dtype, mode)
             else:
-                specs[id(v)] = sharding.partition(tuple(v.shape), v.dtype, mode, devices,
-                                                  strategy.fsdp_min_bytes)
+                specs[id(v)] = [None] * len(v.shape)
     return specs
 
 
-def _compiled_bytes(model, global_batch: int, mesh, specs) -> tuple[int, int]:
+def axis_sizes(strategy) -> dict[str, int]:
+    """The mesh's axis sizes by name ({'batch': 1} without a distribution)."""
+    return strategy.distribution.axis_sizes if strategy.distribution is not None else {"batch": 1}
+
+
+def _compiled_bytes(model, global_batch: int, mesh, specs, data=None,
+                    input_shapes=None) -> tuple[int, int]:
     """(total, temporaries) per device of the compiled step for a global batch."""
     last_error = None
-    for one_hot in (False, True):  # sparse labels first, as meshfit's recipes use
+    for one_hot in (False, True) if data is None else (False,):  # sparse labels first, as meshfit's recipes use
+        arguments = step_arguments(model, global_batch, mesh, specs, one_hot, data, input_shapes)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # donation notes
-                compiled = jax.jit(model.train_step, donate_argnums=0).lower(
-                    *step_arguments(model, global_batch, mesh, specs, one_hot)).compile()
+                compiled = jax.jit(model.train_step, donate_argnums=0).lower(*arguments).compile()
             stats = compiled.memory_analysis()
             break
         except Exception as error:  # a loss wanting the other label shape
@@ -122,19 +183,21 @@ def _compiled_bytes(model, global_batch: int, mesh, specs) -> tuple[int, int]:
 
 
 def plan_mode(model, strategy, mode: str, global_batch: int, device_memory: int | None,
-              largest: bool = False) -> ModePlan:
+              largest: bool = False, data=None, input_shapes=None) -> ModePlan:
     """The plan of one mode for `model` (built and compiled) on `strategy`'s devices.
 
     largest: also find the largest per-core batch that fits (one more compile, at twice the
-    batch; the step's memory is taken as linear in the batch).
+    batch; the step's memory is taken as linear in the batch). data, input_shapes: the batch to
+    plan for (see `step_arguments`).
     """
     devices = max(strategy.replicas, 1)
     mesh = strategy.distribution.device_mesh.backend_mesh if strategy.distribution else None
     specs = _specs(model, mode, strategy)
+    sizes = axis_sizes(strategy)
     groups = state_groups(model)
 
     def held(variables):
-        return sum(sharding.bytes_per_device(tuple(v.shape), v.dtype, specs[id(v)], devices)
+        return sum(sharding.bytes_per_device(tuple(v.shape), v.dtype, specs[id(v)], sizes)
                    for v in variables)
 
     weights = held(groups[0]) + held(groups[1])
@@ -143,12 +206,12 @@ def plan_mode(model, strategy, mode: str, global_batch: int, device_memory: int 
     whole = sum(sharding.bytes_per_device(tuple(v.shape), v.dtype, [], 1) for v in state_vars)
     replicated = sum(sharding.bytes_per_device(tuple(v.shape), v.dtype, [], 1)
                      for v in state_vars if not any(specs[id(v)]))
-    total, temp = _compiled_bytes(model, global_batch, mesh, specs)
+    total, temp = _compiled_bytes(model, global_batch, mesh, specs, data, input_shapes)
     per_core = global_batch // devices
-    batch = _batch_bytes(model, per_core)
+    batch = _batch_bytes(model, per_core, data, input_shapes)
     best = None
     if largest and device_memory is not None:
-        total2, _ = _compiled_bytes(model, 2 * global_batch, mesh, specs)
+        total2, _ = _compiled_bytes(model, 2 * global_batch, mesh, specs, data, input_shapes)
         slope = (total2 - total) / per_core  # bytes per sample per device
         if slope > 0:
             multiple = strategy.per_core_multiple
@@ -158,23 +221,29 @@ def plan_mode(model, strategy, mode: str, global_batch: int, device_memory: int 
                     None if device_memory is None else total <= device_memory, best)
 
 
-def _batch_bytes(model, rows: int) -> int:
+def _batch_bytes(model, rows: int, data=None, input_shapes=None) -> int:
     """Bytes of `rows` samples of the model's inputs (labels not counted)."""
-    return sum(rows * math.prod(t.shape[1:]) * sharding.itemsize(t.dtype) for t in model.inputs)
+    x = data[0] if data is not None else input_structs(model, input_shapes)
+    return sum(rows * math.prod(t.shape[1:]) * sharding.itemsize(t.dtype) for t in jax.tree.leaves(x))
 
 
 def plan_memory(model, strategy, global_batch: int, device_memory: int | None,
-                largest: bool = False) -> dict[str, Any]:
+                largest: bool = False, *, data=None, input_shapes=None) -> dict[str, Any]:
     """Both modes' plans for `model` on `strategy`'s devices, and the mode `auto` picks.
 
+    data: a batch as fit reads it ((x, y) or (x, y, sample_weight), arrays or
+    jax.ShapeDtypeStruct) to plan with; input_shapes: else the inputs' shapes without the batch,
+    for dimensions `keras.Input` leaves unknown, e.g. {'token_ids': (1024,)} (see input_structs).
     Returns {"device_memory", "global_batch", "devices", "modes": {mode: ModePlan as dict},
     "choice": 'data' or 'fsdp', "why": one line}.
     """
     modes = ("data", "fsdp") if strategy.distribution is not None else ("data",)
-    plans = {mode: plan_mode(model, strategy, mode, global_batch, device_memory, largest)
+    plans = {mode: plan_mode(model, strategy, mode, global_batch, device_memory, largest, data,
+                             input_shapes)
              for mode in modes}
     choice, why = auto_sharding(plans, device_memory)
     return {"device_memory": device_memory, "global_batch": global_batch, "devices": strategy.replicas,
+            "model_parallel": strategy.model_parallel,
             "modes": {m: {**dataclasses.asdict(p), "replicated_share": p.replicated_share}
                       for m, p in plans.items()},
             "choice": choice, "why": why}
@@ -240,8 +309,10 @@ def check_fits(result: dict, mode: str) -> None:
 def summary_lines(result: dict, mode: str) -> list[str]:
     """The plan as text lines: per mode its bytes per device, then the mode used and why."""
     memory = result["device_memory"]
+    k = result.get("model_parallel", 1)
+    on = f"{result['devices']} device(s)" if k == 1 else f"{result['devices']} x {k} devices (batch x model)"
     lines = [f"memory per device (of {sharding.format_bytes(memory)}), global batch "
-             f"{result['global_batch']} on {result['devices']} device(s):"]
+             f"{result['global_batch']} on {on}:"]
     for name, p in result["modes"].items():
         fits = {True: "fits", False: "does not fit", None: "fit unknown"}[p["fits"]]
         lines.append(f"  {name:<5} weights {sharding.format_bytes(p['weights'])}  optimizer "
@@ -285,11 +356,14 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     skip = strategy.distribution is None or (strategy.sharding_asked != "fsdp" and device_memory is None)
     if skip and not always:
         return strategy, None
-    # Built under fsdp, the layout that allocates the least: planning must not run out of memory.
+    # Under fsdp, and with abstract variables (no values: see abstract_model) where the model
+    # builds so; else built for real under fsdp, the layout that allocates the least.
     planned = strategy.with_sharding("fsdp") if strategy.distribution is not None else strategy
     fresh_session(planned)
-    with planned.scope():
-        model = make_model()
+    model = abstract_model(planned, make_model, fallback=True)
+    if model is None:
+        with planned.scope():
+            model = make_model()
     result = plan_memory(model, planned, global_batch, device_memory, largest)
     mode = sharding_to_use(result, strategy.sharding_asked)
     if result["modes"][mode]["fits"] is False and not largest:  # the refusal names the batch that fits
@@ -305,3 +379,141 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     if warning:
         warnings.warn(warning, stacklevel=2)
     return (strategy if mode == strategy.sharding else strategy.with_sharding(mode)), result
+
+
+def first_fit_batch(arguments: dict[str, Any]) -> tuple[Any, int] | None:
+    """(the batch fit will read, as jax.ShapeDtypeStruct (x, y[, sample_weight]); the global
+    batch) from `model.fit`'s arguments, or None where that cannot be known without using up the
+    source: arrays (numpy, JAX, dicts and lists of them) say their shapes; a source that can be
+    read again (a tf.data.Dataset, a grain dataset as keras-hub's fit makes, a PyDataset) gives
+    its first batch to a fresh iterator; a generator or other iterator, read only once, does not."""
+    x, y, weights = arguments.get("x"), arguments.get("y"), arguments.get("sample_weight")
+
+    def struct(a):
+        return jax.ShapeDtypeStruct(tuple(a.shape), np.dtype(getattr(a.dtype, "as_numpy_dtype", a.dtype)))
+
+    if x is None:
+        return None
+    if sources.is_arrays(x, y, weights):
+        data = jax.tree.map(struct, tuple(a for a in (x, y, weights) if a is not None))
+        rows = jax.tree.leaves(data)[0].shape[0]
+        return data, min(arguments.get("batch_size") or sources.KERAS_BATCH, rows)
+    if sources.is_one_shot(x):
+        return None
+    try:
+        first = x[0] if isinstance(x, keras.utils.PyDataset) else next(iter(x))
+    except (TypeError, StopIteration, IndexError):
+        return None
+    data = jax.tree.map(struct, tuple(first) if isinstance(first, (tuple, list)) else (first,))
+    return data, jax.tree.leaves(data)[0].shape[0]
+
+
+def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None:
+    """'auto' in Python: at a model's first `fit` under an active strategy asked for 'auto' with
+    several devices and a known device memory, plan its train step with fit's real batch shapes
+    (so variable-length inputs plan) and, when the replicated step does not fit, lay the model's
+    variables out as fsdp before the first step (Strategy.relayout), printing the plan; when
+    neither fits, one warning says by how much. When the replicated step fits, nothing is printed
+    and only that step was compiled (once more). A source whose shapes are unknown before it is
+    read gets one line saying how to choose. Returns the plan when one was printed, else None."""
+    device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
+    if (strategy.sharding_asked != "auto" or strategy.distribution is None or device_memory is None
+            or getattr(model, "_meshfit_planned", False) or model.optimizer is None):
+        return None
+    model._meshfit_planned = True  # once per model: later fits keep the layout chosen
+    chief = strategy.info.process_index == 0
+    if strategy.hosts > 1:  # each process reads its own rows: they could decide differently
+        if chief:
+            print("meshfit: sharding auto on several hosts is planned by meshfit train (before the "
+                  "model is built); in Python pass sharding='fsdp' or 'data' to connect()", flush=True)
+        return None
+    found = first_fit_batch(arguments)
+    if found is None:
+        if chief:
+            print(f"meshfit: sharding auto: a {type(arguments.get('x')).__name__} does not say its "
+                  f"batch shapes before it is read, so this model trains data-parallel unplanned; "
+                  "pass sharding='fsdp' to connect() to shard it, or arrays or a tf.data.Dataset",
+                  flush=True)
+        return None
+    data, global_batch = found
+    if plan_mode(model, strategy, "data", global_batch, device_memory, data=data).fits:
+        return None  # the replicated step fits: nothing changes, and nothing more is compiled
+    result = plan_memory(model, strategy, global_batch, device_memory, data=data)
+    mode = result["choice"]
+    if mode != strategy.sharding:
+        strategy.relayout(model, mode)
+    result["sharding"] = mode
+    if chief:
+        print("\n".join(summary_lines(result, mode)), flush=True)
+    if result["modes"][mode]["fits"] is False:
+        warnings.warn(f"sharding auto: {result['why']}; expect the device to run out of memory "
+                      "(use a smaller batch, more devices or model_parallel)", stacklevel=3)
+    return result
+
+
+@contextlib.contextmanager
+def _abstract_variables():
+    """Variables created inside get a shape, dtype and layout but no value: Keras'
+    StatelessScope, left without initializing them. Keras' optimizer makes its step counter and
+    learning rate from values (scalars), which that scope refuses, so an optimizer's __init__
+    runs outside it."""
+    base = base_optimizer.BaseOptimizer
+    init = base.__init__
+
+    def concrete_init(self, *args, **kwargs):
+        scope = global_state.get_global_attribute("stateless_scope")
+        global_state.set_global_attribute("stateless_scope", None)
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            global_state.set_global_attribute("stateless_scope", scope)
+
+    base.__init__ = concrete_init
+    try:
+        with keras.StatelessScope(initialize_variables=False):  # leaving it gives no values
+            yield
+    finally:
+        base.__init__ = init
+
+
+def abstract_model(strategy, make_model: Callable[[], Any], fallback: bool = False):
+    """The compiled model `make_model()` returns, built in `strategy`'s scope with variables that
+    have a shape, dtype and layout but no value (its optimizer's too), so nothing of it is
+    allocated. fallback: return None, rather than raise, for a model that cannot be built so (one
+    that computes with its weights while being built)."""
+    waiting = list(global_state.get_global_attribute("uninitialized_variables", []) or [])
+    try:
+        with strategy.scope(), _abstract_variables():
+            model = make_model()
+            if getattr(model, "optimizer", None) is None:
+                raise MeshfitError("planning needs the model compiled (model.compile(optimizer=..., "
+                                   "loss=...) where it is built)")
+            state_groups(model)  # the optimizer's variables, abstract too
+        return model
+    except Exception:
+        if fallback:
+            return None
+        raise
+    finally:
+        # Forget this model's variables before compiling: Keras initializes every variable on
+        # its list when the train step's own StatelessScope ends (here with tracers, leaked).
+        global_state.set_global_attribute("uninitialized_variables", waiting)
+
+
+def plan_build(strategy, build: Callable[[], Any], global_batch: int, input_shapes=None,
+               verbose: bool = True) -> dict[str, Any]:
+    """`meshfit.plan`: the memory plan of the model `build()` returns (compiled, with its
+    optimizer), for `global_batch` on `strategy`'s devices and device memory, without allocating
+    its weights: the model is built in a Keras `StatelessScope`, where variables get a shape, a
+    dtype and a layout but no value, and its train step is compiled (never run) on abstract
+    arrays. So a 7-billion-parameter configuration plans on a laptop. input_shapes: the inputs'
+    shapes without the batch where `keras.Input` leaves them unknown (see input_structs).
+    Returns plan_memory's dict; printed (summary_lines) when `verbose`."""
+    device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
+    model = abstract_model(strategy, build)
+    result = plan_memory(model, strategy, global_batch, device_memory, input_shapes=input_shapes)
+    mode = sharding_to_use(result, strategy.sharding_asked)
+    result["sharding"] = mode
+    if verbose and strategy.info.process_index == 0:
+        print("\n".join(summary_lines(result, mode)), flush=True)
+    return result

@@ -24,15 +24,18 @@ batch smaller than the replicas (or than the micro-batches) is left out whole.
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from typing import Any, Callable, Sequence
 
 import keras  # this module is imported by Strategy.fit, after meshfit.connect() chose the backend
+from jax.sharding import NamedSharding, PartitionSpec
 from keras.src.trainers import data_adapters  # Keras' data adapters have no public API
 
 from meshfit.data.rows import first_rows, leading_rows, splittable_rows
 from meshfit.errors import MeshfitError
+from meshfit.parallel import sharding
 
 KERAS_BATCH = 32  # the batch Keras cuts arrays into when given no batch size
 SOURCE_KINDS = ("numpy arrays", "a tf.data.Dataset", "a keras.utils.PyDataset", "a generator",
@@ -196,3 +199,23 @@ def _check_rereadable(source: Any, steps_name: str, steps: int | None, epochs: i
         raise MeshfitError(f"a {type(source).__name__} can be read only once, so Keras cannot find "
                            f"its epochs' ends: pass {steps_name} (with a generator that yields that "
                            f"many batches per epoch), use epochs=1, or use a keras.utils.PyDataset")
+
+
+def divisible_placement(distribute_tensor: Callable, active: Callable[[], Any]) -> Callable:
+    """Keras' JAX `distribute_tensor(tensor, layout)` (what keras-hub's `generate`, its samplers
+    and user code place data with, and Keras variables and layer outputs) with every dimension
+    the layout's mesh axes do not divide held whole instead (`sharding.divisible_spec`), while a
+    meshfit strategy is active (`active()` returns it): `generate` on 3 prompts over 8 devices
+    then computes them whole on every device, as `predict` does, instead of JAX's
+    IndivisibleError."""
+    @functools.wraps(distribute_tensor)
+    def placed(tensor, layout):
+        backend = getattr(layout, "backend_layout", layout) if active() is not None else None
+        shape = getattr(tensor, "shape", None)
+        if isinstance(backend, NamedSharding) and shape:
+            spec = sharding.divisible_spec(tuple(shape), tuple(backend.spec), dict(backend.mesh.shape))
+            if spec != list(backend.spec) + [None] * (len(shape) - len(backend.spec)):
+                layout = NamedSharding(backend.mesh, PartitionSpec(*spec))
+        return distribute_tensor(tensor, layout)
+
+    return placed

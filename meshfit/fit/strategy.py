@@ -16,7 +16,8 @@ from typing import Any, Iterator
 
 import keras
 
-from meshfit.fit import hooks, hosts, sources, tf_bias_gradient, tf_microbatch
+from meshfit.errors import MeshfitError
+from meshfit.fit import hooks, hosts, memory_plan, sources, tf_bias_gradient, tf_microbatch
 from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
 from meshfit.parallel import planning
@@ -24,40 +25,81 @@ from meshfit.parallel import sharding as sharding_lib
 from meshfit.watch.report import EpochReport, discovery_text
 
 
-class FsdpParallel(keras.distribution.DataParallel):
-    """`DataParallel` whose large floating-point variables are sharded (meshfit.parallel.sharding).
+class MeshParallel(keras.distribution.ModelParallel):
+    """Keras' `ModelParallel` on a mesh (N/K) x K with axes 'batch' and 'model', whose variables
+    are laid out by meshfit.parallel.sharding's rule from their shapes: 'data' (whole on 'batch'),
+    'fsdp' (large variables sharded over 'batch'), and with model_parallel K > 1 every kernel
+    split over 'model' too. With K = 1 and 'data' this is Keras' `DataParallel`.
 
-    fsdp_min_bytes: variables smaller than this stay replicated. layout_map: an optional
-    `keras.distribution.LayoutMap` whose entries win over the rule.
+    sharding: 'data' or 'fsdp'; changing it changes the layout of variables created afterwards
+    (see Strategy.relayout for those that exist). fsdp_min_bytes: variables smaller stay whole on
+    'batch'. layout_map: a `keras.distribution.LayoutMap` (or a function of the mesh returning
+    one, e.g. keras-hub's `Backbone.get_layout_map`) whose entries win over the rule; see
+    `use_layout_map`. auto_shard_dataset is off: on several hosts each process feeds its own
+    rows (see Strategy.fit).
     """
 
-    def __init__(self, *, devices, fsdp_min_bytes: int, auto_shard_dataset=False, layout_map=None):
-        super().__init__(devices=devices, auto_shard_dataset=auto_shard_dataset)
-        self.fsdp_min_bytes = fsdp_min_bytes
-        self.layout_map = layout_map
+    def __init__(self, *, devices, sharding: str, fsdp_min_bytes: int, model_parallel: int = 1,
+                 layout_map=None):
+        mesh = keras.distribution.DeviceMesh((len(devices) // model_parallel, model_parallel),
+                                             ("batch", "model"), list(devices))
+        super().__init__(layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch",
+                         auto_shard_dataset=False)
+        self.sharding, self.fsdp_min_bytes, self.model_parallel = sharding, fsdp_min_bytes, model_parallel
+        if layout_map is not None:
+            self.use_layout_map(layout_map)
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        """The mesh's axis sizes by name: {'batch': N/K, 'model': K}."""
+        return dict(zip(self.device_mesh.axis_names, self.device_mesh.shape))
+
+    def use_layout_map(self, layout_map) -> None:
+        """Take the entries of `layout_map` (a LayoutMap on any mesh whose axis names this mesh
+        has, e.g. one keras-hub made for a mesh of its own; or a function of this mesh returning
+        one) onto this mesh; they win over the rule for variables created afterwards. Entries
+        naming an axis this mesh lacks are left out with one warning."""
+        if callable(layout_map) and not isinstance(layout_map, keras.distribution.LayoutMap):
+            layout_map = layout_map(self.device_mesh)
+        if not isinstance(layout_map, keras.distribution.LayoutMap):
+            raise MeshfitError(f"layout_map must be a keras.distribution.LayoutMap (or a function "
+                               f"of the mesh returning one), got a {type(layout_map).__name__}")
+        ignored = []
+        for key, layout in layout_map.items():
+            axes = tuple(getattr(layout, "axes", layout))
+            if all(a is None or a in self.device_mesh.axis_names for a in axes):
+                self._layout_map[key] = keras.distribution.TensorLayout(axes, self.device_mesh)
+            else:
+                ignored.append(key)
+        if ignored:
+            warnings.warn(f"layout_map: {len(ignored)} entr{'y' if len(ignored) == 1 else 'ies'} "
+                          f"({', '.join(ignored[:3])}{', ...' if len(ignored) > 3 else ''}) name an "
+                          f"axis this mesh lacks (it has {', '.join(self.device_mesh.axis_names)}): "
+                          "ignored; those variables follow meshfit's rule", stacklevel=3)
+
+    def spec(self, shape, dtype, sharding: str | None = None) -> list:
+        """A variable's partition spec by meshfit's rule under `sharding` (default: this one's)."""
+        sizes = self.axis_sizes
+        return sharding_lib.partition(tuple(shape), dtype, sharding or self.sharding, sizes["batch"],
+                                      self.fsdp_min_bytes, "batch", sizes["model"])
 
     def get_variable_layout(self, variable):
         # Keras gives an optimizer slot its weight's layout (add_variable_from_reference): keep it,
         # so that Adam's moments are sharded like their weights.
         if getattr(variable, "_layout", None) is not None:
             return variable._layout
-        if self.layout_map is not None:
-            layout = self.layout_map[variable.path]
-            if layout is not None:
-                return layout
-        spec = sharding_lib.partition(tuple(variable.shape), variable.dtype, "fsdp",
-                                      len(self.device_mesh.devices.flat), self.fsdp_min_bytes,
-                                      self.batch_dim_name)
-        return keras.distribution.TensorLayout(spec, self.device_mesh)
+        layout = self._layout_map[variable.path]
+        if layout is not None:
+            return layout
+        return keras.distribution.TensorLayout(self.spec(variable.shape, variable.dtype), self.device_mesh)
 
 
-def keras_distribution(devices: list, sharding: str, fsdp_min_bytes: int, layout_map=None):
-    """The Keras distribution for `sharding` ('data' or 'fsdp') over `devices` (a 1-D mesh
-    'batch'): Keras' own `DataParallel` for 'data', meshfit's `FsdpParallel` for 'fsdp'.
-    auto_shard_dataset is off: on several hosts each process feeds its own rows (see fit)."""
-    if sharding == "fsdp":
-        return FsdpParallel(devices=devices, fsdp_min_bytes=fsdp_min_bytes, layout_map=layout_map)
-    return keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False)
+def keras_distribution(devices: list, sharding: str, fsdp_min_bytes: int, layout_map=None,
+                       model_parallel: int = 1) -> MeshParallel:
+    """The Keras distribution for `sharding` ('data' or 'fsdp') over `devices`, as a mesh
+    (devices/model_parallel) x model_parallel with axes 'batch' and 'model'."""
+    return MeshParallel(devices=devices, sharding=sharding, fsdp_min_bytes=fsdp_min_bytes,
+                        model_parallel=model_parallel, layout_map=layout_map)
 
 
 class Strategy:
@@ -74,7 +116,7 @@ class Strategy:
 
     def __init__(self, info: devices_lib.DeviceInfo, engine: str, precision: str,
                  sharding: str = "data", fsdp_min_bytes: int = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
-                 device_memory: int | None = None, layout_map=None):
+                 device_memory: int | None = None, layout_map=None, model_parallel: int = 1):
         self.info = info
         self.engine = engine
         self.precision = precision
@@ -82,7 +124,7 @@ class Strategy:
         self.sharding_asked = sharding
         self.fsdp_min_bytes = fsdp_min_bytes
         self.device_memory = device_memory
-        self.layout_map = layout_map
+        self.model_parallel = model_parallel
         self.sharding = "data" if sharding == "auto" else sharding  # until choose_sharding decides
         self._distribution = None
         distributed = engine == "jax" and len(info.devices) > 1
@@ -91,18 +133,72 @@ class Strategy:
                           f"{len(info.devices)} device(s) on {engine} every variable is whole on "
                           "each device (data-parallel)", stacklevel=2)
             self.sharding = "data"
+        if model_parallel > 1 and not distributed:
+            raise MeshfitError(f"model_parallel={model_parallel} needs several devices on the JAX "
+                               f"engine (here {len(info.devices)} on {engine}); use model_parallel=1")
+        if model_parallel > 1 and len(info.devices) % model_parallel:
+            raise MeshfitError(f"model_parallel={model_parallel} does not divide the "
+                               f"{len(info.devices)} devices; use a divisor of {len(info.devices)}")
         if distributed:
             # One device needs no distribution: Keras' distributed input path would cost ~0.3 ms/step.
             self._distribution = keras_distribution(list(info.devices), self.sharding,
-                                                    fsdp_min_bytes, layout_map)
+                                                    fsdp_min_bytes, layout_map, model_parallel)
+        elif layout_map is not None:
+            warnings.warn(f"layout_map ignored: {len(info.devices)} device(s) on {engine} lay "
+                          "nothing out (it needs several devices on the JAX engine)", stacklevel=2)
+        self._layout_map = layout_map
 
     def with_sharding(self, sharding: str) -> "Strategy":
         """This strategy on the same devices with another sharding ('data' or 'fsdp'), e.g. the
         one the memory plan chose for 'auto'; activate it before building the model."""
         chosen = Strategy(self.info, self.engine, self.precision, sharding, self.fsdp_min_bytes,
-                          self.device_memory, self.layout_map)
+                          self.device_memory, self._layout_map, self.model_parallel)
         chosen.sharding_asked = self.sharding_asked  # the report says 'auto' chose it, not the user
         return chosen
+
+    @property
+    def device_mesh(self):
+        """The Keras `DeviceMesh` (axes 'batch' and 'model'), e.g. for keras-hub's
+        `Backbone.get_layout_map(strategy.device_mesh)`; None without a distribution."""
+        return None if self._distribution is None else self._distribution.device_mesh
+
+    @property
+    def layout_map(self):
+        """The user's LayoutMap (entries win over meshfit's rule), or None. Setting it applies to
+        variables created afterwards: `strategy.layout_map = GemmaBackbone.get_layout_map(
+        strategy.device_mesh)`, then build the model."""
+        return self._layout_map
+
+    @layout_map.setter
+    def layout_map(self, layout_map) -> None:
+        if self._distribution is None:
+            warnings.warn(f"layout_map ignored: {len(self.info.devices)} device(s) on {self.engine} "
+                          "lay nothing out (it needs several devices on the JAX engine)", stacklevel=2)
+        else:
+            self._distribution.use_layout_map(layout_map)
+        self._layout_map = layout_map
+
+    def relayout(self, model, sharding: str) -> None:
+        """Lay `model`'s variables (and its optimizer's, once built) out under `sharding` ('data'
+        or 'fsdp') in place, and make it the mode of variables created afterwards: what 'auto'
+        does at the first fit when the replicated step does not fit (meshfit.fit.memory_plan).
+        A user's layout_map entries keep their layout."""
+        distribution = self._distribution
+        if distribution is None or sharding == self.sharding:
+            return
+        before, distribution.sharding = self.sharding, sharding
+        self.sharding = sharding
+        optimizer = getattr(model, "optimizer", None)
+        variables = list(model.variables) + (list(optimizer.variables) if optimizer is not None
+                                             and optimizer.built else [])
+        for v in variables:
+            shape = tuple(v.shape)
+            axes = list(getattr(v._layout, "axes", None) or [None] * len(shape))
+            if axes != distribution.spec(shape, v.dtype, before):
+                continue  # not laid out by the rule (a layout_map entry, or its optimizer slot)
+            v._layout = keras.distribution.TensorLayout(distribution.spec(shape, v.dtype),
+                                                        distribution.device_mesh)
+            v._direct_assign(v.value)  # placed by the new layout (Keras' distribute_tensor)
 
     platform = property(lambda self: self.info.platform, doc="'tpu', 'gpu' or 'cpu'.")
     device_kind = property(lambda self: self.info.device_kind, doc="e.g. 'TPU v4' or the CPU model.")
@@ -112,14 +208,15 @@ class Strategy:
 
     @property
     def replicas(self) -> int:
-        """Model replicas: every device on every host under JAX, one under other engines."""
-        return self.info.device_count if self.engine == "jax" else 1
+        """Model replicas, each taking 1/replicas of a batch: every device on every host under
+        JAX (divided by model_parallel, the devices that hold one replica), one under other engines."""
+        return self.info.device_count // self.model_parallel if self.engine == "jax" else 1
 
     @property
     def peak_flops(self) -> float | None:
-        """Peak FLOP/s of all replicas together at this precision, None where unknown."""
+        """Peak FLOP/s of all devices in use together at this precision, None where unknown."""
         peak = planning.peak_flops(self.platform, self.device_kind, self.precision)
-        return peak * self.replicas if peak else None
+        return peak * self.replicas * self.model_parallel if peak else None
 
     def activate(self) -> None:
         """Make this strategy's distribution and precision the global Keras ones, and this the
@@ -170,6 +267,7 @@ class Strategy:
             "peak_flops": self.peak_flops,
             "sharding": self.sharding,
             "sharding_asked": self.sharding_asked,
+            "model_parallel": self.model_parallel,
             "fsdp_min_bytes": self.fsdp_min_bytes,
             "device_memory": devices_lib.memory_bytes(self.info, self.device_memory),
         }
@@ -222,16 +320,34 @@ class Strategy:
                              verbose=verbose, **kwargs)
 
 
+def plan(build, global_batch: int, input_shapes=None, verbose: bool = True) -> dict[str, Any]:
+    """The memory plan of the model `build()` returns (compiled) on the devices and device memory
+    of the last `meshfit.connect()` (e.g. `connect(simulate_devices=8, device_memory="16GB",
+    model_parallel=2)`), without allocating its weights: per device the weights, optimizer state
+    and the step's temporary memory under data and fsdp (with the connected model parallelism),
+    whether each fits and the layout 'auto' would choose. input_shapes: the inputs' shapes without
+    the batch where keras.Input leaves them unknown, e.g. {"token_ids": (1024,), "padding_mask":
+    (1024,)}. See meshfit.fit.memory_plan.plan_build."""
+    strategy = hooks.active()
+    if strategy is None:
+        raise MeshfitError("meshfit.plan plans on the connected devices: call meshfit.connect() "
+                           "first (e.g. connect(simulate_devices=8, device_memory='16GB'))")
+    if strategy.engine != "jax":
+        raise MeshfitError("meshfit.plan compiles the train step with JAX; connect(engine='jax')")
+    return memory_plan.plan_build(strategy, build, global_batch, input_shapes, verbose)
+
+
 def connected(info: devices_lib.DeviceInfo, engine: str, precision: str, sharding: str,
               fsdp_min_bytes: int, device_memory: int | None, layout_map=None,
-              verbose: bool = True) -> Strategy:
+              verbose: bool = True, model_parallel: int = 1) -> Strategy:
     """The second half of `meshfit.connect()`, once Keras runs on `engine`: the Strategy for
     these devices (precision already resolved, settings checked), activated; the report printed."""
     if engine == "tensorflow":
         tf_bias_gradient.install()  # before any model is built on TensorFlow
     if info.hosts > 1:
         hosts.agree_on_seed()  # the same initial weights on every host
-    strategy = Strategy(info, engine, precision, sharding, fsdp_min_bytes, device_memory, layout_map)
+    strategy = Strategy(info, engine, precision, sharding, fsdp_min_bytes, device_memory, layout_map,
+                        model_parallel)
     strategy.activate()
     if verbose and info.process_index == 0:
         print(strategy.report(), flush=True)

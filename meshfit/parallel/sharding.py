@@ -1,4 +1,5 @@
-"""How each variable is laid out on the devices: replicated ("data") or sharded ("fsdp").
+"""How each variable is laid out on the devices: replicated ("data") or sharded ("fsdp"), and
+with model parallelism split over the mesh's 'model' axis too (tensor parallelism).
 
 - data: every variable is replicated on every device; each device takes 1/N of the batch.
 - fsdp (fully sharded data parallel, ZeRO-3 style): every floating-point variable of at least
@@ -10,8 +11,17 @@
 - auto: data-parallel when the memory plan (meshfit.fit.memory_plan) says the replicated step fits
   each device, else fsdp; data when the device memory is unknown.
 
-Here the rule is pure functions of shapes and dtypes; meshfit.fit.strategy.FsdpParallel applies it
-per variable through Keras' `Distribution.get_variable_layout` (a `DataParallel` subclass), so it
+- model parallelism K (`connect(model_parallel=K)`): the devices form a mesh (N/K) x K with axes
+  'batch' and 'model'. Every floating-point kernel (2 dimensions or more) is split over 'model'
+  along an axis chosen from its shape alone (`model_axis`), so that the layers pair as in
+  Megatron-LM: an up-projection (in < out, e.g. an MLP's first kernel, a language model's output
+  head) is split along its output, a down-projection (in > out, the MLP's second kernel, an
+  embedding table of vocabulary x hidden) along its input, and a 3-D attention kernel along its
+  heads; XLA then inserts one reduction per block. fsdp then shards each variable's largest
+  remaining divisible dimension over 'batch' (N/K devices); data keeps it whole there.
+
+Here the rule is pure functions of shapes and dtypes; meshfit.fit.strategy.MeshParallel applies it
+per variable through Keras' `Distribution.get_variable_layout` (a `ModelParallel` subclass), so it
 works for any Keras model. A user's `LayoutMap` entries win.
 """
 
@@ -41,6 +51,18 @@ def check_sharding(sharding: str | None) -> str:
         raise MeshfitError(f"unknown sharding {sharding!r}; use one of: {', '.join(SHARDINGS)} "
                            "(e.g. --sharding fsdp)")
     return name
+
+
+def check_model_parallel(model_parallel: int | str | None) -> int:
+    """`model_parallel` (devices per model replica; None: 1) checked to be a whole number >= 1."""
+    try:
+        value = int(str(1 if model_parallel is None else model_parallel).strip())
+    except ValueError:
+        value = 0
+    if value < 1 or (isinstance(model_parallel, float) and model_parallel != value):
+        raise MeshfitError(f"--model-parallel {model_parallel!r} is not a whole number of devices "
+                           "of at least 1; use e.g. --model-parallel 2")
+    return value
 
 
 def parse_fsdp_min_bytes(size: str | int | None) -> int:
@@ -104,18 +126,70 @@ def shard_axis(shape: Sequence[int], dtype: Any, devices: int, fsdp_min_bytes: i
     return max(axes, key=lambda i: (shape[i], i)) if axes else None
 
 
+def model_axis(shape: Sequence[int], dtype: Any, model_devices: int) -> int | None:
+    """The axis tensor parallelism splits a variable of `shape` along over `model_devices`, or
+    None (whole on every device of the 'model' axis): floating point, 2 dimensions or more.
+
+    3 dimensions (keras-hub's attention kernels: (heads, hidden, head_dim), (hidden, heads,
+    head_dim), (heads, head_dim, hidden)): the heads, i.e. the first axis that is not the hidden
+    one (the largest); whole when the heads do not divide (a single key/value head stays whole, as
+    Megatron-LM keeps it). Otherwise the last two axes are (in, out): an up-projection (in < out)
+    is split along out, a down-projection (in > out, an embedding table) along in, so that each
+    up-projection's split output feeds its down-projection's split input; a square kernel along
+    out; the other axis when the preferred one does not divide.
+    """
+    if model_devices < 2 or not is_float(dtype) or len(shape) < 2:
+        return None
+    def divides(axis):
+        return shape[axis] >= model_devices and shape[axis] % model_devices == 0
+    if len(shape) == 3:
+        hidden = max(range(3), key=lambda i: (shape[i], -i))
+        heads = next(i for i in range(3) if i != hidden)
+        return heads if divides(heads) else None
+    out, into = len(shape) - 1, len(shape) - 2
+    order = (into, out) if shape[into] > shape[out] else (out, into)
+    return next((axis for axis in order if divides(axis)), None)
+
+
 def partition(shape: Sequence[int], dtype: Any, sharding: str, devices: int, fsdp_min_bytes: int,
-              axis_name: str = "batch") -> list[str | None]:
-    """The per-axis partition spec of a variable under `sharding` ('data' or 'fsdp')."""
+              axis_name: str = "batch", model_devices: int = 1) -> list[str | None]:
+    """The per-axis partition spec of a variable under `sharding` ('data' or 'fsdp') on a mesh
+    of `devices` along `axis_name` and `model_devices` along 'model' (1: no model axis): the
+    'model' axis from `model_axis`, then under fsdp the largest remaining dimension `devices`
+    divides (see `shard_axis`)."""
     spec: list[str | None] = [None] * len(shape)
-    axis = shard_axis(shape, dtype, devices, fsdp_min_bytes) if sharding == "fsdp" else None
-    if axis is not None:
-        spec[axis] = axis_name
+    taken = model_axis(shape, dtype, model_devices)
+    if taken is not None:
+        spec[taken] = "model"
+    whole = shard_axis(shape, dtype, devices, fsdp_min_bytes) if sharding == "fsdp" else None
+    if whole is not None:  # large enough and some axis divides: the largest one not taken
+        axes = [i for i, size in enumerate(shape)
+                if i != taken and size >= devices and size % devices == 0]
+        if axes:
+            spec[max(axes, key=lambda i: (shape[i], i))] = axis_name
     return spec
 
 
-def bytes_per_device(shape: Sequence[int], dtype: Any, spec: Sequence[str | None],
-                     devices: int) -> int:
-    """Bytes one device holds of a variable laid out by `spec` (from `partition`)."""
+def bytes_per_device(shape: Sequence[int], dtype: Any, spec: Sequence[Any],
+                     devices: int | dict[str, int]) -> int:
+    """Bytes one device holds of a variable laid out by `spec` (from `partition`); `devices`:
+    the mesh's axis sizes by name, or one count for every named axis (a 1-D mesh)."""
     count = math.prod(shape) * itemsize(dtype)
-    return count // devices if any(spec) else count
+    for entry in spec:
+        for name in (entry if isinstance(entry, (tuple, list)) else (entry,)):
+            if name is not None:
+                count //= devices if isinstance(devices, int) else devices.get(name, 1)
+    return count
+
+
+def divisible_spec(shape: Sequence[int], spec: Sequence[Any], axis_sizes: dict[str, int]) -> list:
+    """`spec` with every dimension the named mesh axes do not divide made whole (None): a batch
+    of 3 rows on 8 devices is then held whole on each, as `predict` holds one (see
+    meshfit.fit.hooks), rather than failing with JAX's IndivisibleError."""
+    kept = list(spec) + [None] * (len(shape) - len(spec))
+    for i, entry in enumerate(kept[:len(shape)]):
+        names = entry if isinstance(entry, (tuple, list)) else (entry,)
+        parts = math.prod(axis_sizes.get(n, 1) for n in names if n is not None)
+        if parts > 1 and shape[i] % parts:
+            kept[i] = None
+    return kept[:len(shape)]

@@ -99,6 +99,10 @@ class TrainOptions:
     device_memory: int | str | None = _setting(
         None, "memory of one device to plan with, e.g. 48MB or 16GB (default: the device's own "
               "figure on TPUs and GPUs; unknown on CPUs)", metavar="SIZE")
+    model_parallel: int | None = _setting(
+        None, "K devices per model replica: a mesh (devices/K) x K with axes batch and model, every "
+              "kernel split over model (tensor parallelism chosen from its shape) and --sharding on "
+              f"batch (default: 1{ON_RESUME})", type=int, metavar="K")
     callbacks: list | None = _setting(None)  # extra Keras callbacks for fit
     verbose: bool = _setting(True)  # print the devices, the start line and the result
     command: str | None = _setting(None)  # the command line to record (default: the Python call)
@@ -119,6 +123,7 @@ class TrainOptions:
             object.__setattr__(self, "sharding", sharding.check_sharding(self.sharding))
         sharding.parse_fsdp_min_bytes(self.fsdp_min_bytes)
         sharding.parse_size(self.device_memory)
+        sharding.check_model_parallel(self.model_parallel)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **changes: Any) -> "TrainOptions":

@@ -26,7 +26,9 @@ def evaluate_model(model, batches, labels: np.ndarray, loss, tta_flip: bool = Fa
     """{"accuracy", "loss"}: accuracy and mean loss over every sample of `batches` (a
     arrays.EvalBatches or folders.FolderEvalBatches); advance: see meshfit.fit.predict."""
     outputs = predict(model, batches, tta_flip=tta_flip, advance=advance)
-    accuracy = float(np.mean(np.argmax(outputs, axis=-1) == labels.reshape(-1)))
+    if labels.size == np.prod(outputs.shape[:-1]):  # a label per position (a language model's
+        labels = labels.reshape(outputs.shape[:-1])  # next tokens), flattened with the data
+    accuracy = float(np.mean(np.argmax(outputs, axis=-1) == labels.reshape(outputs.shape[:-1])))
     return {"accuracy": accuracy, "loss": _loss_value(loss, labels, outputs)}
 
 

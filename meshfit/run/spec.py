@@ -64,6 +64,7 @@ class RunSpec:
     command: str = ""
     sharding: str = "data"  # how variables were laid out: data (replicated) or fsdp (meshfit.parallel.sharding)
     fsdp_min_bytes: int | None = None  # fsdp's threshold (bytes); None: the default (older runs)
+    model_parallel: int = 1  # devices per model replica (the mesh's 'model' axis)
 
     def to_dict(self) -> dict[str, Any]:
         """The specification as JSON-ready data, in field order."""

@@ -35,7 +35,7 @@ from meshfit.run.spec import RunSpec
 
 # Settings a resumed run keeps from its config.json unless given again (the same name on both).
 RESUMED_SETTINGS = ("data_dir", "engine", "simulate_devices", "checkpoint_every", "sharding",
-                    "fsdp_min_bytes")
+                    "fsdp_min_bytes", "model_parallel")
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,8 @@ def connect_devices(asked: Asked):
     return meshfit.connect(require=o.require, simulate_devices=o.simulate_devices, engine=o.engine,
                            precision=planning.asked_precision(o.precision, asked.recipe.precision),
                            verbose=o.verbose, sharding=o.sharding,
-                           fsdp_min_bytes=o.fsdp_min_bytes, device_memory=o.device_memory)
+                           fsdp_min_bytes=o.fsdp_min_bytes, device_memory=o.device_memory,
+                           model_parallel=o.model_parallel)
 
 
 def check_batch(asked: Asked, strategy, warn: bool = False) -> int:
@@ -205,8 +206,9 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
       A different replica count is accepted: the data order and random numbers do not depend on
       it, so only floating-point summation order differs from the original run. --epochs may
       extend a finished run.
-    simulate_devices, engine, require, sharding, fsdp_min_bytes, device_memory: as for
-      meshfit.connect (a resumed run keeps its sharding and fsdp threshold unless given); 'auto'
+    simulate_devices, engine, require, sharding, fsdp_min_bytes, device_memory, model_parallel: as
+      for meshfit.connect (a resumed run keeps its sharding, fsdp threshold and model parallelism
+      unless given); 'auto'
       sharding trains fsdp when the device memory is known and the replicated step does not fit
       (meshfit.fit.memory_plan). checkpoint_every: "200" (steps), "60s"/"5m" (time, default
       60 s), "epoch" or "off"; keep_checkpoints (default 3); steps_per_dispatch, micro_batches,

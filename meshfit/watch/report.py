@@ -74,7 +74,9 @@ def discovery_text(d: dict[str, Any]) -> str:
         ("device kind", d["device_kind"]),
         ("hosts", f"{d['hosts']} (this is process {d['process_index']})"),
         ("devices per host", d["devices_per_host"]),
-        ("replicas", d["replicas"]),
+        ("replicas", d["replicas"] if d.get("model_parallel", 1) == 1 else
+         f"{d['replicas']}, each on {d['model_parallel']} devices (mesh batch {d['replicas']} x model "
+         f"{d['model_parallel']}: every kernel split over model)"),
         ("engine", f"keras on {d['engine']}"),
         ("precision", f"{d['precision']} ({d['keras_policy']}{mixed})"),
         ("per-core batch", f"multiple of {d['per_core_batch_multiple']}"),
