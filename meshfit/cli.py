@@ -461,6 +461,8 @@ def add_runs_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run directories, or folders holding them (default: runs)")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="also draw accuracy and loss of every run against time and epochs")
+    parser.add_argument("--goodput-plot", metavar="OUT.png",
+                        help="also draw each run's wall time as a bar stacked by goodput part")
     add_json_argument(parser, "the rows")
 
 
@@ -477,6 +479,9 @@ def run_runs(args: argparse.Namespace) -> int:
                 histories.append([])
         runs.plot(rows, histories, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.goodput_plot:
+        runs.plot_goodput(rows, args.goodput_plot)
+        print(f"wrote {args.goodput_plot}", file=sys.stderr if args.json else sys.stdout, flush=True)
     return 0
 
 

@@ -188,3 +188,31 @@ def test_a_killed_and_resumed_train_run_accumulates_its_goodput(data_dir, tmp_pa
     assert seconds["checkpoint"] > 0 and seconds["eval"] > 0 and seconds["train"] > 0
     assert 0 < metrics["mfu"] < 1 and metrics["peak_flops"] > 0 and "probe" in metrics["peak_source"]
     assert json.load(open(os.path.join(run, "goodput.json")))["finished"]
+
+
+def test_meshfit_runs_shows_a_goodput_column_and_a_stacked_bar_figure(tmp_path):
+    from meshfit.commands import runs
+
+    def write_run(name, train, finished):
+        folder = tmp_path / name
+        folder.mkdir()
+        config = {"recipe": "r", "platform": "cpu", "replicas": 2, "engine": "jax", "epochs": 1}
+        (folder / "config.json").write_text(json.dumps(config))
+        spent = goodput.summary({**dict.fromkeys(goodput.PARTS, 1.0), "train": train}, train + 8.0)
+        if finished:
+            (folder / "metrics.json").write_text(json.dumps({**config, "goodput": spent, "mfu": 0.2}))
+            (folder / "history.json").write_text("[]")
+        else:  # still training: its goodput.json
+            (folder / "goodput.json").write_text(json.dumps(spent))
+
+    write_run("done", 12.0, True)
+    write_run("going", 2.0, False)
+    rows = runs.collect([str(tmp_path)])
+    assert [round(r["goodput"], 2) for r in rows] == [0.6, 0.2]
+    assert rows[0]["mfu"] == 0.2 and rows[1]["status"] == "unfinished"
+    table = runs.format_table(rows)
+    assert "goodput" in table.splitlines()[0] and "60.0%" in table and "20.0%" in table
+    figure = runs.plot_goodput(rows, str(tmp_path / "goodput.png"))
+    bars = figure.axes[0].patches
+    assert len(bars) == 2 * len(goodput.PARTS)  # one segment per part per run
+    assert (tmp_path / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

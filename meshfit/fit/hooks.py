@@ -312,6 +312,7 @@ def _timed(function: Callable) -> Callable:
 
     train._meshfit_timed = True
     train._meshfit_counted = True
+    train.__wrapped__ = function  # the train function itself (e.g. jax_loop's), as functools does
     return train
 
 
