@@ -216,3 +216,23 @@ def test_meshfit_runs_shows_a_goodput_column_and_a_stacked_bar_figure(tmp_path):
     bars = figure.axes[0].patches
     assert len(bars) == 2 * len(goodput.PARTS)  # one segment per part per run
     assert (tmp_path / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_scaling_times_each_device_count_with_its_goodput_parts(tmp_path):
+    out = tmp_path / "scaling"
+    result = subprocess.run(
+        [sys.executable, "-m", "meshfit", "bench", "mnist-mlp-bf16", "--scaling", "1,2",
+         "--global-batches", "16", "--steps", "2", "--repeats", "1", "--out", str(out)],
+        env=environment({"XDG_CACHE_HOME": str(tmp_path / "cache"), "MESHFIT_SIMULATE_DEVICES": None}),
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "vs linear" in result.stdout and "simulated devices sharing" in result.stdout
+    saved = json.load(open(out / "scaling.json"))
+    rows = saved["rows"]
+    assert [(r["devices"], r["replicas"], r["global_batch"]) for r in rows] == [(1, 1, 16), (2, 2, 16)]
+    assert rows[0]["efficiency"] == 1.0
+    assert rows[1]["efficiency"] == pytest.approx(rows[1]["samples_per_s"] / (2 * rows[0]["samples_per_s"]))
+    for r in rows:
+        assert r["goodput_seconds"]["train"] > 0 and r["goodput_seconds"]["compile"] > 0
+        assert r["mfu"] > 0 and "probe" in r["peak_source"]
+    assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

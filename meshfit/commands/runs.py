@@ -197,11 +197,6 @@ def plot(rows: list[dict[str, Any]], histories: list[list[dict[str, Any]]], path
     return figure
 
 
-COLORS = {"train": "#2ca02c", "compile": "#ff7f0e", "input_wait": "#d62728", "eval": "#1f77b4",
-          "checkpoint": "#9467bd", "startup": "#8c564b", "setup": "#e377c2", "lost": "#000000",
-          "other": "#c7c7c7"}
-
-
 def plot_goodput(rows: list[dict[str, Any]], path: str | None = None):
     """The matplotlib Figure of every run's wall time as one horizontal bar stacked by goodput
     part (seconds), labelled with its goodput; also saved as a PNG at `path` when given. Runs
@@ -214,7 +209,7 @@ def plot_goodput(rows: list[dict[str, Any]], path: str | None = None):
         left = [sum(max(row["goodput_seconds"].get(p, 0.0), 0.0)
                     for p in goodput.PARTS[:goodput.PARTS.index(part)]) for row in shown]
         widths = [max(row["goodput_seconds"].get(part, 0.0), 0.0) for row in shown]
-        ax.barh(range(len(shown)), widths, left=left, color=COLORS[part],
+        ax.barh(range(len(shown)), widths, left=left, color=goodput.COLORS[part],
                 label=goodput.LABELS.get(part, part))
     for i, row in enumerate(shown):
         total = sum(max(v, 0.0) for v in row["goodput_seconds"].values())

@@ -5,6 +5,7 @@ its top). One row per precision, global batch and steps per dispatch: see the st
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import statistics
@@ -199,6 +200,9 @@ def measure(spec: dict, info) -> None:
     on the devices `info`; each row is handed to the parent as it is measured."""
     recipe = recipes.load(spec["recipe"])
     worker.emit_machine(describe_machine(info, engine_lib.fastest(info.platform, info.device_count)))
+    count = spec.get("scaling_devices")
+    if count and count < info.device_count:  # bench --scaling: the first `count` devices
+        info = dataclasses.replace(info, devices=tuple(info.devices[:count]), devices_per_host=count)
     dispatches = spec["steps_per_dispatch"] or ([1] if info.platform == "cpu" else [1, 8])
     for name in spec["precisions"] or [recipe.precision]:
         precision = planning.resolve_precision(name, info.platform, info.compute_capability,
