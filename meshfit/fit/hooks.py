@@ -37,6 +37,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import os
 import threading
 import time
 import warnings
@@ -97,7 +98,8 @@ def _install() -> None:
     trainer.fit = _fit_hook(trainer.fit)
     if keras.backend.backend() != "jax":
         return
-    jax.monitoring.register_event_time_span_listener(_on_compile_span)
+    if accounting():
+        jax.monitoring.register_event_time_span_listener(_on_compile_span)
     from keras.src.backend.jax import distribution_lib  # Keras places every batch through it
 
     distribution_lib.distribute_data_input = _placement_hook(distribution_lib.distribute_data_input)
@@ -173,7 +175,8 @@ def _make_function_hook(make: Callable, attribute: str) -> Callable:
         if function is not None and not getattr(function, "_meshfit_counted", False):
             function = _counted(function, self.steps_per_execution if steps else 0)
             setattr(self, attribute, function)
-        if steps and function is not None and not getattr(function, "_meshfit_timed", False):
+        if (steps and function is not None and not getattr(function, "_meshfit_timed", False)
+                and accounting()):
             setattr(self, attribute, _timed(function))
         return getattr(self, attribute)
 
@@ -193,6 +196,11 @@ def _counted(function: Callable, steps: int) -> Callable:
 
 
 # --------------------------------------------------------------------------------- goodput
+
+def accounting() -> bool:
+    """False when $MESHFIT_GOODPUT is 0: no timing of the train loop (its overhead measured)."""
+    return os.environ.get(env.GOODPUT, "1").strip() != "0"
+
 
 # JAX's events for the three stages of making a program; a jit traced inside another's trace
 # reports a span inside the outer one, so only the time not yet covered is counted.
