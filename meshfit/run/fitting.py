@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import keras
 import numpy as np
+from jax.experimental import multihost_utils
 
 from meshfit import __version__, recipes
 from meshfit.data import splits as data
@@ -571,8 +572,6 @@ def job_goodput(mine: dict[str, Any]) -> dict[str, Any]:
     at the top (goodput.slowest)."""
     if jax.process_count() == 1:
         return mine
-    from jax.experimental import multihost_utils
-
     row = np.array([mine["seconds"][p] for p in goodput.PARTS] + [mine["wall_seconds"]], "float64")
     rows = np.asarray(multihost_utils.process_allgather(row))
     return goodput.slowest([goodput.summary(dict(zip(goodput.PARTS, r[:-1])), float(r[-1]),
