@@ -88,6 +88,20 @@ def test_the_cpu_peak_is_probed_once_and_cached(strategy, tmp_path, monkeypatch)
     assert again["flops"] == first["flops"] and "cached" in again["source"]
 
 
+def test_probing_again_keeps_the_highest_peak_ever_measured(tmp_path, monkeypatch):
+    from meshfit.watch import peak
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(peak, "_measured", {})
+    measured = iter([5e10, 3e10, 8e10])  # a busy machine's probe is low
+    monkeypatch.setattr(peak, "probe", lambda *args: next(measured))
+    assert peak.cpu_peak([0], "float32") == (5e10, False)
+    assert peak.cpu_peak([0], "float32") == (5e10, True)  # from the cache: no probe
+    assert peak.cpu_peak([0], "float32", again=True)[0] == 5e10  # 3e10 measured, 5e10 kept
+    assert peak.cpu_peak([0], "float32", again=True)[0] == 8e10
+    assert list(json.load(open(tmp_path / "meshfit" / "peak.json")).values()) == [8e10]
+
+
 def _model(strategy):
     import keras
 
