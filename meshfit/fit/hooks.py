@@ -286,8 +286,9 @@ class _TimedBatches:
             remaining = max((clock.device_seconds or 0.0) - (start - clock.returned), 0.0)
             wait = max(end - start - remaining, 0.0)
         self.device_idle = idle
-        clock.waited += wait
-        goodput.ledger().move(wait, "input_wait")
+        if wait > 0:
+            clock.waited += wait
+            goodput.ledger().move(wait, "input_wait")
         return batch
 
 
@@ -305,8 +306,7 @@ def _timed(function: Callable) -> Callable:
             logs, state = function(state, batches)
         finally:
             ledger.steps += batches.count
-        leaves = [leaf for leaf in jax.tree.leaves(logs) if hasattr(leaf, "is_ready")]
-        clock.last = leaves[0] if leaves else None
+        clock.last = _a_leaf(logs)
         clock.dispatches += 1
         if (clock.ambiguous and clock.last is not None and batches.device_idle
                 and compiled == compiled_seconds
@@ -322,6 +322,15 @@ def _timed(function: Callable) -> Callable:
     train._meshfit_counted = True
     train.__wrapped__ = function  # the train function itself (e.g. jax_loop's), as functools does
     return train
+
+
+def _a_leaf(logs):
+    """One array of a dispatch's outputs (ready once the device has run it), or None."""
+    first = next(iter(logs.values()), None) if isinstance(logs, dict) else None
+    if hasattr(first, "is_ready"):
+        return first  # Keras' logs: a dict of arrays, no tree walk on every dispatch
+    leaves = [leaf for leaf in jax.tree.leaves(logs) if hasattr(leaf, "is_ready")]
+    return leaves[0] if leaves else None
 
 
 def input_source(x) -> str:
