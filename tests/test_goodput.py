@@ -64,9 +64,12 @@ def test_a_resume_counts_the_steps_run_again_and_the_gap_as_lost(tmp_path):
 
 
 def test_the_slowest_host_and_the_input_bound_advice():
-    hosts = [goodput.summary({**dict.fromkeys(goodput.PARTS, 0.0), "train": t}, 10.0) for t in (8.0, 6.0)]
-    job = goodput.slowest(hosts)
+    # As gathered from the hosts: numpy float32 rows, written to metrics.json as JSON.
+    rows = np.array([[8.0 if p == "train" else 0.0 for p in goodput.PARTS] + [10.0],
+                     [6.0 if p == "train" else 0.0 for p in goodput.PARTS] + [10.0]], "float32")
+    job = goodput.slowest([goodput.summary(dict(zip(goodput.PARTS, r[:-1])), r[-1]) for r in rows])
     assert job["host"] == 1 and job["fraction"] == pytest.approx(0.6) and len(job["hosts"]) == 2
+    assert json.loads(json.dumps(job))["hosts"][0]["seconds"]["train"] == 8.0
     assert goodput.input_bound_line(0.5, 10.0, "generator") is None  # 5%: not input-bound
     line = goodput.input_bound_line(3.0, 10.0, "generator")
     assert line.startswith("meshfit: input-bound:") and "30%" in line and "PyDataset" in line

@@ -190,9 +190,11 @@ class Ledger:
 
 def summary(seconds: dict[str, float], wall: float, sessions: int = 1) -> dict[str, Any]:
     """The goodput block of metrics.json from the parts' seconds and the wall time."""
+    seconds = {p: float(seconds.get(p, 0.0)) for p in PARTS}  # plain floats: numpy's are not JSON
+    wall = float(wall)
     return {"fraction": seconds["train"] / wall if wall > 0 else None,
-            "seconds": {p: round(seconds.get(p, 0.0), 4) for p in PARTS},
-            "wall_seconds": round(wall, 4), "sessions": sessions}
+            "seconds": {p: round(v, 4) for p, v in seconds.items()},
+            "wall_seconds": round(wall, 4), "sessions": int(sessions)}
 
 
 _ledger: Ledger | None = None
