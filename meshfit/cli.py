@@ -341,7 +341,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Measure, print the table (or JSON) and write the files."""
-    from meshfit.commands.bench import jpeg_folder, step, table  # start-up: only for bench
+    from meshfit.commands.bench import jpeg_folder, scaling, step, table  # start-up: only for bench
 
     if args.make_jpeg_folder:
         count = jpeg_folder.write_jpeg_folder(args.make_jpeg_folder, args.data_dir,
@@ -353,7 +353,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.image_size:
         raise MeshfitError("--image-size goes with --input FOLDER or --make-jpeg-folder DIR")
     if args.scaling:
-        return run_bench_scaling(args)
+        return run_bench_scaling(args, scaling)
     result = step.bench(args.recipe, engines=comma_names(args.engines, "--engines"),
                         precisions=comma_names(args.precisions, "--precisions"),
                         global_batches=comma_counts(args.global_batches, "--global-batches"),
@@ -371,10 +371,9 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_bench_scaling(args: argparse.Namespace) -> int:
-    """`meshfit bench --scaling [COUNTS]`: the same global batch on 1, 2, 4, 8 devices."""
-    from meshfit.commands.bench import scaling  # start-up: only for bench
-
+def run_bench_scaling(args: argparse.Namespace, scaling) -> int:
+    """`meshfit bench --scaling [COUNTS]`: the same global batch on 1, 2, 4, 8 devices
+    (scaling: the module meshfit.commands.bench.scaling, imported by run_bench)."""
     batches = comma_counts(args.global_batches, "--global-batches") or [None]
     precisions = comma_names(args.precisions, "--precisions") or [None]
     if len(batches) > 1 or len(precisions) > 1:
