@@ -253,3 +253,38 @@ def test_bench_scaling_times_each_device_count_with_its_goodput_parts(tmp_path):
         assert r["goodput_seconds"]["train"] > 0 and r["goodput_seconds"]["compile"] > 0
         assert r["mfu"] > 0 and "probe" in r["peak_source"]
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+TENSORFLOW_SLOW_GENERATOR = textwrap.dedent("""
+    import json, time
+    import meshfit
+    meshfit.connect(engine="tensorflow", verbose=False)
+    import keras
+    import numpy as np
+
+    x, y = np.random.rand(64, 16).astype("float32"), np.random.randint(0, 4, 64)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy")
+
+    def slow():
+        while True:
+            time.sleep(0.05)
+            yield x, y
+
+    history = model.fit(slow(), steps_per_epoch=12, epochs=1, verbose=2)
+    print(json.dumps(history.goodput["goodput"]))
+""")
+
+
+def test_tensorflow_times_the_wait_for_a_slow_generator_too(tmp_path):
+    """On TensorFlow each batch is read in Python (see hooks._tensorflow_timed), so the sleeps
+    show as input wait there as well."""
+    env = environment({"XDG_CACHE_HOME": str(tmp_path), "XLA_FLAGS": "", "KERAS_BACKEND": None,
+                       "MESHFIT_SIMULATE_DEVICES": None})
+    out = subprocess.run([sys.executable, "-c", TENSORFLOW_SLOW_GENERATOR], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    spent = json.loads(out.stdout.strip().splitlines()[-1])
+    assert spent["seconds"]["input_wait"] >= 0.5 * 12 * 0.05
+    assert sum(spent["seconds"].values()) == pytest.approx(spent["wall_seconds"], rel=1e-3)
+    assert "meshfit: input-bound:" in out.stdout

@@ -96,6 +96,8 @@ def _install() -> None:
     trainer = next(c for c in type.mro(keras.Model) if "fit" in vars(c) and c.__module__.startswith(
         "keras.src.backend."))  # the backend's trainer: JAXTrainer, TensorFlowTrainer, ...
     trainer.fit = _fit_hook(trainer.fit)
+    if keras.backend.backend() == "tensorflow" and accounting():
+        trainer.make_train_function = _tensorflow_timed(trainer.make_train_function)
     if keras.backend.backend() != "jax":
         return
     if accounting():
@@ -331,6 +333,50 @@ def _a_leaf(logs):
         return first  # Keras' logs: a dict of arrays, no tree walk on every dispatch
     leaves = [leaf for leaf in jax.tree.leaves(logs) if hasattr(leaf, "is_ready")]
     return leaves[0] if leaves else None
+
+
+def _tensorflow_timed(make: Callable) -> Callable:
+    """TensorFlow's `make_train_function`, whose function reads each batch in Python, timed.
+
+    Keras' TensorFlow train function reads the next batch inside its compiled step when handed a
+    tf.data iterator, where no wait can be timed; handed any other iterator it reads the batch
+    in Python and runs the same compiled one-step function on it (keras/src/backend/tensorflow/
+    trainer.py, `_make_function`). A TensorFlow step on the CPU has finished when it returns, so
+    the whole fetch is input wait. One step per call only: k steps per dispatch stay in-graph."""
+
+    @functools.wraps(make)
+    def make_train_function(self, force=False):
+        make(self, force)
+        function = self.train_function  # (Keras returns it only when it was made before)
+        if (_active is None or self.steps_per_execution != 1 or self.run_eagerly or function is None
+                or getattr(function, "_meshfit_timed", False)):
+            return function
+
+        def train(iterator):
+            batches = _TimedBatches(iterator, _InputClock())  # no dispatch in flight: all wait
+            first = next(batches)  # the end of the data raises StopIteration, as Keras expects
+            return function(_Prepended(first, batches))
+
+        train._meshfit_timed = True
+        train.__wrapped__ = function
+        self.train_function = train
+        return train
+
+    return make_train_function
+
+
+class _Prepended:
+    """An iterator yielding `first`, then the rest of `rest` (not a tf.data iterator, so Keras'
+    TensorFlow train function reads it in Python)."""
+
+    def __init__(self, first, rest):
+        self.first, self.rest = [first], rest
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.first.pop() if self.first else next(self.rest)
 
 
 def input_source(x) -> str:
