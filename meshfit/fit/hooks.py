@@ -19,8 +19,8 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   for every computation, Keras' or not.
 - Goodput (meshfit.watch.goodput): the time of every train dispatch is charged to the ledger of
   the process, compilations (JAX's compile events) apart, and the time spent fetching a batch
-  while the devices had nothing left to run as input wait (see `_TimedBatches`); evaluate is
-  charged as eval. After fit, the History returned carries `history.goodput` (the parts, MFU
+  while the devices had nothing left to run as input wait (see `_TimedBatches`; on TensorFlow
+  `_tensorflow_timed`); evaluate is charged as eval. $MESHFIT_GOODPUT=0 turns the timing off. After fit, the History returned carries `history.goodput` (the parts, MFU
   and its peak) and, where fit printed its report, the goodput block is printed once.
 - `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given; in a Jupyter
   kernel with verbose left at "auto", meshfit's live bar and Keras' one line per epoch) and, on JAX,
