@@ -8,7 +8,10 @@ wall time and in this process's CPU time (which other work on a shared machine d
 prints each arm's median ms/step and the median of the rounds' ratios (with / without). Then the wrapper alone: a train
 function that does nothing, called 20,000 times bare and wrapped, 7 alternating blocks.
 
-    python tools/goodput_overhead.py [ROUNDS] [STEPS]
+    python tools/goodput_overhead.py [ROUNDS] [STEPS] [ENGINE]
+
+ENGINE: jax (default) or tensorflow, whose timing reads each batch in Python before the compiled
+step (meshfit.fit.hooks._tensorflow_timed); the wrapper-alone line is JAX's only.
 """
 
 import os
@@ -18,8 +21,10 @@ import time
 
 import meshfit
 
-strategy = meshfit.connect(simulate_devices=1, engine="jax", precision="float32", verbose=False)
-import jax  # noqa: E402  (after connect: the engine is chosen)
+ENGINE = sys.argv[3] if len(sys.argv) > 3 else "jax"
+strategy = meshfit.connect(simulate_devices=1 if ENGINE == "jax" else None, engine=ENGINE,
+                           precision="float32", verbose=False)
+import keras  # noqa: E402  (after connect: the engine is chosen)
 import numpy as np  # noqa: E402
 
 from meshfit import recipes  # noqa: E402
@@ -45,7 +50,7 @@ def epoch(function, accounting: str) -> tuple[float, float]:
     """(wall ms/step, CPU ms/step) of one epoch."""
     os.environ["MESHFIT_GOODPUT"] = accounting
     model.train_function = function
-    jax.block_until_ready([v.value for v in model.variables])
+    keras.ops.convert_to_numpy(model.trainable_variables[-1])  # the device has finished
     start, cpu = time.perf_counter(), time.process_time()
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     return (1000 * (time.perf_counter() - start) / STEPS, 1000 * (time.process_time() - cpu) / STEPS)
@@ -62,6 +67,9 @@ for i, clock in enumerate(("wall", "CPU")):
           f"{statistics.median(b):.3f}; median ratio {statistics.median(ratios):.4f} over {ROUNDS} "
           f"rounds of {STEPS} steps (rounds from {min(ratios):.3f} to {max(ratios):.3f})")
 
+if ENGINE != "jax":
+    sys.exit()
+
 
 def per_call(function, calls: int = 20000) -> float:
     batches = iter(range(calls))
@@ -73,7 +81,7 @@ def per_call(function, calls: int = 20000) -> float:
 
 def nothing(state, iterator):
     next(iterator)
-    return {"loss": jax.numpy.zeros(())}, state
+    return {"loss": keras.ops.zeros(())}, state
 
 
 wrapped = hooks._timed(nothing)  # the wrapper the fit hook puts around every train function
