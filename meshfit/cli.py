@@ -322,6 +322,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: runs/bench-<time>)")
     parser.add_argument("--tensorboard", action="store_true",
                         help="also time the meshfit path with TensorBoard logging on (vs meshfit: its cost)")
+    parser.add_argument("--scaling", nargs="?", const="1,2,4,8", metavar="COUNTS",
+                        help="time the recipe on 1, 2, 4, 8 devices (or the comma-separated "
+                             "COUNTS) at one global batch: samples/s, efficiency vs linear, "
+                             "goodput parts, scaling.png (simulated devices on a CPU)")
     parser.add_argument("--input", metavar="FOLDER",
                         help="time the input pipeline alone on this image folder (one sub-folder per "
                              "class): meshfit's streamed batches vs keras.utils.image_dataset_from_directory")
@@ -338,7 +342,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Measure, print the table (or JSON) and write the files."""
-    from meshfit.commands.bench import jpeg_folder, step, table  # start-up: only for bench
+    from meshfit.commands.bench import jpeg_folder, scaling, step, table  # start-up: only for bench
 
     if args.make_jpeg_folder:
         count = jpeg_folder.write_jpeg_folder(args.make_jpeg_folder, args.data_dir,
@@ -349,6 +353,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_bench_input(args)
     if args.image_size:
         raise MeshfitError("--image-size goes with --input FOLDER or --make-jpeg-folder DIR")
+    if args.scaling:
+        return run_bench_scaling(args, scaling)
     result = step.bench(args.recipe, engines=comma_names(args.engines, "--engines"),
                         precisions=comma_names(args.precisions, "--precisions"),
                         global_batches=comma_counts(args.global_batches, "--global-batches"),
@@ -363,6 +369,23 @@ def run_bench(args: argparse.Namespace) -> int:
         print(table.format_table(result))
         print("wrote " + ", ".join(os.path.join(result["out"], f)
                                    for f in ("bench.csv", "bench.json", "bench.png")))
+    return 0
+
+
+def run_bench_scaling(args: argparse.Namespace, scaling) -> int:
+    """`meshfit bench --scaling [COUNTS]`: the same global batch on 1, 2, 4, 8 devices
+    (scaling: the module meshfit.commands.bench.scaling, imported by run_bench)."""
+    batches = comma_counts(args.global_batches, "--global-batches") or [None]
+    precisions = comma_names(args.precisions, "--precisions") or [None]
+    if len(batches) > 1 or len(precisions) > 1:
+        raise MeshfitError("--scaling takes one --global-batches and one --precisions")
+    result = scaling.bench_scaling(args.recipe, comma_counts(args.scaling, "--scaling"),
+                                   global_batch=batches[0], precision=precisions[0],
+                                   repeats=args.repeats, out=args.out,
+                                   steps=args.steps)
+    print(json.dumps(result) if args.json else scaling.format_table(result))
+    if not args.json:
+        print(scaling.main_line(result))
     return 0
 
 
@@ -463,6 +486,8 @@ def add_runs_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run directories, or folders holding them (default: runs)")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="also draw accuracy and loss of every run against time and epochs")
+    parser.add_argument("--goodput-plot", metavar="OUT.png",
+                        help="also draw each run's wall time as a bar stacked by goodput part")
     add_json_argument(parser, "the rows")
 
 
@@ -479,6 +504,9 @@ def run_runs(args: argparse.Namespace) -> int:
                 histories.append([])
         runs.plot(rows, histories, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout, flush=True)
+    if args.goodput_plot:
+        runs.plot_goodput(rows, args.goodput_plot)
+        print(f"wrote {args.goodput_plot}", file=sys.stderr if args.json else sys.stdout, flush=True)
     return 0
 
 

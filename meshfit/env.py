@@ -19,6 +19,8 @@
                              job (default 600; 0: never)
   MESHFIT_LAUNCH_STATUS      set by meshfit launch: the folder of its processes' status files
                              (meshfit.parallel.heartbeat)
+  MESHFIT_GOODPUT            0: no goodput accounting in the training loop (meshfit.watch.goodput;
+                             to measure what it costs)
 
 `notebook()` says whether this process is a Jupyter kernel, which changes how bars are drawn and
 what an error tells the user to do (restart the kernel rather than set a variable).
@@ -46,6 +48,7 @@ INIT_TIMEOUT = "MESHFIT_INIT_TIMEOUT"
 HEARTBEAT_TIMEOUT = "MESHFIT_HEARTBEAT_TIMEOUT"
 STALL_TIMEOUT = "MESHFIT_STALL_TIMEOUT"
 LAUNCH_STATUS = "MESHFIT_LAUNCH_STATUS"
+GOODPUT = "MESHFIT_GOODPUT"
 
 
 def read_int(name: str, environ: Mapping[str, str] = os.environ, example: int = 2) -> int | None:

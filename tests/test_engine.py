@@ -187,7 +187,8 @@ def test_same_recipe_learns_the_same_on_each_engine():
         assert result["engine"] == result["backend"] == name
         assert result["tensorflow"] == (name == "tensorflow")  # the JAX engine never loads TF
         epochs = [line for line in lines if line.startswith("epoch ")]
-        assert len(epochs) == 2 and all("samples/s" in line and "MFU n/a" in line for line in epochs)
+        assert len(epochs) == 2 and all("samples/s" in line and "MFU " in line for line in epochs)
+        assert not any("MFU n/a" in line for line in epochs)  # a CPU's peak is measured
         assert "oneDNN custom operations" not in err and "absl::InitializeLog" not in err, err
         accuracy[name] = result["accuracy"]
     assert min(accuracy.values()) > 0.9, accuracy

@@ -511,6 +511,10 @@ def test_two_processes_train_the_same_model_as_one(data_dir, single_process_run,
     assert not any(l.startswith("[1] epoch ") for l in lines)  # only process 0 reports
     assert_same_weights(model_weights(os.path.join(run, "model.keras")),
                         model_weights(os.path.join(single_process_run, "model.keras")))
+    spent = json.loads(open(os.path.join(run, "metrics.json")).read())["goodput"]  # per host
+    assert len(spent["hosts"]) == 2 and spent["host"] in (0, 1)
+    assert spent["fraction"] == min(h["fraction"] for h in spent["hosts"])
+    assert "[0] goodput " in out.stdout and "per host: 0: " in out.stdout
     saved = [np.load(tmp_path / f"weights-{p}.npz") for p in (0, 1)]
     for i in range(len(model_weights(os.path.join(run, "model.keras")))):
         copies = [f[k] for f in saved for k in f.files if k.startswith(f"{i}-")]

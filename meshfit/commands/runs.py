@@ -2,13 +2,15 @@
 
 A directory holding config.json is a run; any other directory given is searched one level down
 (default: runs/). One row per run: recipe, hardware and settings, epochs done of those planned,
-test accuracy, training seconds, samples/s, MFU and status:
+test accuracy, training seconds, samples/s, MFU, goodput (training-step time / wall time, from
+metrics.json or, while unfinished, the run's goodput.json) and status:
   finished         metrics.json exists;
   unfinished       killed or still training: progress from history.json or, as training writes
                    that only at the end, the newest checkpoint's state.json;
   unreadable: ...  a damaged or missing JSON file (the reason follows).
 `--json` prints the rows as JSON; `--plot OUT.png` draws test accuracy and loss of every run
-against training time and against epochs. Reads JSON only: no Keras, no devices.
+against training time and against epochs; `--goodput-plot OUT.png` draws each run's wall time as
+a stacked bar of its goodput parts. Reads JSON only: no Keras, no devices.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from typing import Any
 
 from meshfit.errors import MeshfitError
 from meshfit.run.rundir import CHECKPOINT_STATE, CHECKPOINTS, CONFIG, HISTORY, METRICS, list_checkpoints
-from meshfit.watch import figures
+from meshfit.watch import figures, goodput
 
 _SETTINGS = ("recipe", "device_kind", "platform", "replicas", "precision", "engine")
 COLUMNS = (("run", "run"), ("recipe", "recipe"), ("device_kind", "device"), ("replicas", "x"),
            ("precision", "precision"), ("engine", "engine"), ("epochs", "epochs"),
            ("test_accuracy", "test acc"), ("train_seconds", "train s"),
-           ("samples_per_second", "samples/s"), ("mfu", "MFU"), ("status", "status"))
+           ("samples_per_second", "samples/s"), ("mfu", "MFU"), ("goodput", "goodput"),
+           ("status", "status"))
 
 
 def _read(path: str) -> Any:
@@ -89,16 +92,25 @@ def _fill(row: dict[str, Any], run: str) -> None:
     seconds = sum(r.get("train_seconds") or 0.0 for r in records)
     samples = sum(r.get("samples") or 0 for r in records)
     last = records[-1] if records else {}
+    spent = metrics.get("goodput") or _unfinished_goodput(run)
     row.update({
+        "goodput": spent.get("fraction") if spent else None,
+        "goodput_seconds": spent.get("seconds") if spent else None,
         "epochs_done": len(records), "epochs_planned": source.get("epochs"),
         "test_accuracy": metrics.get("test_accuracy", last.get("val_accuracy")),
         "train_seconds": metrics.get("train_seconds", seconds if records else None),
         "samples_per_second": metrics.get("samples_per_second",
                                           samples / seconds if seconds and samples else None),
-        "mfu": _mean([r.get("mfu") for r in records]),
+        "mfu": metrics.get("mfu", _mean([r.get("mfu") for r in records])),
         "status": "finished" if finished else "unfinished",
     })
     row["epochs"] = f"{row['epochs_done']}/{row['epochs_planned'] or '?'}"
+
+
+def _unfinished_goodput(run: str) -> dict[str, Any] | None:
+    """The goodput so far of a run still training or stopped (its goodput.json), else None."""
+    path = os.path.join(run, goodput.FILE)
+    return _read(path) if os.path.isfile(path) else None
 
 
 def collect(paths: list[str]) -> list[dict[str, Any]]:
@@ -111,7 +123,7 @@ def _cell(key: str, value: Any) -> str:
         return "-"
     if key == "test_accuracy":
         return f"{value:.2%}"
-    if key == "mfu":
+    if key in ("mfu", "goodput"):
         return f"{value:.1%}"
     if key == "train_seconds":
         return f"{value:,.1f}"
@@ -126,7 +138,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         return "no runs found"
     cells = [[title for _, title in COLUMNS]] + [[_cell(k, row.get(k)) for k, _ in COLUMNS] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
-    right = {"replicas", "epochs", "test_accuracy", "train_seconds", "samples_per_second", "mfu"}
+    right = {"replicas", "epochs", "test_accuracy", "train_seconds", "samples_per_second", "mfu",
+             "goodput"}
     lines = ["  ".join(text.rjust(w) if key in right else text.ljust(w)
                        for (key, _), text, w in zip(COLUMNS, line, widths)).rstrip()
              for line in cells]
@@ -179,6 +192,35 @@ def plot(rows: list[dict[str, Any]], histories: list[list[dict[str, Any]]], path
         row_axes[1].xaxis.set_major_locator(MaxNLocator(integer=True))
     if any(histories):
         axes[0][0].legend(fontsize="small")
+    if path is not None:
+        figure.savefig(path)
+    return figure
+
+
+def plot_goodput(rows: list[dict[str, Any]], path: str | None = None):
+    """The matplotlib Figure of every run's wall time as one horizontal bar stacked by goodput
+    part (seconds), labelled with its goodput; also saved as a PNG at `path` when given. Runs
+    without a goodput record are left out."""
+    shown = [row for row in rows if row.get("goodput_seconds")]
+    figure = figures.new(figsize=(11, 1.6 + 0.45 * max(len(shown), 1)), dpi=100, layout="constrained")
+    ax = figure.subplots()
+    names = [f"{label(row)} ({os.path.basename(os.path.normpath(row['run']))})" for row in shown]
+    for part in goodput.PARTS:
+        left = [sum(max(row["goodput_seconds"].get(p, 0.0), 0.0)
+                    for p in goodput.PARTS[:goodput.PARTS.index(part)]) for row in shown]
+        widths = [max(row["goodput_seconds"].get(part, 0.0), 0.0) for row in shown]
+        ax.barh(range(len(shown)), widths, left=left, color=goodput.COLORS[part],
+                label=goodput.LABELS.get(part, part))
+    for i, row in enumerate(shown):
+        total = sum(max(v, 0.0) for v in row["goodput_seconds"].values())
+        ax.text(total, i, f" {row['goodput']:.0%}" if row.get("goodput") is not None else "",
+                va="center", fontsize=8)
+    ax.set_yticks(range(len(shown)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("wall time (s); label: goodput = training-step time / wall time")
+    ax.legend(ncols=len(goodput.PARTS), fontsize="small", loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), frameon=False)
+    ax.grid(axis="x", alpha=0.3)
     if path is not None:
         figure.savefig(path)
     return figure

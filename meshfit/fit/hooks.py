@@ -17,6 +17,11 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   the deadlock of several CPU devices that once made meshfit finish each dispatch before the next
   is prevented at its cause, XLA:CPU's thread pool (meshfit.parallel.devices, THREADS_PER_DEVICE),
   for every computation, Keras' or not.
+- Goodput (meshfit.watch.goodput): the time of every train dispatch is charged to the ledger of
+  the process, compilations (JAX's compile events) apart, and the time spent fetching a batch
+  while the devices had nothing left to run as input wait (see `_TimedBatches`; on TensorFlow
+  `_tensorflow_timed`); evaluate is charged as eval. $MESHFIT_GOODPUT=0 turns the timing off. After fit, the History returned carries `history.goodput` (the parts, MFU
+  and its peak) and, where fit printed its report, the goodput block is printed once.
 - `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given; in a Jupyter
   kernel with verbose left at "auto", meshfit's live bar and Keras' one line per epoch) and, on JAX,
   meshfit's on-device k-step loop (`meshfit.fit.jax_loop`), as `Strategy.fit` has them.
@@ -32,6 +37,9 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import os
+import threading
+import time
 import warnings
 from typing import Any, Callable
 
@@ -42,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshfit import env
 from meshfit.fit import jax_loop, memory_plan, sources
 from meshfit.parallel import heartbeat, stall
-from meshfit.watch import progress_bar
+from meshfit.watch import goodput, progress_bar
 from meshfit.watch.report import EpochReport
 
 _active = None  # the Strategy activated last, or None
@@ -57,6 +65,9 @@ def set_active(strategy) -> None:
     _active = strategy
     if strategy is not None:
         _install()
+        ledger = goodput.ledger()
+        if ledger.base == "startup":  # connect() has found the devices: start-up is over
+            ledger.switch("setup")
 
 
 def active():
@@ -85,8 +96,12 @@ def _install() -> None:
     trainer = next(c for c in type.mro(keras.Model) if "fit" in vars(c) and c.__module__.startswith(
         "keras.src.backend."))  # the backend's trainer: JAXTrainer, TensorFlowTrainer, ...
     trainer.fit = _fit_hook(trainer.fit)
+    if keras.backend.backend() == "tensorflow" and accounting():
+        trainer.make_train_function = _tensorflow_timed(trainer.make_train_function)
     if keras.backend.backend() != "jax":
         return
+    if accounting():
+        jax.monitoring.register_event_time_span_listener(_on_compile_span)
     from keras.src.backend.jax import distribution_lib  # Keras places every batch through it
 
     distribution_lib.distribute_data_input = _placement_hook(distribution_lib.distribute_data_input)
@@ -108,7 +123,8 @@ def _guarded(method: Callable) -> Callable:
     def guarded(self, *args, **kwargs):
         if _active is None:
             return method(self, *args, **kwargs)
-        with stall.watching():
+        with stall.watching(), (goodput.ledger().part("eval") if method.__name__ == "evaluate"
+                                else contextlib.nullcontext()):
             result = method(self, *args, **kwargs)
             if method.__name__ == "fit":
                 jax.block_until_ready([v.value for v in self.variables])
@@ -161,7 +177,11 @@ def _make_function_hook(make: Callable, attribute: str) -> Callable:
         make(self, force)
         function = getattr(self, attribute)
         if function is not None and not getattr(function, "_meshfit_counted", False):
-            setattr(self, attribute, _counted(function, self.steps_per_execution if steps else 0))
+            function = _counted(function, self.steps_per_execution if steps else 0)
+            setattr(self, attribute, function)
+        if (steps and function is not None and not getattr(function, "_meshfit_timed", False)
+                and accounting()):
+            setattr(self, attribute, _timed(function))
         return getattr(self, attribute)
 
     return make_function
@@ -177,6 +197,215 @@ def _counted(function: Callable, steps: int) -> Callable:
 
     step._meshfit_counted = True
     return step
+
+
+# --------------------------------------------------------------------------------- goodput
+
+def accounting() -> bool:
+    """False when $MESHFIT_GOODPUT is 0: no timing of the train loop (its overhead measured)."""
+    return os.environ.get(env.GOODPUT, "1").strip() != "0"
+
+
+# JAX's events for the three stages of making a program; a jit traced inside another's trace
+# reports a span inside the outer one, so only the time not yet covered is counted.
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_spans: list[tuple[float, float]] = []  # recent compile spans, disjoint, sorted
+_compile_lock = threading.Lock()
+compiled_seconds = 0.0  # compile time of this process so far
+
+
+def _on_compile_span(event: str, start: float, end: float, **_) -> None:
+    """JAX's listener: charge the part of a compile span not yet counted to the ledger's compile."""
+    global compiled_seconds, _compile_spans
+    if event not in _COMPILE_EVENTS or end <= start:
+        return
+    with _compile_lock:
+        covered = sum(max(0.0, min(end, e) - max(start, s)) for s, e in _compile_spans)
+        merged, low, high = [], start, end
+        for s, e in _compile_spans:
+            if e < low or s > high:
+                merged.append((s, e))
+            else:
+                low, high = min(low, s), max(high, e)
+        _compile_spans = sorted(merged + [(low, high)])[-32:]
+        new = max(end - start - covered, 0.0)
+        compiled_seconds += new
+    goodput.ledger().move(new, "compile")
+
+
+class _InputClock:
+    """What the input-wait accounting knows of the dispatches: a leaf of the last dispatch's
+    outputs (ready once the device has run it), when that dispatch returned, and the device's
+    time per dispatch (measured now and then: see _TimedBatches)."""
+
+    PROBE_EVERY = 64  # dispatches between two measurements of the device's time per dispatch
+
+    def __init__(self):
+        self.last = None
+        self.returned = 0.0
+        self.device_seconds: float | None = None
+        self.dispatches = 0
+        self.ambiguous = False
+        self.waited = 0.0  # input wait counted so far (seconds)
+
+
+_clock = _InputClock()
+
+
+class _TimedBatches:
+    """The iterator a train function reads its batches from, timing each fetch.
+
+    A fetch counts as input wait as far as the devices had no step left to run meanwhile:
+    all of it when the last dispatch had finished when the fetch began (checked without
+    waiting: `is_ready`), none of it when that dispatch is still running when the fetch ends,
+    and otherwise the fetch time beyond what the dispatch still had to run (the device's time
+    per dispatch, measured by waiting for one dispatch every PROBE_EVERY once such fetches occur,
+    minus the time since it was dispatched). No device sync otherwise: dispatch stays async.
+    """
+
+    def __init__(self, iterator, clock: _InputClock):
+        self.iterator, self.clock = iterator, clock
+        self.count = 0
+        self.fetched_at = 0.0
+        self.device_idle = False  # the last dispatch had finished by the end of the last fetch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        clock, last = self.clock, self.clock.last
+        idle = last is None or last.is_ready()
+        start = time.perf_counter()
+        batch = next(self.iterator)
+        end = self.fetched_at = time.perf_counter()
+        self.count += 1
+        if idle:
+            wait = end - start
+        elif not last.is_ready():
+            wait = 0.0
+        else:
+            clock.ambiguous = idle = True
+            remaining = max((clock.device_seconds or 0.0) - (start - clock.returned), 0.0)
+            wait = max(end - start - remaining, 0.0)
+        self.device_idle = idle
+        if wait > 0:
+            clock.waited += wait
+            goodput.ledger().move(wait, "input_wait")
+        return batch
+
+
+def _timed(function: Callable) -> Callable:
+    """A train function `(state, iterator) -> (logs, state)` charging its time to the ledger's
+    train part, with its fetches timed (_TimedBatches) and the steps it dispatched counted."""
+
+    def train(state, iterator):
+        ledger, clock = goodput.ledger(), _clock
+        if ledger.base != "train":
+            ledger.switch("train")
+        batches = _TimedBatches(iterator, clock)
+        compiled = compiled_seconds
+        try:
+            logs, state = function(state, batches)
+        finally:
+            ledger.steps += batches.count
+        clock.last = _a_leaf(logs)
+        clock.dispatches += 1
+        if (clock.ambiguous and clock.last is not None and batches.device_idle
+                and compiled == compiled_seconds
+                and (clock.device_seconds is None or clock.dispatches % clock.PROBE_EVERY == 0)):
+            # The queue was empty when this dispatch went out: its time to ready is the device's.
+            clock.last.block_until_ready()
+            clock.device_seconds = time.perf_counter() - batches.fetched_at
+        clock.returned = time.perf_counter()
+        ledger.tick()
+        return logs, state
+
+    train._meshfit_timed = True
+    train._meshfit_counted = True
+    train.__wrapped__ = function  # the train function itself (e.g. jax_loop's), as functools does
+    return train
+
+
+def _a_leaf(logs):
+    """One array of a dispatch's outputs (ready once the device has run it), or None."""
+    first = next(iter(logs.values()), None) if isinstance(logs, dict) else None
+    if hasattr(first, "is_ready"):
+        return first  # Keras' logs: a dict of arrays, no tree walk on every dispatch
+    leaves = [leaf for leaf in jax.tree.leaves(logs) if hasattr(leaf, "is_ready")]
+    return leaves[0] if leaves else None
+
+
+def _tensorflow_timed(make: Callable) -> Callable:
+    """TensorFlow's `make_train_function`, whose function reads each batch in Python, timed.
+
+    Keras' TensorFlow train function reads the next batch inside its compiled step when handed a
+    tf.data iterator, where no wait can be timed; handed any other iterator it reads the batch
+    in Python and runs the same compiled one-step function on it (keras/src/backend/tensorflow/
+    trainer.py, `_make_function`). A TensorFlow step on the CPU has finished when it returns, so
+    the whole fetch is input wait. One step per call only: k steps per dispatch stay in-graph."""
+
+    @functools.wraps(make)
+    def make_train_function(self, force=False):
+        make(self, force)
+        function = self.train_function  # (Keras returns it only when it was made before)
+        if (_active is None or self.steps_per_execution != 1 or self.run_eagerly or function is None
+                or getattr(function, "_meshfit_timed", False)):
+            return function
+
+        def train(iterator):
+            batches = _TimedBatches(iterator, _InputClock())  # no dispatch in flight: all wait
+            first = next(batches)  # the end of the data raises StopIteration, as Keras expects
+            return function(_Prepended(first, batches))
+
+        train._meshfit_timed = True
+        train.__wrapped__ = function
+        self.train_function = train
+        return train
+
+    return make_train_function
+
+
+class _Prepended:
+    """An iterator yielding `first`, then the rest of `rest` (not a tf.data iterator, so Keras'
+    TensorFlow train function reads it in Python)."""
+
+    def __init__(self, first, rest):
+        self.first, self.rest = [first], rest
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.first.pop() if self.first else next(self.rest)
+
+
+def input_source(x) -> str:
+    """The kind of a fit's data source, for the input-bound line's advice (goodput.input_fix)."""
+    if x is None:
+        return "arrays"
+    name = f"{type(x).__module__}.{type(x).__name__}".lower()
+    if inspect.isgenerator(x) or isinstance(x, (map, filter, zip)) or name.endswith("iterator"):
+        return "generator"
+    if isinstance(x, keras.utils.PyDataset):
+        return "pydataset"
+    if "tensorflow" in name:
+        return "tf.data"
+    if "grain" in name:
+        return "grain"
+    if "folders" in name:
+        return "folder"
+    return "arrays" if sources.is_arrays(x, None) else "generator"
+
+
+def goodput_of(report: EpochReport | None) -> dict[str, Any]:
+    """{"goodput": the ledger's parts so far, "mfu", "peak"} (MFU over every timed epoch of
+    `report`, with its peak and where that comes from)."""
+    result = {"goodput": goodput.ledger().totals(), "mfu": None, "peak": None}
+    if report is not None:
+        result["mfu"], result["peak"] = report.run_mfu(), report.peak
+    return result
 
 
 def _fit_hook(fit: Callable) -> Callable:
@@ -209,10 +438,25 @@ def _fit_hook(fit: Callable) -> Callable:
                 and not self.run_eagerly):
             jax_loop.install(self, self.steps_per_execution)
         token = _fit_batches.set({})
+        _clock.last = None
+        report = next((c for c in arguments.get("callbacks") or [] if isinstance(c, EpochReport)), None)
+        if report is not None and report.input_source is None:
+            report.input_source = input_source(arguments.get("x"))
+        ledger = goodput.ledger()
+        if strategy.engine != "jax":  # no timed train function there: the whole fit is training
+            ledger.switch("train")
         try:
-            return fit(*bound.args, **bound.kwargs)
+            history = fit(*bound.args, **bound.kwargs)
         finally:
             _fit_batches.reset(token)
+            if ledger.base == "train":
+                ledger.switch("other")
+        if history is not None and ledger.owner is None:  # a plain fit: the process so far
+            history.goodput = goodput_of(report)
+            if report is not None and report.epochs and report.stream is not None:
+                print(goodput.format_block(history.goodput["goodput"], history.goodput["mfu"],
+                                           history.goodput["peak"]), file=report.stream, flush=True)
+        return history
 
     return hooked_fit
 

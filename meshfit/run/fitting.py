@@ -3,6 +3,8 @@
 run() = choose the sharding (the memory plan) -> build the model, its batches and the run's
 specification -> open the run directory (config.json) -> restore the newest checkpoint (when
 resuming) -> fit with the run's callbacks -> score on the test set -> write the results.
+The run owns the process's goodput ledger (meshfit.watch.goodput): kept in RUN/goodput.json while
+it trains, continued by a resumed run, and written into metrics.json at the end.
 This module imports Keras at its top: meshfit.run.train imports it only after connect().
 """
 
@@ -17,8 +19,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import keras
 import numpy as np
+from jax.experimental import multihost_utils
 
 from meshfit import __version__, recipes
 from meshfit.data import splits as data
@@ -28,10 +32,10 @@ from meshfit.parallel import cluster, planning, stall
 from meshfit.run import checkpoints, models, rundir, spec
 from meshfit.run.callbacks import RecipeCallbacks
 from meshfit.run.evaluate import headline
-from meshfit.run.results import totals, write_results
+from meshfit.run.results import totals, write_metrics, write_results
 from meshfit.run.scores import evaluate_model, score
 from meshfit.run.spec import RunSpec, profiling_steps
-from meshfit.watch import profiling, progress, progress_bar
+from meshfit.watch import goodput, profiling, progress, progress_bar
 from meshfit.watch.report import EpochReport
 from meshfit.watch.tensorboard import TensorBoardLog
 
@@ -43,23 +47,47 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
     stall.set_resume_hint(f"its committed checkpoints are intact: continue with meshfit train "
                           f"--resume {asked.run}")
     guard = stall.watching() if strategy.engine == "jax" else contextlib.nullcontext()
-    with guard, strategy.scope():
+    with guard, strategy.scope(), contextlib.closing(_RunLedger()):
         model, batches, run_spec = build_run(asked, strategy, dataset, stream, batch_plan, command)
         chief = strategy.info.process_index == 0
         cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
         with rundir.lock(asked.run) if chief else contextlib.nullcontext():
-            resume_state = (restore(model, asked.run, run_spec.steps_per_epoch,
-                                    data.labels(dataset.train), asked.checkpoint,
-                                    dataset.num_classes)
-                            if asked.saved is not None else None)
+            ledger = goodput.ledger()
+            with ledger.part("checkpoint"):
+                resume_state = (restore(model, asked.run, run_spec.steps_per_epoch,
+                                        data.labels(dataset.train), asked.checkpoint,
+                                        dataset.num_classes)
+                                if asked.saved is not None else None)
+            own_ledger(ledger, asked.run, strategy.info.process_index, resume_state,
+                       run_spec.steps_per_epoch)
             if chief:
                 write_recipe(asked.run, asked.recipe)
                 write_config(asked.run, run_spec, asked.saved_config, resume_state, command)
                 if asked.options.verbose:
                     announce(asked.run, run_spec, asked.saved, resume_state,
                              has_test=dataset.test is not None)
-            history = fit_run(asked, strategy, model, batches, dataset, run_spec, resume_state)
-            return score_and_write(asked, model, history, dataset, run_spec, chief)
+            history, report = fit_run(asked, strategy, model, batches, dataset, run_spec,
+                                      resume_state)
+            return score_and_write(asked, model, history, dataset, run_spec, chief, report.peak)
+
+
+class _RunLedger:
+    """Closed when the run ends (finished or not): the ledger is no longer the run's."""
+
+    def close(self) -> None:
+        goodput.end_run()
+
+
+def own_ledger(ledger: goodput.Ledger, run: str, process_index: int, resume_state: dict | None,
+               steps_per_epoch: int) -> None:
+    """Make the goodput ledger this run's: kept in the run directory from now on and, on a
+    resume, continuing the stopped run's (its parts, and the time the interruption lost)."""
+    ledger.owner = "run"
+    path = goodput.run_file(run, process_index)
+    if resume_state is not None:
+        ledger.resume(path, resume_state["epoch"] * steps_per_epoch + resume_state["step"])
+    ledger.persist_to = path
+    ledger.write()
 
 
 def start_session(strategy, seed: int) -> None:
@@ -306,7 +334,8 @@ class _EpochEnd:
 
     def __call__(self, epoch, logs):
         self.report.on_test_begin()  # the epoch's training clock stops before validation
-        scores = evaluate_model(self.model, self.batches, self.labels, self.loss, self.tta_flip)
+        with goodput.ledger().part("eval"):
+            scores = evaluate_model(self.model, self.batches, self.labels, self.loss, self.tta_flip)
         logs["val_loss"], logs["val_accuracy"] = scores["loss"], scores["accuracy"]
 
 
@@ -321,7 +350,7 @@ class _History:
         record = {"epoch": epoch + 1}
         record.update({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
         record.update({k: stats.get(k) for k in ("train_seconds", "compile_seconds", "ms_per_step",
-                                                  "samples_per_second", "mfu")})
+                                                  "samples_per_second", "mfu", "input_wait_seconds")})
         record["samples"] = stats.get("steps", 0) * self.global_batch
         self.records.append(record)
 
@@ -408,6 +437,27 @@ def make_checkpointer(run: str, run_spec: RunSpec, history: list, own_callbacks,
         extra_arrays=lambda: own_callbacks.arrays() if own_callbacks else {})
 
 
+_CHECKPOINT_HOOKS = ("on_train_begin", "on_epoch_begin", "on_train_batch_begin", "on_epoch_end",
+                     "on_train_end")
+
+
+def charged_to_checkpoint(checkpointer: checkpoints.Checkpointer) -> checkpoints.Checkpointer:
+    """The checkpointer, its hooks' time (saves, waits for a background save, the stop vote)
+    charged to the goodput ledger's checkpoint part (the instance's methods wrapped: Keras and
+    stop_on_signals keep the same object)."""
+    ledger = goodput.ledger()
+
+    def charged(method):
+        def hook(*args, **kwargs):
+            with ledger.part("checkpoint"):
+                return method(*args, **kwargs)
+        return hook
+
+    for name in _CHECKPOINT_HOOKS:
+        setattr(checkpointer, name, charged(getattr(checkpointer, name)))
+    return checkpointer
+
+
 def epoch_evaluation(model, dataset, recipe: recipes.Recipe, global_batch: int, report) -> list:
     """The callback scoring each epoch on the split behind val_* (none without one)."""
     per_epoch = dataset.per_epoch
@@ -432,16 +482,18 @@ def source_failure_raised(batches):
 
 
 def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
-            resume_state: dict | None) -> list[dict[str, Any]]:
+            resume_state: dict | None) -> tuple[list[dict[str, Any]], EpochReport]:
     """Fit with the run's callbacks (evaluation, report, monitoring, the recipe's, checkpoints);
-    return the history of every epoch, the resumed ones included."""
+    return the history of every epoch, the resumed ones included, and the epoch report."""
     o, run, global_batch = asked.options, asked.run, run_spec.global_batch
     chief = strategy.info.process_index == 0
     history = list(resume_state["history"]) if resume_state else []
     own_callbacks = recipe_callbacks(asked.recipe, resume_state, o.epochs)
     report = EpochReport(global_batch=global_batch, strategy=strategy,
                          stream=None if chief else io.StringIO())  # one epoch line per job
-    checkpointer = make_checkpointer(run, run_spec, history, own_callbacks, resume_state, chief)
+    report.input_source = input_source(batches)
+    checkpointer = charged_to_checkpoint(
+        make_checkpointer(run, run_spec, history, own_callbacks, resume_state, chief))
     watch = monitoring(run, chief, o.verbose, report, global_batch, run_spec.steps_per_epoch,
                        o.tensorboard, o.log_every, profiling_steps(o.profile))
     # Keras calls these in order at each epoch end: the evaluation adds val_* to the logs before
@@ -459,24 +511,68 @@ def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
                 run_spec.micro_batches)
     finally:
         watch.close()
-    return history
+        goodput.ledger().write()  # stopped (a signal, an error): the ledger as of now
+    return history, report
 
 
-def score_and_write(asked, model, history: list, dataset, run_spec: RunSpec,
-                    chief: bool) -> dict[str, Any]:
-    """Score on the test set, write the model, history and metrics.json; return the metrics."""
+def input_source(batches) -> str:
+    """The kind of a run's batches for the input-bound line (goodput.input_fix): images read
+    from a folder, a recipe's own source, or arrays."""
+    module = type(batches).__module__
+    if module.endswith("folders"):
+        return "folder"
+    if module.endswith("streams"):
+        return "generator"
+    return "arrays"
+
+
+def score_and_write(asked, model, history: list, dataset, run_spec: RunSpec, chief: bool,
+                    peak: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Score on the test set, write the model, history and metrics.json (with the goodput of the
+    whole run, its MFU and the peak it is against: `peak`, see meshfit.watch.peak); print the
+    goodput block; return the metrics."""
     r, run = asked.recipe, asked.run
-    scores = score(model, history, dataset, run_spec.global_batch, r.make_loss(), r.tta_flip,
-                   run_spec.epochs)
+    ledger = goodput.ledger()
+    with ledger.part("eval"):
+        scores = score(model, history, dataset, run_spec.global_batch, r.make_loss(), r.tta_flip,
+                       run_spec.epochs)
     # metrics.json is config.json's specification plus the results (see meshfit.run.spec).
     metrics = {**scores, **totals(history), **run_spec.to_dict(),
                "resumed": asked.saved is not None, "run_dir": run}
     checkpoints.gather_for_saving(model)  # fsdp on several processes: every process
+    metrics.update({"mfu": run_mfu(history), "peak_flops": (peak or {}).get("flops"),
+                    "peak_source": (peak or {}).get("source")})
+    with ledger.part("other"):  # the model, history and curves written count as part of the run
+        if chief:
+            write_results(run, model, history, metrics)
+    metrics["goodput"] = job_goodput(ledger.totals())  # every process: a collective on several
+    ledger.finished = True
+    ledger.write()
     if chief:
-        write_results(run, model, history, metrics)
+        write_metrics(run, metrics)
         if asked.options.verbose:
             name, accuracy, loss_value, samples = headline(scores)
             shown = (f"{name} accuracy {accuracy:.4f}  {name} loss {loss_value:.4f}  "
                      f"({samples} images); " if accuracy is not None else "")
+            print(goodput.format_block(metrics["goodput"], metrics["mfu"], peak), flush=True)
             print(f"{shown}wrote {run}", flush=True)
     return metrics
+
+
+def run_mfu(history: list[dict[str, Any]]) -> float | None:
+    """MFU over every epoch of the run, resumed sessions' included: the epochs' MFU weighted by
+    their training seconds (None where no epoch has one)."""
+    timed = [(r["mfu"], r.get("train_seconds") or 0.0) for r in history if r.get("mfu") is not None]
+    seconds = sum(s for _, s in timed)
+    return sum(m * s for m, s in timed) / seconds if seconds else None
+
+
+def job_goodput(mine: dict[str, Any]) -> dict[str, Any]:
+    """This process's goodput on one host; on several, every host's (gathered) and the slowest's
+    at the top (goodput.slowest)."""
+    if jax.process_count() == 1:
+        return mine
+    row = np.array([mine["seconds"][p] for p in goodput.PARTS] + [mine["wall_seconds"]], "float64")
+    rows = np.asarray(multihost_utils.process_allgather(row))
+    return goodput.slowest([goodput.summary(dict(zip(goodput.PARTS, r[:-1])), float(r[-1]),
+                                            mine["sessions"]) for r in rows])

@@ -43,12 +43,17 @@ def totals(history: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_results(run: str, model, history: list, metrics: dict[str, Any]) -> None:
-    """model.keras, history.json, metrics.json and curves.png in the run directory."""
+    """model.keras, history.json and curves.png in the run directory (metrics.json, which says
+    the run finished, comes last: write_metrics)."""
     with rundir.atomic_path(os.path.join(run, rundir.MODEL), ".keras") as tmp:
         with models.without_distribution():  # saving alone under the multi-host mesh would wait for the others
             models.save(model, tmp)
     rundir.write_json(os.path.join(run, rundir.HISTORY), history)
-    rundir.write_json(os.path.join(run, rundir.METRICS), metrics)
     name, accuracy, _, _ = headline(metrics)
     title = f"{metrics['recipe']}: {name} accuracy {accuracy:.2%}" if accuracy is not None else metrics["recipe"]
     plot_curves(history, os.path.join(run, rundir.CURVES), title, metrics.get("evaluated_on", "test"))
+
+
+def write_metrics(run: str, metrics: dict[str, Any]) -> None:
+    """metrics.json: the run's specification and results, its goodput and MFU included."""
+    rundir.write_json(os.path.join(run, rundir.METRICS), metrics)

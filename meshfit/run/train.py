@@ -32,6 +32,7 @@ from meshfit.parallel import devices, engine, planning
 from meshfit.run import models, rundir, spec
 from meshfit.run.options import TrainOptions, at_least_one, check_fraction, current_names
 from meshfit.run.spec import RunSpec
+from meshfit.watch import goodput
 
 # Settings a resumed run keeps from its config.json unless given again (the same name on both).
 RESUMED_SETTINGS = ("data_dir", "engine", "simulate_devices", "checkpoint_every", "sharding",
@@ -222,6 +223,7 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
     settings = current_names(settings)
     options = dataclasses.replace(options, **settings) if options else TrainOptions(**settings)
     command = options.command or python_command(recipe, options)
+    goodput.begin_run()  # the run's wall time starts here (or at the process's start)
     asked = specify(recipe, options)
     strategy = connect_devices(asked)
     check_batch(asked, strategy)

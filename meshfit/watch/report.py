@@ -1,8 +1,10 @@
 """The per-epoch report: loss and metrics, epoch time, ms/step, samples/s and MFU.
 
 MFU = FLOPs of one train step (XLA's cost analysis of the compiled step) / (step time x peak
-FLOP/s of the devices in use). Compilation (the first step's extra time) is reported apart from
-training time, and validation time is not counted as training.
+FLOP/s of the devices in use: a data sheet's, or on CPUs a measured one, see meshfit.watch.peak).
+Compilation (the first step's extra time) is reported apart from training time, and validation
+time is not counted as training. An epoch whose input wait (meshfit.watch.goodput's ledger)
+exceeds 10% of its step time prints the input-bound line once per fit.
 """
 
 from __future__ import annotations
@@ -15,15 +17,21 @@ import jax
 import keras
 
 from meshfit.parallel.sharding import format_bytes
+from meshfit.watch import goodput, peak
 
 
 def train_step_flops(model, global_batch: int) -> float | None:
     """FLOPs of one training step on a global batch, from XLA's cost analysis; None if unknown.
 
     Lowers the model's own stateless `train_step` for the whole (unsharded) batch, so the count
-    covers forward, backward and optimizer update of all replicas together. JAX engine only.
+    covers forward, backward and optimizer update of all replicas together. On TensorFlow, the
+    traced train step's graph is counted by TensorFlow's profiler instead.
     """
-    if keras.backend.backend() != "jax" or not getattr(model, "optimizer", None):
+    if not getattr(model, "optimizer", None):
+        return None
+    if keras.backend.backend() == "tensorflow":
+        return _tensorflow_step_flops(model, global_batch)
+    if keras.backend.backend() != "jax":
         return None
     try:
         if not model.optimizer.built:
@@ -54,6 +62,30 @@ def train_step_flops(model, global_batch: int) -> float | None:
         return None
 
 
+def _tensorflow_step_flops(model, global_batch: int) -> float | None:
+    """FLOPs of one train step on TensorFlow: its traced graph's operations with a FLOP count
+    (matmuls, convolutions and their gradients: TensorFlow's profiler), None if unknown."""
+    try:
+        import tensorflow as tf  # the TensorFlow engine: Keras imported it already
+        from tensorflow.python.profiler import model_analyzer, option_builder
+        from tensorflow.python.util import deprecation
+
+        x = [tf.TensorSpec((global_batch,) + tuple(t.shape[1:]), t.dtype) for t in model.inputs]
+        y = [tf.TensorSpec((global_batch,) + tuple(o.shape[1:-1]), tf.int32) for o in model.outputs]
+        x, y = (x[0] if len(x) == 1 else x), (y[0] if len(y) == 1 else y)
+        # The class's step, not meshfit's micro-batched one (tf_microbatch sets it on the
+        # instance): the same FLOPs, without a loop the profiler would count once.
+        step = type(model).train_step
+        graph = tf.function(lambda a, b: step(model, (a, b))).get_concrete_function(x, y).graph
+        builder = option_builder.ProfileOptionBuilder
+        options = builder(builder.float_operation()).with_empty_output().build()
+        with deprecation.silence():
+            flops = model_analyzer.profile(graph, options=options).total_float_ops
+        return float(flops) if flops > 0 else None
+    except Exception:  # a model whose step cannot be traced this way simply gets "n/a"
+        return None
+
+
 def wait_for_device(model) -> None:
     """Wait until the dispatched steps have finished, so clocks read real time."""
     if keras.backend.backend() != "jax":
@@ -68,7 +100,8 @@ def discovery_text(d: dict[str, Any]) -> str:
     """The discovery report (Strategy.describe()'s dict) as text, like the tutorials' TPU log."""
     sim = " (simulated on the CPU)" if d["simulated"] else ""
     mixed = ", float32 variables" if d["precision"] != "float32" else ""
-    peak = f"{d['peak_flops'] / 1e12:.1f} TFLOP/s" if d["peak_flops"] else "n/a"
+    peak = (f"{d['peak_flops'] / 1e12:.1f} TFLOP/s" if d["peak_flops"] else
+            "measured by a matmul probe at the first fit (cached)" if d["platform"] == "cpu" else "n/a")
     rows = [
         ("platform", f"{d['platform']}{sim}"),
         ("device kind", d["device_kind"]),
@@ -133,17 +166,23 @@ class EpochReport(keras.callbacks.Callback):
         self.compile_seconds = 0.0
         self._first_step_seconds: float | None = None
         self._compile_counted = False
+        self.input_source: str | None = None  # the kind of data source (goodput.input_fix)
+        self.peak: dict[str, Any] | None = None  # peak.peak_of(strategy), found at the first epoch end
+        self.input_bound: str | None = None  # the input-bound line, once printed
+        self._probed_again = False
 
     def on_train_begin(self, logs=None):
         self._first_step_seconds = None
         self.compile_seconds = 0.0
         self._compile_counted = False
+        self.input_bound = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._steps = 0
         self._start = time.perf_counter()
         self._train_end = None
         self._skipped = 0
+        self._waited = goodput.ledger().seconds["input_wait"]
 
     def on_train_batch_begin(self, batch, logs=None):
         # `batch` is the index of the call's first step, so the steps done so far (k per call with
@@ -178,9 +217,23 @@ class EpochReport(keras.callbacks.Callback):
             compile_seconds = self.compile_seconds = max(self._first_step_seconds - first, 0.0)
             train_seconds += min(self._first_step_seconds, first)
         self._skipped = 0
-        if self.flops_per_step is None and self.global_batch:
-            self.flops_per_step = train_step_flops(self.model, self.global_batch) or 0.0
-        peak = self.strategy.peak_flops if self.strategy is not None else None
+        ledger = goodput.ledger()
+        if compile_seconds and keras.backend.backend() != "jax":  # JAX reports its own compile events
+            ledger.move(compile_seconds, "compile")
+        waited = ledger.seconds["input_wait"] - self._waited
+        with ledger.part("setup"):  # once per fit; a CPU's peak once per machine, then cached
+            if self.flops_per_step is None and self.global_batch:
+                self.flops_per_step = train_step_flops(self.model, self.global_batch) or 0.0
+            if self.peak is None and self.strategy is not None:
+                self.peak = peak.peak_of(self.strategy)
+        peak_flops = (self.peak or {}).get("flops")
+        if (peak_flops and self.flops_per_step and self.flops_per_step / step_seconds > peak_flops
+                and "probe" in self.peak["source"] and not self._probed_again):
+            # Above 100%: the cached probe ran while other work shared the cores; probe again.
+            self._probed_again = True
+            with ledger.part("setup"):
+                self.peak = peak.peak_of(self.strategy, again=True)
+            peak_flops = self.peak["flops"]
         stats = {
             "epoch": epoch + 1,
             "steps": steps,
@@ -188,9 +241,28 @@ class EpochReport(keras.callbacks.Callback):
             "ms_per_step": 1000 * step_seconds,
             "samples_per_second": (self.global_batch / step_seconds) if self.global_batch else None,
             "flops_per_step": self.flops_per_step or None,
-            "mfu": (self.flops_per_step / step_seconds / peak) if (peak and self.flops_per_step) else None,
+            "mfu": (self.flops_per_step / step_seconds / peak_flops)
+                   if (peak_flops and self.flops_per_step) else None,
             "compile_seconds": compile_seconds,
+            "input_wait_seconds": waited,
+            "goodput": ledger.totals(),
         }
         self.epochs.append(stats)
         print(format_epoch_line(epoch, self.params.get("epochs", epoch + 1), logs or {}, stats),
               file=self.stream, flush=True)
+        line = goodput.input_bound_line(waited, train_seconds, self.input_source,
+                                        getattr(self.model, "steps_per_execution", 1) or 1,
+                                        self.strategy.platform if self.strategy else "cpu")
+        if line and self.input_bound is None:
+            self.input_bound = line
+            print(line, file=self.stream, flush=True)
+
+    def run_mfu(self) -> float | None:
+        """MFU over every epoch this report timed: FLOPs of all timed steps / their seconds /
+        the peak FLOP/s (None where the FLOPs or the peak are unknown)."""
+        peak_flops = (self.peak or {}).get("flops")
+        seconds = sum(e["train_seconds"] for e in self.epochs)
+        steps = sum(e["steps"] for e in self.epochs)
+        if not (peak_flops and self.flops_per_step and seconds):
+            return None
+        return self.flops_per_step * steps / seconds / peak_flops

@@ -7,7 +7,9 @@ the run began, so a resumed run continues the same curves):
   epoch/<metric>     every number of the epoch-end logs, val_* included, at the epoch's last step;
   epoch/learning_rate  the optimizer's learning rate at epoch end (a schedule evaluated at
                      optimizer.iterations);
-  speed/ms_per_step, speed/samples_per_second, speed/mfu  from the EpochReport given as `report`.
+  speed/ms_per_step, speed/samples_per_second, speed/mfu  from the EpochReport given as `report`;
+  goodput/fraction, goodput/<part>_seconds  the run's goodput so far (meshfit.watch.goodput), from
+                     the same report, accumulated across resumes.
 
 No per-step device synchronization in the training loop: the callback is `async_safe`, so on JAX
 Keras runs batch-end hooks on worker threads (keras/src/callbacks/callback_list.py), which convert
@@ -127,6 +129,10 @@ class TensorBoardLog(keras.callbacks.Callback):
             if speed["samples_per_second"] is None and self.global_batch and speed["ms_per_step"]:
                 speed["samples_per_second"] = self.global_batch * 1000 / speed["ms_per_step"]
             scalars.update({f"speed/{k}": float(v) for k, v in speed.items() if v is not None})
+            spent = stats.get("goodput") or {}
+            if spent.get("fraction") is not None:
+                scalars["goodput/fraction"] = float(spent["fraction"])
+                scalars.update({f"goodput/{k}_seconds": float(v) for k, v in spent["seconds"].items()})
         with self._lock:
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, step)

@@ -12,8 +12,8 @@ download), each in a fresh process per engine (Keras fixes its backend per proce
            `meshfit train` (scalars every 10 steps); its `vs meshfit` column is the logging's cost.
 Each fit runs 1 + repeats epochs of `steps` steps: the first is warm-up (compilation, reported as
 its extra time over a timed epoch), the others are timed between device synchronizations and the
-median is reported. Columns: ms/step, samples/s, MFU (XLA's FLOPs of the step / peak FLOP/s; n/a
-where the peak is unknown, as on CPUs), compile seconds, `vs plain` (samples/s / the plain row of
+median is reported. Columns: ms/step, samples/s, MFU (XLA's FLOPs of the step / peak FLOP/s: the
+data sheet's on TPUs and GPUs, a measured one on CPUs, see meshfit.watch.peak), compile seconds, `vs plain` (samples/s / the plain row of
 the same engine, precision, batch and steps per dispatch) and `vs fastest` (samples/s / the fastest
 plain Keras row of any engine at that precision and batch: the baseline a user could get without
 meshfit). Writes bench.csv, bench.json and bench.png to --out (default runs/bench-<time>/).

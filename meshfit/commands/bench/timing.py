@@ -5,6 +5,7 @@ its top). One row per precision, global batch and steps per dispatch: see the st
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import statistics
@@ -27,6 +28,8 @@ from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
 from meshfit.parallel import planning
 from meshfit.run import fitting
+from meshfit.watch import goodput
+from meshfit.watch.peak import peak_of
 from meshfit.watch.report import EpochReport, train_step_flops, wait_for_device
 from meshfit.watch.tensorboard import TensorBoardLog
 
@@ -168,11 +171,14 @@ def time_one(spec: dict, info, recipe: recipes.Recipe, strategy: Strategy, preci
     model = build()
     timer = EpochTimer()
     fit = dict(batch_size=global_batch, epochs=repeats + 1, shuffle=False, verbose=0)
-    peak = strategy.peak_flops
+    peak_found = peak_of(strategy)  # a data sheet's, or a CPU's measured (cached) peak
+    peak = peak_found["flops"]
+    before = goodput.ledger().totals()["seconds"]
     if chosen is None:
         flops, micro_batches = fit_plain(spec, info, model, x, y, timer, fit, peak)
     else:  # Strategy.fit runs k steps per dispatch (meshfit.fit.jax_loop)
         flops, micro_batches = fit_meshfit(spec, chosen, model, x, y, timer, fit)
+    after = goodput.ledger().totals()["seconds"]
     median = statistics.median(timer.seconds[1:])  # epoch 0 holds the compilation (compile_s)
     step_seconds = median / steps
     return {"recipe": recipe.name, "engine": spec["engine"], "path": spec["path"],
@@ -184,7 +190,9 @@ def time_one(spec: dict, info, recipe: recipes.Recipe, strategy: Strategy, preci
             "compile_s": max(timer.seconds[0] - median, 0.0), "flops_per_step": flops or None,
             "auto_engine": engine_lib.fastest(info.platform, info.device_count),
             "platform": info.platform, "device_kind": info.device_kind, "repeats": repeats,
-            "steps_per_repeat": steps, "epoch_seconds": timer.seconds}
+            "steps_per_repeat": steps, "epoch_seconds": timer.seconds,
+            "peak_flops": peak, "peak_source": peak_found["source"],
+            "goodput_seconds": {p: after[p] - before[p] for p in goodput.PARTS}}
 
 
 def measure(spec: dict, info) -> None:
@@ -192,6 +200,9 @@ def measure(spec: dict, info) -> None:
     on the devices `info`; each row is handed to the parent as it is measured."""
     recipe = recipes.load(spec["recipe"])
     worker.emit_machine(describe_machine(info, engine_lib.fastest(info.platform, info.device_count)))
+    count = spec.get("scaling_devices")
+    if count and count < info.device_count:  # bench --scaling: the first `count` devices
+        info = dataclasses.replace(info, devices=tuple(info.devices[:count]), devices_per_host=count)
     dispatches = spec["steps_per_dispatch"] or ([1] if info.platform == "cpu" else [1, 8])
     for name in spec["precisions"] or [recipe.precision]:
         precision = planning.resolve_precision(name, info.platform, info.compute_capability,

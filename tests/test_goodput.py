@@ -1,0 +1,290 @@
+"""Goodput and MFU (meshfit.watch.goodput, meshfit.watch.peak, the fit hooks' accounting): where
+a run's wall time goes, for plain model.fit after connect() and for meshfit train, killed and
+resumed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from helpers import environment
+
+from meshfit.watch import goodput
+
+
+def test_the_parts_add_up_to_the_wall_time_and_moves_keep_the_total():
+    ledger = goodput.Ledger(start=time.time())
+    time.sleep(0.02)
+    ledger.switch("train")
+    with ledger.part("eval"):
+        time.sleep(0.01)
+        ledger.move(0.004, "compile")  # an evaluation's compilation
+    time.sleep(0.01)
+    ledger.move(0.003, "input_wait")
+    totals = ledger.totals()
+    seconds = totals["seconds"]
+    assert sum(seconds.values()) == pytest.approx(totals["wall_seconds"], abs=1e-3)
+    assert seconds["startup"] >= 0.02 and seconds["eval"] >= 0.006
+    assert seconds["compile"] == pytest.approx(0.004) and seconds["input_wait"] == pytest.approx(0.003)
+    assert totals["fraction"] == pytest.approx(seconds["train"] / totals["wall_seconds"], abs=1e-3)
+
+
+def test_a_resume_counts_the_steps_run_again_and_the_gap_as_lost(tmp_path):
+    path = str(tmp_path / "goodput.json")
+    before = goodput.Ledger(start=time.time())
+    before.switch("train")
+    before.start -= 50.0  # as if it had trained 50 s for the 100 steps it dispatched: 0.5 s a step
+    before.seconds["train"] += 50.0
+    before.steps = 100
+    before.persist_to = path
+    before.write()
+    written = json.load(open(path))["written_at"]
+    after = goodput.Ledger(start=written + 30.0)  # restarted 30 s after its last write
+    lost = after.resume(path, checkpoint_step=90)  # its newest checkpoint: step 90 of the 100
+    assert lost["recomputed_steps"] == 10 and lost["recomputed_seconds"] == pytest.approx(5.0)
+    assert lost["gap_seconds"] == pytest.approx(30.0)
+    totals = after.totals(now=after.start + 10.0)
+    assert totals["sessions"] == 2
+    assert totals["seconds"]["lost"] == pytest.approx(35.0)
+    assert totals["seconds"]["train"] == pytest.approx(45.0, abs=0.1)
+    assert sum(totals["seconds"].values()) == pytest.approx(totals["wall_seconds"], abs=1e-3)
+    assert totals["wall_seconds"] == pytest.approx(50.0 + 30.0 + 10.0, abs=0.5)
+    # A finished run extended later (--epochs) lost nothing in between.
+    record = json.load(open(path))
+    json.dump({**record, "finished": True}, open(path, "w"))
+    extended = goodput.Ledger(start=written + 3600.0)
+    assert extended.resume(path, checkpoint_step=100)["gap_seconds"] == 0.0
+    assert extended.totals()["seconds"]["lost"] == 0.0
+    assert goodput.Ledger().resume(str(tmp_path / "none.json"), 0) is None  # a run from before
+
+
+def test_the_slowest_host_and_the_input_bound_advice():
+    # As gathered from the hosts: numpy float32 rows, written to metrics.json as JSON.
+    rows = np.array([[8.0 if p == "train" else 0.0 for p in goodput.PARTS] + [10.0],
+                     [6.0 if p == "train" else 0.0 for p in goodput.PARTS] + [10.0]], "float32")
+    job = goodput.slowest([goodput.summary(dict(zip(goodput.PARTS, r[:-1])), r[-1]) for r in rows])
+    assert job["host"] == 1 and job["fraction"] == pytest.approx(0.6) and len(job["hosts"]) == 2
+    assert json.loads(json.dumps(job))["hosts"][0]["seconds"]["train"] == 8.0
+    assert goodput.input_bound_line(0.5, 10.0, "generator") is None  # 5%: not input-bound
+    line = goodput.input_bound_line(3.0, 10.0, "generator")
+    assert line.startswith("meshfit: input-bound:") and "30%" in line and "PyDataset" in line
+    assert "workers" in goodput.input_bound_line(3.0, 10.0, "folder")
+    assert "--steps-per-dispatch" in goodput.input_bound_line(3.0, 10.0, "arrays", 1, "gpu")
+
+
+def test_the_cpu_peak_is_probed_once_and_cached(strategy, tmp_path, monkeypatch):
+    from meshfit.watch import peak
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(peak, "_measured", {})
+    first = peak.peak_of(strategy)
+    assert first["flops"] > 1e8 and "measured now" in first["source"] and first["precision"] == "float32"
+    cached = json.load(open(tmp_path / "meshfit" / "peak.json"))
+    assert list(cached.values()) == [first["flops"]] and "8 devices|float32|jax" in next(iter(cached))
+    monkeypatch.setattr(peak, "_measured", {})
+    again = peak.peak_of(strategy)
+    assert again["flops"] == first["flops"] and "cached" in again["source"]
+
+
+def test_probing_again_keeps_the_highest_peak_ever_measured(tmp_path, monkeypatch):
+    from meshfit.watch import peak
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(peak, "_measured", {})
+    measured = iter([5e10, 3e10, 8e10])  # a busy machine's probe is low
+    monkeypatch.setattr(peak, "probe", lambda *args: next(measured))
+    assert peak.cpu_peak([0], "float32") == (5e10, False)
+    assert peak.cpu_peak([0], "float32") == (5e10, True)  # from the cache: no probe
+    assert peak.cpu_peak([0], "float32", again=True)[0] == 5e10  # 3e10 measured, 5e10 kept
+    assert peak.cpu_peak([0], "float32", again=True)[0] == 8e10
+    assert list(json.load(open(tmp_path / "meshfit" / "peak.json")).values()) == [8e10]
+
+
+def _model(strategy):
+    import keras
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(4, activation="softmax")])
+        model.compile("adam", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def test_plain_fit_reports_goodput_mfu_and_eval(strategy, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rng = np.random.default_rng(0)
+    x, y = rng.random((512, 16), dtype="float32"), rng.integers(0, 4, 512)
+    model = _model(strategy)
+    history = model.fit(x, y, batch_size=64, epochs=2, validation_data=(x[:128], y[:128]), verbose=2)
+    result = history.goodput
+    spent, seconds = result["goodput"], result["goodput"]["seconds"]
+    assert set(seconds) == set(goodput.PARTS)
+    assert sum(seconds.values()) == pytest.approx(spent["wall_seconds"], rel=1e-3)
+    assert 0 < spent["fraction"] < 1 and seconds["train"] > 0
+    assert seconds["compile"] > 0 and seconds["eval"] > 0 and seconds["startup"] > 0
+    assert 0 < result["mfu"] < 1 and "matmul probe" in result["peak"]["source"]
+    out = capsys.readouterr().out
+    assert "goodput " in out and "  input wait " in out and "MFU " in out
+    assert [line for line in out.splitlines() if line.startswith("epoch ") and "MFU n/a" in line] == []
+
+
+def test_a_slow_generator_is_input_wait_and_gets_the_input_bound_line(strategy, tmp_path,
+                                                                      monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, 16), dtype="float32"), rng.integers(0, 4, 64)
+    model = _model(strategy)
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)  # compiled before the timed fit
+
+    def slow():
+        while True:
+            time.sleep(0.05)
+            yield x, y
+
+    before = goodput.ledger().totals()["seconds"]
+    history = model.fit(slow(), steps_per_epoch=12, epochs=1, verbose=2)
+    after = history.goodput["goodput"]["seconds"]
+    waited, trained = after["input_wait"] - before["input_wait"], after["train"] - before["train"]
+    assert waited >= 0.5 * 12 * 0.05  # most of the 0.6 s of sleeping was waited for
+    assert waited > trained  # the steps themselves are far shorter than the sleeps
+    out = capsys.readouterr().out
+    bound = [line for line in out.splitlines() if line.startswith("meshfit: input-bound:")]
+    assert len(bound) == 1 and "PyDataset" in bound[0]
+
+
+KILLED_RUN = textwrap.dedent("""
+    import os, signal, sys
+    import meshfit
+    meshfit.connect(verbose=False)
+    import keras
+    from meshfit.run.train import train
+
+    class KillAt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 5):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    if sys.argv[3:] == ["resume"]:
+        train(data_dir=sys.argv[1], resume=sys.argv[2], verbose=False)
+    else:
+        train(data_dir=sys.argv[1], out=sys.argv[2], epochs=2, global_batch=16,
+              checkpoint_every="4", callbacks=[KillAt()], verbose=False)
+""")
+
+
+def test_a_killed_and_resumed_train_run_accumulates_its_goodput(data_dir, tmp_path):
+    """meshfit train SIGKILLed mid-epoch, restarted a second later: metrics.json's goodput spans
+    both sessions and the stop, its parts add up to its wall time, which the two processes'
+    lifetimes bound."""
+    run = str(tmp_path / "run")
+    env = environment({"XDG_CACHE_HOME": str(tmp_path / "cache"), "MESHFIT_OFFLINE": "1"})
+    started = time.time()
+    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, data_dir, run], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    saved = json.load(open(os.path.join(run, "goodput.json")))
+    assert saved["steps_done"] >= 1 and not saved["finished"]
+    time.sleep(1.0)
+    resumed = subprocess.run([sys.executable, "-c", KILLED_RUN, data_dir, run, "resume"],
+                             env=env, capture_output=True, text=True, timeout=300)
+    ended = time.time()
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    metrics = json.load(open(os.path.join(run, "metrics.json")))
+    spent, seconds = metrics["goodput"], metrics["goodput"]["seconds"]
+    assert spent["sessions"] == 2 and seconds["lost"] >= 1.0  # the second between the two
+    assert sum(seconds.values()) == pytest.approx(spent["wall_seconds"], rel=1e-3)
+    assert spent["wall_seconds"] <= ended - started + 0.1
+    assert seconds["checkpoint"] > 0 and seconds["eval"] > 0 and seconds["train"] > 0
+    assert 0 < metrics["mfu"] < 1 and metrics["peak_flops"] > 0 and "probe" in metrics["peak_source"]
+    assert json.load(open(os.path.join(run, "goodput.json")))["finished"]
+
+
+def test_meshfit_runs_shows_a_goodput_column_and_a_stacked_bar_figure(tmp_path):
+    from meshfit.commands import runs
+
+    def write_run(name, train, finished):
+        folder = tmp_path / name
+        folder.mkdir()
+        config = {"recipe": "r", "platform": "cpu", "replicas": 2, "engine": "jax", "epochs": 1}
+        (folder / "config.json").write_text(json.dumps(config))
+        spent = goodput.summary({**dict.fromkeys(goodput.PARTS, 1.0), "train": train}, train + 8.0)
+        if finished:
+            (folder / "metrics.json").write_text(json.dumps({**config, "goodput": spent, "mfu": 0.2}))
+            (folder / "history.json").write_text("[]")
+        else:  # still training: its goodput.json
+            (folder / "goodput.json").write_text(json.dumps(spent))
+
+    write_run("done", 12.0, True)
+    write_run("going", 2.0, False)
+    rows = runs.collect([str(tmp_path)])
+    assert [round(r["goodput"], 2) for r in rows] == [0.6, 0.2]
+    assert rows[0]["mfu"] == 0.2 and rows[1]["status"] == "unfinished"
+    table = runs.format_table(rows)
+    assert "goodput" in table.splitlines()[0] and "60.0%" in table and "20.0%" in table
+    figure = runs.plot_goodput(rows, str(tmp_path / "goodput.png"))
+    bars = figure.axes[0].patches
+    assert len(bars) == 2 * len(goodput.PARTS)  # one segment per part per run
+    assert (tmp_path / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_scaling_times_each_device_count_with_its_goodput_parts(tmp_path):
+    out = tmp_path / "scaling"
+    result = subprocess.run(
+        [sys.executable, "-m", "meshfit", "bench", "mnist-mlp-bf16", "--scaling", "1,2",
+         "--global-batches", "16", "--steps", "2", "--repeats", "1", "--out", str(out)],
+        env=environment({"XDG_CACHE_HOME": str(tmp_path / "cache"), "MESHFIT_SIMULATE_DEVICES": None}),
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "vs linear" in result.stdout and "simulated devices sharing" in result.stdout
+    saved = json.load(open(out / "scaling.json"))
+    rows = saved["rows"]
+    assert [(r["devices"], r["replicas"], r["global_batch"]) for r in rows] == [(1, 1, 16), (2, 2, 16)]
+    assert rows[0]["efficiency"] == 1.0
+    assert rows[1]["efficiency"] == pytest.approx(rows[1]["samples_per_s"] / (2 * rows[0]["samples_per_s"]))
+    for r in rows:
+        assert r["goodput_seconds"]["train"] > 0 and r["goodput_seconds"]["compile"] > 0
+        assert r["mfu"] > 0 and "probe" in r["peak_source"]
+    assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+TENSORFLOW_SLOW_GENERATOR = textwrap.dedent("""
+    import json, time
+    import meshfit
+    meshfit.connect(engine="tensorflow", verbose=False)
+    import keras
+    import numpy as np
+
+    x, y = np.random.rand(64, 16).astype("float32"), np.random.randint(0, 4, 64)
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(4, activation="softmax")])
+    model.compile("adam", "sparse_categorical_crossentropy")
+
+    def slow():
+        while True:
+            time.sleep(0.05)
+            yield x, y
+
+    history = model.fit(slow(), steps_per_epoch=12, epochs=1, verbose=2)
+    print(json.dumps(history.goodput["goodput"]))
+""")
+
+
+def test_tensorflow_times_the_wait_for_a_slow_generator_too(tmp_path):
+    """On TensorFlow each batch is read in Python (see hooks._tensorflow_timed), so the sleeps
+    show as input wait there as well."""
+    env = environment({"XDG_CACHE_HOME": str(tmp_path), "XLA_FLAGS": "", "KERAS_BACKEND": None,
+                       "MESHFIT_SIMULATE_DEVICES": None})
+    out = subprocess.run([sys.executable, "-c", TENSORFLOW_SLOW_GENERATOR], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    spent = json.loads(out.stdout.strip().splitlines()[-1])
+    assert spent["seconds"]["input_wait"] >= 0.5 * 12 * 0.05
+    assert sum(spent["seconds"].values()) == pytest.approx(spent["wall_seconds"], rel=1e-3)
+    assert "meshfit: input-bound:" in out.stdout
