@@ -20,6 +20,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 _JAX_CACHE = None if "JAX_COMPILATION_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="meshfit-tests-jax-")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _JAX_CACHE or "")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The CPU peak behind MFU is probed once per machine and cached under $XDG_CACHE_HOME/meshfit
+# (about a second of matrix products): once for the session too, though tests give each meshfit
+# subprocess a HOME of its own (test_goodput sets its own cache where it tests the probe).
+if _JAX_CACHE:  # the session's own folders, removed at its end
+    os.environ.setdefault("XDG_CACHE_HOME", os.path.join(_JAX_CACHE, "xdg"))
 
 import pytest  # noqa: E402 (the environment above must come first)
 from helpers import connect_eight_devices, write_idx_dataset  # noqa: E402
