@@ -13,7 +13,7 @@ os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable
 from meshfit.parallel import devices  # noqa: E402 (light: no JAX yet)
 
 devices.use_simulated_devices(8)  # the device count and meshfit's other XLA flags for simulated devices
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # as meshfit.parallel.engine.activate
 # One JAX compilation cache for the session, its xdist workers and every meshfit subprocess they
 # start (all inherit this environment): the suite compiles the same small programs in dozens of
 # processes. Entries are keyed by program, flags and devices, so a hit is the same executable.

@@ -37,7 +37,11 @@ ONEDNN = "TF_ENABLE_ONEDNN_OPTS"  # TensorFlow reads it once, when it is importe
 # Lines TensorFlow's C++ code writes to stderr while it loads, whatever TF_CPP_MIN_LOG_LEVEL says
 # (twice, once per shared library): dropped, every other line is passed on.
 _LOAD_NOTICES = (b"All log messages before absl::InitializeLog() is called",
-                 b"oneDNN custom operations are on")
+                 b"oneDNN custom operations are on",
+                 # The `tensorflow` wheel (not tensorflow-cpu; keras-hub's tensorflow-text pulls it
+                 # in) looks for CUDA as it loads; on a machine without it, TF runs on the CPU.
+                 b"Could not find cuda drivers on your machine",
+                 b"failed call to cuInit")
 
 
 @contextlib.contextmanager
@@ -136,7 +140,9 @@ def activate(engine: str) -> None:
     happens above the engine line (meshfit.fit imports Keras at its top; a recipe file may import
     it first), inside tensorflow_notices_dropped(): nothing in the light core imports Keras."""
     os.environ["KERAS_BACKEND"] = engine
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
+    # TensorFlow's C++ chatter, errors too: the `tensorflow` wheel logs a failed cuInit as an
+    # error on every machine without CUDA, and a real TensorFlow failure raises in Python anyway
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if engine == "tensorflow":
         if "tensorflow" in sys.modules and ONEDNN not in os.environ:
             warnings.warn("TensorFlow was imported before meshfit, with its own oneDNN default (off "

@@ -93,7 +93,7 @@ def measure(spec: dict) -> None:
         detail = {"workers": batches.workers, "loader": "thread pool over Pillow"}
     else:
         os.environ["KERAS_BACKEND"] = "tensorflow"
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
         try:
             import tensorflow  # noqa: F401 (image_dataset_from_directory is built on tf.data)
         except ImportError:

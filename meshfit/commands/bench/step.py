@@ -187,7 +187,7 @@ def measure(spec: dict) -> None:
         info = devices_lib.discover(simulate_devices=spec["simulate_devices"])
         engine_lib.choose_engine(engine, info.platform, info.device_count)  # the same rules as meshfit
         os.environ["KERAS_BACKEND"] = engine
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from meshfit.commands.bench import timing  # the engine line: Keras on the engine just chosen
 
     timing.measure(spec, info)
