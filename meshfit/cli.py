@@ -150,13 +150,7 @@ def run_train(args: argparse.Namespace) -> int:
         raise MeshfitError("--image-size, --channels and --model go with --data FOLDER")
     settings = options.TrainOptions.from_args(  # --validation-split is in the folder recipe with --data
         args, command=command, validation_split=None if args.data else args.validation_split)
-    try:
-        metrics = train.train(recipe, settings)
-    except MeshfitError as err:
-        if not hasattr(err, "exit_code"):  # only TrainingInterrupted has its own exit code
-            raise
-        print(f"meshfit: {err}", file=sys.stderr, flush=True)
-        return err.exit_code
+    metrics = train.train(recipe, settings)  # a stop on a signal: TrainingInterrupted, see main
     if args.json:
         print(json.dumps(metrics), flush=True)
     return 0
@@ -598,11 +592,13 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     warnings.formatwarning = _one_line_warning
+    stopped = False  # training stopped on a signal at a step all processes agreed on, state saved
     try:
         code = _function("run", args.command)(args) or 0
     except MeshfitError as err:
-        print(f"meshfit: error: {err}", file=sys.stderr)
-        code = 2
+        stopped = hasattr(err, "exit_code")  # only TrainingInterrupted has its own exit code
+        print(f"meshfit: {err}" if stopped else f"meshfit: error: {err}", file=sys.stderr, flush=True)
+        code = err.exit_code if stopped else 2
     except KeyboardInterrupt:
         print("meshfit: interrupted", file=sys.stderr)
         code = 130
@@ -611,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         # interpreter shutdown, it logs "Error occurred when finalizing GeneratorDataset iterator:
         # FAILED_PRECONDITION" after meshfit's own line. Freed now, it says nothing.
         gc.collect()
-        cluster.exit_failed(code)  # a failed process of a multi-host job must not wait for the others
+        cluster.exit_failed(code, together=stopped)  # a failed process must not wait for the others
     return code
 
 

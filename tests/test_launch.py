@@ -167,6 +167,31 @@ def test_a_failed_process_stops_the_others_and_is_named():
     assert "[1] process 1" in out.stderr  # and the failed process's last lines
 
 
+# Both processes join, line up and leave together with 143 as after an agreed stop; process 1
+# comes 3 s late. Without the shutdown barrier process 0 left first and process 1 aborted
+# (SIGABRT in JAX's coordination agent), as CI once saw after a SIGTERM.
+LEAVE_TOGETHER = """
+import os, time
+import meshfit
+from meshfit.parallel import cluster
+meshfit.connect(verbose=False)
+cluster.barrier("all here")
+if os.environ["MESHFIT_PROCESS_ID"] == "1":
+    time.sleep(3)
+print("leaving", flush=True)
+cluster.exit_failed(143, together=True)
+"""
+
+
+def test_processes_stopped_together_leave_without_aborting_whichever_comes_last():
+    out = run_meshfit("launch", "--processes", "2", "--", sys.executable, "-c", LEAVE_TOGETHER,
+                      timeout=SAFETY_SECONDS)
+    assert out.returncode == 143, out.stderr[-3000:]
+    assert "Terminating process" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "meshfit launch: all 2 processes stopped together on SIGTERM"), out.stderr[-3000:]
+
+
 def test_launch_timeout_stops_everything():
     out = run_meshfit("launch", "--processes", "2", "--timeout", "1", "--", sys.executable, "-c",
                       "import time; time.sleep(60)", timeout=60)

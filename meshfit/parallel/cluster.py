@@ -248,12 +248,19 @@ def _reachable(address: str, timeout: float) -> bool:
             time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
-def exit_failed(code: int) -> None:
+def exit_failed(code: int, together: bool = False) -> None:
     """End this process at once with `code` if it is part of a multi-process job, else return.
 
     At a normal exit JAX waits (up to SHUTDOWN_TIMEOUT_SECONDS) until every process reaches its
     exit; a failed process must not, since the others may be waiting for it in a collective and
     both would hang. Leaving at once lets a launcher, or JAX's heartbeat check, stop the others.
+
+    together: every process of the job leaves here with this code (a stop on a signal, agreed at
+    one step): they first pass JAX's shutdown barrier. Process 0 hosts the coordination service,
+    and a process still connected when it goes aborts (SIGABRT: "Terminating process because the
+    JAX distributed service detected fatal errors"), as process 1 did whenever process 0 left
+    first. The barrier is sufficient: no process leaves before all have disconnected, and process
+    0 stops the service only after it (reproduction: benchmarks/coordinator_exit_order.py).
     """
     if "jax" not in sys.modules:
         return
@@ -263,6 +270,12 @@ def exit_failed(code: int) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    if together:
+        try:
+            jax.distributed.shutdown()
+        except Exception as e:  # a peer gone meanwhile: leaving is all that is left to do
+            print(f"meshfit: warning: leaving the job without its shutdown barrier ({e})",
+                  file=sys.stderr, flush=True)
     os._exit(code)
 
 
