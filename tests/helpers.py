@@ -20,6 +20,34 @@ ONE_CPU = {"XLA_FLAGS": "", "KERAS_BACKEND": None, "MESHFIT_ENGINE": None, "MESH
 N_TRAIN, N_TEST = 128, 37
 
 
+# `python -c SIGNAL_AT DATA_DIR OUT EPOCH BATCH SIGNAL [MICRO_BATCHES]`: meshfit.run.train.train for
+# 2 epochs of global batch 16, a checkpoint every 3 steps, that sends itself SIGNAL (e.g. SIGKILL)
+# as batch BATCH of epoch EPOCH (both from 0) begins.
+# meshfit.connect() comes before `import keras`, as in the CLI: TensorFlow reads its settings
+# (TF_ENABLE_ONEDNN_OPTS) once, when Keras imports it; imported first, TF would run its default,
+# which is oneDNN off on CPUs without AVX512-VNNI/BF16, AVX-VNNI or AMX (e.g. AMD EPYC Zen 2/3),
+# against oneDNN on in the CLI runs this one is compared with and resumed by.
+SIGNAL_AT = """
+import os, signal, sys
+import meshfit
+meshfit.connect(verbose=False)
+import keras
+from meshfit.run.train import train
+
+class SignalAt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == (int(sys.argv[3]), int(sys.argv[4])):
+            os.kill(os.getpid(), getattr(signal, sys.argv[5]))
+
+train(data_dir=sys.argv[1], out=sys.argv[2], epochs=2, global_batch=16, checkpoint_every="3",
+      micro_batches=int(sys.argv[6]) if len(sys.argv) > 6 else None, callbacks=[SignalAt()],
+      verbose=False)
+"""
+
+
 def environment(changes=None) -> dict:
     """This process's environment with `changes` applied (a value of None removes the variable)."""
     merged = dict(os.environ)

@@ -5,11 +5,10 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
-from helpers import N_TRAIN, cli_env, connect_eight_devices, environment, run_meshfit
+from helpers import N_TRAIN, SIGNAL_AT, cli_env, connect_eight_devices, environment, run_meshfit
 
 from meshfit.errors import MeshfitError
 
@@ -40,32 +39,6 @@ def assert_identical(run_a, run_b):
     history_b = json.loads(open(os.path.join(run_b, "history.json")).read())
     for key in ("loss", "accuracy", "val_loss", "val_accuracy"):  # the interrupted epoch's too
         assert [r[key] for r in history_a] == [r[key] for r in history_b], key
-
-
-# Runs `meshfit.run.train.train` and sends itself `signal` at (epoch, batch) of training.
-# meshfit.connect() comes before `import keras`, as in the CLI: TensorFlow reads its settings
-# (TF_ENABLE_ONEDNN_OPTS) once, when Keras imports it; imported first, TF would run its default,
-# which is oneDNN off on CPUs without AVX512-VNNI/BF16, AVX-VNNI or AMX (e.g. AMD EPYC Zen 2/3),
-# against oneDNN on in the CLI runs this one is compared with and resumed by.
-SIGNAL_AT = textwrap.dedent("""
-    import os, signal, sys
-    import meshfit
-    meshfit.connect(verbose=False)
-    import keras
-    from meshfit.run.train import train
-
-    class SignalAt(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_begin(self, batch, logs=None):
-            if (self.epoch, batch) == (int(sys.argv[3]), int(sys.argv[4])):
-                os.kill(os.getpid(), getattr(signal, sys.argv[5]))
-
-    train(data_dir=sys.argv[1], out=sys.argv[2], epochs=2, global_batch=16, checkpoint_every="3",
-          micro_batches=int(sys.argv[6]) if len(sys.argv) > 6 else None, callbacks=[SignalAt()],
-          verbose=False)
-""")
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import environment
+from helpers import SIGNAL_AT, environment, run_meshfit
 
 from meshfit.watch import goodput
 
@@ -157,44 +157,21 @@ def test_a_slow_generator_is_input_wait_and_gets_the_input_bound_line(strategy, 
     assert len(bound) == 1 and "PyDataset" in bound[0]
 
 
-KILLED_RUN = textwrap.dedent("""
-    import os, signal, sys
-    import meshfit
-    meshfit.connect(verbose=False)
-    import keras
-    from meshfit.run.train import train
-
-    class KillAt(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_begin(self, batch, logs=None):
-            if (self.epoch, batch) == (1, 5):
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    if sys.argv[3:] == ["resume"]:
-        train(data_dir=sys.argv[1], resume=sys.argv[2], verbose=False)
-    else:
-        train(data_dir=sys.argv[1], out=sys.argv[2], epochs=2, global_batch=16,
-              checkpoint_every="4", callbacks=[KillAt()], verbose=False)
-""")
-
-
 def test_a_killed_and_resumed_train_run_accumulates_its_goodput(data_dir, tmp_path):
     """meshfit train SIGKILLed mid-epoch, restarted a second later: metrics.json's goodput spans
     both sessions and the stop, its parts add up to its wall time, which the two processes'
     lifetimes bound."""
     run = str(tmp_path / "run")
-    env = environment({"XDG_CACHE_HOME": str(tmp_path / "cache"), "MESHFIT_OFFLINE": "1"})
+    changes = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "MESHFIT_OFFLINE": "1"}
+    env = environment(changes)
     started = time.time()
-    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, data_dir, run], env=env,
-                            capture_output=True, text=True, timeout=300)
+    killed = subprocess.run([sys.executable, "-c", SIGNAL_AT, data_dir, run, "1", "5", "SIGKILL"],
+                            env=env, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     saved = json.load(open(os.path.join(run, "goodput.json")))
     assert saved["steps_done"] >= 1 and not saved["finished"]
     time.sleep(1.0)
-    resumed = subprocess.run([sys.executable, "-c", KILLED_RUN, data_dir, run, "resume"],
-                             env=env, capture_output=True, text=True, timeout=300)
+    resumed = run_meshfit("train", "--resume", run, env=changes)
     ended = time.time()
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     metrics = json.load(open(os.path.join(run, "metrics.json")))
