@@ -272,6 +272,7 @@ class Strategy:
             "sharding": self.sharding,
             "sharding_asked": self.sharding_asked,
             "model_parallel": self.model_parallel,
+            "model_parallel_asked": self.model_parallel_asked,  # None: 'auto' may choose it
             "fsdp_min_bytes": self.fsdp_min_bytes,
             "device_memory": devices_lib.memory_bytes(self.info, self.device_memory),
         }
