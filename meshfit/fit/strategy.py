@@ -124,7 +124,7 @@ class Strategy:
         self.sharding_asked = sharding
         self.fsdp_min_bytes = fsdp_min_bytes
         self.device_memory = device_memory
-        # None: not given, so that 'auto' may choose it (memory_plan.choose_model_parallel); 1 until then.
+        # None: not given, so that 'auto' may choose it (memory_plan.model_parallel_plans); 1 until then.
         self.model_parallel_asked = model_parallel
         model_parallel = self.model_parallel = model_parallel or 1
         self.sharding = "data" if sharding == "auto" else sharding  # until choose_sharding decides
