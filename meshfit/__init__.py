@@ -18,7 +18,7 @@ __all__ = ["connect", "plan", "Strategy", "EpochReport", "Recipe", "MeshfitError
 def connect(require: str | None = None, simulate_devices: int | None = None, precision: str = "auto",
             engine: str | None = None, verbose: bool = True, sharding: str | None = None,
             fsdp_min_bytes: int | str | None = None, device_memory: int | str | None = None,
-            layout_map=None, *, simulate: int | None = None, model_parallel: int = 1):
+            layout_map=None, *, simulate: int | None = None, model_parallel: int | None = None):
     """Find the devices, pick engine and precision, print what was found, return the Strategy
     (meshfit.fit.strategy.Strategy).
 
@@ -39,7 +39,10 @@ def connect(require: str | None = None, simulate_devices: int | None = None, pre
       entries win over meshfit's rule; or set `strategy.layout_map` later.
     model_parallel: K devices per model replica: the mesh is (devices/K) x K with axes 'batch'
       and 'model', and every kernel is split over 'model' (tensor parallelism chosen from its
-      shape, see meshfit.parallel.sharding), combined with `sharding` on 'batch'.
+      shape, see meshfit.parallel.sharding), combined with `sharding` on 'batch'. Not given
+      (None): 1, except that where 'auto' finds that neither data nor fsdp fits, it tries
+      K = 2, 4, ... (`meshfit train`, `meshfit plan` and `meshfit.plan` choose it; a plain `fit`
+      names the model_parallel to pass here).
     """
     if simulate is not None:
         if simulate_devices is not None and simulate_devices != simulate:
@@ -51,7 +54,7 @@ def connect(require: str | None = None, simulate_devices: int | None = None, pre
     sharding = _sharding.check_sharding(sharding)
     fsdp_min_bytes = _sharding.parse_fsdp_min_bytes(fsdp_min_bytes)
     device_memory = _sharding.parse_size(device_memory)
-    model_parallel = _sharding.check_model_parallel(model_parallel)
+    model_parallel = None if model_parallel is None else _sharding.check_model_parallel(model_parallel)
     info, chosen = _engine.start_engine(simulate_devices, engine, require)
     from meshfit.fit import strategy  # the engine line: Keras is imported, on the engine just chosen
 

@@ -1,17 +1,22 @@
 """The memory plan: bytes per device of a model's train step, replicated ("data") and sharded
-("fsdp"), from XLA's memory analysis of the compiled step; which mode fits; the largest batch.
+("fsdp"), from XLA's memory analysis of the compiled step; which mode fits; the largest batch;
+for 'auto' with no model_parallel given, the model parallelism K when neither mode fits.
 
 The model's own stateless `train_step` is lowered and compiled (never run) with abstract
 `jax.ShapeDtypeStruct` arguments carrying each mode's shardings (the batch split over the devices,
 every variable laid out by meshfit.parallel.sharding), so nothing is allocated for the mode not in use.
 Per device: weights and optimizer state (the variables' shards), the step's temporary memory
 (XLA's `temp_size_in_bytes`: activations, gradients, gathered weights) and the batch; total =
-XLA's arguments + outputs not aliased to them (the state is donated) + temporaries.
+XLA's arguments + outputs not aliased to them (the state is donated) + temporaries. With each
+plan, XLA's cost analysis of the same compiled step (flops, bytes accessed) and the collectives
+in its per-device program (their count and result bytes), shown, not used to decide.
 JAX engine only.
 
 One function per question: `plan_memory` (both modes' bytes for a built model), `auto_sharding`
-(what 'auto' picks from them) and `choose_sharding` (the strategy a run trains with: 'auto'
-decided here, for `meshfit train`, `meshfit bench`, `meshfit plan` and Python alike).
+(what 'auto' picks from them), `model_parallel_plans` (fsdp x model K when neither fits) and
+`choose_sharding` (the strategy a run trains with: 'auto' decided here, for `meshfit train`,
+`meshfit bench` and `meshfit plan`; `plan_build` for `meshfit.plan`, `plan_at_first_fit` for a
+plain `fit`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -50,6 +56,11 @@ class ModePlan:
     state: int  # the whole state (weights + optimizer), unsharded
     fits: bool | None  # total <= device memory; None when that is unknown
     largest_per_core_batch: int | None = None  # that fits (a multiple of the hardware multiple)
+    model_parallel: int = 1  # K: the mesh (devices/K) x K planned on
+    flops: float | None = None  # per device and step, XLA's cost analysis of the compiled step
+    bytes_accessed: float | None = None  # per device and step, same source (memory traffic)
+    collectives: int | None = None  # collective operations in the compiled per-device step
+    collective_bytes: int | None = None  # the sum of their results' bytes, per device and step
 
     @property
     def replicated_share(self) -> float:
@@ -139,13 +150,24 @@ def _specs(model, mode: str, strategy) -> dict[int, list]:
     that mode (a LayoutMap's entries included), else by meshfit.parallel.sharding's rule."""
     specs = {}
     distribution = strategy.distribution
+
+    def elsewhere(v):  # laid out on a mesh of another shape than this strategy's
+        mesh = getattr(getattr(v, "_layout", None), "device_mesh", None)
+        return mesh is not None and tuple(mesh.shape) != tuple(distribution.device_mesh.shape)
+
     for group in state_groups(model):
         for v in group:
             # v._value, not v.value: an abstract model's (plan_build) variables have none, and
             # .value would make one.
             live = getattr(getattr(getattr(v, "_value", None), "sharding", None), "spec", None)
-            if mode == strategy.sharding and live is not None:
+            if mode == strategy.sharding and live is not None and not elsewhere(v):
                 specs[id(v)] = list(live) + [None] * (len(v.shape) - len(live))
+            elif mode == strategy.sharding and distribution is not None and elsewhere(v):
+                # Laid out on another mesh (a plain fit's model planned for another K): as a
+                # model built on this one would be, the user's layout_map entries first.
+                layout = distribution._layout_map[v.path]
+                specs[id(v)] = (list(layout.axes) if layout is not None
+                                else distribution.spec(tuple(v.shape), v.dtype, mode))
             elif mode == strategy.sharding and distribution is not None:  # as it will be laid out
                 specs[id(v)] = list(distribution.get_variable_layout(v).axes)
             elif distribution is not None:
@@ -160,9 +182,41 @@ def axis_sizes(strategy) -> dict[str, int]:
     return strategy.distribution.axis_sizes if strategy.distribution is not None else {"batch": 1}
 
 
+# The collectives of a compiled (per-device) HLO program and their result type: `%name = TYPE
+# all-reduce(`; an asynchronous one is counted at its -done, whose type is its result alone.
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|"
+                         r"collective-permute|collective-broadcast)(-done)?\(", re.MULTILINE)
+_ARRAY = re.compile(r"\b(pred|[a-z]+(\d+)[a-z\d]*)\[([\d,]*)\]")  # f32[64,128], bf16[8], pred[4]
+
+
+def step_cost(compiled) -> dict[str, Any]:
+    """XLA's cost estimate of a compiled step per device: flops and bytes accessed (its cost
+    analysis; None where the backend gives none), and the collectives in its program: how many,
+    and the bytes of their results (what the devices exchange, as XLA compiled it)."""
+    try:
+        cost = compiled.cost_analysis()
+        cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
+    except Exception:  # a backend without a cost model
+        cost = {}
+    count, moved = 0, 0
+    try:
+        text = compiled.as_text()
+    except Exception:
+        text = ""
+    for result, _, _ in _COLLECTIVE.findall(text):
+        count += 1
+        for dtype, bits, dims in _ARRAY.findall(result):
+            size = 1 if dtype == "pred" else max(int(bits) // 8, 1)
+            moved += math.prod(int(d) for d in dims.split(",") if d) * size
+    flops, accessed = cost.get("flops"), cost.get("bytes accessed")
+    return {"flops": None if flops is None else float(flops),
+            "bytes_accessed": None if accessed is None else float(accessed),
+            "collectives": count if text else None, "collective_bytes": moved if text else None}
+
+
 def _compiled_bytes(model, global_batch: int, mesh, specs, data=None,
-                    input_shapes=None) -> tuple[int, int]:
-    """(total, temporaries) per device of the compiled step for a global batch."""
+                    input_shapes=None) -> tuple[int, int, dict]:
+    """(total, temporaries, step_cost) per device of the compiled step for a global batch."""
     last_error = None
     for one_hot in (False, True) if data is None else (False,):  # sparse labels first, as meshfit's recipes use
         arguments = step_arguments(model, global_batch, mesh, specs, one_hot, data, input_shapes)
@@ -179,7 +233,7 @@ def _compiled_bytes(model, global_batch: int, mesh, specs, data=None,
                            f"({str(last_error).splitlines()[0] if str(last_error) else type(last_error).__name__})")
     total = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
              + stats.temp_size_in_bytes)
-    return int(total), int(stats.temp_size_in_bytes)
+    return int(total), int(stats.temp_size_in_bytes), step_cost(compiled)
 
 
 def plan_mode(model, strategy, mode: str, global_batch: int, device_memory: int | None,
@@ -206,19 +260,20 @@ def plan_mode(model, strategy, mode: str, global_batch: int, device_memory: int 
     whole = sum(sharding.bytes_per_device(tuple(v.shape), v.dtype, [], 1) for v in state_vars)
     replicated = sum(sharding.bytes_per_device(tuple(v.shape), v.dtype, [], 1)
                      for v in state_vars if not any(specs[id(v)]))
-    total, temp = _compiled_bytes(model, global_batch, mesh, specs, data, input_shapes)
+    total, temp, cost = _compiled_bytes(model, global_batch, mesh, specs, data, input_shapes)
     per_core = global_batch // devices
     batch = _batch_bytes(model, per_core, data, input_shapes)
     best = None
     if largest and device_memory is not None:
-        total2, _ = _compiled_bytes(model, 2 * global_batch, mesh, specs, data, input_shapes)
+        total2, _, _ = _compiled_bytes(model, 2 * global_batch, mesh, specs, data, input_shapes)
         slope = (total2 - total) / per_core  # bytes per sample per device
         if slope > 0:
             multiple = strategy.per_core_multiple
             best = int((device_memory - (total - slope * per_core)) // slope) // multiple * multiple
             best = best if best >= multiple else 0
     return ModePlan(mode, weights, optimizer, temp, batch, total, replicated, whole,
-                    None if device_memory is None else total <= device_memory, best)
+                    None if device_memory is None else total <= device_memory, best,
+                    strategy.model_parallel, **cost)
 
 
 def _batch_bytes(model, rows: int, data=None, input_shapes=None) -> int:
@@ -265,6 +320,80 @@ def auto_sharding(plans: dict[str, ModePlan], device_memory: int | None) -> tupl
     return "fsdp", f"{needs}, and sharded it needs {sharding.format_bytes(fsdp.total)}: neither fits"
 
 
+def model_parallel_candidates(strategy) -> list[int]:
+    """The model parallelism 'auto' may try: the divisors K > 1 of the device count, smallest first."""
+    count = len(strategy.info.devices)
+    return [k for k in range(2, count + 1) if count % k == 0]
+
+
+def may_choose_model_parallel(strategy, device_memory: int | None) -> bool:
+    """True where 'auto' chooses K: sharding 'auto', model_parallel not given, several devices on
+    JAX and a known device memory."""
+    return (strategy.sharding_asked == "auto" and strategy.model_parallel_asked is None
+            and strategy.distribution is not None and device_memory is not None)
+
+
+def model_parallel_plans(strategy, plan_on: Callable[[Any], ModePlan], result: dict) -> dict:
+    """'auto' choosing the model parallelism K where neither data nor fsdp fits (`result` from
+    plan_memory, made with K = 1): fsdp x model K is planned, by `plan_on(candidate)` (the fsdp
+    ModePlan of the model on `candidate`, the strategy on the mesh (devices/K) x K), for the
+    divisors K > 1 of the devices, smallest first, up to the first that fits. `result` gets
+    "model_parallel_plans" ({K: the plan as a dict} for each K tried) and, where one fits,
+    "model_parallel" K, "choice" 'fsdp' and "why"; else "why" says that none does. Returns it.
+
+    The smallest K that fits, not the fastest or the largest: splitting a block's kernels over
+    'model' puts collectives inside every block (a reduction after each attention and MLP
+    block, forward and backward, as Megatron-LM pairs them), on the critical path of every step,
+    and leaves fewer model replicas (N/K) to split the batch; fsdp's gathers of whole weights
+    do not grow with K. XLA's cost analysis of each candidate (flops, bytes accessed) and the
+    collectives in its compiled program are shown with it, not used: they count operations and
+    bytes, not the time a link takes (ICI, NVLink, a network), nor what overlaps with compute.
+    """
+    memory = result["device_memory"]
+    data, fsdp = result["modes"]["data"], result["modes"].get("fsdp")
+    tried = result.setdefault("model_parallel_plans", {})
+    for k in model_parallel_candidates(strategy):
+        plan = plan_on(strategy.with_sharding("fsdp", k))
+        tried[str(k)] = {**dataclasses.asdict(plan), "replicated_share": plan.replicated_share}
+        if plan.fits:
+            result.update(model_parallel=k, choice="fsdp", why=(
+                f"model parallel {k}: fsdp needs {sharding.format_bytes(fsdp['total'])} per device "
+                f"(data {sharding.format_bytes(data['total'])}), more than "
+                f"{sharding.format_bytes(memory)}; fsdp x model {k} needs "
+                f"{sharding.format_bytes(plan.total)} ({cost_text(tried[str(k)])})"))
+            return result
+    if tried:
+        least = min(tried, key=lambda k: tried[k]["total"])
+        result["why"] += (f"; nor fsdp x model {', '.join(tried)} (the least "
+                          f"{sharding.format_bytes(tried[least]['total'])}, with {least})")
+    return result
+
+
+def cost_text(plan: dict) -> str:
+    """A plan's step cost per device as text: XLA's flops and bytes accessed, the collectives."""
+    parts = []
+    if plan.get("flops") is not None:
+        parts.append(f"each step {plan['flops']:.3g} flops")
+    if plan.get("bytes_accessed") is not None:
+        parts.append(f"{sharding.format_bytes(plan['bytes_accessed'])} accessed")
+    if plan.get("collectives") is not None:
+        parts.append(f"{plan['collectives']} collective{'' if plan['collectives'] == 1 else 's'} of "
+                     f"{sharding.format_bytes(plan['collective_bytes'])}")
+    return ", ".join(parts) or "no cost analysis"
+
+
+def plan_used(result: dict, mode: str) -> dict:
+    """The plan (a dict) of what a run trains with: `mode` on the planned mesh, or fsdp x model K
+    where 'auto' chose K (model_parallel_plans)."""
+    chosen = result.get("model_parallel_plans", {}).get(str(result.get("model_parallel")))
+    return chosen if chosen is not None and mode == result["choice"] else result["modes"][mode]
+
+
+def neither_fits(result: dict) -> bool:
+    """True when the device memory is known and no mode of `result` fits it."""
+    return all(p["fits"] is False for p in result["modes"].values())
+
+
 def largest_global_batch(result: dict, mode: str) -> int | None:
     """The largest global batch whose step in `mode` fits (from `plan_memory(..., largest=True)`): 0 when
     none does, None when unknown."""
@@ -281,7 +410,7 @@ def check_fits(result: dict, mode: str) -> None:
     """A MeshfitError when `mode` ('data' or 'fsdp') does not fit the device memory of `result`
     (from `plan_memory`), naming the bytes needed, the bytes there are and the fix."""
     memory = result["device_memory"]
-    chosen = result["modes"].get(mode)
+    chosen = plan_used(result, mode) if mode in result["modes"] else None
     if memory is None or chosen is None or chosen["fits"]:
         return
     need, have = sharding.format_bytes(chosen["total"]), sharding.format_bytes(memory)
@@ -309,21 +438,27 @@ def check_fits(result: dict, mode: str) -> None:
 def summary_lines(result: dict, mode: str) -> list[str]:
     """The plan as text lines: per mode its bytes per device, then the mode used and why."""
     memory = result["device_memory"]
-    k = result.get("model_parallel", 1)
+    k = next(iter(result["modes"].values())).get("model_parallel", 1)  # the mesh the modes were planned on
     on = f"{result['devices']} device(s)" if k == 1 else f"{result['devices']} x {k} devices (batch x model)"
     lines = [f"memory per device (of {sharding.format_bytes(memory)}), global batch "
              f"{result['global_batch']} on {on}:"]
-    for name, p in result["modes"].items():
+    rows = list(result["modes"].items()) + [
+        (f"fsdp x model {k}", p) for k, p in result.get("model_parallel_plans", {}).items()]
+    width = max(len(name) for name, _ in rows)
+    for name, p in rows:
         fits = {True: "fits", False: "does not fit", None: "fit unknown"}[p["fits"]]
-        lines.append(f"  {name:<5} weights {sharding.format_bytes(p['weights'])}  optimizer "
+        lines.append(f"  {name:<{width}} weights {sharding.format_bytes(p['weights'])}  optimizer "
                      f"{sharding.format_bytes(p['optimizer'])}  step {sharding.format_bytes(p['step_temp'])}"
                      f"  total {sharding.format_bytes(p['total'])}  ({fits}; "
                      f"{p['replicated_share']:.1%} of the state replicated)")
         if p.get("largest_per_core_batch") is not None:
             lines[-1] += f"  largest per-core batch {p['largest_per_core_batch'] or 'none'}"
-    lines.append(f"  using {mode}: {result['why'] if mode == result['choice'] else 'as asked'}")
+        if result.get("model_parallel_plans"):  # where model parallelism was weighed: the step's cost
+            lines[-1] += f"  [{cost_text(p)}]"
+    used = mode if result.get("model_parallel", k) == k else f"{mode} x model {result['model_parallel']}"
+    lines.append(f"  using {used}: {result['why'] if mode == result['choice'] else 'as asked'}")
     largest = largest_global_batch(result, mode)
-    if result["modes"][mode]["fits"] is False and largest is not None:
+    if plan_used(result, mode)["fits"] is False and largest is not None:
         lines[-1] += (f"; the largest global batch that fits is {largest} (--global-batch {largest})"
                       if largest else "; no batch fits: use more devices or a smaller model")
     return lines
@@ -331,7 +466,7 @@ def summary_lines(result: dict, mode: str) -> list[str]:
 
 def replicated_warning(result: dict, mode: str) -> str | None:
     """A warning when fsdp leaves more than 2% of the state replicated, else None."""
-    p = result["modes"].get(mode)
+    p = plan_used(result, mode) if mode in result["modes"] else None
     if mode != "fsdp" or p is None or p["replicated_share"] <= sharding.REPLICATED_WARN_SHARE:
         return None
     return (f"fsdp leaves {p['replicated_share']:.1%} of the state "
@@ -346,30 +481,49 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     where 'auto' is decided.
 
     'auto' becomes fsdp when the device memory is known and the replicated step does not fit,
-    else data; an asked mode that does not fit is a MeshfitError (see `check_fits`). The plan is
-    made on a model built by `make_model()` under fsdp (which allocates the least), after
-    `fresh_session(strategy)`; build the model again under the returned strategy. Without several
-    JAX devices, or for data-parallel with unknown device memory, nothing is planned unless
-    `always` (then the plan is shown, not enforced: `meshfit plan`). largest: see plan_mode.
+    else data; when neither fits and model_parallel was not given, fsdp x model K for the
+    smallest K that fits (model_parallel_plans), on a mesh (devices/K) x K. An asked mode that
+    does not fit is a MeshfitError (see `check_fits`). The plan is made on a model built by
+    `make_model()` under fsdp (which allocates the least), after `fresh_session(strategy)`;
+    build the model again under the returned strategy. Without several JAX devices, or for
+    data-parallel with unknown device memory, nothing is planned unless `always` (then the plan
+    is shown, not enforced: `meshfit plan`). largest: see plan_mode.
     """
     device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
     skip = strategy.distribution is None or (strategy.sharding_asked != "fsdp" and device_memory is None)
     if skip and not always:
         return strategy, None
-    # Under fsdp, and with abstract variables (no values: see abstract_model) where the model
-    # builds so; else built for real under fsdp, the layout that allocates the least.
+
+    def built(on):
+        # Under fsdp, and with abstract variables (no values: see abstract_model) where the model
+        # builds so; else built for real under fsdp, the layout that allocates the least.
+        fresh_session(on)
+        model = abstract_model(on, make_model, fallback=True)
+        if model is None:
+            with on.scope():
+                model = make_model()
+        return model
+
     planned = strategy.with_sharding("fsdp") if strategy.distribution is not None else strategy
-    fresh_session(planned)
-    model = abstract_model(planned, make_model, fallback=True)
-    if model is None:
-        with planned.scope():
-            model = make_model()
+    model = built(planned)
     result = plan_memory(model, planned, global_batch, device_memory, largest)
+    if may_choose_model_parallel(strategy, device_memory) and neither_fits(result):
+        model = None  # each candidate builds its own, on its mesh
+
+        def plan_on(candidate):
+            with candidate.scope():
+                return plan_mode(built(candidate), candidate, "fsdp", global_batch, device_memory)
+
+        model_parallel_plans(strategy, plan_on, result)
     mode = sharding_to_use(result, strategy.sharding_asked)
-    if result["modes"][mode]["fits"] is False and not largest:  # the refusal names the batch that fits
-        result = plan_memory(model, planned, global_batch, device_memory, largest=True)
+    if plan_used(result, mode)["fits"] is False and not largest:
+        # the refusal names the batch that fits (on the mesh planned first)
+        model = model if model is not None else built(planned)
+        result = {**plan_memory(model, planned, global_batch, device_memory, largest=True),
+                  **{key: result[key] for key in ("why", "model_parallel_plans") if key in result}}
     del model  # its variables would hold device memory while the run builds its own
     result["sharding"] = mode
+    chosen_k = result["model_parallel"]
     if always:
         return strategy, result
     check_fits(result, mode)
@@ -378,7 +532,9 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     warning = replicated_warning(result, mode)
     if warning:
         warnings.warn(warning, stacklevel=2)
-    return (strategy if mode == strategy.sharding else strategy.with_sharding(mode)), result
+    if (mode, chosen_k) == (strategy.sharding, strategy.model_parallel):
+        return strategy, result
+    return strategy.with_sharding(mode, chosen_k), result
 
 
 def first_fit_batch(arguments: dict[str, Any]) -> tuple[Any, int] | None:
@@ -412,9 +568,12 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
     """'auto' in Python: at a model's first `fit` under an active strategy asked for 'auto' with
     several devices and a known device memory, plan its train step with fit's real batch shapes
     (so variable-length inputs plan) and, when the replicated step does not fit, lay the model's
-    variables out as fsdp before the first step (Strategy.relayout), printing the plan; when
-    neither fits, one warning says by how much. When the replicated step fits, nothing is printed
-    and only that step was compiled (once more). A source whose shapes are unknown before it is
+    variables out as fsdp before the first step (Strategy.relayout), printing the plan. When
+    neither fits and model_parallel was not given to connect(), fsdp x model K is planned
+    (model_parallel_plans): where some K fits, a MeshfitError names the model_parallel=K to
+    connect with (the model's mesh is not changed under it); where none does, one warning says
+    by how much. When the replicated step fits, nothing is printed and only that step was
+    compiled (once more). A source whose shapes are unknown before it is
     read gets one line saying how to choose. Returns the plan when one was printed, else None."""
     device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
     if (strategy.sharding_asked != "auto" or strategy.distribution is None or device_memory is None
@@ -439,6 +598,23 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
     if plan_mode(model, strategy, "data", global_batch, device_memory, data=data).fits:
         return None  # the replicated step fits: nothing changes, and nothing more is compiled
     result = plan_memory(model, strategy, global_batch, device_memory, data=data)
+    if may_choose_model_parallel(strategy, device_memory) and neither_fits(result):
+        def plan_on(candidate):  # this model's variables as a model built on the candidate's mesh
+            with candidate.scope():
+                return plan_mode(model, candidate, "fsdp", global_batch, device_memory, data=data)
+
+        model_parallel_plans(strategy, plan_on, result)
+    k = result["model_parallel"]
+    if k != strategy.model_parallel:
+        # The mesh is the one the model was built on (its variables, and Keras' data placement,
+        # belong to it): rather than move every variable to another mesh under a built model,
+        # the user is told which model_parallel to connect with; nothing has trained.
+        model._meshfit_planned = False  # a next fit plans (and refuses) again
+        if chief:
+            print("\n".join(summary_lines(result, "fsdp")), flush=True)
+        raise MeshfitError(f"sharding auto: {result['why']}; pass model_parallel={k} to "
+                           "meshfit.connect() (with sharding='fsdp', as planned) and build the "
+                           "model after it")
     mode = result["choice"]
     if mode != strategy.sharding:
         strategy.relayout(model, mode)
@@ -508,12 +684,25 @@ def plan_build(strategy, build: Callable[[], Any], global_batch: int, input_shap
     dtype and a layout but no value, and its train step is compiled (never run) on abstract
     arrays. So a 7-billion-parameter configuration plans on a laptop. input_shapes: the inputs'
     shapes without the batch where `keras.Input` leaves them unknown (see input_structs).
+    With sharding 'auto', model_parallel not given to connect() and neither mode fitting,
+    fsdp x model K is planned too (model_parallel_plans): "model_parallel" is then the K to
+    pass to connect() (printed as such).
     Returns plan_memory's dict; printed (summary_lines) when `verbose`."""
     device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
     model = abstract_model(strategy, build)
     result = plan_memory(model, strategy, global_batch, device_memory, input_shapes=input_shapes)
+    if may_choose_model_parallel(strategy, device_memory) and neither_fits(result):
+        def plan_on(candidate):
+            with candidate.scope():
+                return plan_mode(abstract_model(candidate, build), candidate, "fsdp", global_batch,
+                                 device_memory, input_shapes=input_shapes)
+
+        model_parallel_plans(strategy, plan_on, result)
     mode = sharding_to_use(result, strategy.sharding_asked)
     result["sharding"] = mode
     if verbose and strategy.info.process_index == 0:
-        print("\n".join(summary_lines(result, mode)), flush=True)
+        lines = summary_lines(result, mode)
+        if result["model_parallel"] != strategy.model_parallel:
+            lines.append(f"  to train so: meshfit.connect(..., model_parallel={result['model_parallel']})")
+        print("\n".join(lines), flush=True)
     return result

@@ -116,7 +116,7 @@ class Strategy:
 
     def __init__(self, info: devices_lib.DeviceInfo, engine: str, precision: str,
                  sharding: str = "data", fsdp_min_bytes: int = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
-                 device_memory: int | None = None, layout_map=None, model_parallel: int = 1):
+                 device_memory: int | None = None, layout_map=None, model_parallel: int | None = 1):
         self.info = info
         self.engine = engine
         self.precision = precision
@@ -124,7 +124,9 @@ class Strategy:
         self.sharding_asked = sharding
         self.fsdp_min_bytes = fsdp_min_bytes
         self.device_memory = device_memory
-        self.model_parallel = model_parallel
+        # None: not given, so that 'auto' may choose it (memory_plan.model_parallel_plans); 1 until then.
+        self.model_parallel_asked = model_parallel
+        model_parallel = self.model_parallel = model_parallel or 1
         self.sharding = "data" if sharding == "auto" else sharding  # until choose_sharding decides
         self._distribution = None
         distributed = engine == "jax" and len(info.devices) > 1
@@ -148,12 +150,14 @@ class Strategy:
                           "nothing out (it needs several devices on the JAX engine)", stacklevel=2)
         self._layout_map = layout_map
 
-    def with_sharding(self, sharding: str) -> "Strategy":
-        """This strategy on the same devices with another sharding ('data' or 'fsdp'), e.g. the
-        one the memory plan chose for 'auto'; activate it before building the model."""
+    def with_sharding(self, sharding: str, model_parallel: int | None = None) -> "Strategy":
+        """This strategy on the same devices with another sharding ('data' or 'fsdp') and, given
+        model_parallel, another mesh ((devices/K) x K), e.g. what the memory plan chose for 'auto';
+        activate it before building the model."""
         chosen = Strategy(self.info, self.engine, self.precision, sharding, self.fsdp_min_bytes,
-                          self.device_memory, self._layout_map, self.model_parallel)
+                          self.device_memory, self._layout_map, model_parallel or self.model_parallel)
         chosen.sharding_asked = self.sharding_asked  # the report says 'auto' chose it, not the user
+        chosen.model_parallel_asked = self.model_parallel_asked
         return chosen
 
     @property
@@ -268,6 +272,7 @@ class Strategy:
             "sharding": self.sharding,
             "sharding_asked": self.sharding_asked,
             "model_parallel": self.model_parallel,
+            "model_parallel_asked": self.model_parallel_asked,  # None: 'auto' may choose it
             "fsdp_min_bytes": self.fsdp_min_bytes,
             "device_memory": devices_lib.memory_bytes(self.info, self.device_memory),
         }
@@ -339,7 +344,7 @@ def plan(build, global_batch: int, input_shapes=None, verbose: bool = True) -> d
 
 def connected(info: devices_lib.DeviceInfo, engine: str, precision: str, sharding: str,
               fsdp_min_bytes: int, device_memory: int | None, layout_map=None,
-              verbose: bool = True, model_parallel: int = 1) -> Strategy:
+              verbose: bool = True, model_parallel: int | None = None) -> Strategy:
     """The second half of `meshfit.connect()`, once Keras runs on `engine`: the Strategy for
     these devices (precision already resolved, settings checked), activated; the report printed."""
     if engine == "tensorflow":

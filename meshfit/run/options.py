@@ -91,7 +91,8 @@ class TrainOptions:
     sharding: str | None = _setting(
         None, "auto, data or fsdp: variables replicated (data) or the large ones sharded over the "
               "devices (fsdp); auto: fsdp only when the replicated step does not fit the device "
-              f"memory (default: auto{ON_RESUME})", metavar="S")
+              "memory, and when neither fits (without --model-parallel) fsdp on the smallest "
+              f"--model-parallel K that does (default: auto{ON_RESUME})", metavar="S")
     fsdp_min_bytes: int | str | None = _setting(
         None, "with fsdp: shard floating-point variables of at least SIZE (default: "
               f"{DEFAULT_FSDP_MIN_BYTES >> 20}MiB{ON_RESUME})", metavar="SIZE",
@@ -102,7 +103,8 @@ class TrainOptions:
     model_parallel: int | None = _setting(
         None, "K devices per model replica: a mesh (devices/K) x K with axes batch and model, every "
               "kernel split over model (tensor parallelism chosen from its shape) and --sharding on "
-              f"batch (default: 1{ON_RESUME})", type=int, metavar="K")
+              "batch (default: 1, or with --sharding auto the smallest K whose step fits where "
+              f"data and fsdp do not{ON_RESUME})", type=int, metavar="K")
     callbacks: list | None = _setting(None)  # extra Keras callbacks for fit
     verbose: bool = _setting(True)  # print the devices, the start line and the result
     command: str | None = _setting(None)  # the command line to record (default: the Python call)

@@ -127,6 +127,9 @@ def sharding_text(d: dict[str, Any]) -> str:
     if d["sharding_asked"] == "auto" and d["replicas"] > 1 and d["engine"] == "jax":
         why = ("planned per model when training: fsdp if the replicated step does not fit"
                if memory else "data-parallel (set --device-memory to plan)")
+        if memory and d.get("model_parallel_asked", 1) is None:
+            why += ("; if neither fits, the smallest model parallelism K that does (meshfit train "
+                    "uses it; a plain fit names the model_parallel=K to connect with)")
         return f"auto ({known}): {why}"
     if d["sharding"] == "fsdp":
         return (f"fsdp (asked; float variables >= {format_bytes(d['fsdp_min_bytes'])} sharded over "

@@ -184,7 +184,7 @@ def time_one(spec: dict, info, recipe: recipes.Recipe, strategy: Strategy, preci
     return {"recipe": recipe.name, "engine": spec["engine"], "path": spec["path"],
             "precision": precision, "global_batch": global_batch,
             "steps_per_dispatch": steps_per_dispatch, "micro_batches": micro_batches,
-            "sharding": chosen.sharding if chosen else "data", "replicas": strategy.replicas,
+            "sharding": chosen.sharding if chosen else "data", "replicas": (chosen or strategy).replicas,
             "ms_per_step": 1000 * step_seconds, "samples_per_s": global_batch / step_seconds,
             "mfu": flops / step_seconds / peak if (flops and peak) else None,
             "compile_s": max(timer.seconds[0] - median, 0.0), "flops_per_step": flops or None,
