@@ -101,6 +101,41 @@ def test_fsdp_holds_an_eighth_and_trains_as_data_parallel(strategy, name):
         connect_eight_devices()
 
 
+def test_a_large_sharded_variable_is_created_in_its_shards(strategy, monkeypatch):
+    """A variable of 32 MiB x 8 devices >= 256 MiB (Keras' bound, keras.src.backend.jax.core.
+    should_shard_at_init, from Keras 3.13: pyproject's floor) is initialized by one compiled
+    program into its shards: it is never made whole and then distributed (Keras'
+    distribute_tensor), so no device holds more than its share; smaller ones are, for at most
+    their own size (the price of a compile per variable, benchmarks/sharded_init.py). The values
+    are those of the replicated build."""
+    import keras
+    from keras.src.backend.jax import distribution_lib
+
+    distributed = []
+    spread = distribution_lib.distribute_tensor
+    monkeypatch.setattr(distribution_lib, "distribute_tensor",
+                        lambda tensor, layout: distributed.append(tuple(tensor.shape)) or spread(tensor, layout))
+    rows = 8200  # x 1024 float32: 33.6 MB
+
+    def build(on):
+        with on.scope():
+            keras.utils.set_random_seed(0)
+            return keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(rows, 1024),
+                                     keras.layers.Dense(512)])
+
+    fsdp = Strategy(strategy.info, "jax", "float32", "fsdp", MIN_BYTES)
+    try:
+        sharded = build(fsdp)
+        table, kernel = sharded.layers[0].embeddings, sharded.layers[1].kernel
+        assert table.value.sharding.spec[0] == "batch" and "batch" in kernel.value.sharding.spec
+        assert {s.data.shape for s in table.value.addressable_shards} == {(rows // 8, 1024)}
+        assert (rows, 1024) not in distributed and (1024, 512) in distributed  # 2 MB: whole first
+        replicated = build(strategy.with_sharding("data"))
+        np.testing.assert_array_equal(np.asarray(table.value), np.asarray(replicated.layers[0].embeddings.value))
+    finally:
+        connect_eight_devices()
+
+
 def test_rule_sizes_and_modes():
     assert sharding.shard_axis((512, 512), "float32", 8, 1 << 20) == 1  # tie: the trailing one
     assert sharding.shard_axis((1024, 24), "float32", 8, 1) == 0
