@@ -644,6 +644,23 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_run_resumes(data_
 
 
 @pytest.mark.slow
+def test_model_parallel_across_two_processes_trains_as_one_process(data_dir, single_process_run, tmp_path):
+    """--model-parallel 8 on 2 processes x 4 devices: every kernel split over a model axis that
+    spans both processes (its collectives through gloo), each process feeding the one batch row;
+    the run ends as the one-process data-parallel run (atol 1e-5: the reductions differ in order,
+    see test_a_run_of_one_process_resumes_on_two)."""
+    run = str(tmp_path / "run")
+    out = run_meshfit(*launch_args("meshfit", "train", *TRAIN, "--epochs", str(EPOCHS), "--data-dir",
+                                   data_dir, "--out", run, "--model-parallel", "8"), timeout=SAFETY_SECONDS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(os.path.join(run, "config.json")) as f:
+        config = json.load(f)
+    assert config["model_parallel"] == 8 and config["replicas"] == 1
+    assert_same_weights(model_weights(os.path.join(run, "model.keras")),
+                        model_weights(os.path.join(single_process_run, "model.keras")), atol=1e-5)
+
+
+@pytest.mark.slow
 def test_a_run_of_one_process_resumes_on_two(data_dir, single_process_run, tmp_path):
     """Epoch 1 on 1 process x 8 devices (fsdp), resumed by 2 processes x 4 devices: each process
     reads its shards of arrays that one process wrote, and the run ends as the one-process run."""
