@@ -67,6 +67,10 @@ class ModePlan:
         """Share of the whole state that is replicated on every device (0..1)."""
         return self.replicated / self.state if self.state else 0.0
 
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as plan_memory's result holds it: its fields and replicated_share."""
+        return {**dataclasses.asdict(self), "replicated_share": self.replicated_share}
+
 
 def step_arguments(model, global_batch: int, mesh=None, specs: dict | None = None,
                    one_hot: bool = False, data=None, input_shapes=None) -> tuple:
@@ -299,8 +303,7 @@ def plan_memory(model, strategy, global_batch: int, device_memory: int | None,
     choice, why = auto_sharding(plans, device_memory)
     return {"device_memory": device_memory, "global_batch": global_batch, "devices": strategy.replicas,
             "model_parallel": strategy.model_parallel,
-            "modes": {m: {**dataclasses.asdict(p), "replicated_share": p.replicated_share}
-                      for m, p in plans.items()},
+            "modes": {m: p.as_dict() for m, p in plans.items()},
             "choice": choice, "why": why}
 
 
@@ -326,18 +329,21 @@ def model_parallel_candidates(strategy) -> list[int]:
     return [k for k in range(2, count + 1) if count % k == 0]
 
 
-def may_choose_model_parallel(strategy, device_memory: int | None) -> bool:
-    """True where 'auto' chooses K: sharding 'auto', model_parallel not given, several devices on
-    JAX and a known device memory."""
+def weighs_model_parallel(strategy, result: dict) -> bool:
+    """True where 'auto' chooses K after `result` (plan_memory's, K = 1): sharding 'auto',
+    model_parallel not given, several devices on JAX, a known device memory, and neither data
+    nor fsdp fits it."""
     return (strategy.sharding_asked == "auto" and strategy.model_parallel_asked is None
-            and strategy.distribution is not None and device_memory is not None)
+            and strategy.distribution is not None and result["device_memory"] is not None
+            and all(p["fits"] is False for p in result["modes"].values()))
 
 
 def model_parallel_plans(strategy, plan_on: Callable[[Any], ModePlan], result: dict) -> dict:
     """'auto' choosing the model parallelism K where neither data nor fsdp fits (`result` from
-    plan_memory, made with K = 1): fsdp x model K is planned, by `plan_on(candidate)` (the fsdp
-    ModePlan of the model on `candidate`, the strategy on the mesh (devices/K) x K), for the
-    divisors K > 1 of the devices, smallest first, up to the first that fits. `result` gets
+    plan_memory, made with K = 1; see weighs_model_parallel): fsdp x model K is planned, by
+    `plan_on(candidate)` inside `candidate.scope()` (the fsdp ModePlan of the model on
+    `candidate`, the strategy on the mesh (devices/K) x K), for the divisors K > 1 of the
+    devices, smallest first, up to the first that fits. `result` gets
     "model_parallel_plans" ({K: the plan as a dict} for each K tried) and, where one fits,
     "model_parallel" K, "choice" 'fsdp' and "why"; else "why" says that none does. Returns it.
 
@@ -353,8 +359,10 @@ def model_parallel_plans(strategy, plan_on: Callable[[Any], ModePlan], result: d
     data, fsdp = result["modes"]["data"], result["modes"].get("fsdp")
     tried = result.setdefault("model_parallel_plans", {})
     for k in model_parallel_candidates(strategy):
-        plan = plan_on(strategy.with_sharding("fsdp", k))
-        tried[str(k)] = {**dataclasses.asdict(plan), "replicated_share": plan.replicated_share}
+        candidate = strategy.with_sharding("fsdp", k)
+        with candidate.scope():
+            plan = plan_on(candidate)
+        tried[str(k)] = plan.as_dict()
         if plan.fits:
             result.update(model_parallel=k, choice="fsdp", why=(
                 f"model parallel {k}: fsdp needs {sharding.format_bytes(fsdp['total'])} per device "
@@ -387,11 +395,6 @@ def plan_used(result: dict, mode: str) -> dict:
     where 'auto' chose K (model_parallel_plans)."""
     chosen = result.get("model_parallel_plans", {}).get(str(result.get("model_parallel")))
     return chosen if chosen is not None and mode == result["choice"] else result["modes"][mode]
-
-
-def neither_fits(result: dict) -> bool:
-    """True when the device memory is known and no mode of `result` fits it."""
-    return all(p["fits"] is False for p in result["modes"].values())
 
 
 def largest_global_batch(result: dict, mode: str) -> int | None:
@@ -507,14 +510,10 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     planned = strategy.with_sharding("fsdp") if strategy.distribution is not None else strategy
     model = built(planned)
     result = plan_memory(model, planned, global_batch, device_memory, largest)
-    if may_choose_model_parallel(strategy, device_memory) and neither_fits(result):
+    if weighs_model_parallel(strategy, result):
         model = None  # each candidate builds its own, on its mesh
-
-        def plan_on(candidate):
-            with candidate.scope():
-                return plan_mode(built(candidate), candidate, "fsdp", global_batch, device_memory)
-
-        model_parallel_plans(strategy, plan_on, result)
+        model_parallel_plans(strategy, lambda candidate: plan_mode(
+            built(candidate), candidate, "fsdp", global_batch, device_memory), result)
     mode = sharding_to_use(result, strategy.sharding_asked)
     if plan_used(result, mode)["fits"] is False and not largest:
         # the refusal names the batch that fits (on the mesh planned first)
@@ -598,12 +597,9 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
     if plan_mode(model, strategy, "data", global_batch, device_memory, data=data).fits:
         return None  # the replicated step fits: nothing changes, and nothing more is compiled
     result = plan_memory(model, strategy, global_batch, device_memory, data=data)
-    if may_choose_model_parallel(strategy, device_memory) and neither_fits(result):
-        def plan_on(candidate):  # this model's variables as a model built on the candidate's mesh
-            with candidate.scope():
-                return plan_mode(model, candidate, "fsdp", global_batch, device_memory, data=data)
-
-        model_parallel_plans(strategy, plan_on, result)
+    if weighs_model_parallel(strategy, result):  # this model's variables as built on each candidate's mesh
+        model_parallel_plans(strategy, lambda candidate: plan_mode(
+            model, candidate, "fsdp", global_batch, device_memory, data=data), result)
     k = result["model_parallel"]
     if k != strategy.model_parallel:
         # The mesh is the one the model was built on (its variables, and Keras' data placement,
@@ -691,13 +687,10 @@ def plan_build(strategy, build: Callable[[], Any], global_batch: int, input_shap
     device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
     model = abstract_model(strategy, build)
     result = plan_memory(model, strategy, global_batch, device_memory, input_shapes=input_shapes)
-    if may_choose_model_parallel(strategy, device_memory) and neither_fits(result):
-        def plan_on(candidate):
-            with candidate.scope():
-                return plan_mode(abstract_model(candidate, build), candidate, "fsdp", global_batch,
-                                 device_memory, input_shapes=input_shapes)
-
-        model_parallel_plans(strategy, plan_on, result)
+    if weighs_model_parallel(strategy, result):
+        model_parallel_plans(strategy, lambda candidate: plan_mode(
+            abstract_model(candidate, build), candidate, "fsdp", global_batch, device_memory,
+            input_shapes=input_shapes), result)
     mode = sharding_to_use(result, strategy.sharding_asked)
     result["sharding"] = mode
     if verbose and strategy.info.process_index == 0:
