@@ -31,6 +31,9 @@ def connect(require: str | None = None, simulate_devices: int | None = None, pre
       variables out as 'data' until a model's first fit plans its train step with fit's batch
       (meshfit.fit.memory_plan) and, when the device memory is known and the replicated step
       does not fit, lays its variables out as fsdp (`meshfit train` plans before building).
+      With the device memory known, the variables created past a quarter of it are created
+      sharded, so that a model too large to hold replicated can be built; the first fit
+      gathers them if the replicated step fits.
     fsdp_min_bytes: under fsdp, floating-point variables of at least this size ('1MiB', bytes;
       default 1 MiB) are sharded. device_memory: bytes per device to plan with ('16GB'; default:
       the device's).

@@ -119,21 +119,49 @@ def device_zero_share(model) -> float:
     return held / sum(v.value.nbytes for v in variables)
 
 
+def replicated_bytes(model) -> int:
+    """Bytes of the model's variables held whole on every device."""
+    return sum(v.value.nbytes for v in model.variables if not any(v.value.sharding.spec))
+
+
 def test_auto_shards_a_model_that_does_not_fit_at_its_first_fit(one_device_loss, capsys):
     # 680 KB per device replicated, 490 KB under fsdp (the plan printed below says so): auto in
     # Python plans at the first fit with fit's own batch (a sequence length keras.Input leaves
-    # unknown) and lays the variables out as fsdp before the first step.
+    # unknown) and lays the variables out as fsdp before the first step. Before it, the
+    # variables past a quarter of the device memory were created sharded.
     strategy = meshfit.connect(simulate_devices=8, verbose=False, sharding="auto",
                                device_memory="600KB", fsdp_min_bytes="1KB")
     try:
         model = llama()
-        assert strategy.sharding == "data" and not any(model.variables[0].value.sharding.spec)
+        whole = sum(v.value.nbytes for v in model.variables)
+        assert strategy.sharding == "data"
+        assert replicated_bytes(model) <= strategy.distribution.spill_after < whole
         losses = train(model)
         out = capsys.readouterr().out
         assert "using fsdp: the replicated step needs" in out and "more than 600.0 KB" in out
         assert strategy.sharding == "fsdp"
         np.testing.assert_allclose(losses, one_device_loss, rtol=1e-5)
         assert device_zero_share(model) < 0.2  # 1/8 of the sharded variables, small ones whole
+    finally:
+        connect_eight_devices()
+
+
+def test_auto_gathers_a_lora_model_built_sharded_when_its_replicated_step_fits(one_device_losses, capsys):
+    # The LoRA Llama's frozen weights (196 KB) pass a quarter of 600 KB, so its last kernels are
+    # created sharded; its replicated step (460 KB: few weights train) fits, so the first fit
+    # gathers them and trains data-parallel, as one device does.
+    strategy = meshfit.connect(simulate_devices=8, verbose=False, sharding="auto",
+                               device_memory="600KB", fsdp_min_bytes="1KB")
+    try:
+        model = llama(lora=True)
+        frozen = {v.path: np.array(v.value) for v in model.non_trainable_variables}
+        whole = sum(v.value.nbytes for v in model.variables)
+        assert replicated_bytes(model) < whole  # some created sharded
+        losses = train(model)
+        assert capsys.readouterr().out == ""  # the replicated step fits: nothing to say
+        assert strategy.sharding == "data" and replicated_bytes(model) == whole
+        np.testing.assert_allclose(losses, one_device_losses[1], rtol=1e-5)
+        assert all(np.array_equal(frozen[v.path], v.value) for v in model.non_trainable_variables)
     finally:
         connect_eight_devices()
 

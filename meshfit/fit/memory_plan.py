@@ -150,34 +150,32 @@ def state_groups(model) -> tuple:
 
 
 def _specs(model, mode: str, strategy) -> dict[int, list]:
-    """Each variable's partition spec under `mode`: as laid out now when the model was built in
-    that mode (a LayoutMap's entries included), else by meshfit.parallel.sharding's rule."""
+    """Each variable's partition spec under `mode`: meshfit.parallel.sharding's rule, except
+    where it is laid out otherwise (a LayoutMap's entry, or an optimizer slot of one), which
+    keeps its layout, as Strategy.relayout keeps it. A variable laid out on a mesh of another
+    shape than this strategy's (a plain fit's model planned for another K) takes the user's
+    layout_map entry there, else the rule."""
     specs = {}
     distribution = strategy.distribution
-
-    def elsewhere(v):  # laid out on a mesh of another shape than this strategy's
-        mesh = getattr(getattr(v, "_layout", None), "device_mesh", None)
-        return mesh is not None and tuple(mesh.shape) != tuple(distribution.device_mesh.shape)
-
     for group in state_groups(model):
         for v in group:
-            # v._value, not v.value: an abstract model's (plan_build) variables have none, and
-            # .value would make one.
-            live = getattr(getattr(getattr(v, "_value", None), "sharding", None), "spec", None)
-            if mode == strategy.sharding and live is not None and not elsewhere(v):
-                specs[id(v)] = list(live) + [None] * (len(v.shape) - len(live))
-            elif mode == strategy.sharding and distribution is not None and elsewhere(v):
-                # Laid out on another mesh (a plain fit's model planned for another K): as a
-                # model built on this one would be, the user's layout_map entries first.
-                layout = distribution._layout_map[v.path]
-                specs[id(v)] = (list(layout.axes) if layout is not None
-                                else distribution.spec(tuple(v.shape), v.dtype, mode))
-            elif mode == strategy.sharding and distribution is not None:  # as it will be laid out
-                specs[id(v)] = list(distribution.get_variable_layout(v).axes)
-            elif distribution is not None:
-                specs[id(v)] = distribution.spec(tuple(v.shape), v.dtype, mode)
-            else:
-                specs[id(v)] = [None] * len(v.shape)
+            shape = tuple(v.shape)
+            if distribution is None:
+                specs[id(v)] = [None] * len(shape)
+                continue
+            layout = getattr(v, "_layout", None)
+            mesh = getattr(layout, "device_mesh", None)
+            if layout is None or (mesh is not None and tuple(mesh.shape) != tuple(distribution.device_mesh.shape)):
+                entry = distribution._layout_map[v.path]
+                specs[id(v)] = (list(entry.axes) if entry is not None
+                                else distribution.spec(shape, v.dtype, mode))
+                continue
+            # The layout, not the value's sharding: an abstract model's (plan_build) variables
+            # have no value, and reading .value would make one.
+            axes = list(getattr(layout, "axes", None) or []) + [None] * len(shape)
+            axes = axes[:len(shape)]
+            specs[id(v)] = (distribution.spec(shape, v.dtype, mode)
+                            if distribution.follows_rule(shape, v.dtype, axes) else axes)
     return specs
 
 
@@ -532,6 +530,7 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     if warning:
         warnings.warn(warning, stacklevel=2)
     if (mode, chosen_k) == (strategy.sharding, strategy.model_parallel):
+        strategy.distribution.spill_after = None  # decided: the run's variables follow `mode` alone
         return strategy, result
     return strategy.with_sharding(mode, chosen_k), result
 
@@ -566,8 +565,9 @@ def first_fit_batch(arguments: dict[str, Any]) -> tuple[Any, int] | None:
 def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None:
     """'auto' in Python: at a model's first `fit` under an active strategy asked for 'auto' with
     several devices and a known device memory, plan its train step with fit's real batch shapes
-    (so variable-length inputs plan) and, when the replicated step does not fit, lay the model's
-    variables out as fsdp before the first step (Strategy.relayout), printing the plan. When
+    (so variable-length inputs plan) and lay the model's variables out as chosen before the
+    first step (Strategy.relayout): fsdp, printing the plan, when the replicated step does not
+    fit, else data (those built sharded past MeshParallel.spill_after gathered). When
     neither fits and model_parallel was not given to connect(), fsdp x model K is planned
     (model_parallel_plans): where some K fits, a MeshfitError names the model_parallel=K to
     connect with (the model's mesh is not changed under it); where none does, one warning says
@@ -589,13 +589,16 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
     if found is None:
         if chief:
             print(f"meshfit: sharding auto: a {type(arguments.get('x')).__name__} does not say its "
-                  f"batch shapes before it is read, so this model trains data-parallel unplanned; "
+                  f"batch shapes before it is read, so this model trains as built, unplanned; "
                   "pass sharding='fsdp' to connect() to shard it, or arrays or a tf.data.Dataset",
                   flush=True)
         return None
     data, global_batch = found
     if plan_mode(model, strategy, "data", global_batch, device_memory, data=data).fits:
-        return None  # the replicated step fits: nothing changes, and nothing more is compiled
+        # The replicated step fits: nothing more is compiled, and only variables built sharded
+        # (past MeshParallel.spill_after, e.g. a frozen backbone for LoRA) are gathered.
+        strategy.relayout(model, "data")
+        return None
     result = plan_memory(model, strategy, global_batch, device_memory, data=data)
     if weighs_model_parallel(strategy, result):  # this model's variables as built on each candidate's mesh
         model_parallel_plans(strategy, lambda candidate: plan_mode(
@@ -612,8 +615,7 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
                            "meshfit.connect() (with sharding='fsdp', as planned) and build the "
                            "model after it")
     mode = result["choice"]
-    if mode != strategy.sharding:
-        strategy.relayout(model, mode)
+    strategy.relayout(model, mode)
     result["sharding"] = mode
     if chief:
         print("\n".join(summary_lines(result, mode)), flush=True)

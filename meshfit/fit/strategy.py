@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import keras
@@ -37,6 +38,14 @@ class MeshParallel(keras.distribution.ModelParallel):
     one, e.g. keras-hub's `Backbone.get_layout_map`) whose entries win over the rule; see
     `use_layout_map`. auto_shard_dataset is off: on several hosts each process feeds its own
     rows (see Strategy.fit).
+
+    spill_after: bytes (under 'auto' with the device memory known: a quarter of it), else None.
+    While the mode is 'data', variables are then laid out replicated until the live ones so laid
+    out would pass it, and by 'fsdp' beyond, so that a model too large to hold replicated can be
+    built before its first fit plans it (Strategy.relayout then lays out every one as chosen).
+    A quarter because a replicated step holds each trained weight at least four times (the
+    weight, its gradient and Adam's two moments): past it that step cannot fit, and the device
+    keeps three quarters for the shares of what follows.
     """
 
     def __init__(self, *, devices, sharding: str, fsdp_min_bytes: int, model_parallel: int = 1,
@@ -46,6 +55,8 @@ class MeshParallel(keras.distribution.ModelParallel):
         super().__init__(layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch",
                          auto_shard_dataset=False)
         self.sharding, self.fsdp_min_bytes, self.model_parallel = sharding, fsdp_min_bytes, model_parallel
+        self.spill_after: int | None = None
+        self.replicated_bytes = 0  # of the live variables laid out by 'data' while spill_after is set
         if layout_map is not None:
             self.use_layout_map(layout_map)
 
@@ -83,6 +94,14 @@ class MeshParallel(keras.distribution.ModelParallel):
         return sharding_lib.partition(tuple(shape), dtype, sharding or self.sharding, sizes["batch"],
                                       self.fsdp_min_bytes, "batch", sizes["model"])
 
+    def _forget(self, whole: int) -> None:
+        self.replicated_bytes -= whole
+
+    def follows_rule(self, shape, dtype, axes) -> bool:
+        """True where `axes` are the rule's spec under 'data' or 'fsdp' (not a layout_map entry's)."""
+        axes = list(axes) + [None] * (len(shape) - len(axes))
+        return axes in (self.spec(shape, dtype, "data"), self.spec(shape, dtype, "fsdp"))
+
     def get_variable_layout(self, variable):
         # Keras gives an optimizer slot its weight's layout (add_variable_from_reference): keep it,
         # so that Adam's moments are sharded like their weights.
@@ -91,7 +110,16 @@ class MeshParallel(keras.distribution.ModelParallel):
         layout = self._layout_map[variable.path]
         if layout is not None:
             return layout
-        return keras.distribution.TensorLayout(self.spec(variable.shape, variable.dtype), self.device_mesh)
+        sharding = self.sharding
+        if self.spill_after is not None and sharding == "data":
+            whole = sharding_lib.bytes_per_device(tuple(variable.shape), variable.dtype, [], 1)
+            if self.replicated_bytes + whole > self.spill_after:
+                sharding = "fsdp"
+            else:  # counted while it lives: a model built again, or dropped, frees its bytes
+                self.replicated_bytes += whole
+                weakref.finalize(variable, self._forget, whole)
+        return keras.distribution.TensorLayout(self.spec(variable.shape, variable.dtype, sharding),
+                                               self.device_mesh)
 
 
 def keras_distribution(devices: list, sharding: str, fsdp_min_bytes: int, layout_map=None,
@@ -106,8 +134,9 @@ class Strategy:
     """The devices in use, the engine and precision chosen, the batch plan and the sharding.
 
     sharding: 'data' (replicated variables), 'fsdp' (large variables sharded, see
-    meshfit.parallel.sharding) or 'auto', which lays variables out as 'data' until
-    meshfit.fit.memory_plan.choose_sharding, the one place that decides 'auto', picks a mode.
+    meshfit.parallel.sharding) or 'auto', which lays variables out as 'data' (with the device
+    memory known, those past a quarter of it as 'fsdp': MeshParallel.spill_after) until a
+    model's first fit (memory_plan.plan_at_first_fit) or memory_plan.choose_sharding picks a mode.
     fsdp_min_bytes: under fsdp, variables smaller than this stay replicated.
     device_memory: bytes per device to plan with (None: the device's own figure, where known).
     layout_map: optional keras.distribution.LayoutMap whose entries win over the fsdp rule.
@@ -145,6 +174,9 @@ class Strategy:
             # One device needs no distribution: Keras' distributed input path would cost ~0.3 ms/step.
             self._distribution = keras_distribution(list(info.devices), self.sharding,
                                                     fsdp_min_bytes, layout_map, model_parallel)
+            memory = devices_lib.memory_bytes(info, device_memory) if sharding == "auto" else None
+            if memory is not None:
+                self._distribution.spill_after = memory // 4
         elif layout_map is not None:
             warnings.warn(f"layout_map ignored: {len(info.devices)} device(s) on {engine} lay "
                           "nothing out (it needs several devices on the JAX engine)", stacklevel=2)
@@ -185,23 +217,23 @@ class Strategy:
     def relayout(self, model, sharding: str) -> None:
         """Lay `model`'s variables (and its optimizer's, once built) out under `sharding` ('data'
         or 'fsdp') in place, and make it the mode of variables created afterwards: what 'auto'
-        does at the first fit when the replicated step does not fit (meshfit.fit.memory_plan).
-        A user's layout_map entries keep their layout."""
+        decides at the first fit (meshfit.fit.memory_plan), from the layout they were built with
+        ('data', and 'fsdp' past MeshParallel.spill_after). A user's layout_map entries keep
+        their layout."""
         distribution = self._distribution
-        if distribution is None or sharding == self.sharding:
+        if distribution is None:
             return
-        before, distribution.sharding = self.sharding, sharding
-        self.sharding = sharding
+        distribution.sharding = self.sharding = sharding
         optimizer = getattr(model, "optimizer", None)
         variables = list(model.variables) + (list(optimizer.variables) if optimizer is not None
                                              and optimizer.built else [])
         for v in variables:
             shape = tuple(v.shape)
             axes = list(getattr(v._layout, "axes", None) or [None] * len(shape))
-            if axes != distribution.spec(shape, v.dtype, before):
-                continue  # not laid out by the rule (a layout_map entry, or its optimizer slot)
-            v._layout = keras.distribution.TensorLayout(distribution.spec(shape, v.dtype),
-                                                        distribution.device_mesh)
+            target = distribution.spec(shape, v.dtype)
+            if axes == target or not distribution.follows_rule(shape, v.dtype, axes):
+                continue  # laid out already, or by a layout_map entry (or as its optimizer slot)
+            v._layout = keras.distribution.TensorLayout(target, distribution.device_mesh)
             v._direct_assign(v.value)  # placed by the new layout (Keras' distribute_tensor)
 
     platform = property(lambda self: self.info.platform, doc="'tpu', 'gpu' or 'cpu'.")

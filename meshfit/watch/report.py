@@ -125,7 +125,8 @@ def sharding_text(d: dict[str, Any]) -> str:
     memory = d.get("device_memory")
     known = f"{format_bytes(memory)} per device" if memory else "device memory unknown"
     if d["sharding_asked"] == "auto" and d["replicas"] > 1 and d["engine"] == "jax":
-        why = ("planned per model when training: fsdp if the replicated step does not fit"
+        why = ("planned per model when training: fsdp if the replicated step does not fit "
+               "(variables past a quarter of a device are created sharded)"
                if memory else "data-parallel (set --device-memory to plan)")
         if memory and d.get("model_parallel_asked", 1) is None:
             why += ("; if neither fits, the smallest model parallelism K that does (meshfit train "
