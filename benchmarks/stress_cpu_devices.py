@@ -39,7 +39,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from dataclasses import dataclass
 
@@ -443,7 +442,7 @@ def stress(args) -> None:
     finally:
         for spinner in busy:
             spinner.kill()
-    print(f"| family | route | runs | finished | aborts | hangs | errors | loss vs 1 device (max rel.) "
+    print("| family | route | runs | finished | aborts | hangs | errors | loss vs 1 device (max rel.) "
           f"| median s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (name, route), outcomes in rows.items():
         counts = {k: sum(o.kind == k for o in outcomes) for k in ("ok", "abort", "hang", "error")}
