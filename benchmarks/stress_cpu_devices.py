@@ -443,7 +443,7 @@ def stress(args) -> None:
         for spinner in busy:
             spinner.kill()
     print("| family | route | runs | finished | aborts | hangs | errors | loss vs 1 device (max rel.) "
-          f"| median s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| median s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (name, route), outcomes in rows.items():
         counts = {k: sum(o.kind == k for o in outcomes) for k in ("ok", "abort", "hang", "error")}
         difference = "n/a"
