@@ -20,6 +20,7 @@ from helpers import connect_eight_devices
 import meshfit
 from meshfit.errors import MeshfitError
 from meshfit.fit import memory_plan
+from meshfit.parallel.sharding import format_bytes
 from meshfit.run import rundir
 
 MEMORY = {"device_memory": "4.1MB", "fsdp_min_bytes": "100KB"}
@@ -82,17 +83,21 @@ def test_plan_chooses_the_smallest_model_parallelism_that_fits_and_says_why(stra
         out = capsys.readouterr().out
         data, fsdp = result["modes"]["data"], result["modes"]["fsdp"]
         tried = result["model_parallel_plans"]
-        assert not data["fits"] and not fsdp["fits"] and list(tried) == ["2"] and tried["2"]["fits"]
+        assert not data["fits"] and not fsdp["fits"]
+        assert list(tried) == ["data x model 2", "fsdp x model 2"]
+        chosen = tried["fsdp x model 2"]
+        assert chosen["fits"] and not tried["data x model 2"]["fits"]
         assert result["model_parallel"] == 2 and result["sharding"] == "fsdp"
-        assert tried["2"]["model_parallel"] == 2 and tried["2"]["weights"] * 6 < data["weights"]
+        assert chosen["model_parallel"] == 2 and chosen["weights"] * 6 < data["weights"]
         # XLA's cost analysis and the collectives of each compiled step, shown with the reason.
-        assert tried["2"]["flops"] > 1e8 and tried["2"]["bytes_accessed"] > 0
-        assert tried["2"]["collectives"] > fsdp["collectives"] > data["collectives"] >= 1
-        assert tried["2"]["collective_bytes"] > 0
+        assert chosen["flops"] > 1e8 and chosen["bytes_accessed"] > 0
+        assert chosen["collectives"] > fsdp["collectives"] > data["collectives"] >= 1
+        assert chosen["collective_bytes"] > 0
         using = next(line for line in out.splitlines() if "using" in line)
         assert using.startswith("  using fsdp x model 2: model parallel 2: fsdp needs 4.2 MB per device "
                                 "(data 6.9 MB), more than 4.1 MB; fsdp x model 2 needs 4.0 MB (each step")
-        assert "collectives of" in using and "meshfit.connect(..., model_parallel=2)" in out
+        assert using.endswith(f"; data x model 2 needs {format_bytes(tried['data x model 2']['total'])}")
+        assert "collectives of" in using and "meshfit.connect(..., sharding='fsdp', model_parallel=2)" in out
         # A model parallelism the user gave is kept: nothing else is tried.
         meshfit.connect(simulate_devices=8, verbose=False, model_parallel=1, **MEMORY)
         kept = meshfit.plan(wide, 1024, verbose=False)
@@ -100,6 +105,43 @@ def test_plan_chooses_the_smallest_model_parallelism_that_fits_and_says_why(stra
         assert kept["why"].endswith("neither fits")
     finally:
         connect_eight_devices()
+
+
+def plan(mode, k, total, exchanged, memory=100):
+    """A made-up plan of `mode` x model `k`: `total` bytes per device, `exchanged` by collectives."""
+    return memory_plan.ModePlan(mode, 0, 0, 0, 0, total, 0, 0, total <= memory, None, k,
+                                collective_bytes=exchanged)
+
+
+@pytest.mark.parametrize("plans, chosen", [
+    # (data, fsdp) x model K: (total, bytes exchanged); the device has 100 bytes.
+    ({2: ((150, 10), (90, 50)), 4: ((80, 10), (60, 5))}, ("fsdp", 2)),  # the smallest K that fits
+    ({2: ((90, 40), (60, 50))}, ("data", 2)),  # both fit: the fewer bytes exchanged
+    ({2: ((90, 60), (60, 50))}, ("fsdp", 2)),
+    ({2: ((90, 50), (60, 50))}, ("data", 2)),  # a tie: data, which gathers no weights
+    ({2: ((90, None), (60, 50))}, ("fsdp", 2)),  # unknown bytes lose
+    ({2: ((150, 1), (120, 1)), 4: ((150, 1), (110, 1)), 8: ((101, 1), (101, 1))}, None),
+])
+def test_auto_takes_the_smallest_k_where_data_or_fsdp_x_model_fits_and_the_fewer_bytes_exchanged(
+        strategy, plans, chosen):
+    seen = []
+
+    def plan_on(candidate, mode):
+        k = candidate.model_parallel
+        seen.append((mode, k, candidate.distribution.axis_sizes["model"]))
+        return plan(mode, k, *plans[k][mode == "fsdp"])
+
+    result = {"device_memory": 100, "why": "neither fits",
+              "modes": {"data": {"total": 400}, "fsdp": {"total": 200}}, "model_parallel": 1, "choice": "fsdp"}
+    memory_plan.model_parallel_plans(strategy, plan_on, result)
+    assert all(k == size for _, k, size in seen)  # each planned on its own (8/K) x K mesh
+    assert [(m, k) for m, k, _ in seen] == [(m, k) for k in plans for m in ("data", "fsdp")][:len(seen)]
+    if chosen is None:
+        assert result["model_parallel"] == 1 and result["why"].startswith("neither fits; nor data or fsdp x model 2, 4, 8")
+    else:
+        assert (result["choice"], result["model_parallel"]) == chosen and seen[-1][1] == chosen[1]
+        assert result["why"].startswith(f"model parallel {chosen[1]}: ")
+        assert memory_plan.plan_used(result, chosen[0])["total"] == plans[chosen[1]][chosen[0] == "fsdp"][0]
 
 
 def test_a_plain_fit_names_the_model_parallel_to_connect_with_and_then_trains_as_one_device(

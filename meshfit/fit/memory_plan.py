@@ -9,11 +9,12 @@ Per device: weights and optimizer state (the variables' shards), the step's temp
 (XLA's `temp_size_in_bytes`: activations, gradients, gathered weights) and the batch; total =
 XLA's arguments + outputs not aliased to them (the state is donated) + temporaries. With each
 plan, XLA's cost analysis of the same compiled step (flops, bytes accessed) and the collectives
-in its per-device program (their count and result bytes), shown, not used to decide.
+in its per-device program (their count and result bytes): shown, and the bytes the collectives
+exchange choose between data and fsdp x model K where both fit (model_parallel_plans).
 JAX engine only.
 
 One function per question: `plan_memory` (both modes' bytes for a built model), `auto_sharding`
-(what 'auto' picks from them), `model_parallel_plans` (fsdp x model K when neither fits) and
+(what 'auto' picks from them), `model_parallel_plans` (data or fsdp x model K when neither fits) and
 `choose_sharding` (the strategy a run trains with: 'auto' decided here, for `meshfit train`,
 `meshfit bench` and `meshfit plan`; `plan_build` for `meshfit.plan`, `plan_at_first_fit` for a
 plain `fit`).
@@ -336,42 +337,59 @@ def weighs_model_parallel(strategy, result: dict) -> bool:
             and all(p["fits"] is False for p in result["modes"].values()))
 
 
-def model_parallel_plans(strategy, plan_on: Callable[[Any], ModePlan], result: dict) -> dict:
+def model_parallel_plans(strategy, plan_on: Callable[[Any, str], ModePlan], result: dict) -> dict:
     """'auto' choosing the model parallelism K where neither data nor fsdp fits (`result` from
-    plan_memory, made with K = 1; see weighs_model_parallel): fsdp x model K is planned, by
-    `plan_on(candidate)` inside `candidate.scope()` (the fsdp ModePlan of the model on
-    `candidate`, the strategy on the mesh (devices/K) x K), for the divisors K > 1 of the
-    devices, smallest first, up to the first that fits. `result` gets
-    "model_parallel_plans" ({K: the plan as a dict} for each K tried) and, where one fits,
-    "model_parallel" K, "choice" 'fsdp' and "why"; else "why" says that none does. Returns it.
+    plan_memory, made with K = 1; see weighs_model_parallel): data x model K and fsdp x model K
+    are planned, by `plan_on(candidate, mode)` inside `candidate.scope()` (the ModePlan of the
+    model on `candidate`, the strategy in `mode` on the mesh (devices/K) x K), for the divisors
+    K > 1 of the devices, smallest first, up to the first K where one fits; where both fit, the
+    one whose step exchanges fewer bytes in its collectives (XLA's compiled program), data x
+    model on a tie. `result` gets "model_parallel_plans" ({'data x model K': the plan as a dict,
+    ...} for each one tried) and, where one fits, "model_parallel" K, "choice" (its mode) and
+    "why"; else "why" says that none does. Returns it.
 
     The smallest K that fits, not the fastest or the largest: splitting a block's kernels over
     'model' puts collectives inside every block (a reduction after each attention and MLP
     block, forward and backward, as Megatron-LM pairs them), on the critical path of every step,
     and leaves fewer model replicas (N/K) to split the batch; fsdp's gathers of whole weights
-    do not grow with K. XLA's cost analysis of each candidate (flops, bytes accessed) and the
-    collectives in its compiled program are shown with it, not used: they count operations and
-    bytes, not the time a link takes (ICI, NVLink, a network), nor what overlaps with compute.
+    do not grow with K. At one K the two layouts differ only on 'batch': data x model holds its
+    share of every weight whole there and all-reduces the gradients, fsdp x model gathers each
+    weight where it is used and reduce-scatters the gradients, which XLA's count of the bytes
+    exchanged weighs. Its flops and bytes accessed are shown, not used: they count operations
+    and bytes, not the time a link takes (ICI, NVLink, a network), nor what overlaps with compute.
     """
     memory = result["device_memory"]
     data, fsdp = result["modes"]["data"], result["modes"].get("fsdp")
     tried = result.setdefault("model_parallel_plans", {})
     for k in model_parallel_candidates(strategy):
-        candidate = strategy.with_sharding("fsdp", k)
-        with candidate.scope():
-            plan = plan_on(candidate)
-        tried[str(k)] = plan.as_dict()
-        if plan.fits:
-            result.update(model_parallel=k, choice="fsdp", why=(
-                f"model parallel {k}: fsdp needs {sharding.format_bytes(fsdp['total'])} per device "
-                f"(data {sharding.format_bytes(data['total'])}), more than "
-                f"{sharding.format_bytes(memory)}; fsdp x model {k} needs "
-                f"{sharding.format_bytes(plan.total)} ({cost_text(tried[str(k)])})"))
-            return result
+        plans = {}
+        for mode in ("data", "fsdp"):
+            candidate = strategy.with_sharding(mode, k)
+            with candidate.scope():
+                plans[f"{mode} x model {k}"] = plan = plan_on(candidate, mode)
+            tried[f"{mode} x model {k}"] = plan.as_dict()
+        fitting = [name for name, plan in plans.items() if plan.fits]
+        if not fitting:
+            continue
+        exchanged = {name: plans[name].collective_bytes for name in fitting}
+        name = min(fitting, key=lambda n: (exchanged[n] is None, exchanged[n] or 0, not n.startswith("data")))
+        why = (f"model parallel {k}: fsdp needs {sharding.format_bytes(fsdp['total'])} per device "
+               f"(data {sharding.format_bytes(data['total'])}), more than "
+               f"{sharding.format_bytes(memory)}; {name} needs {sharding.format_bytes(plans[name].total)} "
+               f"({cost_text(tried[name])})")
+        other = next(n for n in plans if n != name)
+        if other in fitting:
+            why += (f", {other} {sharding.format_bytes(plans[other].total)} (its collectives "
+                    f"exchange {sharding.format_bytes(exchanged[other])})")
+        else:
+            why += f"; {other} needs {sharding.format_bytes(plans[other].total)}"
+        result.update(model_parallel=k, choice=plans[name].mode, why=why)
+        return result
     if tried:
-        least = min(tried, key=lambda k: tried[k]["total"])
-        result["why"] += (f"; nor fsdp x model {', '.join(tried)} (the least "
-                          f"{sharding.format_bytes(tried[least]['total'])}, with {least})")
+        least = min(tried, key=lambda n: tried[n]["total"])
+        ks = ", ".join(str(k) for k in model_parallel_candidates(strategy))
+        result["why"] += (f"; nor data or fsdp x model {ks} (the least "
+                          f"{sharding.format_bytes(tried[least]['total'])}, {least})")
     return result
 
 
@@ -389,9 +407,10 @@ def cost_text(plan: dict) -> str:
 
 
 def plan_used(result: dict, mode: str) -> dict:
-    """The plan (a dict) of what a run trains with: `mode` on the planned mesh, or fsdp x model K
+    """The plan (a dict) of what a run trains with: `mode` on the planned mesh, or `mode` x model K
     where 'auto' chose K (model_parallel_plans)."""
-    chosen = result.get("model_parallel_plans", {}).get(str(result.get("model_parallel")))
+    chosen = result.get("model_parallel_plans", {}).get(
+        f"{result['choice']} x model {result.get('model_parallel')}")
     return chosen if chosen is not None and mode == result["choice"] else result["modes"][mode]
 
 
@@ -443,8 +462,7 @@ def summary_lines(result: dict, mode: str) -> list[str]:
     on = f"{result['devices']} device(s)" if k == 1 else f"{result['devices']} x {k} devices (batch x model)"
     lines = [f"memory per device (of {sharding.format_bytes(memory)}), global batch "
              f"{result['global_batch']} on {on}:"]
-    rows = list(result["modes"].items()) + [
-        (f"fsdp x model {k}", p) for k, p in result.get("model_parallel_plans", {}).items()]
+    rows = list(result["modes"].items()) + list(result.get("model_parallel_plans", {}).items())
     width = max(len(name) for name, _ in rows)
     for name, p in rows:
         fits = {True: "fits", False: "does not fit", None: "fit unknown"}[p["fits"]]
@@ -482,7 +500,7 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     where 'auto' is decided.
 
     'auto' becomes fsdp when the device memory is known and the replicated step does not fit,
-    else data; when neither fits and model_parallel was not given, fsdp x model K for the
+    else data; when neither fits and model_parallel was not given, data or fsdp x model K for the
     smallest K that fits (model_parallel_plans), on a mesh (devices/K) x K. An asked mode that
     does not fit is a MeshfitError (see `check_fits`). The plan is made on a model built by
     `make_model()` under fsdp (which allocates the least), after `fresh_session(strategy)`;
@@ -510,8 +528,8 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     result = plan_memory(model, planned, global_batch, device_memory, largest)
     if weighs_model_parallel(strategy, result):
         model = None  # each candidate builds its own, on its mesh
-        model_parallel_plans(strategy, lambda candidate: plan_mode(
-            built(candidate), candidate, "fsdp", global_batch, device_memory), result)
+        model_parallel_plans(strategy, lambda candidate, mode: plan_mode(
+            built(candidate), candidate, mode, global_batch, device_memory), result)
     mode = sharding_to_use(result, strategy.sharding_asked)
     if plan_used(result, mode)["fits"] is False and not largest:
         # the refusal names the batch that fits (on the mesh planned first)
@@ -568,7 +586,7 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
     (so variable-length inputs plan) and lay the model's variables out as chosen before the
     first step (Strategy.relayout): fsdp, printing the plan, when the replicated step does not
     fit, else data (those built sharded past MeshParallel.spill_after gathered). When
-    neither fits and model_parallel was not given to connect(), fsdp x model K is planned
+    neither fits and model_parallel was not given to connect(), data and fsdp x model K are planned
     (model_parallel_plans): where some K fits, a MeshfitError names the model_parallel=K to
     connect with (the model's mesh is not changed under it); where none does, one warning says
     by how much. When the replicated step fits, nothing is printed and only that step was
@@ -601,8 +619,8 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
         return None
     result = plan_memory(model, strategy, global_batch, device_memory, data=data)
     if weighs_model_parallel(strategy, result):  # this model's variables as built on each candidate's mesh
-        model_parallel_plans(strategy, lambda candidate: plan_mode(
-            model, candidate, "fsdp", global_batch, device_memory, data=data), result)
+        model_parallel_plans(strategy, lambda candidate, mode: plan_mode(
+            model, candidate, mode, global_batch, device_memory, data=data), result)
     k = result["model_parallel"]
     if k != strategy.model_parallel:
         # The mesh is the one the model was built on (its variables, and Keras' data placement,
@@ -612,8 +630,8 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
         if chief:
             print("\n".join(summary_lines(result, "fsdp")), flush=True)
         raise MeshfitError(f"sharding auto: {result['why']}; pass model_parallel={k} to "
-                           "meshfit.connect() (with sharding='fsdp', as planned) and build the "
-                           "model after it")
+                           f"meshfit.connect() (with sharding='{result['choice']}', as planned) "
+                           "and build the model after it")
     mode = result["choice"]
     strategy.relayout(model, mode)
     result["sharding"] = mode
@@ -683,21 +701,22 @@ def plan_build(strategy, build: Callable[[], Any], global_batch: int, input_shap
     arrays. So a 7-billion-parameter configuration plans on a laptop. input_shapes: the inputs'
     shapes without the batch where `keras.Input` leaves them unknown (see input_structs).
     With sharding 'auto', model_parallel not given to connect() and neither mode fitting,
-    fsdp x model K is planned too (model_parallel_plans): "model_parallel" is then the K to
+    data and fsdp x model K are planned too (model_parallel_plans): "model_parallel" is then the K to
     pass to connect() (printed as such).
     Returns plan_memory's dict; printed (summary_lines) when `verbose`."""
     device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
     model = abstract_model(strategy, build)
     result = plan_memory(model, strategy, global_batch, device_memory, input_shapes=input_shapes)
     if weighs_model_parallel(strategy, result):
-        model_parallel_plans(strategy, lambda candidate: plan_mode(
-            abstract_model(candidate, build), candidate, "fsdp", global_batch, device_memory,
+        model_parallel_plans(strategy, lambda candidate, mode: plan_mode(
+            abstract_model(candidate, build), candidate, mode, global_batch, device_memory,
             input_shapes=input_shapes), result)
     mode = sharding_to_use(result, strategy.sharding_asked)
     result["sharding"] = mode
     if verbose and strategy.info.process_index == 0:
         lines = summary_lines(result, mode)
         if result["model_parallel"] != strategy.model_parallel:
-            lines.append(f"  to train so: meshfit.connect(..., model_parallel={result['model_parallel']})")
+            lines.append(f"  to train so: meshfit.connect(..., sharding={mode!r}, "
+                         f"model_parallel={result['model_parallel']})")
         print("\n".join(lines), flush=True)
     return result
