@@ -628,7 +628,7 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
         # the user is told which model_parallel to connect with; nothing has trained.
         model._meshfit_planned = False  # a next fit plans (and refuses) again
         if chief:
-            print("\n".join(summary_lines(result, "fsdp")), flush=True)
+            print("\n".join(summary_lines(result, result["choice"])), flush=True)
         raise MeshfitError(f"sharding auto: {result['why']}; pass model_parallel={k} to "
                            f"meshfit.connect() (with sharding='{result['choice']}', as planned) "
                            "and build the model after it")

@@ -43,9 +43,10 @@ class MeshParallel(keras.distribution.ModelParallel):
     While the mode is 'data', variables are then laid out replicated until the live ones so laid
     out would pass it, and by 'fsdp' beyond, so that a model too large to hold replicated can be
     built before its first fit plans it (Strategy.relayout then lays out every one as chosen).
-    A quarter because a replicated step holds each trained weight at least four times (the
-    weight, its gradient and Adam's two moments): past it that step cannot fit, and the device
-    keeps three quarters for the shares of what follows.
+    A quarter because a replicated step holds each weight it trains at least four times (the
+    weight, its gradient and Adam's two moments): past it, such a step cannot fit, and the
+    device keeps three quarters for the shares of what follows. Where it still fits (frozen
+    weights, as under LoRA), the first fit gathers them.
     """
 
     def __init__(self, *, devices, sharding: str, fsdp_min_bytes: int, model_parallel: int = 1,
