@@ -212,6 +212,21 @@ def test_model_parallel_pairs_kernels_as_megatron_and_trains_as_one_device(one_d
         connect_eight_devices()
 
 
+def test_fsdp_x_model_4_holds_an_eighth_where_the_key_value_heads_do_not_split(one_device_loss):
+    # 2 key/value heads do not split over 4: their kernels, like the norms' scales, go over both
+    # axes (all 8 devices), so device 0 still holds an eighth of the state; losses as one device.
+    meshfit.connect(simulate_devices=8, verbose=False, sharding="fsdp", model_parallel=4,
+                    fsdp_min_bytes=1)
+    try:
+        model = llama()
+        key = next(v for v in model.variables if v.path.endswith("self_attention/key/kernel"))
+        assert tuple(key.value.sharding.spec)[0] == ("batch", "model")
+        np.testing.assert_allclose(train(model), one_device_loss, rtol=1e-5)
+        assert device_zero_share(model) <= 1.05 / 8
+    finally:
+        connect_eight_devices()
+
+
 def test_a_keras_hub_layout_map_is_used_as_written():
     strategy = meshfit.connect(simulate_devices=8, verbose=False, sharding="data", model_parallel=2)
     try:

@@ -150,6 +150,25 @@ def test_rule_sizes_and_modes():
         sharding.check_sharding("zero")
 
 
+def test_fsdp_x_model_splits_what_model_leaves_whole_over_both_axes():
+    # On a 2 x 4 mesh (batch x model) under fsdp: 'model' takes a kernel's heads or wider side,
+    # 'batch' the largest other dimension it divides; what 'model' leaves whole (a vector, one
+    # key/value head) goes over all 8 devices where 8 divides a dimension.
+    def spec(shape, sharding_="fsdp"):
+        return sharding.partition(shape, "float32", sharding_, 2, 1, "batch", 4)
+
+    assert spec((32, 128)) == ["batch", "model"]  # an up-projection
+    assert spec((32, 4, 8)) == ["batch", "model", None]  # query heads
+    assert spec((32, 2, 8)) == [("batch", "model"), None, None]  # 2 key/value heads: not over 4
+    assert spec((32,)) == [("batch", "model")]  # a norm's scale
+    assert spec((64, 3)) == [("model", "batch"), None]  # a classifier head: 3 divides by nothing
+    assert spec((12,)) == ["batch"]  # 8 does not divide, 2 does
+    assert spec((32,), "data") == [None] and spec((32, 2, 8), "data") == [None] * 3
+    for shape in ((32, 128), (32, 2, 8), (32,), (64, 3), (12,)):  # every device holds as much
+        held = sharding.bytes_per_device(shape, "float32", spec(shape), {"batch": 2, "model": 4})
+        assert held * (8 if shape != (12,) else 2) == 4 * np.prod(shape)
+
+
 RECIPE = '''import numpy as np
 
 import meshfit

@@ -26,6 +26,18 @@ from meshfit.parallel import sharding as sharding_lib
 from meshfit.watch.report import EpochReport, discovery_text
 
 
+class MeshLayout(keras.distribution.TensorLayout):
+    """Keras' TensorLayout, whose entries may also name several mesh axes (('batch', 'model'):
+    one dimension split over both), as jax.sharding.PartitionSpec allows and
+    meshfit.parallel.sharding.partition lays out; Keras' own check takes single names only."""
+
+    def _validate_axes(self):
+        names = {n for a in self.axes for n in (a if isinstance(a, tuple) else (a,))} - {None}
+        if self.device_mesh and names - set(self.device_mesh.axis_names):
+            raise ValueError(f"layout axes {sorted(names)} are not all axes of the mesh "
+                             f"{self.device_mesh.axis_names}")
+
+
 class MeshParallel(keras.distribution.ModelParallel):
     """Keras' `ModelParallel` on a mesh (N/K) x K with axes 'batch' and 'model', whose variables
     are laid out by meshfit.parallel.sharding's rule from their shapes: 'data' (whole on 'batch'),
@@ -119,8 +131,7 @@ class MeshParallel(keras.distribution.ModelParallel):
             else:  # counted while it lives: a model built again, or dropped, frees its bytes
                 self.replicated_bytes += whole
                 weakref.finalize(variable, self._forget, whole)
-        return keras.distribution.TensorLayout(self.spec(variable.shape, variable.dtype, sharding),
-                                               self.device_mesh)
+        return MeshLayout(self.spec(variable.shape, variable.dtype, sharding), self.device_mesh)
 
 
 def keras_distribution(devices: list, sharding: str, fsdp_min_bytes: int, layout_map=None,
@@ -234,7 +245,7 @@ class Strategy:
             target = distribution.spec(shape, v.dtype)
             if axes == target or not distribution.follows_rule(shape, v.dtype, axes):
                 continue  # laid out already, or by a layout_map entry (or as its optimizer slot)
-            v._layout = keras.distribution.TensorLayout(target, distribution.device_mesh)
+            v._layout = MeshLayout(target, distribution.device_mesh)
             v._direct_assign(v.value)  # placed by the new layout (Keras' distribute_tensor)
 
     platform = property(lambda self: self.info.platform, doc="'tpu', 'gpu' or 'cpu'.")

@@ -18,7 +18,11 @@ with model parallelism split over the mesh's 'model' axis too (tensor parallelis
   head) is split along its output, a down-projection (in > out, the MLP's second kernel, an
   embedding table of vocabulary x hidden) along its input, and a 3-D attention kernel along its
   heads; XLA then inserts one reduction per block. fsdp then shards each variable's largest
-  remaining divisible dimension over 'batch' (N/K devices); data keeps it whole there.
+  remaining divisible dimension over 'batch' (N/K devices); data keeps it whole there. What
+  'model' leaves whole under fsdp (a vector, a single key/value head's kernel) is split over
+  both axes at once (('batch', 'model'), all N devices) where N divides a dimension, and a
+  kernel whose other dimensions 'batch' does not divide has its 'model' dimension split over
+  both, so that each device holds about 1/N of the state, not 1/(N/K) of those variables.
 
 Here the rule is pure functions of shapes and dtypes; meshfit.fit.strategy.MeshParallel applies it
 per variable through Keras' `Distribution.get_variable_layout` (a `ModelParallel` subclass), so it
@@ -152,21 +156,35 @@ def model_axis(shape: Sequence[int], dtype: Any, model_devices: int) -> int | No
 
 
 def partition(shape: Sequence[int], dtype: Any, sharding: str, devices: int, fsdp_min_bytes: int,
-              axis_name: str = "batch", model_devices: int = 1) -> list[str | None]:
+              axis_name: str = "batch", model_devices: int = 1) -> list[Any]:
     """The per-axis partition spec of a variable under `sharding` ('data' or 'fsdp') on a mesh
     of `devices` along `axis_name` and `model_devices` along 'model' (1: no model axis): the
     'model' axis from `model_axis`, then under fsdp the largest remaining dimension `devices`
-    divides (see `shard_axis`)."""
-    spec: list[str | None] = [None] * len(shape)
+    divides (see `shard_axis`), or both axes on one dimension (an entry (axis_name, 'model') or
+    ('model', axis_name)) as the module docstring says."""
+    spec: list[Any] = [None] * len(shape)
     taken = model_axis(shape, dtype, model_devices)
     if taken is not None:
         spec[taken] = "model"
     whole = shard_axis(shape, dtype, devices, fsdp_min_bytes) if sharding == "fsdp" else None
-    if whole is not None:  # large enough and some axis divides: the largest one not taken
-        axes = [i for i, size in enumerate(shape)
-                if i != taken and size >= devices and size % devices == 0]
-        if axes:
-            spec[max(axes, key=lambda i: (shape[i], i))] = axis_name
+    if whole is None:
+        return spec
+    everywhere = devices * model_devices
+
+    def largest(axes):
+        return max(axes, key=lambda i: (shape[i], i))
+
+    # Large enough and some axis divides: the largest one not taken, over 'batch'; where 'model'
+    # took none, over both axes if all the devices divide one (else 'batch' alone).
+    both = [i for i, size in enumerate(shape) if size % everywhere == 0] if model_devices > 1 else []
+    if taken is None and both:
+        spec[largest(both)] = (axis_name, "model")
+        return spec
+    axes = [i for i, size in enumerate(shape) if i != taken and size >= devices and size % devices == 0]
+    if axes:
+        spec[largest(axes)] = axis_name
+    elif taken is not None and taken in both:  # 'batch' divides no other: the 'model' dimension, over both
+        spec[taken] = ("model", axis_name)
     return spec
 
 
