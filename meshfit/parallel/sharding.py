@@ -166,9 +166,8 @@ def partition(shape: Sequence[int], dtype: Any, sharding: str, devices: int, fsd
     taken = model_axis(shape, dtype, model_devices)
     if taken is not None:
         spec[taken] = "model"
-    whole = shard_axis(shape, dtype, devices, fsdp_min_bytes) if sharding == "fsdp" else None
-    if whole is None:
-        return spec
+    if sharding != "fsdp" or shard_axis(shape, dtype, devices, fsdp_min_bytes) is None:
+        return spec  # data, or small, integer or indivisible: whole on 'batch'
     everywhere = devices * model_devices
 
     def largest(axes):
