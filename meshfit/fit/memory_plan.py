@@ -173,10 +173,7 @@ def _specs(model, mode: str, strategy) -> dict[int, list]:
                 continue
             # The layout, not the value's sharding: an abstract model's (plan_build) variables
             # have no value, and reading .value would make one.
-            axes = list(getattr(layout, "axes", None) or []) + [None] * len(shape)
-            axes = axes[:len(shape)]
-            specs[id(v)] = (distribution.spec(shape, v.dtype, mode)
-                            if distribution.follows_rule(shape, v.dtype, axes) else axes)
+            specs[id(v)] = distribution.axes_under(shape, v.dtype, getattr(layout, "axes", None) or [], mode)
     return specs
 
 
@@ -364,10 +361,10 @@ def model_parallel_plans(strategy, plan_on: Callable[[Any, str], ModePlan], resu
     for k in model_parallel_candidates(strategy):
         plans = {}
         for mode in ("data", "fsdp"):
-            candidate = strategy.with_sharding(mode, k)
+            candidate, name = strategy.with_sharding(mode, k), f"{mode} x model {k}"
             with candidate.scope():
-                plans[f"{mode} x model {k}"] = plan = plan_on(candidate, mode)
-            tried[f"{mode} x model {k}"] = plan.as_dict()
+                plans[name] = plan_on(candidate, mode)
+            tried[name] = plans[name].as_dict()
         fitting = [name for name, plan in plans.items() if plan.fits]
         if not fitting:
             continue

@@ -110,10 +110,13 @@ class MeshParallel(keras.distribution.ModelParallel):
     def _forget(self, whole: int) -> None:
         self.replicated_bytes -= whole
 
-    def follows_rule(self, shape, dtype, axes) -> bool:
-        """True where `axes` are the rule's spec under 'data' or 'fsdp' (not a layout_map entry's)."""
-        axes = list(axes) + [None] * (len(shape) - len(axes))
-        return axes in (self.spec(shape, dtype, "data"), self.spec(shape, dtype, "fsdp"))
+    def axes_under(self, shape, dtype, axes, sharding: str) -> list:
+        """The axes a variable laid out as `axes` takes under `sharding`: the rule's where `axes`
+        are the rule's under 'data' or 'fsdp', else `axes` (a layout_map entry's, or its
+        optimizer slot's, kept under every mode); padded to the variable's rank."""
+        axes = (list(axes) + [None] * len(shape))[:len(shape)]
+        follows = axes in (self.spec(shape, dtype, "data"), self.spec(shape, dtype, "fsdp"))
+        return self.spec(shape, dtype, sharding) if follows else axes
 
     def get_variable_layout(self, variable):
         # Keras gives an optimizer slot its weight's layout (add_variable_from_reference): keep it,
@@ -242,8 +245,8 @@ class Strategy:
         for v in variables:
             shape = tuple(v.shape)
             axes = list(getattr(v._layout, "axes", None) or [None] * len(shape))
-            target = distribution.spec(shape, v.dtype)
-            if axes == target or not distribution.follows_rule(shape, v.dtype, axes):
+            target = distribution.axes_under(shape, v.dtype, axes, sharding)
+            if axes == target:
                 continue  # laid out already, or by a layout_map entry (or as its optimizer slot)
             v._layout = MeshLayout(target, distribution.device_mesh)
             v._direct_assign(v.value)  # placed by the new layout (Keras' distribute_tensor)
