@@ -1,11 +1,14 @@
-"""What creating every sharded variable in its shards would cost: model build time, Keras' rule
-against one compiled initializer per sharded variable, on 8 simulated CPU devices under fsdp.
+"""What creating every sharded variable in its shards costs: model build time on 8 simulated CPU
+devices under fsdp, three ways alternating in one process.
 
-Keras (3.13 and later, keras.src.backend.jax.core.should_shard_at_init) initializes a variable by
-one jitted program straight into its shards only when its bytes x devices reach 256 MiB (32 MiB a
-variable on 8 devices); a smaller one is made whole on one device, then distributed. The other
-rule jits every variable whose layout splits it. Both builds alternate, ROUNDS times each, in one
-process; prints each time and the ratio of the medians.
+- keras: Keras' own rule (keras.src.backend.jax.core.should_shard_at_init): one jitted program
+  straight into the shards only when bytes x devices reach 256 MiB; a smaller variable is made
+  whole on one device, then distributed.
+- per-variable: a program compiled for every sharded variable (Keras' seed is baked into each).
+- meshfit: meshfit.fit.sharded_init, the seed an argument, one compile per initializer, shape
+  and layout (what meshfit does).
+
+Prints each build time and the ratios of the medians to keras.
 
     python benchmarks/sharded_init.py [--layers 24] [--rounds 3]
 """
@@ -27,11 +30,16 @@ def main() -> None:
     import keras
     from keras.src.backend.jax import core
 
+    meshfit_init = core.JaxVariable._initialize_with_initializer  # installed by connect()
+    keras_init = meshfit_init.__wrapped__
     keras_rule = core.should_shard_at_init
 
     def every_sharded_variable(layout, shape):
-        split = isinstance(layout, jax.sharding.NamedSharding) and any(a is not None for a in layout.spec)
+        split = isinstance(layout, jax.sharding.NamedSharding) and not layout.is_fully_replicated
         return split or keras_rule(layout, shape)
+
+    ways = {"keras": (keras_init, keras_rule), "per-variable": (keras_init, every_sharded_variable),
+            "meshfit": (meshfit_init, keras_rule)}
 
     def build() -> float:
         start = time.perf_counter()
@@ -39,14 +47,15 @@ def main() -> None:
         jax.block_until_ready([v.value for v in model.weights])
         return time.perf_counter() - start
 
-    seconds = {"keras": [], "every": []}
+    seconds = {name: [] for name in ways}
     for _ in range(args.rounds):
-        for name, rule in (("keras", keras_rule), ("every", every_sharded_variable)):
-            core.should_shard_at_init = rule
+        for name, (initialize, rule) in ways.items():
+            core.JaxVariable._initialize_with_initializer, core.should_shard_at_init = initialize, rule
             seconds[name].append(build())
+    keras_median = statistics.median(seconds["keras"])
     for name, times in seconds.items():
-        print(f"{name:>5}: " + " ".join(f"{t:.2f}" for t in times) + " s")
-    print(f"every / keras (medians): {statistics.median(seconds['every']) / statistics.median(seconds['keras']):.1f}x")
+        print(f"{name:>12}: " + " ".join(f"{t:.2f}" for t in times)
+              + f" s, median / keras {statistics.median(times) / keras_median:.2f}x")
 
 
 if __name__ == "__main__":

@@ -101,39 +101,91 @@ def test_fsdp_holds_an_eighth_and_trains_as_data_parallel(strategy, name):
         connect_eight_devices()
 
 
-def test_a_large_sharded_variable_is_created_in_its_shards(strategy, monkeypatch):
-    """A variable of 32 MiB x 8 devices >= 256 MiB (Keras' bound, keras.src.backend.jax.core.
-    should_shard_at_init, from Keras 3.13: pyproject's floor) is initialized by one compiled
-    program into its shards: it is never made whole and then distributed (Keras'
-    distribute_tensor), so no device holds more than its share; smaller ones are, for at most
-    their own size (the price of a compile per variable, benchmarks/sharded_init.py). The values
-    are those of the replicated build."""
+def test_every_sharded_variable_is_created_in_its_shards(strategy, monkeypatch):
+    """Every variable whose layout splits it is drawn by a compiled program straight into its
+    shards (meshfit.fit.sharded_init), never made whole and then distributed (Keras'
+    distribute_tensor, its path below 256 MiB x devices): with Keras' initializers (int seeds, a
+    SeedGenerator, defaults, zeros) and a user's function alike; a user's initializer that cannot
+    be traced, or holds a SeedGenerator, runs as in Keras. One compile serves every
+    variable of the same initializer, shape and layout; the values are the replicated build's (to
+    a float's last bit where XLA fuses a normal draw's scale into it)."""
     import keras
     from keras.src.backend.jax import distribution_lib
+
+    from meshfit.fit import sharded_init
 
     distributed = []
     spread = distribution_lib.distribute_tensor
     monkeypatch.setattr(distribution_lib, "distribute_tensor",
                         lambda tensor, layout: distributed.append(tuple(tensor.shape)) or spread(tensor, layout))
-    rows = 8200  # x 1024 float32: 33.6 MB
+
+    def users_own(shape, dtype=None):
+        return keras.random.normal(shape, stddev=0.1, seed=5, dtype=dtype)
+
+    def unseeded(shape, dtype=None):  # Keras' global generator: refused inside a trace
+        return keras.random.normal(shape, dtype=dtype)
+
+    class Generated(keras.initializers.Initializer):  # advancing it in a trace would leak it
+        def __init__(self):
+            self.generator = keras.random.SeedGenerator(3)
+
+        def __call__(self, shape, dtype=None):
+            return keras.random.uniform(shape, seed=self.generator, dtype=dtype)
 
     def build(on):
         with on.scope():
             keras.utils.set_random_seed(0)
-            return keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(rows, 1024),
-                                     keras.layers.Dense(512)])
+            return keras.Sequential([
+                keras.Input((4,), dtype="int32"), keras.layers.Embedding(1000, 256),  # RandomUniform
+                keras.layers.Dense(512), keras.layers.Dense(256), keras.layers.Dense(512),  # Glorot
+                keras.layers.Dense(256, kernel_initializer=keras.initializers.RandomNormal(seed=7)),
+                keras.layers.Dense(512, kernel_initializer=keras.initializers.HeNormal(
+                    seed=keras.random.SeedGenerator(11))),
+                keras.layers.Dense(256, kernel_initializer="zeros"),
+                keras.layers.Dense(512, kernel_initializer=users_own),
+                keras.layers.Dense(384, kernel_initializer=unseeded),
+                keras.layers.Dense(640, kernel_initializer=Generated())])
 
     fsdp = Strategy(strategy.info, "jax", "float32", "fsdp", MIN_BYTES)
     try:
+        sharded_init._compiled.clear()
         sharded = build(fsdp)
-        table, kernel = sharded.layers[0].embeddings, sharded.layers[1].kernel
-        assert table.value.sharding.spec[0] == "batch" and "batch" in kernel.value.sharding.spec
-        assert {s.data.shape for s in table.value.addressable_shards} == {(rows // 8, 1024)}
-        assert (rows, 1024) not in distributed and (1024, 512) in distributed  # 2 MB: whole first
+        split = [v for v in sharded.weights if not v.value.sharding.is_fully_replicated]
+        assert len(split) == 10  # the table and every kernel
+        # made whole first: only the two a trace would change, in Keras' own way
+        assert {tuple(v.shape) for v in split} & set(distributed) == {(512, 384), (384, 640)}
+        # Glorot on (256, 512) twice, once on (512, 256); the HeNormal, RandomNormal, zeros and
+        # table draws once each; the user's function is compiled where it is used, not kept
+        assert len(sharded_init._compiled) == 6
         replicated = build(strategy.with_sharding("data"))
-        np.testing.assert_array_equal(np.asarray(table.value), np.asarray(replicated.layers[0].embeddings.value))
+        for a, b in zip(sharded.weights, replicated.weights, strict=True):  # 1 ulp: XLA fuses
+            np.testing.assert_allclose(a.value, b.value, rtol=3e-7, atol=1e-9, err_msg=a.path)  # a scale
     finally:
         connect_eight_devices()
+
+
+def test_a_sharded_draw_holds_a_share_not_the_whole(strategy):
+    """XLA's memory analysis of the compiled draw of a (1024, 512) Glorot kernel split over 8
+    devices: each device's output is its eighth, and what it computes on the way (the random
+    bits of its shard) stays below the whole variable's 2 MiB."""
+    import jax
+    import keras
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from meshfit.fit import sharded_init
+
+    layout = NamedSharding(strategy.distribution.device_mesh.backend_mesh, PartitionSpec(None, "batch"))
+    settings = keras.initializers.GlorotUniform().get_config()
+    del settings["seed"]
+    draw = sharded_init._compile(keras.initializers.GlorotUniform, settings, (1024, 512), "float32",
+                                 layout, seeded=True)
+    memory = draw.lower(np.array([3, 0], np.uint32)).compile().memory_analysis()
+    whole = 1024 * 512 * 4
+    assert memory.output_size_in_bytes == whole // 8
+    assert memory.temp_size_in_bytes < whole // 2
+    values = draw(np.array([3, 0], np.uint32))
+    assert {s.data.shape for s in values.addressable_shards} == {(1024, 64)}
+    assert isinstance(values, jax.Array)
 
 
 def test_rule_sizes_and_modes():

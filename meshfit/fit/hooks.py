@@ -104,9 +104,12 @@ def _install() -> None:
         jax.monitoring.register_event_time_span_listener(_on_compile_span)
     from keras.src.backend.jax import distribution_lib  # Keras places every batch through it
 
+    from meshfit.fit import sharded_init  # imports Keras' JAX variables: this engine only
+
     distribution_lib.distribute_data_input = _placement_hook(distribution_lib.distribute_data_input)
     distribution_lib.distribute_tensor = sources.divisible_placement(distribution_lib.distribute_tensor,
                                                                      active)
+    sharded_init.install(lambda: _distributed(_active), sources.divisible_sharding)
     for name in _FUNCTIONS:
         setattr(trainer, f"make_{name}", _make_function_hook(getattr(trainer, f"make_{name}"), name))
     for name in ("fit", "evaluate", "predict"):  # fit around its report hook: all of it guarded

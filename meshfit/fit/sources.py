@@ -213,9 +213,16 @@ def divisible_placement(distribute_tensor: Callable, active: Callable[[], Any]) 
         backend = getattr(layout, "backend_layout", layout) if active() is not None else None
         shape = getattr(tensor, "shape", None)
         if isinstance(backend, NamedSharding) and shape:
-            spec = sharding.divisible_spec(tuple(shape), tuple(backend.spec), dict(backend.mesh.shape))
-            if spec != list(backend.spec) + [None] * (len(shape) - len(backend.spec)):
-                layout = NamedSharding(backend.mesh, PartitionSpec(*spec))
+            layout = divisible_sharding(tuple(shape), backend)
         return distribute_tensor(tensor, layout)
 
     return placed
+
+
+def divisible_sharding(shape: tuple, layout: NamedSharding) -> NamedSharding:
+    """`layout` for an array of `shape`, every dimension its mesh axes do not divide held whole
+    (`sharding.divisible_spec`); `layout` itself where it already divides."""
+    spec = sharding.divisible_spec(shape, tuple(layout.spec), dict(layout.mesh.shape))
+    if spec == list(layout.spec) + [None] * (len(shape) - len(layout.spec)):
+        return layout
+    return NamedSharding(layout.mesh, PartitionSpec(*spec))

@@ -4,7 +4,8 @@ one once the engine is chosen (`connected`).
 On JAX this is Keras' own `keras.distribution.DataParallel` over a `jax.sharding` mesh: variables
 are replicated, every global batch is split along its first axis, and XLA inserts the gradient
 all-reduce. With sharding="fsdp" the large variables are sharded over the same devices instead
-(`FsdpParallel`, by the rule of meshfit.parallel.sharding). Nothing here writes a collective by hand.
+(`MeshParallel`, by the rule of meshfit.parallel.sharding), each drawn straight into its shards
+(meshfit.fit.sharded_init). Nothing here writes a collective by hand.
 """
 
 from __future__ import annotations

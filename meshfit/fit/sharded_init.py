@@ -1,0 +1,117 @@
+"""Weights created in their shards: a variable whose layout splits it is drawn by one compiled
+program straight into its shards, so no device (and not the host) ever holds it whole.
+
+Keras (keras.src.backend.jax.core) does this only for a variable whose bytes x devices reach
+256 MiB (`should_shard_at_init`); a smaller one is drawn whole on one device and then split. A
+compile for every variable made building 28 to 57x slower (BENCHMARKS.md 2c): Keras' random
+initializers bake their integer seed into the program. Here the seed is an argument instead, so
+one compiled draw serves every variable of the same initializer, settings, shape, dtype and
+layout (a model's repeated blocks compile once).
+
+Why the values are Keras' own: the key passed in is what Keras' `draw_seed(initializer.seed)`
+gives (an int seed: [seed, 0]; a SeedGenerator: its next state, advanced as Keras would), and the
+JAX backend's random functions take a key array as it is (`jax_draw_seed`), so the traced program
+is the one Keras runs eagerly (compiled, a normal draw's scale and shift are fused into it:
+the last bit of a float may differ). JAX's partitionable threefry (the default since JAX 0.5) makes each
+device compute only its shard's random bits. Keras' built-in initializers draw once per call,
+which is what makes passing one key exact; other initializers (a user's class, a function) are
+compiled per variable with their state as it is.
+
+Active only while a meshfit strategy runs JAX on several devices (`active()` true); otherwise,
+and for initializers that take a `layout` themselves, Keras' own path runs. Imports Keras.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from keras.src.backend.jax import core
+from keras.src.initializers import Initializer
+from keras.src.random.seed_generator import SeedGenerator, draw_seed
+
+
+def install(active: Callable[[], bool], placed: Callable[[tuple, Any], Any]) -> None:
+    """Make Keras' JAX variables draw split layouts in their shards while `active()`.
+    `placed(shape, layout)` is the NamedSharding the variable's layout gives its shape (meshfit
+    holds a dimension its axes do not divide whole: meshfit.fit.sources.divisible_sharding)."""
+    keras_init = core.JaxVariable._initialize_with_initializer
+    if getattr(keras_init, "_meshfit", False):
+        return
+
+    @functools.wraps(keras_init)
+    def initialize(variable, initializer):
+        variable._initialize_layout()
+        layout = getattr(variable._layout, "backend_layout", variable._layout)
+        if (active() and isinstance(layout, NamedSharding) and not layout.is_fully_replicated
+                and "layout" not in _parameters(initializer)):
+            sharding = placed(tuple(variable._shape), layout)
+            if not sharding.is_fully_replicated:
+                value = draw(initializer, tuple(variable._shape), variable._dtype, sharding)
+                if value is not None:
+                    variable._value = value
+                    return
+        keras_init(variable, initializer)
+
+    initialize._meshfit = True
+    core.JaxVariable._initialize_with_initializer = initialize
+
+
+def draw(initializer, shape: tuple, dtype: str, sharding: NamedSharding) -> jax.Array | None:
+    """`initializer(shape, dtype)` computed on the devices straight into `sharding`; None where
+    only Keras' own way is safe (see `_draw_other`)."""
+    if not (isinstance(initializer, Initializer) and type(initializer).__module__.startswith("keras.")):
+        return _draw_other(initializer, shape, dtype, sharding)
+    seed = getattr(initializer, "seed", None)
+    # On the host: a key array held on one device is not on the mesh of a job of several hosts.
+    key = np.asarray(draw_seed(seed)) if isinstance(seed, (int, SeedGenerator)) else None
+    settings = {k: v for k, v in initializer.get_config().items() if k != "seed"}
+    if not all(isinstance(v, (bool, int, float, str, type(None))) for v in settings.values()):
+        # e.g. Constant(an array): its repr would not tell two apart, so compiled for this one only
+        return _compile(type(initializer), settings, shape, dtype, sharding, key is not None)(key)
+    name = (type(initializer), tuple(sorted(settings.items())), shape, dtype, sharding, key is not None)
+    if name not in _compiled:
+        _compiled[name] = _compile(type(initializer), settings, shape, dtype, sharding, key is not None)
+    return _compiled[name](key)
+
+
+_compiled: dict[tuple, Callable] = {}  # one per initializer, settings, shape, dtype and layout
+
+
+def _compile(kind: type, settings: dict, shape: tuple, dtype: str, sharding: NamedSharding,
+             seeded: bool) -> Callable:
+    """The compiled draw of a `kind(**settings)` initializer, its key an argument when `seeded`
+    (seed=0 only so that from_config does not draw a default seed from Python's random state)."""
+    initializer = kind.from_config({**settings, "seed": 0} if seeded else settings)
+
+    def values(key):
+        if seeded:
+            initializer.seed = key  # a key array: Keras' JAX random functions use it as given
+        return initializer(shape, dtype=dtype)
+
+    return jax.jit(values, out_shardings=sharding)
+
+
+def _draw_other(initializer, shape: tuple, dtype: str, sharding: NamedSharding) -> jax.Array | None:
+    """A user's initializer (a function or class), compiled for this variable alone; None (Keras'
+    way: whole, then split) where compiling it would change what it does: one that holds a
+    SeedGenerator would advance it inside the trace (a leaked tracer), and one that cannot be
+    traced (unseeded keras.random, a NumPy conversion) raises there and runs eagerly instead."""
+    if any(isinstance(v, SeedGenerator) for v in getattr(initializer, "__dict__", {}).values()):
+        return None
+    try:
+        return jax.jit(lambda: initializer(shape, dtype=dtype), out_shardings=sharding)()
+    except Exception:  # noqa: BLE001 - an error of the initializer itself recurs in Keras' way
+        return None
+
+
+def _parameters(initializer) -> tuple:
+    """The names `initializer` is called with (empty where they cannot be read)."""
+    try:
+        return tuple(inspect.signature(initializer).parameters)
+    except (TypeError, ValueError):
+        return ()
