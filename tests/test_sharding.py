@@ -148,7 +148,7 @@ def test_every_sharded_variable_is_created_in_its_shards(strategy, monkeypatch):
 
     fsdp = Strategy(strategy.info, "jax", "float32", "fsdp", MIN_BYTES)
     try:
-        sharded_init._compiled.clear()
+        sharded_init._compiled.cache_clear()
         sharded = build(fsdp)
         split = [v for v in sharded.weights if not v.value.sharding.is_fully_replicated]
         assert len(split) == 10  # the table and every kernel
@@ -156,7 +156,7 @@ def test_every_sharded_variable_is_created_in_its_shards(strategy, monkeypatch):
         assert {tuple(v.shape) for v in split} & set(distributed) == {(512, 384), (384, 640)}
         # Glorot on (256, 512) twice, once on (512, 256); the HeNormal, RandomNormal, zeros and
         # table draws once each; the user's function is compiled where it is used, not kept
-        assert len(sharded_init._compiled) == 6
+        assert sharded_init._compiled.cache_info().currsize == 6
         replicated = build(strategy.with_sharding("data"))
         for a, b in zip(sharded.weights, replicated.weights, strict=True):  # 1 ulp: XLA fuses
             np.testing.assert_allclose(a.value, b.value, rtol=3e-7, atol=1e-9, err_msg=a.path)  # a scale
@@ -175,10 +175,8 @@ def test_a_sharded_draw_holds_a_share_not_the_whole(strategy):
     from meshfit.fit import sharded_init
 
     layout = NamedSharding(strategy.distribution.device_mesh.backend_mesh, PartitionSpec(None, "batch"))
-    settings = keras.initializers.GlorotUniform().get_config()
-    del settings["seed"]
-    draw = sharded_init._compile(keras.initializers.GlorotUniform, settings, (1024, 512), "float32",
-                                 layout, seeded=True)
+    draw = sharded_init._compiled(keras.initializers.GlorotUniform, (), (1024, 512), "float32",
+                                  layout, seeded=True)
     memory = draw.lower(np.array([3, 0], np.uint32)).compile().memory_analysis()
     whole = 1024 * 512 * 4
     assert memory.output_size_in_bytes == whole // 8

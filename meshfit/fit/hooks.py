@@ -10,6 +10,8 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   IndivisibleError. Every sample counts exactly as on one device (no cut, no padding: see
   meshfit.fit.sources for why padding is not exact); the price is one more compilation for that
   shape and that batch computed on every device rather than split.
+- Weights in their shards (JAX, several devices): a variable whose layout splits it is drawn
+  straight into its shards, never whole on one device first (meshfit.fit.sharded_init).
 - Progress and the stall guard (JAX): every train, test and predict dispatch is counted
   (meshfit.parallel.heartbeat), and fit, evaluate and predict run under meshfit.parallel.stall's
   guard, so a computation that never finishes ends the process with one line after

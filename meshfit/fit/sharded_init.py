@@ -69,24 +69,20 @@ def draw(initializer, shape: tuple, dtype: str, sharding: NamedSharding) -> jax.
     seed = getattr(initializer, "seed", None)
     # On the host: a key array held on one device is not on the mesh of a job of several hosts.
     key = np.asarray(draw_seed(seed)) if isinstance(seed, (int, SeedGenerator)) else None
-    settings = {k: v for k, v in initializer.get_config().items() if k != "seed"}
-    if not all(isinstance(v, (bool, int, float, str, type(None))) for v in settings.values()):
-        # e.g. Constant(an array): its repr would not tell two apart, so compiled for this one only
-        return _compile(type(initializer), settings, shape, dtype, sharding, key is not None)(key)
-    name = (type(initializer), tuple(sorted(settings.items())), shape, dtype, sharding, key is not None)
-    if name not in _compiled:
-        _compiled[name] = _compile(type(initializer), settings, shape, dtype, sharding, key is not None)
-    return _compiled[name](key)
+    settings = tuple(sorted((k, v) for k, v in initializer.get_config().items() if k != "seed"))
+    compile_draw = _compiled
+    if not all(isinstance(v, (bool, int, float, str, type(None))) for _, v in settings):
+        compile_draw = _compiled.__wrapped__  # e.g. Constant(an array): compiled for this one alone
+    return compile_draw(type(initializer), settings, shape, dtype, sharding, key is not None)(key)
 
 
-_compiled: dict[tuple, Callable] = {}  # one per initializer, settings, shape, dtype and layout
-
-
-def _compile(kind: type, settings: dict, shape: tuple, dtype: str, sharding: NamedSharding,
-             seeded: bool) -> Callable:
-    """The compiled draw of a `kind(**settings)` initializer, its key an argument when `seeded`
-    (seed=0 only so that from_config does not draw a default seed from Python's random state)."""
-    initializer = kind.from_config({**settings, "seed": 0} if seeded else settings)
+@functools.lru_cache(maxsize=1024)
+def _compiled(kind: type, settings: tuple, shape: tuple, dtype: str, sharding: NamedSharding,
+              seeded: bool) -> Callable:
+    """The compiled draw of a `kind(**dict(settings))` initializer, its key an argument when
+    `seeded` (seed=0 only so that from_config does not draw a default seed from Python's random
+    state); kept for every variable of the same initializer, settings, shape, dtype and layout."""
+    initializer = kind.from_config({**dict(settings), "seed": 0} if seeded else dict(settings))
 
     def values(key):
         if seeded:
