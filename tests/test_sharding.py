@@ -158,8 +158,8 @@ def test_every_sharded_variable_is_created_in_its_shards(strategy, monkeypatch):
         # table draws once each; the user's function is compiled where it is used, not kept
         assert sharded_init._compiled.cache_info().currsize == 6
         replicated = build(strategy.with_sharding("data"))
-        for a, b in zip(sharded.weights, replicated.weights, strict=True):  # 1 ulp: XLA fuses
-            np.testing.assert_allclose(a.value, b.value, rtol=3e-7, atol=1e-9, err_msg=a.path)  # a scale
+        for a, b in zip(sharded.weights, replicated.weights, strict=True):  # to 1 ulp (see above)
+            np.testing.assert_allclose(a.value, b.value, rtol=3e-7, atol=1e-9, err_msg=a.path)
     finally:
         connect_eight_devices()
 
@@ -168,7 +168,6 @@ def test_a_sharded_draw_holds_a_share_not_the_whole(strategy):
     """XLA's memory analysis of the compiled draw of a (1024, 512) Glorot kernel split over 8
     devices: each device's output is its eighth, and what it computes on the way (the random
     bits of its shard) stays below the whole variable's 2 MiB."""
-    import jax
     import keras
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -183,7 +182,6 @@ def test_a_sharded_draw_holds_a_share_not_the_whole(strategy):
     assert memory.temp_size_in_bytes < whole // 2
     values = draw(np.array([3, 0], np.uint32))
     assert {s.data.shape for s in values.addressable_shards} == {(1024, 64)}
-    assert isinstance(values, jax.Array)
 
 
 def test_rule_sizes_and_modes():

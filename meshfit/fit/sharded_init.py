@@ -11,11 +11,13 @@ layout (a model's repeated blocks compile once).
 Why the values are Keras' own: the key passed in is what Keras' `draw_seed(initializer.seed)`
 gives (an int seed: [seed, 0]; a SeedGenerator: its next state, advanced as Keras would), and the
 JAX backend's random functions take a key array as it is (`jax_draw_seed`), so the traced program
-is the one Keras runs eagerly (compiled, a normal draw's scale and shift are fused into it:
-the last bit of a float may differ). JAX's partitionable threefry (the default since JAX 0.5) makes each
-device compute only its shard's random bits. Keras' built-in initializers draw once per call,
-which is what makes passing one key exact; other initializers (a user's class, a function) are
-compiled per variable with their state as it is.
+is the one Keras runs eagerly (compiled, a normal draw's scale and shift are fused into it: the
+last bit of a float may differ). JAX's partitionable threefry (the default since JAX 0.5) makes
+each device compute only its shard's random bits. Keras' built-in initializers draw once per call,
+which is what makes passing one key exact. A user's initializer (a class, a function) is
+compiled for its variable alone, or, where a trace would change what it does, left to Keras.
+One exception is in the maths: Orthogonal's QR decomposition needs the whole matrix, which each
+device then computes while drawing. The Keras side: docs/reference/keras-sharded-init.md.
 
 Active only while a meshfit strategy runs JAX on several devices (`active()` true); otherwise,
 and for initializers that take a `layout` themselves, Keras' own path runs. Imports Keras.
