@@ -8,9 +8,11 @@ devices under fsdp, three ways alternating in one process.
 - meshfit: meshfit.fit.sharded_init, the seed an argument, one compile per initializer, shape
   and layout (what meshfit does).
 
-Prints each build time and the ratios of the medians to keras.
+Prints each build time and the ratios of the medians to keras. --model llama builds a keras-hub
+Llama-shaped causal LM instead (vocabulary 32,000, hidden 512, 8 layers; --layers sets them),
+fsdp over 'batch' with --fsdp-min-bytes 64KB.
 
-    python benchmarks/sharded_init.py [--layers 24] [--rounds 3]
+    python benchmarks/sharded_init.py [--model dense|llama] [--layers 24] [--rounds 3]
 """
 
 import argparse
@@ -20,12 +22,15 @@ import time
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=24, help="Dense(1024) layers: 4 MiB kernels")
+    parser.add_argument("--model", choices=("dense", "llama"), default="dense")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="Dense(1024) layers: 4 MiB kernels (default 24), or Llama blocks (8)")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     import meshfit
 
-    meshfit.connect(simulate_devices=8, engine="jax", verbose=False, sharding="fsdp")
+    meshfit.connect(simulate_devices=8, engine="jax", verbose=False, sharding="fsdp",
+                    fsdp_min_bytes="64KB")
     import jax
     import keras
     from keras.src.backend.jax import core
@@ -41,9 +46,19 @@ def main() -> None:
     ways = {"keras": (keras_init, keras_rule), "per-variable": (keras_init, every_sharded_variable),
             "meshfit": (meshfit_init, keras_rule)}
 
+    def make():
+        if args.model == "dense":
+            return keras.Sequential([keras.Input((1024,))]
+                                    + [keras.layers.Dense(1024) for _ in range(args.layers or 24)])
+        import keras_hub
+
+        return keras_hub.models.LlamaBackbone(
+            vocabulary_size=32000, num_layers=args.layers or 8, num_query_heads=8,
+            num_key_value_heads=4, hidden_dim=512, intermediate_dim=1376)
+
     def build() -> float:
         start = time.perf_counter()
-        model = keras.Sequential([keras.Input((1024,))] + [keras.layers.Dense(1024) for _ in range(args.layers)])
+        model = make()
         jax.block_until_ready([v.value for v in model.weights])
         return time.perf_counter() - start
 
