@@ -33,7 +33,7 @@ COMMANDS = {
     "info": "print the devices found, engine, precision and batch multiple",
     "train": "train a recipe, a recipe file or a folder of images; write a run directory",
     "eval": "evaluate a trained model on its test set or a folder of images",
-    "predict": "classify image files on the CPU",
+    "predict": "classify image files on the CPU (a model that is no classifier: its values)",
     "export": "export a trained model for CPU serving (keras or onnx)",
     "bench": "time the train step per engine, precision and batch size",
     "plan": "the memory per device of a recipe's train step, replicated and sharded (fsdp)",
@@ -225,7 +225,7 @@ def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_predict(args: argparse.Namespace) -> int:
-    """Classify image files on the CPU."""
+    """Classify image files on the CPU (or print the values of a model that is no classifier)."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras fallback on JAX stays on the CPU
     from meshfit.serve import inference  # start-up: predict's cold start loads only what it uses
 
@@ -250,6 +250,9 @@ def run_predict(args: argparse.Namespace) -> int:
     predictor = inference.load_predictor(args.model, backend=args.backend, threads=args.threads)
     images = inference.load_images(args.images, predictor.input_shape)
     classes = len(predictor.class_names)
+    if args.top_k is not None and not predictor.classifier:
+        raise MeshfitError(f"--top-k lists classes, but {args.model} is no classifier (it has no "
+                           "class names: its outputs are values); predict without --top-k")
     if args.top_k is not None and args.top_k > classes:
         raise MeshfitError(f"--top-k {args.top_k} is more than the model's {classes} classes; "
                            f"use 1 to {classes}")

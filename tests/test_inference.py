@@ -246,3 +246,89 @@ def test_benchmark_latency_reports_percentiles(cifar_run):
     stats = inference.benchmark_latency(run, n=20, warmup=2, threads=1)
     assert stats["backend"] == "onnxruntime" and stats["n"] == 20
     assert 0 < stats["p50_ms"] <= stats["p90_ms"]
+
+
+REGRESSION_RECIPE = '''"""A regression: an 8x8 grey image's mean brightness, one output, no classes."""
+import numpy as np
+
+import meshfit
+
+
+def dataset(seed):
+    x = np.random.default_rng(seed).integers(0, 256, (48, 8, 8, 1)).astype(np.uint8)
+    y = np.round(x.reshape(48, -1).mean(axis=1) / 25.6).astype(TARGETS)  # whole numbers 3..6
+    return (x[:32], y[:32]), (x[32:], y[32:])
+
+
+def build_model(input_shape, num_classes):
+    import keras
+
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Rescaling(1 / 255),
+                             keras.layers.Flatten(), keras.layers.Dense(1)])
+
+
+def optimizer(steps_per_epoch, epochs):
+    import keras
+
+    return keras.optimizers.Adam(1e-2)
+
+
+RECIPE = meshfit.Recipe(name="brightness", dataset=dataset, build_model=build_model,
+                        optimizer=optimizer, epochs=1, global_batch=16, loss="mse")
+'''
+
+
+@pytest.mark.parametrize("targets", ["int64", "float32"])
+def test_regression_recipe_trains_and_predict_prints_its_values(strategy, tmp_path, capsys,
+                                                                 monkeypatch, targets):
+    """Issue 39 item 8: a recipe file whose model has one output (a regression) records no class
+    names (not its targets' 0..6 as classes), its float targets train as they are (not cut to
+    whole numbers), and `meshfit predict` prints the model's value per image, as Keras gives it;
+    --top-k, which lists classes, is refused in one line. In this process."""
+    from meshfit import cli
+    from helpers import connect_eight_devices
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # predict sets it; restored after the test
+    recipe, run = tmp_path / "brightness.py", str(tmp_path / "run")
+    recipe.write_text(REGRESSION_RECIPE.replace("TARGETS", f"np.{targets}"))
+    Image.fromarray(np.full((8, 8), 200, np.uint8)).save(tmp_path / "bright.png")
+    devices = ["--simulate-devices", "8", "--engine", "jax"]
+    try:
+        assert cli.main(["train", str(recipe), "--out", run, "--no-tensorboard", *devices]) == 0
+        config = json.load(open(f"{run}/{rundir.CONFIG}"))
+        assert config["class_names"] == []
+        capsys.readouterr()
+        image = str(tmp_path / "bright.png")
+        assert cli.main(["predict", run, image, "--json", "--backend", "keras"]) == 0
+        row = json.loads(capsys.readouterr().out)["predictions"][0]
+        model = models.load_keras_model(f"{run}/model.keras")
+        expected = float(np.asarray(model.predict_on_batch(np.full((1, 8, 8, 1), 200.0, "float32")))[0, 0])
+        assert row == {"image": image, "values": [pytest.approx(expected, abs=1e-5)]}
+        assert cli.main(["predict", run, image, "--backend", "keras"]) == 0
+        assert capsys.readouterr().out.splitlines()[0] == f"{image}: {expected:.6g}"
+        assert cli.main(["predict", run, image, "--top-k", "1", "--backend", "keras"]) == 2
+        assert "is no classifier" in capsys.readouterr().err
+    finally:
+        connect_eight_devices()
+
+
+def test_float_targets_are_kept_with_no_classes():
+    """A dataset callable's floating-point labels are a regression's targets, kept as float32."""
+    from meshfit.data import splits
+
+    x = np.zeros((4, 2, 2, 1), np.uint8)
+    data = splits._arrays(((x, np.array([0.25, 1.5, 2.0, 3.75])), (x, np.array([0.5, 1, 2, 3.0]))))
+    assert data.class_names == () and data.y_train.dtype == np.float32
+    np.testing.assert_array_equal(data.y_train, [0.25, 1.5, 2.0, 3.75])
+
+
+def test_a_one_output_model_is_no_classifier_whatever_its_run_recorded():
+    """A run trained before class names were kept for classifiers only lists its targets as 10
+    classes; its one-output model's values are still what predict gives (not a refusal)."""
+    import types
+
+    old_run = types.SimpleNamespace(config={"class_names": [str(i) for i in range(10)]}, source="run")
+    assert inference._class_names(old_run, None, 1) == ()
+    assert inference._class_names(old_run, None, 10) == tuple(str(i) for i in range(10))
+    with pytest.raises(MeshfitError, match="lists 10 class names but the model outputs 3"):
+        inference._class_names(old_run, None, 3)

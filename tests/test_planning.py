@@ -61,3 +61,29 @@ def test_plan_decides_batch_steps_dispatch_and_micro_batches_in_one_value():
         planning.plan_batch(hardware(), samples=100, micro_batches=4)
     with pytest.raises(meshfit.MeshfitError, match="does not split evenly"):
         planning.plan_batch(hardware(replicas=8), samples=1000, global_batch=100, rounding=False)
+
+
+def plan_of(data_total, fsdp_total, memory, largest_per_core):
+    """A memory plan's dict (as memory_plan.plan_memory returns it) for two modes' totals."""
+    from meshfit.fit import memory_plan
+
+    plans = {mode: memory_plan.ModePlan(mode, 100, 200, total - 300, 10, total, 300, 300,
+                                        total <= memory, largest_per_core)
+             for mode, total in (("data", data_total), ("fsdp", fsdp_total))}
+    choice, why = memory_plan.auto_sharding(plans, memory)
+    return {"device_memory": memory, "global_batch": 64, "devices": 8, "model_parallel": 1,
+            "modes": {m: p.as_dict() for m, p in plans.items()}, "choice": choice, "why": why}
+
+
+def test_plan_claims_no_mode_when_nothing_fits():
+    """Issue 39 item 5: where neither mode fits, the plan's last line names no mode to use (a run
+    would refuse both); it says nothing fits and names the largest global batch that does."""
+    from meshfit.fit import memory_plan
+
+    last = memory_plan.summary_lines(plan_of(8000, 6000, 4000, 2), "fsdp")[-1]
+    assert last.startswith("  nothing fits: the replicated step needs 8.0 KB") and "using" not in last
+    assert last.endswith("the largest global batch that fits is 16 (--global-batch 16)")
+    asked = memory_plan.summary_lines(plan_of(8000, 2000, 4000, 2), "data")[-1]  # --sharding data
+    assert asked == "  data (as asked) does not fit; the largest global batch that fits is 16 (--global-batch 16)"
+    fits = memory_plan.summary_lines(plan_of(8000, 2000, 4000, 2), "fsdp")[-1]
+    assert fits.startswith("  using fsdp: the replicated step needs 8.0 KB")

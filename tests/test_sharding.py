@@ -270,13 +270,14 @@ def test_when_neither_mode_fits_plan_and_train_name_the_largest_batch_that_does(
         using = capsys.readouterr().out.strip().splitlines()[-1]
         largest = int(re.search(r"the largest global batch that fits is (\d+) \(--global-batch \d+\)$", using)[1])
         assert "and sharded it needs 1.2 MB: neither fits" in using and 8 <= largest < 64
+        assert using.startswith("  nothing fits: ")  # no mode claimed
         assert cli.main(["train", wide_recipe, *small, "--out", "unused"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("meshfit: error: out of device memory:")
         assert f"it does not fit replicated either (8.0 MB); use --global-batch {largest} or less" in err[0]
         assert cli.main(["plan", wide_recipe, *small, "--global-batch", str(largest), "--json"]) == 0
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert result["modes"]["fsdp"]["fits"] is True
+        assert result["modes"]["fsdp"]["fits"] is True and result["fits"] is True
     finally:
         connect_eight_devices()
 

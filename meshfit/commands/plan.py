@@ -27,8 +27,10 @@ def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = Non
                 model_parallel: int | None = None) -> dict[str, Any]:
     """`meshfit plan`: the memory plan of a recipe's train step on these devices (both modes,
     the largest per-core batch that fits each), without training; printed when `verbose`.
-    Returns meshfit.fit.memory_plan.plan_memory's dict with "recipe" and "sharding" (the mode
-    `meshfit train` would use with this `sharding`)."""
+    Returns meshfit.fit.memory_plan.plan_memory's dict with "recipe", "sharding" (the mode
+    `meshfit train` would use with this `sharding`) and "fits" (whether that mode's step fits the
+    device memory: False where nothing fits, which `meshfit train` refuses; None where the memory
+    is unknown). A plan that finds nothing fitting is still an answer: `meshfit plan` exits 0."""
     datasets.check_data_dir(data_dir)
     options = TrainOptions(global_batch=global_batch, simulate_devices=simulate_devices,
                            precision=precision or "auto", engine=engine or "jax", require=require,

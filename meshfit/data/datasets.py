@@ -96,7 +96,8 @@ class Dataset:
     """Images and labels split into train and test.
 
     x_*: uint8 arrays (N, H, W, C), pixel values 0..255; y_*: int32 arrays (N,) of class indices
-    into `class_names`. (eq=False: compared by identity, since numpy arrays have no single truth.)
+    into `class_names`, or a regression's float32 targets (N, ...) with no class names. (eq=False:
+    compared by identity, since numpy arrays have no single truth.)
     """
 
     x_train: np.ndarray
@@ -108,7 +109,9 @@ class Dataset:
 
     def __post_init__(self) -> None:
         for x, y in ((self.x_train, self.y_train), (self.x_test, self.y_test)):
-            if x.dtype != np.uint8 or x.ndim != 4 or y.dtype != np.int32 or y.shape != x.shape[:1]:
+            labels = y.dtype == np.int32 and y.ndim == 1
+            targets = y.dtype == np.float32 and not self.class_names
+            if x.dtype != np.uint8 or x.ndim != 4 or not (labels or targets) or y.shape[:1] != x.shape[:1]:
                 raise ValueError(f"bad Dataset arrays: x {x.dtype}{x.shape}, y {y.dtype}{y.shape}")
 
     @property

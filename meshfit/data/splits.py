@@ -190,7 +190,8 @@ def _streams(recipe, parts: dict, name: str) -> RunData:
 
 
 def _arrays(result) -> datasets.Dataset:
-    """A recipe's dataset callable's arrays as a Dataset (class names "0".."K-1" unless given)."""
+    """A recipe's dataset callable's arrays as a Dataset: integer labels are classes (named
+    "0".."K-1" unless given), floating-point ones a regression's targets (kept, no classes)."""
     if isinstance(result, datasets.Dataset):
         return result
     try:
@@ -207,6 +208,9 @@ def _arrays(result) -> datasets.Dataset:
     if arrays[0].ndim != 4 or arrays[0].dtype != np.uint8 or arrays[2].dtype != np.uint8:
         raise MeshfitError(f"the recipe's dataset callable returned {arrays[0].dtype} images of shape "
                            f"{arrays[0].shape}; return uint8 arrays (N, height, width, channels)")
+    if np.issubdtype(arrays[1].dtype, np.floating):  # targets of a regression: no classes
+        return datasets.Dataset(arrays[0], arrays[1].astype(np.float32), arrays[2],
+                                arrays[3].astype(np.float32), (), "callable")
     labels = np.concatenate([arrays[1].reshape(-1), arrays[3].reshape(-1)]).astype(np.int64)
     classes = int(labels.max()) + 1 if len(labels) else 0
     if len(labels) and labels.min() < 0:

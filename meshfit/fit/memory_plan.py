@@ -472,9 +472,13 @@ def summary_lines(result: dict, mode: str) -> list[str]:
         if result.get("model_parallel_plans"):  # where model parallelism was weighed: the step's cost
             lines[-1] += f"  [{cost_text(p)}]"
     used = mode if result.get("model_parallel", k) == k else f"{mode} x model {result['model_parallel']}"
-    lines.append(f"  using {used}: {result['why'] if mode == result['choice'] else 'as asked'}")
+    fits = plan_used(result, mode)["fits"] is not False
+    if mode != result["choice"]:
+        lines.append(f"  using {used}: as asked" if fits else f"  {used} (as asked) does not fit")
+    else:  # auto's choice: where nothing fits, no mode is claimed (a run would refuse: check_fits)
+        lines.append(f"  {'using ' + used if fits else 'nothing fits'}: {result['why']}")
     largest = largest_global_batch(result, mode)
-    if plan_used(result, mode)["fits"] is False and largest is not None:
+    if not fits and largest is not None:
         lines[-1] += (f"; the largest global batch that fits is {largest} (--global-batch {largest})"
                       if largest else "; no batch fits: use more devices or a smaller model")
     return lines
@@ -635,7 +639,8 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
     if chief:
         print("\n".join(summary_lines(result, mode)), flush=True)
     if result["modes"][mode]["fits"] is False:
-        warnings.warn(f"sharding auto: {result['why']}; expect the device to run out of memory "
+        warnings.warn(f"sharding auto: {result['why']}; training {mode} anyway, expect the device "
+                      "to run out of memory "
                       "(use a smaller batch, more devices or model_parallel)", stacklevel=3)
     return result
 

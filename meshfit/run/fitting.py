@@ -122,6 +122,7 @@ def memory_plan_of(recipe: recipes.Recipe, dataset, strategy, global_batch: int,
     _, result = memory_plan.choose_sharding(
         strategy, lambda: build(recipe, dataset, 1, recipe.epochs, 1), global_batch,
         lambda s: start_session(s, 0), verbose=False, largest=largest, always=True)
+    result["fits"] = memory_plan.plan_used(result, result["sharding"])["fits"]
     if verbose:
         print("\n".join(memory_plan.summary_lines(result, result["sharding"])), flush=True)
     return result
@@ -186,17 +187,29 @@ def build_run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, 
         micro_batches = stream.micro_batches = min(micro_batches, stream.smallest_batch or micro_batches)
     run_spec = make_spec(asked, strategy, dataset, steps_per_epoch=steps, global_batch=global_batch,
                          steps_per_dispatch=batch_plan.steps_per_dispatch,
-                         micro_batches=micro_batches, command=command)
+                         micro_batches=micro_batches, command=command,
+                         class_names=class_names_of(model, dataset))
     return model, batches, run_spec
 
 
+def class_names_of(model, dataset) -> tuple[str, ...]:
+    """The class names a run records: its data's where the model outputs one value per class
+    (a classifier, or a subclassed model that does not say), none where it outputs another
+    number of values (a regression's one), which `meshfit predict` then prints as they are."""
+    shape = model.output_shape if hasattr(model, "output_shape") else None
+    width = shape[-1] if isinstance(shape, tuple) and shape else None
+    names = tuple(dataset.class_names)
+    return names if width is None or width == len(names) else ()
+
+
 def make_spec(asked, strategy, dataset, *, steps_per_epoch: int, global_batch: int,
-              steps_per_dispatch: int, micro_batches: int, command: str) -> RunSpec:
-    """The run specification of this run on these devices."""
+              steps_per_dispatch: int, micro_batches: int, command: str,
+              class_names: tuple[str, ...]) -> RunSpec:
+    """The run specification of this run on these devices (class_names: see class_names_of)."""
     r, o = asked.recipe, asked.options
     per_epoch = dataset.per_epoch
     return RunSpec(
-        recipe=r.name, dataset=dataset.source, class_names=tuple(dataset.class_names),
+        recipe=r.name, dataset=dataset.source, class_names=class_names,
         input_shape=tuple(r.input_shape or dataset.input_shape), num_classes=dataset.num_classes,
         epochs=o.epochs, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
         steps_per_dispatch=steps_per_dispatch, micro_batches=micro_batches, seed=o.seed,

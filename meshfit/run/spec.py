@@ -32,9 +32,9 @@ class RunSpec:
 
     recipe: str
     dataset: str
-    class_names: tuple[str, ...]
+    class_names: tuple[str, ...]  # one per model output; () for a model that is no classifier
     input_shape: tuple[int, ...]
-    num_classes: int
+    num_classes: int  # what build_model was given (the data's classes)
     epochs: int
     steps_per_epoch: int
     global_batch: int  # samples per step over all replicas

@@ -174,8 +174,9 @@ def _export_onnx_here(files: rundir.ModelFiles, out: str) -> None:
     shape = tuple(int(d) for d in files.config.get("input_shape") or model.input_shape[1:])
     x, expected = _check_input(model, shape, keras)
     classes = int(expected.shape[-1])
+    names = files.config.get("class_names")  # [] for a model that is no classifier
     metadata = {
-        "class_names": [str(n) for n in files.config.get("class_names") or range(classes)],
+        "class_names": [str(n) for n in (range(classes) if names is None else names)],
         "input_shape": list(shape),
         "source": os.path.basename(files.keras_path),
         "source_sha256": rundir.file_sha256(files.keras_path),

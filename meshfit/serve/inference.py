@@ -3,7 +3,8 @@
 A model is a run directory written by `meshfit train` (model.keras + config.json with class names
 and input shape), a bare .keras file (class names are then the class indices) or an .onnx file
 written by `meshfit export`. Images go in as raw pixels (0..255, NHWC); scaling lives in the model,
-which outputs softmax probabilities.
+which outputs softmax probabilities, or, where it is no classifier (no class names: a regression's
+one output), values that are printed as they are.
 
 Fast path: ONNX Runtime on an ONNX copy of the model, cached beside it (run/model.onnx, or X.onnx
 beside a bare X.keras) and exported on first use. It imports no keras, jax or tensorflow, so a
@@ -77,7 +78,8 @@ class Predictor:
     """A model ready for CPU inference.
 
     backend: 'onnxruntime' or 'keras'. input_shape: (height, width, channels) in pixels.
-    model_file: the file that answers (the .onnx or the .keras).
+    model_file: the file that answers (the .onnx or the .keras). class_names: one per output of a
+    classifier; () for a model that is no classifier (its outputs are values, not probabilities).
     """
 
     source: str
@@ -95,8 +97,14 @@ class Predictor:
 
         return f"Keras on {keras.backend.backend()}"
 
+    @property
+    def classifier(self) -> bool:
+        """Whether the outputs are class probabilities (else values, e.g. a regression's)."""
+        return bool(self.class_names)
+
     def predict(self, images: np.ndarray) -> np.ndarray:
-        """Class probabilities (N, classes) float32 for raw pixels (N, H, W, C) or one (H, W, C)."""
+        """The outputs (N, outputs) float32, class probabilities for a classifier, for raw pixels
+        (N, H, W, C) or one image (H, W, C)."""
         x = np.asarray(images, dtype=np.float32)
         if x.ndim == 3:
             x = x[None]
@@ -106,7 +114,7 @@ class Predictor:
         return np.asarray(self.run(x), dtype=np.float32)
 
     def predict_files(self, paths: Sequence[str]) -> np.ndarray:
-        """Class probabilities (N, classes) for image files, read with `load_images`."""
+        """The outputs (N, outputs) for image files, read with `load_images`."""
         return self.predict(load_images(paths, self.input_shape))
 
 
@@ -244,7 +252,14 @@ def _keras_predictor(files: ModelFiles) -> Predictor:
 
 
 def _class_names(files: ModelFiles, stored: list | None, classes: Any) -> tuple[str, ...]:
-    names = files.config.get("class_names") or stored
+    """The class names of a model with `classes` outputs (None: unknown), from config.json, else
+    `stored` (an ONNX copy's), else the indices; () for a model that is no classifier: recorded
+    so ([]), or with one output, which no softmax over classes has (a regression's, also from runs
+    that recorded their labels' classes for it)."""
+    names = files.config.get("class_names")
+    names = stored if names is None else names
+    if classes == 1 or names == []:
+        return ()
     if names is None:
         if not isinstance(classes, int):
             raise MeshfitError(f"cannot tell how many classes {files.source} has; "
@@ -267,7 +282,11 @@ def top_k(probabilities: np.ndarray, class_names: Sequence[str], k: int) -> list
 
 def results(paths: Sequence[str], probabilities: np.ndarray, class_names: Sequence[str],
             k: int) -> list[dict]:
-    """One dict per image: its file, predicted label, probability, top-k and all probabilities."""
+    """One dict per image: its file, predicted label, probability, top-k and all probabilities;
+    for a model that is no classifier (no class_names), its file and the model's "values"."""
+    if not class_names:
+        return [{"image": path, "values": [float(v) for v in np.ravel(p)]}
+                for path, p in zip(paths, probabilities)]
     out = []
     for path, p in zip(paths, probabilities):
         best = top_k(p, class_names, k)
@@ -278,9 +297,13 @@ def results(paths: Sequence[str], probabilities: np.ndarray, class_names: Sequen
 
 
 def format_results(rows: list[dict]) -> str:
-    """Text for people: per image its predicted class, then the top-k classes and probabilities."""
+    """Text for people: per image its predicted class, then the top-k classes and probabilities;
+    or its values (a model that is no classifier)."""
     lines = []
     for row in rows:
+        if "values" in row:
+            lines.append(f"{row['image']}: {', '.join(f'{v:.6g}' for v in row['values'])}")
+            continue
         lines.append(f"{row['image']}: {row['label']} ({row['probability']:.1%})")
         width = max(len(t["label"]) for t in row["top_k"])
         lines += [f"  {t['label']:<{width}}  {t['probability']:.4f}" for t in row["top_k"]]
@@ -304,8 +327,13 @@ def figure(images: np.ndarray, rows: list[dict]):
         grey = image.shape[-1] == 1
         ax_img.imshow(image[..., 0] if grey else image, cmap="gray" if grey else None,
                       vmin=0, vmax=255)
-        ax_img.set_title(f"{row['label']} ({row['probability']:.1%})", fontsize=10)
         ax_img.axis("off")
+        if "values" in row:  # no classifier: its values as bars, one per output
+            ax_img.set_title(", ".join(f"{v:.4g}" for v in row["values"][:3]), fontsize=10)
+            ax_bar.barh([str(i) for i in range(len(row["values"]))], row["values"], color="tab:orange")
+            ax_bar.set_title(os.path.basename(row["image"]), fontsize=9)
+            continue
+        ax_img.set_title(f"{row['label']} ({row['probability']:.1%})", fontsize=10)
         best = row["top_k"][::-1]
         ax_bar.barh([t["label"] for t in best], [t["probability"] for t in best],
                     color=["tab:blue"] * (len(best) - 1) + ["tab:orange"])
