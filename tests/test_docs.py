@@ -175,3 +175,15 @@ def test_shell_commands_of_the_docs_name_commands_and_flags_that_exist():
             if unknown:
                 wrong.append(f"{where}: meshfit {command} {' '.join(sorted(unknown))}")
     assert seen > 50 and not wrong, "\n".join(wrong)
+
+
+def test_no_page_says_a_cpu_has_no_mfu():
+    """A CPU's peak FLOP/s is measured (meshfit.watch.peak), so its epoch lines show an MFU: no
+    sentence of the docs says a CPU gets `n/a`, and no example epoch line shows `MFU n/a`."""
+    wrong = []
+    for page in PAGES:
+        text = re.sub(r"\s+", " ", open(page, encoding="utf-8").read())
+        for sentence in re.split(r"[.!?] ", text):
+            if re.search(r"\bCPUs?\b", sentence) and "n/a" in sentence or re.search(r"epoch \d+/\d+ .*MFU n/a", sentence):
+                wrong.append(f"{os.path.relpath(page, ROOT)}: {sentence[:120]}")
+    assert not wrong, "\n".join(wrong)

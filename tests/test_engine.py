@@ -226,3 +226,15 @@ def test_a_notebook_is_told_to_restart_its_kernel(monkeypatch):
         message = str(caught.value)
         assert "\n" not in message and "restart the kernel" in message, message
         assert "import meshfit" in message and "KERAS_BACKEND'] = 'jax'" in message, message
+
+
+def test_a_cpu_run_prints_no_cuda_error_of_the_tensorflow_wheel():
+    """keras-hub's tensorflow-text pulls the `tensorflow` wheel in beside tensorflow-cpu (the
+    `hub` and `test` extras); it calls cuInit when it first lists its devices (a model's first
+    variable) and logs the failure as an error, as `import jax` set TF_CPP_MIN_LOG_LEVEL to 1
+    before meshfit could set 3. meshfit drops that line, as it drops TensorFlow's load notices."""
+    script = ("import meshfit; meshfit.connect(engine='tensorflow', verbose=False); import keras; "
+              "keras.Variable(1.0); print('done')")
+    code, out, err = finish(run_python(["-c", script], {**ONE_CPU, "TF_CPP_MIN_LOG_LEVEL": None}))
+    assert code == 0 and out.strip() == "done", err[-2000:]
+    assert "cuInit" not in err and "CUDA error" not in err, err

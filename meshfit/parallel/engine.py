@@ -47,9 +47,9 @@ _LOAD_NOTICES = (b"All log messages before absl::InitializeLog() is called",
 @contextlib.contextmanager
 def tensorflow_notices_dropped(loads_tensorflow: bool = True):
     """For a block that may import TensorFlow (`import keras` on the tensorflow engine, Keras'
-    set_random_seed): capture file descriptor 2 while TensorFlow is first loaded, then write back
-    all but its load notices. A no-op when TensorFlow is loaded already or `loads_tensorflow` is
-    False."""
+    set_random_seed): capture file descriptor 2 while TensorFlow is first loaded and finds its
+    devices, then write back all but its load notices. A no-op when TensorFlow is loaded already
+    or `loads_tensorflow` is False."""
     if not loads_tensorflow or "tensorflow" in sys.modules:
         yield
         return
@@ -59,6 +59,11 @@ def tensorflow_notices_dropped(loads_tensorflow: bool = True):
         os.dup2(captured.fileno(), 2)
         try:
             yield
+            if "tensorflow" in sys.modules:
+                # The `tensorflow` wheel calls cuInit when it first lists its devices (a model's
+                # first variable), not as it loads, and logs its failure as an error whatever
+                # TF_CPP_MIN_LOG_LEVEL said before `import jax` set it to 1: list them here.
+                sys.modules["tensorflow"].config.list_physical_devices()
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
