@@ -187,3 +187,37 @@ def test_no_page_says_a_cpu_has_no_mfu():
             if re.search(r"\bCPUs?\b", sentence) and "n/a" in sentence or re.search(r"epoch \d+/\d+ .*MFU n/a", sentence):
                 wrong.append(f"{os.path.relpath(page, ROOT)}: {sentence[:120]}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_extra_the_docs_name_exists():
+    """Each `meshfit[extra,...]` and `.[extra,...]` of README.md, docs/, tools/, the notebooks and
+    the Makefile is an extra of pyproject.toml (`meshfit[cuda]` is none: cuda12 and cuda13 are)."""
+    project = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
+    section = project.split("[project.optional-dependencies]")[1].split("\n[")[0]
+    extras = set(re.findall(r"^([a-z0-9_-]+) = \[", section, re.M))  # tomllib is Python 3.11's
+    assert {"cpu", "cuda12", "cuda13", "hub", "test"} <= extras, extras
+    files = PAGES + [os.path.join(ROOT, "Makefile")] + [
+        os.path.join(d, f) for top in ("tools", "notebooks") for d, _, names in os.walk(os.path.join(ROOT, top))
+        for f in names]
+    wrong, seen = [], 0
+    for path in files:
+        for named in re.findall(r"(?:meshfit|whl|\.)\[([a-z0-9_,-]+)\]", open(path, encoding="utf-8").read()):
+            seen += 1
+            wrong += [f"{os.path.relpath(path, ROOT)}: [{extra}]" for extra in named.split(",") if extra not in extras]
+    assert seen > 20 and not wrong, "\n".join(wrong)
+
+
+REPO_PATH = re.compile(r"(?<![\w/.:-])((?:meshfit|benchmarks|tests|tools|docs|notebooks)/[\w./-]*\w)")
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """Each path into the repository (meshfit/..., benchmarks/..., tests/..., tools/...) that
+    README.md, docs/ and BENCHMARKS.md name exists, or the page names the commit that had it
+    (`git show COMMIT:path`, for a benchmark's row run with a script since removed)."""
+    wrong = []
+    for page in PAGES + [os.path.join(ROOT, "BENCHMARKS.md")]:
+        text = open(page, encoding="utf-8").read()
+        for path in sorted(set(REPO_PATH.findall(text))):
+            if not os.path.exists(os.path.join(ROOT, path)) and not re.search(rf"\b[0-9a-f]{{7,40}}:{re.escape(path)}\b", text):
+                wrong.append(f"{os.path.relpath(page, ROOT)}: {path}")
+    assert not wrong, "\n".join(wrong)
