@@ -12,8 +12,9 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: install train test
 install: $(VENV)/.installed
 
+# The datasets of $(DATA) where that folder exists; else meshfit downloads them on first use.
 train: $(VENV)/.installed
-	$(VENV)/bin/meshfit train fashion-mnist-cnn --data-dir $(DATA)
+	$(VENV)/bin/meshfit train fashion-mnist-cnn $(if $(wildcard $(DATA)),--data-dir $(DATA))
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=30  # a test file per CPU core

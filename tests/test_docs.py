@@ -221,3 +221,14 @@ def test_every_repository_path_the_docs_name_exists():
             if not os.path.exists(os.path.join(ROOT, path)) and not re.search(rf"\b[0-9a-f]{{7,40}}:{re.escape(path)}\b", text):
                 wrong.append(f"{os.path.relpath(page, ROOT)}: {path}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_make_train_names_the_data_folder_only_where_it_exists(tmp_path):
+    """README's `make train` on a machine without ../shared/data: meshfit train is called without
+    --data-dir (which would refuse a missing folder), so the datasets are downloaded; with the
+    folder, it is passed. (`make -n`: the commands, none run.)"""
+    for data, passed in ((tmp_path / "missing", False), (tmp_path, True)):
+        out = subprocess.run(["make", "-n", "train", f"DATA={data}", f"VENV={tmp_path / 'venv'}"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        line = next(line for line in out.splitlines() if "meshfit train fashion-mnist-cnn" in line)
+        assert line.strip().endswith(f"--data-dir {data}" if passed else "fashion-mnist-cnn"), line
