@@ -81,7 +81,11 @@ def __getattr__(name: str):
         from meshfit.recipes import Recipe  # loads the recipes and data packages
 
         return Recipe
-    raise AttributeError(f"module 'meshfit' has no attribute {name!r}")
+    if name == "fit":  # the engine line: importing it imports Keras, on the engine connect() chose
+        raise AttributeError("meshfit.fit is the Keras side: call meshfit.connect() first, which "
+                             "chooses the engine and imports it")
+    # a sub-package or module (meshfit.data.datasets.load, as the API reference names it)
+    return _engine.submodule("meshfit", name)
 
 
 def __dir__() -> list[str]:

@@ -232,3 +232,41 @@ def test_make_train_names_the_data_folder_only_where_it_exists(tmp_path):
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout
         line = next(line for line in out.splitlines() if "meshfit train fashion-mnist-cnn" in line)
         assert line.strip().endswith(f"--data-dir {data}" if passed else "fashion-mnist-cnn"), line
+
+
+RESOLVE = """
+import json, sys
+import meshfit
+
+def missing(names):
+    wrong = []
+    for name in names:
+        value = meshfit
+        try:
+            for part in name.split(".")[1:]:
+                value = getattr(value, part)
+        except AttributeError as e:
+            wrong.append(f"{name}: {e}")
+    return wrong
+
+names = json.loads(sys.argv[1])
+keras_side = [n for n in names if n.startswith("meshfit.fit.")]
+before = missing([n for n in names if n not in keras_side])
+meshfit.connect(verbose=False)
+print(json.dumps(before + missing(keras_side)))
+"""
+
+
+def test_every_meshfit_name_the_docs_show_works_after_import_meshfit():
+    """`meshfit.data.datasets.load` and every other dotted name of README.md and docs/ (the API
+    reference names functions by their modules) is reached from `import meshfit` alone, as a
+    user types it; those of fit/, the Keras side, once connect() has chosen the engine."""
+    import json
+
+    names = sorted({n for page in PAGES for n in re.findall(r"(?<![\w/.:-])meshfit(?:\.[A-Za-z_]\w*)+",
+                                                           open(page, encoding="utf-8").read())})
+    assert "meshfit.data.datasets.load" in names and len(names) > 20, names
+    out = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(names)], capture_output=True,
+                         text=True, env=environment({"XLA_FLAGS": ""}), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -1,3 +1,9 @@
 """The command line's tools beyond training: bench (train-step and input timing), runs (list and
 plot runs) and launch (start a job of several processes on this host).
 """
+
+from meshfit.parallel import engine as _engine
+
+
+def __getattr__(name: str):  # a module of this package, imported when first named
+    return _engine.submodule(__name__, name)

@@ -3,3 +3,9 @@ of in-memory arrays (arrays), image folders streamed from disk (folders), a reci
 (streams) and the rows of a batch (rows). Batch order and augmentation are a pure function of
 seed, epoch and step. No module here imports Keras at its top: recipes load data before connect().
 """
+
+from meshfit.parallel import engine as _engine
+
+
+def __getattr__(name: str):  # a module of this package, imported when first named
+    return _engine.submodule(__name__, name)

@@ -25,3 +25,7 @@ def set_random_seed(seed: int) -> None:
     installed, on any engine (tf.data shuffles by it): without TensorFlow's load notices."""
     with engine.tensorflow_notices_dropped(engine.installed("tensorflow")):
         keras.utils.set_random_seed(seed)
+
+
+def __getattr__(name: str):  # a module of this package, imported when first named
+    return engine.submodule(__name__, name)

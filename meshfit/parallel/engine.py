@@ -75,6 +75,16 @@ def tensorflow_notices_dropped(loads_tensorflow: bool = True):
                 os.write(2, kept)
 
 
+def submodule(package: str, name: str):
+    """The module `package.name`, imported when first named as its package's attribute (the
+    __getattr__ of meshfit and its sub-packages but this one, whose modules load with meshfit:
+    `meshfit.data.datasets.load` after `import meshfit` alone, as the API reference names it);
+    AttributeError where the package has no such module."""
+    if name.startswith("__") or importlib.util.find_spec(f"{package}.{name}") is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    return importlib.import_module(f"{package}.{name}")
+
+
 def installed(module: str) -> bool:
     """True when the module (an engine's framework, onnxruntime, ...) can be imported."""
     return importlib.util.find_spec(module) is not None

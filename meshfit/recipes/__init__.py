@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from meshfit.errors import MeshfitError
+from meshfit.parallel import engine as _engine
 from meshfit.data import datasets, splits
 from meshfit.data.arrays import CROP_PADDING
 
@@ -200,3 +201,7 @@ def input_shape(recipe: Recipe) -> tuple[int, ...]:
 def dataset_class_names(dataset: Any) -> tuple[str, ...]:
     """The class names of a built-in dataset (by name), else ()."""
     return datasets.CLASS_NAMES.get(dataset, ()) if isinstance(dataset, str) else ()
+
+
+def __getattr__(name: str):  # a module of this package, imported when first named
+    return _engine.submodule(__name__, name)

@@ -5,3 +5,9 @@ arrays sharded through orbax-checkpoint in sharded_arrays), meshfit's callbacks,
 and `meshfit eval` (evaluate), the files of a finished run (results), and loading models, rebuilt
 from a run's recipe where they need it (models).
 """
+
+from meshfit.parallel import engine as _engine
+
+
+def __getattr__(name: str):  # a module of this package, imported when first named
+    return _engine.submodule(__name__, name)

@@ -6,3 +6,9 @@ image_dataset_from_directory), table.py (the results as a table, bench.csv, benc
 bench.png), jpeg_folder.py (the JPEG test folder of `--make-jpeg-folder`) and worker.py (how a
 measurement runs in its own process and hands its rows back).
 """
+
+from meshfit.parallel import engine as _engine
+
+
+def __getattr__(name: str):  # a module of this package, imported when first named
+    return _engine.submodule(__name__, name)
