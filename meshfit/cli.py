@@ -166,7 +166,7 @@ def folder_recipe(args: argparse.Namespace, command: str):
     if not args.image_size:
         raise MeshfitError("--data needs --image-size H W, the pixels to resize images to "
                            "(e.g. --image-size 28 28)")
-    folder, size = os.path.abspath(args.data), tuple(args.image_size)
+    folder, size = image_folder.check_folder(args.data), tuple(args.image_size)  # before connecting
     chosen = {"channels": args.channels or image_folder.guess_channels(folder),
               "model": (args.model or image_folder.default_model(size)).lower(),
               "validation_split": args.validation_split}

@@ -298,3 +298,21 @@ def test_export_leaves_a_users_own_onnx_beside_the_keras_file(tmp_path):
 def test_a_bad_argument_is_one_line(tmp_path):
     out = run_meshfit("train", "--epochs", "many", env=cli_env(tmp_path), timeout=120)
     one_line_error(out, "argument --epochs: invalid int value: 'many'")
+
+
+@pytest.mark.parametrize("command", [["train", "--data", "MISSING", "--image-size", "28", "28"],
+                                     ["eval", "RUN", "--data", "MISSING"]])
+def test_a_missing_data_folder_is_named_before_the_devices_connect(tmp_path, capsys, monkeypatch,
+                                                                    command):
+    """`--data MISSING` is one line (exit 2) before any device is looked for, not after."""
+    from meshfit import cli
+    from meshfit.parallel import engine
+
+    monkeypatch.setattr(engine, "start_engine", lambda *a, **k: pytest.fail("connected first"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / rundir.CONFIG).write_text("{}")
+    args = [str(run) if a == "RUN" else str(tmp_path / "missing") if a == "MISSING" else a for a in command]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"image folder {tmp_path / 'missing'} does not exist" in err[0], err

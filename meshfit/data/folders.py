@@ -98,14 +98,22 @@ class Folder:
 
 # ----------------------------------------------------------------------------------- scanning
 
+def check_folder(path: str | os.PathLike) -> str:
+    """`path` made absolute; a MeshfitError where it is not a folder (`--data` is checked so before
+    the devices connect)."""
+    root = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(root):
+        raise MeshfitError(f"image folder {root} does not exist or is not a folder; give a folder "
+                           "with one sub-folder of images per class")
+    return root
+
+
 def scan(path: str | os.PathLike, class_names: tuple[str, ...] | None = None) -> Folder:
     """The image files of `path`, one sub-folder per class; header-checked (see the module docstring).
 
     class_names: the classes this folder must have (a test/ or val/ folder next to train/).
     """
-    root = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(root):
-        raise MeshfitError(f"image folder {root} does not exist or is not a folder")
+    root = check_folder(path)
     classes = tuple(sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith(".")))
     if not classes:
         raise MeshfitError(f"{root} has no class sub-folders; put each class's images in "

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 import meshfit
-from meshfit.data import datasets, splits as data
+from meshfit.data import datasets, folders, splits as data
 from meshfit.errors import MeshfitError
 from meshfit.run import models, rundir, spec
 from meshfit.watch import progress
@@ -39,6 +39,8 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | No
         raise MeshfitError("give --data FOLDER (a folder of class sub-folders) or --data-dir DIR "
                            "(where a built-in dataset is), not both")
     datasets.check_data_dir(data_dir)
+    if folder is not None:
+        folders.check_folder(folder)  # before connecting
     run, model_path = rundir.locate_run(run_or_model)
     saved, _ = spec.read(run)
 
