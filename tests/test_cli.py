@@ -90,3 +90,18 @@ def test_a_missing_data_dir_is_named_before_connecting(capsys, tmp_path):
     (tmp_path / "notes.txt").write_text("")
     assert "is a file, not a folder" in error_line(capsys, "train", "--data-dir",
                                                    str(tmp_path / "notes.txt"))
+
+
+def test_a_recipe_name_with_underscores_is_the_recipe_and_a_typo_gets_a_did_you_mean(capsys):
+    """fashion_mnist_cnn (its module's spelling) is fashion-mnist-cnn; a mistyped name is one line
+    naming the closest built-in recipe."""
+    from meshfit import cli, recipes
+
+    assert recipes.get("fashion_mnist_cnn").name == "fashion-mnist-cnn"
+    assert not recipes.is_file("fashion_mnist_cnn")
+    assert cli.main(["recipe", "fashion_mnist_cnn"]) == 0
+    assert capsys.readouterr().out.startswith('"""fashion-mnist-cnn:')
+    for typo, meant in (("fashon-mnist-cnn", "fashion-mnist-cnn"), ("cifar10", "cifar10-cnn")):
+        assert cli.main(["recipe", typo]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"unknown recipe {typo!r} (did you mean {meant}?)" in err[0], err

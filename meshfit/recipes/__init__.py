@@ -9,6 +9,7 @@ path)` also reads a user's own recipe file (any .py file defining `RECIPE = mesh
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -122,10 +123,21 @@ def names() -> list[str]:
     return list(_MODULES)
 
 
+def builtin_name(name: str) -> str:
+    """The name of the built-in recipe `name` means: written with underscores too (its module's
+    spelling, fashion_mnist_cnn for fashion-mnist-cnn); else `name` itself."""
+    hyphens = name.replace("_", "-")
+    return hyphens if hyphens in _MODULES else name
+
+
 def get(name: str) -> Recipe:
-    """The built-in recipe called `name`; an unknown name is a MeshfitError listing the known ones."""
+    """The built-in recipe called `name` (see builtin_name); an unknown name is a MeshfitError
+    naming the closest one, if any, and listing them all."""
+    name = builtin_name(name)
     if name not in _MODULES:
-        raise MeshfitError(f"unknown recipe {name!r}; choose one of: {', '.join(_MODULES)}, "
+        close = difflib.get_close_matches(name.lower(), list(_MODULES), n=1, cutoff=0.6)
+        guess = f" (did you mean {close[0]}?)" if close else ""
+        raise MeshfitError(f"unknown recipe {name!r}{guess}; choose one of: {', '.join(_MODULES)}, "
                            "or give a recipe file (path/to/recipe.py)")
     module = importlib.import_module(f"meshfit.recipes.{_MODULES[name]}")
     return module.RECIPE
@@ -133,7 +145,8 @@ def get(name: str) -> Recipe:
 
 def is_file(name: str) -> bool:
     """True when `name` names a recipe file rather than a built-in recipe."""
-    return name.endswith(".py") or os.sep in name or (name not in _MODULES and os.path.isfile(name))
+    return name.endswith(".py") or os.sep in name or (builtin_name(name) not in _MODULES
+                                                      and os.path.isfile(name))
 
 
 def load(name: str | None) -> Recipe:
@@ -181,7 +194,7 @@ def _error_line(error: BaseException, path: str) -> str:
 def source(name: str) -> str:
     """The text of built-in recipe `name`'s file: a starting point for a recipe of one's own."""
     get(name)  # an unknown name is a MeshfitError listing the known ones
-    spec = importlib.util.find_spec(f"meshfit.recipes.{_MODULES[name]}")
+    spec = importlib.util.find_spec(f"meshfit.recipes.{_MODULES[builtin_name(name)]}")
     with open(spec.origin, encoding="utf-8") as f:
         return f.read()
 

@@ -96,7 +96,7 @@ def resumed_recipe(recipe: str | recipes.Recipe | None, options: TrainOptions, r
     the_recipe = recipe if from_python else models.recipe_of_run(resume, saved)
     the_recipe = dataclasses.replace(the_recipe, steps_per_epoch=saved.steps_per_epoch,
                                      validation_split=saved.validation_split)
-    asked = recipe.name if isinstance(recipe, recipes.Recipe) else recipe
+    asked = recipe.name if isinstance(recipe, recipes.Recipe) else recipe and recipes.builtin_name(recipe)
     if asked and recipes.is_file(asked):  # the run's own copy trains; the file only names it
         same = (saved.recipe_sha256 and os.path.isfile(asked)
                 and rundir.file_sha256(asked) == saved.recipe_sha256)
