@@ -304,8 +304,10 @@ def test_regression_recipe_trains_and_predict_prints_its_values(strategy, tmp_pa
         model = models.load_keras_model(f"{run}/model.keras")
         expected = float(np.asarray(model.predict_on_batch(np.full((1, 8, 8, 1), 200.0, "float32")))[0, 0])
         assert row == {"image": image, "values": [pytest.approx(expected, abs=1e-5)]}
-        assert cli.main(["predict", run, image, "--backend", "keras"]) == 0
+        picture = tmp_path / "values.png"
+        assert cli.main(["predict", run, image, "--backend", "keras", "--show", str(picture)]) == 0
         assert capsys.readouterr().out.splitlines()[0] == f"{image}: {expected:.6g}"
+        assert picture.stat().st_size > 1000
         assert cli.main(["predict", run, image, "--top-k", "1", "--backend", "keras"]) == 2
         assert "is no classifier" in capsys.readouterr().err
     finally:

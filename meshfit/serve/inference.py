@@ -328,10 +328,11 @@ def figure(images: np.ndarray, rows: list[dict]):
         ax_img.imshow(image[..., 0] if grey else image, cmap="gray" if grey else None,
                       vmin=0, vmax=255)
         ax_img.axis("off")
-        if "values" in row:  # no classifier: its values as bars, one per output
-            ax_img.set_title(", ".join(f"{v:.4g}" for v in row["values"][:3]), fontsize=10)
-            ax_bar.barh([str(i) for i in range(len(row["values"]))], row["values"], color="tab:orange")
-            ax_bar.set_title(os.path.basename(row["image"]), fontsize=9)
+        if "values" in row:  # no classifier: its values, written beside the image (no scale to draw)
+            ax_img.set_title(os.path.basename(row["image"]), fontsize=9)
+            ax_bar.axis("off")
+            ax_bar.text(0, 0.5, ", ".join(f"{v:.6g}" for v in row["values"]), fontsize=12,
+                        va="center", wrap=True)
             continue
         ax_img.set_title(f"{row['label']} ({row['probability']:.1%})", fontsize=10)
         best = row["top_k"][::-1]
