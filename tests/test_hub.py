@@ -281,3 +281,38 @@ def test_lora_under_fsdp_and_model_parallelism_trains_its_adapters_as_one_device
         assert all(np.array_equal(a, np.array(v.value)) for a, v in zip(frozen, model.non_trainable_variables))
     finally:
         connect_eight_devices()
+
+
+def vit(seed=0):
+    """A 1-layer keras-hub ViT classifier (16 x 16 images, 4 x 4 patches, hidden 32, 4 heads), SGD."""
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.ViTBackbone(image_shape=(16, 16, 3), patch_size=4, num_layers=1,
+                                            num_heads=4, hidden_dim=32, mlp_dim=128)
+    model = keras_hub.models.ViTImageClassifier(backbone=backbone, num_classes=10, preprocessor=None)
+    model.compile(optimizer=keras.optimizers.SGD(0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_vit_under_fsdp_x_model_takes_one_device_step(strategy):
+    # With its window (4 x 4) split by fsdp, XLA computed twice the patch-embedding kernel's
+    # gradient (benchmarks/xla_conv_window_gradient.py); Adam hid it (3.9e-5 in the loss), SGD
+    # shows it. The rule splits a convolution kernel along its channels only.
+    images = np.random.default_rng(0).normal(size=(16, 16, 16, 3)).astype("float32")
+    labels = np.arange(16) % 10
+
+    def step(model):
+        model.fit(images, labels, batch_size=16, epochs=1, verbose=0)
+        return [np.array(v.value) for v in model.trainable_variables]
+
+    with one_device(strategy).scope():
+        expected = step(vit())
+    meshfit.connect(simulate_devices=8, verbose=False, sharding="fsdp", model_parallel=2, fsdp_min_bytes=1)
+    try:
+        model = vit()
+        kernel = model.backbone.get_layer("vit_patching_and_embedding").patch_embedding.kernel
+        assert tuple(kernel.value.sharding.spec) == (None, None, None, ("model", "batch"))
+        for variable, got, want in zip(model.trainable_variables, step(model), expected):
+            np.testing.assert_allclose(got, want, atol=2e-6, err_msg=variable.path)
+    finally:
+        connect_eight_devices()

@@ -2,6 +2,7 @@
 and fit/evaluate/predict under the stall guard, and what plain `fit` prints."""
 
 import numpy as np
+import pytest
 
 from meshfit.parallel import heartbeat, stall
 
@@ -55,3 +56,30 @@ def test_every_dispatch_is_progress_and_fit_evaluate_predict_are_guarded(strateg
     assert after[0] == trained[0] and after[1] - trained[1] >= 3 + 2  # test and predict: reports
     assert {name for name, _ in guarded} == {"fit", "evaluate", "predict"}
     assert all(depth >= 1 for _, depth in guarded) and stall._depth == 0
+
+
+def test_a_recompiled_model_keeps_its_add_loss_term_with_the_report(strategy, capsys):
+    """keras-io's subclassing guide: compile with a loss, fit, compile without one, fit again.
+    The epoch report's FLOP count once traced the step with labels the loss rejected, and the
+    failed trace made Keras drop the layer's add_loss term from the next fit and evaluate."""
+    import keras
+
+    class ActivityRegularization(keras.layers.Layer):
+        def call(self, inputs):
+            self.add_loss(0.01 * keras.ops.sum(inputs))
+            return inputs
+
+    x, y = np.ones((16, 3), "float32"), np.zeros((16, 3), "float32")
+    expected = 1.0 + 0.01 * x.sum()  # mse 1 (compile keeps the first loss) + the add_loss term
+    with strategy.scope():
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, ActivityRegularization()(inputs))
+        model.compile(optimizer="adam", loss="mse")
+    first = model.fit(x, y, batch_size=16, verbose=2)  # the report: one line per epoch
+    with strategy.scope():
+        model.compile(optimizer="adam")
+    second = model.fit(x, y, batch_size=16, verbose=2)
+    assert first.history["loss"][0] == pytest.approx(expected)
+    assert second.history["loss"][0] == pytest.approx(expected)
+    assert model.evaluate(x, y, batch_size=16, verbose=0) == pytest.approx(expected)
+    assert "MFU n/a" not in capsys.readouterr().out  # labels shaped like the outputs: FLOPs known

@@ -217,6 +217,20 @@ def test_fsdp_x_model_splits_what_model_leaves_whole_over_both_axes():
         assert held * (8 if shape != (12,) else 2) == 4 * np.prod(shape)
 
 
+def test_a_convolution_kernel_is_split_along_its_channels_never_its_window():
+    # XLA's partitioner doubled a ViT patch embedding's gradient with its window split
+    # (benchmarks/xla_conv_window_gradient.py): only the last two axes (in, out) are split.
+    def spec(shape, batch=4, model=2):
+        return sharding.partition(shape, "float32", "fsdp", batch, 1, "batch", model)
+
+    assert spec((4, 4, 3, 32)) == [None, None, None, ("model", "batch")]  # keras-hub ViT's patches
+    assert spec((16, 16, 3, 768)) == [None, None, None, ("model", "batch")]  # ViT-B/16's
+    assert spec((3, 3, 64, 128)) == [None, None, "batch", "model"]
+    assert spec((8, 8, 3, 6), 8, 1) == [None] * 4  # no channel divides: whole, not the window
+    assert sharding.shard_axis((8, 8, 3, 6), "float32", 8, 1) is None
+    assert sharding.shard_axis((8, 4, 32), "float32", 8, 1) == 2  # 3-D: every axis, as before
+
+
 RECIPE = '''import numpy as np
 
 import meshfit

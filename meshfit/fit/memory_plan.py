@@ -41,6 +41,7 @@ from keras.src.optimizers import base_optimizer  # has no public name
 from meshfit.errors import MeshfitError
 from meshfit.fit import sources
 from meshfit.parallel import devices, sharding
+from meshfit.watch import report
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,7 @@ def _compiled_bytes(model, global_batch: int, mesh, specs, data=None,
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # donation notes
-                compiled = jax.jit(model.train_step, donate_argnums=0).lower(*arguments).compile()
+                compiled = report.lower_train_step(model, *arguments, donate_argnums=0).compile()
             stats = compiled.memory_analysis()
             break
         except Exception as error:  # a loss wanting the other label shape

@@ -23,6 +23,8 @@ with model parallelism split over the mesh's 'model' axis too (tensor parallelis
   both axes at once (('batch', 'model'), all N devices) where N divides a dimension, and a
   kernel whose other dimensions 'batch' does not divide has its 'model' dimension split over
   both, so that each device holds about 1/N of the state, not 1/(N/K) of those variables.
+- A kernel of 4 dimensions or more is a convolution's (window..., in, out): only its channels
+  are split, never its window (`splittable_axes`).
 
 Here the rule is pure functions of shapes and dtypes; meshfit.fit.strategy.MeshParallel applies it
 per variable through Keras' `Distribution.get_variable_layout` (a `ModelParallel` subclass), so it
@@ -121,13 +123,22 @@ def itemsize(dtype: Any) -> int:
 def shard_axis(shape: Sequence[int], dtype: Any, devices: int, fsdp_min_bytes: int) -> int | None:
     """The axis fsdp splits a variable of `shape` and `dtype` along over `devices`, or None
     (replicated): floating point, at least `fsdp_min_bytes`, and some dimension divisible by
-    `devices`; the largest such dimension, the trailing one on a tie."""
+    `devices`; the largest such dimension (of a convolution kernel, a channel one: see
+    `splittable_axes`), the trailing one on a tie."""
     if devices < 2 or not is_float(dtype) or not shape:
         return None
     if math.prod(shape) * itemsize(dtype) < fsdp_min_bytes:
         return None
-    axes = [i for i, size in enumerate(shape) if size >= devices and size % devices == 0]
+    axes = [i for i in splittable_axes(shape) if shape[i] >= devices and shape[i] % devices == 0]
     return max(axes, key=lambda i: (shape[i], i)) if axes else None
+
+
+def splittable_axes(shape: Sequence[int]) -> range:
+    """The axes the rule may split: every one, but of a kernel of 4 dimensions or more (a
+    convolution's (window..., in, out)) only the channels, the last two. XLA's SPMD partitioner
+    (jaxlib 0.10.2) computed twice the gradient of a keras-hub ViT's patch-embedding kernel
+    (4, 4, 3, 32) when fsdp split its window (docs/reference/xla-conv-window-gradient.md)."""
+    return range(len(shape) - 2, len(shape)) if len(shape) >= 4 else range(len(shape))
 
 
 def model_axis(shape: Sequence[int], dtype: Any, model_devices: int) -> int | None:
@@ -175,11 +186,12 @@ def partition(shape: Sequence[int], dtype: Any, sharding: str, devices: int, fsd
 
     # Large enough and some axis divides: the largest one not taken, over 'batch'; where 'model'
     # took none, over both axes if all the devices divide one (else 'batch' alone).
-    both = [i for i, size in enumerate(shape) if size % everywhere == 0] if model_devices > 1 else []
+    allowed = splittable_axes(shape)
+    both = [i for i in allowed if shape[i] % everywhere == 0] if model_devices > 1 else []
     if taken is None and both:
         spec[largest(both)] = (axis_name, "model")
         return spec
-    axes = [i for i, size in enumerate(shape) if i != taken and size >= devices and size % devices == 0]
+    axes = [i for i in allowed if i != taken and shape[i] >= devices and shape[i] % devices == 0]
     if axes:
         spec[largest(axes)] = axis_name
     elif taken is not None and taken in both:  # 'batch' divides no other: the 'model' dimension, over both

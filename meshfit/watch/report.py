@@ -45,21 +45,44 @@ def train_step_flops(model, global_batch: int) -> float | None:
             model.trainable_variables, model.non_trainable_variables,
             model.optimizer.variables, model.metrics_variables))
         x = [spec(t, batch=True) for t in model.inputs]
-        y = [jax.ShapeDtypeStruct((global_batch,) + tuple(o.shape[1:-1]), "int32") for o in model.outputs]
-        data = (x[0] if len(x) == 1 else x, y[0] if len(y) == 1 else y)
-        # The lowered (not compiled) step's cost analysis: the same count without a second compile.
-        # GPUs give none before compiling (seen on an H100, JAX 0.11.2), so the step is then lowered
-        # with the CPU as default device, whose analysis counts the same operations.
-        for device in (None, jax.devices("cpu")[0]):
-            with jax.default_device(device):
-                cost = jax.jit(model.train_step).lower(state, data).cost_analysis()
-            cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-            flops = float((cost or {}).get("flops", 0.0))
-            if flops > 0:
-                return flops
-        return None
+        x = x[0] if len(x) == 1 else x
     except Exception:  # a model whose step cannot be lowered this way simply gets "n/a"
         return None
+    for one_hot in (False, True):  # sparse labels first, then labels shaped like the outputs (mse)
+        y = [spec(o, batch=True) if one_hot else
+             jax.ShapeDtypeStruct((global_batch,) + tuple(o.shape[1:-1]), "int32") for o in model.outputs]
+        try:
+            # The lowered (not compiled) step's cost analysis: the same count without a second
+            # compile. GPUs give none before compiling (seen on an H100, JAX 0.11.2), so the step
+            # is then lowered with the CPU as default device, whose analysis counts the same.
+            for device in (None, jax.devices("cpu")[0]):
+                with jax.default_device(device):
+                    cost = lower_train_step(model, state, (x, y[0] if len(y) == 1 else y)).cost_analysis()
+                cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+                flops = float((cost or {}).get("flops", 0.0))
+                if flops > 0:
+                    return flops
+            return None
+        except Exception:  # labels of the other shape, or a step that cannot be lowered: "n/a"
+            continue
+    return None
+
+
+def lower_train_step(model, *arguments, **jit_options):
+    """`jax.jit(model.train_step, **jit_options).lower(*arguments)`, leaving the model as it was
+    when the trace fails.
+
+    Keras' JAX `compute_loss_and_updates` puts the traced `add_loss` terms in
+    `model._losses_override` and empties it only when the trace gets through the loss. A trace
+    that fails there (labels of a shape the loss rejects) leaves its tracers in it, and the next
+    trace of the model's step returns that list as the forward pass' losses and empties it: the
+    `add_loss` terms are silently dropped from the next fit or evaluate
+    (docs/reference/keras-losses-override.md)."""
+    try:
+        return jax.jit(model.train_step, **jit_options).lower(*arguments)
+    finally:
+        if getattr(model, "_losses_override", None):  # only a failed trace leaves it non-empty
+            model._losses_override = []
 
 
 def _tensorflow_step_flops(model, global_batch: int) -> float | None:
