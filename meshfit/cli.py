@@ -27,6 +27,7 @@ from meshfit.commands import launch, runs
 from meshfit.errors import MeshfitError
 from meshfit.parallel import cluster
 from meshfit.run import options
+from meshfit.watch import goodput
 
 FIGURE_FORMATS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")  # what `predict --show` can write
 COMMANDS = {
@@ -579,6 +580,8 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a MeshfitError becomes one line on stderr and exit code 2."""
+    if argv is None:  # the process's own command line (not a caller's): its exit made quick
+        goodput.quick_exit()
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     if command is not None and command not in COMMANDS:

@@ -61,6 +61,7 @@ from meshfit.fit import hosts
 from meshfit.parallel import cluster, heartbeat
 from meshfit.run import rundir, sharded_arrays
 from meshfit.run.rundir import list_checkpoints
+from meshfit.watch import report
 
 # 1: meshfit 0.1, committed by renaming the folder; 2: arrays.npz, committed by manifest.json;
 # 3: as 2, with the model's and optimizer's arrays in arrays/ (orbax, each process its shards).
@@ -594,6 +595,7 @@ class Checkpointer(keras.callbacks.Callback):
     def save(self, epoch: int, step: int, wait: bool = False) -> str | None:
         """Save now, as the state after `step` steps of epoch `epoch`; with `wait`, return once
         committed. Returns the checkpoint's folder (None on processes other than 0)."""
+        self.wait_for_device()  # first: the previous save's write overlaps these steps
         self.wait()
         _sync(self.model)
         self._last_time = time.monotonic()
@@ -612,6 +614,13 @@ class Checkpointer(keras.callbacks.Callback):
         if wait:
             return self.wait()
         return self._pending.path if self.write else None
+
+    def wait_for_device(self) -> None:
+        """Wait for the training steps already dispatched, whose results a save copies. A method
+        of its own so that the goodput ledger charges this wait to training, not to the save
+        (meshfit.run.fitting.charged_to_checkpoint): dispatch is asynchronous, so on JAX the
+        first save of a run could otherwise hold many steps' device time."""
+        report.wait_for_device(self.model)
 
     def wait(self) -> str | None:
         """Block until the save in progress (if any) is committed, raising its error; return the

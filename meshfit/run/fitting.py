@@ -456,18 +456,20 @@ _CHECKPOINT_HOOKS = ("on_train_begin", "on_epoch_begin", "on_train_batch_begin",
 
 def charged_to_checkpoint(checkpointer: checkpoints.Checkpointer) -> checkpoints.Checkpointer:
     """The checkpointer, its hooks' time (saves, waits for a background save, the stop vote)
-    charged to the goodput ledger's checkpoint part (the instance's methods wrapped: Keras and
-    stop_on_signals keep the same object)."""
+    charged to the goodput ledger's checkpoint part, but a save's wait for the steps already
+    dispatched charged to train: that is the devices' training work, which the save only
+    waited for (the instance's methods wrapped: Keras and stop_on_signals keep the same object)."""
     ledger = goodput.ledger()
 
-    def charged(method):
+    def charged(method, part):
         def hook(*args, **kwargs):
-            with ledger.part("checkpoint"):
+            with ledger.part(part):
                 return method(*args, **kwargs)
         return hook
 
     for name in _CHECKPOINT_HOOKS:
-        setattr(checkpointer, name, charged(getattr(checkpointer, name)))
+        setattr(checkpointer, name, charged(getattr(checkpointer, name), "checkpoint"))
+    checkpointer.wait_for_device = charged(checkpointer.wait_for_device, "train")
     return checkpointer
 
 

@@ -24,7 +24,9 @@ included. Light: no Keras or JAX here (meshfit.fit.hooks feeds it the loop's fig
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import json
 import os
 import threading
@@ -222,6 +224,35 @@ def end_run() -> None:
     """The run that owned the ledger is over: later fits in this process report on their own."""
     current = ledger()
     current.owner, current.persist_to = None, None
+
+
+def quick_exit() -> None:
+    """Make this process's exit quick: once every later-registered atexit handler has run (they
+    run last-in first-out, so call this early), collect the garbage there is, then freeze the heap.
+
+    Why: after the atexit handlers, CPython's teardown clears every module and runs its cyclic
+    garbage collector over the whole heap several times; with TensorFlow, JAX and Keras loaded
+    that is about 0.5 million objects and took 1.3-2.9 s (perf: gc_collect_main and the
+    deallocations it starts) on a loaded 2-core CPU, after metrics.json was written, where no
+    ledger saw it. Frozen objects are skipped by the collector (gc.freeze): the collection here
+    takes 0.25 s and the teardown 0.2 s. Nothing is skipped but those collections: every atexit handler (orbax's, JAX's
+    distributed shutdown), the wait for non-daemon threads, the modules' clearing, the objects
+    freed by reference counting (open files flushed and closed) and the libraries' destructors
+    still run, and the collection made here first runs the finalizers of whatever garbage there
+    is by then. Only garbage made during the teardown itself, in reference cycles, is left to the
+    operating system to reclaim, as memory."""
+    global _quick_exit_registered
+    if not _quick_exit_registered:
+        _quick_exit_registered = True
+        atexit.register(_freeze_for_exit)
+
+
+_quick_exit_registered = False
+
+
+def _freeze_for_exit() -> None:
+    gc.collect()
+    gc.freeze()
 
 
 def run_file(run: str, process_index: int = 0) -> str:

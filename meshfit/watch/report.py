@@ -115,7 +115,11 @@ def wait_for_device(model) -> None:
         keras.ops.convert_to_numpy(model.trainable_variables[0])  # TensorFlow runs each step to the end
         return
     state = getattr(model, "_jax_state", None)
-    leaves = state if state else [v.value for v in model.trainable_variables[:1]]
+    # Keras keeps fit's state in a TrackedDict of TrackedLists, which JAX's tree functions take
+    # for leaves (only exact dicts and lists are its nodes): block_until_ready(state) would wait
+    # for nothing, so its arrays are taken out here.
+    leaves = ([v for group in state.values() for v in group] if state
+              else [v.value for v in model.trainable_variables[:1]])
     jax.block_until_ready(leaves)
 
 
