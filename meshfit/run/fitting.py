@@ -387,6 +387,21 @@ def monitoring(run: str, chief: bool, verbose: bool, report, global_batch: int, 
     return Monitoring(before, after)
 
 
+class _RunEpochs(keras.callbacks.Callback):
+    """First among the callbacks of a cut epoch's fit (one epoch, `epochs=epoch + 1`): the params
+    Keras gives them (one dict, shared) say the run's epochs, so the bar and the epoch line show
+    "epoch 1/3", not "epoch 1/1"."""
+
+    def __init__(self, epochs: int):
+        super().__init__()
+        self.epochs = epochs
+
+    def set_params(self, params):
+        if params:
+            params["epochs"] = self.epochs
+        super().set_params(params)
+
+
 def fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[int, int],
         epochs: int, micro_batches: int = 1) -> None:
     """Fit from (epoch, step) `start` to the end: the rest of a cut epoch first, then whole ones.
@@ -402,7 +417,8 @@ def fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[in
             if (steps - step) % dispatch:  # a dispatch must end where the cut epoch ends
                 jax_loop.install(model, planning.dividing_steps(steps - step, dispatch))
             strategy.fit(model, batches.iterate(epoch, step), epochs=epoch + 1, initial_epoch=epoch,
-                         steps_per_epoch=steps - step, shuffle=False, callbacks=callbacks,
+                         steps_per_epoch=steps - step, shuffle=False,
+                         callbacks=[_RunEpochs(epochs), *callbacks],
                          micro_batches=micro_batches)
             if model.steps_per_execution != dispatch:
                 jax_loop.install(model, dispatch)
