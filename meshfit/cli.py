@@ -598,7 +598,8 @@ def _ctrl_c_stops() -> Iterator[bool]:
     sys.unraisablehook: it is delivered again from there, and lands in the code after the callback.
     Training has its own handler (checkpoints.stop_on_signals: save, then stop) and restores this
     one after. A SIGINT ignored when meshfit started (a background job of a shell) stays ignored.
-    Yields whether meshfit handles SIGINT (not outside the main thread, nor where it was ignored).
+    Yields whether meshfit handles SIGINT (not outside the main thread, nor where it was ignored);
+    once a command has ended on one, SIGINT stays ignored (the process is ending).
     """
     global _interrupted
     _interrupted = False
@@ -625,8 +626,19 @@ def _ctrl_c_stops() -> Iterator[bool]:
     try:
         yield True
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if signal.getsignal(signal.SIGINT) is _on_sigint:  # else ignored after an interrupt (main)
+            signal.signal(signal.SIGINT, previous)
         sys.unraisablehook = hook
+
+
+def _ignore_sigint() -> None:
+    """Ignore SIGINT from now on: the command is ending on one (a pending one raises first)."""
+    while True:
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -638,8 +650,8 @@ def main(argv: list[str] | None = None) -> int:
             if _interrupted and not code:  # its KeyboardInterrupt was swallowed (a library's
                 raise KeyboardInterrupt    # `except BaseException`): the command still stops
         except KeyboardInterrupt:
-            if handled:  # one line, even on a second Ctrl-C now (restored on leaving)
-                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            if handled:  # one line and 130, even on a second Ctrl-C or a late redelivery now
+                _ignore_sigint()
             print("meshfit: interrupted", file=sys.stderr, flush=True)
             code = 130
             _exit_failed(code, stopped=False)
