@@ -11,16 +11,19 @@ predict`'s cold start, `launch` and `--help` do not pay for the others.
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import gc
 import json
 import os
 import shlex
+import signal
 import sys
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
 
 import meshfit
 from meshfit.commands import launch, runs
@@ -578,10 +581,90 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"meshfit: warning: {message}\n"
 
 
+_interrupted = False  # a SIGINT came while main() ran (its KeyboardInterrupt may have been dropped)
+
+
+def _on_sigint(signum, frame) -> None:
+    """Ctrl-C: remembered, and raised as KeyboardInterrupt where the main thread is."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops() -> Iterator[bool]:
+    """Inside, every SIGINT ends the command (see main): none is lost in a callback.
+
+    Python raises a signal's KeyboardInterrupt in whatever Python code the main thread runs next;
+    when that is a gc callback (JAX's _xla_gc_callback), a weakref callback (importlib's module
+    locks) or a __del__, Python prints "Exception ignored ... KeyboardInterrupt" and drops it, and
+    the command went on to the end with exit 0. Such a dropped interrupt reaches
+    sys.unraisablehook: it is delivered again from there, and lands in the code after the callback.
+    Training has its own handler (checkpoints.stop_on_signals: save, then stop) and restores this
+    one after. A SIGINT ignored when meshfit started (a background job of a shell) stays ignored.
+    Yields whether meshfit handles SIGINT (not outside the main thread, nor where it was ignored);
+    once a command has ended on one, SIGINT stays ignored (the process is ending).
+    """
+    global _interrupted
+    _interrupted = False
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+        if previous is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:  # not the main thread: Python delivers signals to the main thread only
+        previous = None
+    if previous is not signal.default_int_handler:
+        yield False
+        return
+    hook = sys.unraisablehook
+
+    def unraisable(info) -> None:
+        if info.exc_type is not None and issubclass(info.exc_type, KeyboardInterrupt):
+            # Delivered again from another thread: the main thread runs the handler at its next
+            # check, past this hook and the callback (called here, it would raise in the hook).
+            _thread.start_new_thread(_thread.interrupt_main, (signal.SIGINT,))
+        else:
+            hook(info)
+
+    sys.unraisablehook = unraisable
+    try:
+        yield True
+    finally:
+        if signal.getsignal(signal.SIGINT) is _on_sigint:  # else ignored after an interrupt (main)
+            signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = hook
+
+
+def _ignore_sigint() -> None:
+    """Ignore SIGINT from now on: the command is ending on one (a pending one raises first)."""
+    while True:
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            return
+        except KeyboardInterrupt:
+            continue
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; a MeshfitError becomes one line on stderr and exit code 2."""
+    """Run one command; a MeshfitError becomes one line on stderr and exit code 2, a Ctrl-C (at
+    any moment) the line "meshfit: interrupted" and exit code 130."""
     if argv is None:  # the process's own command line (not a caller's): its exit made quick
         goodput.quick_exit()
+    with _ctrl_c_stops() as handled:
+        try:
+            code = _main(argv)
+            if _interrupted and not code:  # its KeyboardInterrupt was swallowed (a library's
+                raise KeyboardInterrupt    # `except BaseException`): the command still stops
+        except KeyboardInterrupt:
+            if handled:  # one line and 130, even on a second Ctrl-C or a late redelivery now
+                _ignore_sigint()
+            print("meshfit: interrupted", file=sys.stderr, flush=True)
+            code = 130
+            _exit_failed(code, stopped=False)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     if command is not None and command not in COMMANDS:
@@ -605,16 +688,18 @@ def main(argv: list[str] | None = None) -> int:
         stopped = hasattr(err, "exit_code")  # only TrainingInterrupted has its own exit code
         print(f"meshfit: {err}" if stopped else f"meshfit: error: {err}", file=sys.stderr, flush=True)
         code = err.exit_code if stopped else 2
-    except KeyboardInterrupt:
-        print("meshfit: interrupted", file=sys.stderr)
-        code = 130
+    _exit_failed(code, stopped)
+    return code
+
+
+def _exit_failed(code: int, stopped: bool) -> None:
+    """After a failed or stopped command: its leftovers freed quietly, a job's process ended."""
     if code:
         # A stopped fit leaves TensorFlow's generator-backed dataset in reference cycles; freed at
         # interpreter shutdown, it logs "Error occurred when finalizing GeneratorDataset iterator:
         # FAILED_PRECONDITION" after meshfit's own line. Freed now, it says nothing.
         gc.collect()
         cluster.exit_failed(code, together=stopped)  # a failed process must not wait for the others
-    return code
 
 
 if __name__ == "__main__":

@@ -352,11 +352,42 @@ class _EpochEnd:
         logs["val_loss"], logs["val_accuracy"] = scores["loss"], scores["accuracy"]
 
 
+class _EarlierSessions(keras.callbacks.Callback):
+    """The steps and training seconds that the earlier sessions of a run resumed in mid-epoch
+    trained of that epoch (each checkpoint keeps them, "epoch_so_far"): its record counts every
+    session's steps, not only the last one's (train_seconds, samples, hence `meshfit runs`)."""
+
+    def __init__(self, report, resume_state: dict | None):
+        super().__init__()
+        self.report = report
+        cut = resume_state is not None and resume_state["step"] > 0
+        self.epoch = resume_state["epoch"] if cut else None
+        self.carried = dict(resume_state.get("epoch_so_far") or {}) if cut else {}
+        self._current = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._current = epoch
+
+    def of(self, epoch: int | None) -> tuple[int, float]:
+        """(steps, training seconds) the earlier sessions trained of `epoch`."""
+        if epoch is None or epoch != self.epoch:
+            return 0, 0.0
+        return int(self.carried.get("steps") or 0), float(self.carried.get("train_seconds") or 0.0)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the epoch in progress' steps and seconds so far, every session's."""
+        steps, seconds = self.of(self._current)
+        mine_steps, mine_seconds = self.report.so_far()
+        return {"steps": steps + mine_steps, "train_seconds": seconds + mine_seconds}
+
+
 class _History:
     """At each epoch end: one record of the epoch's metrics and the EpochReport's figures."""
 
-    def __init__(self, records: list[dict[str, Any]], report, global_batch: int):
+    def __init__(self, records: list[dict[str, Any]], report, global_batch: int,
+                 earlier: _EarlierSessions | None = None):
         self.records, self.report, self.global_batch = records, report, global_batch
+        self.earlier = earlier
 
     def __call__(self, epoch, logs):
         stats = self.report.epochs[-1] if self.report.epochs else {}
@@ -365,6 +396,10 @@ class _History:
         record.update({k: stats.get(k) for k in ("train_seconds", "compile_seconds", "ms_per_step",
                                                   "samples_per_second", "mfu", "input_wait_seconds")})
         record["samples"] = stats.get("steps", 0) * self.global_batch
+        steps, seconds = self.earlier.of(epoch) if self.earlier else (0, 0.0)
+        if steps:  # a cut epoch: the steps its earlier sessions trained count too
+            record["samples"] += steps * self.global_batch
+            record["train_seconds"] = (record["train_seconds"] or 0.0) + seconds
         self.records.append(record)
 
 
@@ -400,6 +435,21 @@ def monitoring(run: str, chief: bool, verbose: bool, report, global_batch: int, 
     return Monitoring(before, after)
 
 
+class _RunEpochs(keras.callbacks.Callback):
+    """First among the callbacks of a cut epoch's fit (one epoch, `epochs=epoch + 1`): the params
+    Keras gives them (one dict, shared) say the run's epochs, so the bar and the epoch line show
+    "epoch 1/3", not "epoch 1/1"."""
+
+    def __init__(self, epochs: int):
+        super().__init__()
+        self.epochs = epochs
+
+    def set_params(self, params):
+        if params:
+            params["epochs"] = self.epochs
+        super().set_params(params)
+
+
 def fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[int, int],
         epochs: int, micro_batches: int = 1) -> None:
     """Fit from (epoch, step) `start` to the end: the rest of a cut epoch first, then whole ones.
@@ -415,7 +465,8 @@ def fit(strategy, model, batches, callbacks: list, checkpointer, start: tuple[in
             if (steps - step) % dispatch:  # a dispatch must end where the cut epoch ends
                 jax_loop.install(model, planning.dividing_steps(steps - step, dispatch))
             strategy.fit(model, batches.iterate(epoch, step), epochs=epoch + 1, initial_epoch=epoch,
-                         steps_per_epoch=steps - step, shuffle=False, callbacks=callbacks,
+                         steps_per_epoch=steps - step, shuffle=False,
+                         callbacks=[_RunEpochs(epochs), *callbacks],
                          micro_batches=micro_batches)
             if model.steps_per_execution != dispatch:
                 jax_loop.install(model, dispatch)
@@ -437,16 +488,18 @@ def recipe_callbacks(recipe: recipes.Recipe, resume_state: dict | None, epochs: 
 
 
 def make_checkpointer(run: str, run_spec: RunSpec, history: list, own_callbacks, resume_state,
-                      chief: bool) -> checkpoints.Checkpointer:
+                      chief: bool, earlier: _EarlierSessions | None = None) -> checkpoints.Checkpointer:
     """The run's Checkpointer: its policy from the spec; each checkpoint holds the seed, the
-    history so far, the specification and the recipe callbacks' state."""
+    history so far, the specification, the recipe callbacks' state and the epoch in progress'
+    steps and training seconds so far (`earlier`)."""
     every_steps, every_seconds, at_epoch_end = spec.parse_every(run_spec.checkpoint_every)
     return checkpoints.Checkpointer(
         os.path.join(run, rundir.CHECKPOINTS), run_spec.steps_per_epoch, every_steps=every_steps,
         every_seconds=every_seconds, epoch_end=at_epoch_end, keep=run_spec.keep_checkpoints,
         resume_state=resume_state, write=chief,
         extra=lambda: {"seed": run_spec.seed, "history": history, "config": run_spec.to_dict(),
-                       "callbacks": own_callbacks.state() if own_callbacks else []},
+                       "callbacks": own_callbacks.state() if own_callbacks else [],
+                       "epoch_so_far": earlier.state() if earlier else {}},
         extra_arrays=lambda: own_callbacks.arrays() if own_callbacks else {})
 
 
@@ -507,8 +560,9 @@ def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
     report = EpochReport(global_batch=global_batch, strategy=strategy,
                          stream=None if chief else io.StringIO())  # one epoch line per job
     report.input_source = input_source(batches)
+    earlier = _EarlierSessions(report, resume_state)
     checkpointer = charged_to_checkpoint(
-        make_checkpointer(run, run_spec, history, own_callbacks, resume_state, chief))
+        make_checkpointer(run, run_spec, history, own_callbacks, resume_state, chief, earlier))
     watch = monitoring(run, chief, o.verbose, report, global_batch, run_spec.steps_per_epoch,
                        o.tensorboard, o.log_every, profiling_steps(o.profile))
     # Keras calls these in order at each epoch end: the evaluation adds val_* to the logs before
@@ -517,7 +571,8 @@ def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
     callbacks = [
         *watch.before, *epoch_evaluation(model, dataset, asked.recipe, global_batch, report),
         report, *watch.after,
-        keras.callbacks.LambdaCallback(on_epoch_end=_History(history, report, global_batch)),
+        earlier, keras.callbacks.LambdaCallback(on_epoch_end=_History(history, report, global_batch,
+                                                                      earlier)),
         *([own_callbacks] if own_callbacks else []), checkpointer, *(o.callbacks or [])]
     start = (resume_state["epoch"], resume_state["step"]) if resume_state else (0, 0)
     try:

@@ -227,6 +227,19 @@ class EpochReport(keras.callbacks.Callback):
             self._start = now
             self._skipped = batch
 
+    def so_far(self) -> tuple[int, float]:
+        """The epoch in progress: its steps trained so far in this fit and their training seconds
+        (as its epoch end would count them); (0, 0.0) before the first call has been timed and
+        once the epoch's training has ended. A checkpoint in mid-epoch keeps them (meshfit.run.fitting)."""
+        if self._first_step_seconds is None or not self._steps or self._train_end is not None:
+            return 0, 0.0
+        wait_for_device(self.model)
+        seconds = time.perf_counter() - self._start
+        if self._skipped and not self._compile_counted:  # the first call's steps, as on_epoch_end
+            seconds += min(self._first_step_seconds,
+                           self._skipped * seconds / max(self._steps - self._skipped, 1))
+        return self._steps, seconds
+
     def on_test_begin(self, logs=None):
         if self._train_end is None and hasattr(self, "_start"):
             wait_for_device(self.model)
