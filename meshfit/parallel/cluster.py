@@ -236,9 +236,10 @@ def _cpp_stdout_off() -> None:
 
     Gloo writes "[Gloo] Rank i is connected to n peer ranks..." to std::cout, unconditionally, each
     time a set of devices first runs a collective: 24-45 lines a training run under srun or mpirun
-    (gloo/transport/tcp/context.cc, printConnectivityInfo). Nothing meshfit shows is written
-    there: sys.stdout writes to file descriptor 1 itself, C++ logs go to stderr. Setting std::cout's badbit (Itanium C++
-    ABI, libstdc++: Linux) makes its writes no-ops; elsewhere the lines stay.
+    (gloo/transport/tcp/context.cc, printConnectivityInfo), and srun or mpirun, unlike meshfit
+    launch, filter nothing. Nothing meshfit shows is written there: sys.stdout writes to file
+    descriptor 1 itself, C++ logs go to stderr. Setting std::cout's badbit (Itanium C++ ABI,
+    libstdc++: Linux) makes its writes no-ops; elsewhere the lines stay.
     """
     try:
         import ctypes
