@@ -130,6 +130,26 @@ def test_unreachable_coordinator_is_a_bounded_one_line_error():
     assert "cannot reach the coordinator 127.0.0.1:9 within 2 s (this is process 1 of 2)" in out.stderr
 
 
+def test_cpp_stdout_writes_nothing_once_off_and_python_still_prints():
+    """Gloo's "[Gloo] Rank i is connected to ..." lines go to C++'s std::cout: join() turns it off
+    in every process of a job (srun and mpirun have no launcher to filter them)."""
+    code = """
+import ctypes, jax
+from meshfit.parallel import cluster
+libstdcxx, libc = ctypes.CDLL("libstdc++.so.6"), ctypes.CDLL(None)
+cout = ctypes.addressof(ctypes.c_char.in_dll(libstdcxx, "_ZSt4cout"))
+write = libstdcxx._ZStlsISt11char_traitsIcEERSt13basic_ostreamIcT_ES5_PKc  # std::cout << char*
+write.argtypes, write.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
+write(cout, b"[Gloo] before\\n"); libc.fflush(None)
+cluster._cpp_stdout_off()
+write(cout, b"[Gloo] after\\n"); libc.fflush(None)
+print("python", flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[Gloo] before", "python"]
+
+
 # ---------------------------------------------------------------------------------- the launcher
 
 def test_command_line_runs_meshfit_with_this_python():

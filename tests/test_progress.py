@@ -22,6 +22,17 @@ def test_bars_only_on_a_terminal_that_can_draw(monkeypatch):
     assert not bars(FakeTTY())
 
 
+def test_no_bars_in_a_process_of_a_multi_process_job(monkeypatch):
+    """mpirun gives each rank a pseudo-terminal while the job's output goes to a log: a job's
+    processes print lines only (the run itself: tests/test_schedulers.py)."""
+    from meshfit.parallel import cluster
+    from meshfit.watch.progress import bars
+
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setattr(cluster, "multi_process", lambda: True)
+    assert not bars(FakeTTY())
+
+
 def test_track_is_a_passthrough_off_a_terminal(capsys):
     from rich.console import Console
 

@@ -39,6 +39,16 @@ STALL_SECONDS = 300  # a job whose log stops growing for this long has hung
 ON_PATH = {"PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
 
 
+def assert_plain_epoch_lines(text, prefix=""):
+    """A job's log as a file wants it: no gloo connection lines, no live bar (ANSI escapes,
+    carriage returns), and process 0's epoch lines (`prefix`: srun --label's "0: "), 1 to EPOCHS."""
+    assert "[Gloo]" not in text, text[-3000:]
+    assert "\x1b" not in text and "\r" not in text, repr(text[-3000:])
+    epochs = re.findall(rf"^{prefix}epoch (\d+)/{EPOCHS}  ", text, re.M)
+    assert {int(e) for e in epochs} == set(range(1, EPOCHS + 1)), text[-3000:]
+    assert len(re.findall(rf"^.*epoch \d+/{EPOCHS}  ", text, re.M)) == len(epochs), text[-3000:]
+
+
 def unavailable(reason):
     """Skip the test for `reason`, or fail where the schedulers are required (CI)."""
     if os.environ.get("MESHFIT_TESTS_REQUIRE_SCHEDULERS") == "1":
@@ -134,6 +144,7 @@ def test_sbatch_job_joins_stops_on_sigterm_requeues_and_ends_as_one_process(slur
     step = int(stops[0][1])
     assert stops[1][1] == str(step) and step < EPOCHS * 4, text[-3000:]  # one step, mid-run
     assert "every task stopped on SIGTERM (exit code 143); requeued to resume" in text
+    assert_plain_epoch_lines(text, prefix="0: ")
     assert re.search(rf"^0: resuming {re.escape(run)} from {checkpoints.checkpoint_name(step)}:", text, re.M)
     fields = job_fields(slurm, job)
     assert fields["Restarts"] == "1" and fields["ExitCode"] == "0:0", fields
@@ -160,6 +171,7 @@ def test_mpirun_joins_two_processes_that_train_as_one(data_dir, reference, tmp_p
          "--out", run, *TWO_TASKS], tmp_path / "mpirun.out", env=ON_PATH, stall_seconds=STALL_SECONDS)
     assert code == 0, text[-3000:]
     assert re.search(r"^\s+hosts\s+2 \(this is process 0\)$", text, re.M), text[-3000:]
+    assert_plain_epoch_lines(text)  # each rank's stdout is a pty: the bar must not draw there
     final = checkpoints.latest(os.path.join(run, rundir.CHECKPOINTS))
     assert checkpoints.read_state(final)["global_step"] == EPOCHS * 4
     assert_each_process_wrote_shards(final)

@@ -60,7 +60,8 @@ WHERE = {"device": "in a device computation", "input": "waiting for input", "che
          "on a checkpoint", "compiling": "compiling", "thread": "waiting for another thread",
          "python": "in Python"}  # heartbeat.where()'s kinds
 STOP_PATIENCE_SECONDS = 60  # --timeout: how long the processes get to stop at an agreed step and save
-# gloo prints one such line per process pair as the job connects: noise, kept out of the output
+# gloo prints such a line as devices first run a collective: noise, kept out of the output of
+# commands that join a job without meshfit (meshfit's join() turns C++'s std::cout off)
 GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 

@@ -166,6 +166,7 @@ def join(environ=os.environ) -> Job | None:
             f"{job.process_id} of {job.num_processes}); start process 0 with the same "
             f"{env.COORDINATOR}, check the address and firewall, or raise {env.INIT_TIMEOUT}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU hosts
+    _cpp_stdout_off()
     explicit = job.coordinator is not None  # else JAX reads the detected cluster's settings
     bind = bind_address(job.coordinator, environ)
     if job.coordinator and is_loopback(job.coordinator):
@@ -228,6 +229,35 @@ def _gloo_on_loopback() -> None:
     if make is None or isinstance(make, functools.partial):
         return
     _jax.make_gloo_tcp_collectives = functools.partial(make, hostname="127.0.0.1")
+
+
+def _cpp_stdout_off() -> None:
+    """Make C++'s std::cout write nothing in this process (Python's own output is untouched).
+
+    Gloo writes "[Gloo] Rank i is connected to n peer ranks..." to std::cout, unconditionally, each
+    time a set of devices first runs a collective: 24-45 lines a training run under srun or mpirun
+    (gloo/transport/tcp/context.cc, printConnectivityInfo), and srun or mpirun, unlike meshfit
+    launch, filter nothing. Nothing meshfit shows is written there: sys.stdout writes to file
+    descriptor 1 itself, C++ logs go to stderr. Setting std::cout's badbit (Itanium C++ ABI,
+    libstdc++: Linux) makes its writes no-ops; elsewhere the lines stay.
+    """
+    try:
+        import ctypes
+
+        libstdcxx = ctypes.CDLL("libstdc++.so.6")  # the one jaxlib loaded: same soname
+        cout = ctypes.addressof(ctypes.c_char.in_dll(libstdcxx, "_ZSt4cout"))
+        clear = libstdcxx._ZNSt9basic_iosIcSt11char_traitsIcEE5clearESt12_Ios_Iostate
+    except (OSError, AttributeError, ValueError):
+        return
+    vtable = ctypes.c_void_p.from_address(cout).value  # None until some library's iostream init ran
+    if not vtable:
+        return
+    # std::ostream's virtual base std::basic_ios: its offset is the word 3 before the vtable's start
+    offset = ctypes.c_ssize_t.from_address(vtable - 3 * ctypes.sizeof(ctypes.c_void_p)).value
+    if not 0 < offset <= 64:
+        return
+    clear.argtypes, clear.restype = [ctypes.c_void_p, ctypes.c_int], None
+    clear(cout + offset, 1)  # std::ios_base::badbit
 
 
 def _reachable(address: str, timeout: float) -> bool:

@@ -21,12 +21,21 @@ import time
 from typing import Callable, Iterable, Iterator, TypeVar
 
 from meshfit import env
+from meshfit.parallel import cluster
 
 T = TypeVar("T")
 
 
 def bars(stream=None) -> bool:
-    """True when `stream` (default sys.stdout) is a TTY and $TERM is not "dumb"."""
+    """True when `stream` (default sys.stdout) is a TTY and $TERM is not "dumb", in a process that
+    is not one of a multi-process job.
+
+    A job's processes reach the user through their launcher (srun, mpirun, meshfit launch), most
+    often into a log file, and mpirun gives each its own pseudo-terminal: isatty() cannot say where
+    the output ends up, so a job prints lines (epoch lines), never bars.
+    """
+    if cluster.multi_process():
+        return False
     stream = sys.stdout if stream is None else stream
     isatty = getattr(stream, "isatty", None)
     return bool(isatty and isatty()) and os.environ.get("TERM") != "dumb"
