@@ -203,9 +203,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result), flush=True)
     else:
-        split = result["split"]
-        print(f"{split} accuracy {result[f'{split}_accuracy']:.4f}  {split} loss "
-              f"{result[f'{split}_loss']:.4f}  ({result['samples']} images"
+        print(f"{evaluate.score_line(result)}  ({result['samples']} images"
               f"{' of ' + result['data'] if args.data else ''})")
     return 0
 

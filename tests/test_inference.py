@@ -286,6 +286,7 @@ def test_regression_recipe_trains_and_predict_prints_its_values(strategy, tmp_pa
     whole numbers), and `meshfit predict` prints the model's value per image, as Keras gives it;
     --top-k, which lists classes, is refused in one line. In this process."""
     from meshfit import cli
+    from meshfit.commands import runs
     from helpers import connect_eight_devices
 
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # predict sets it; restored after the test
@@ -297,7 +298,20 @@ def test_regression_recipe_trains_and_predict_prints_its_values(strategy, tmp_pa
         assert cli.main(["train", str(recipe), "--out", run, "--no-tensorboard", *devices]) == 0
         config = json.load(open(f"{run}/{rundir.CONFIG}"))
         assert config["class_names"] == []
-        capsys.readouterr()
+        # no accuracy is made up for it (argmax of one output): its loss and mean absolute error
+        trained = capsys.readouterr().out
+        assert "accuracy" not in trained and "test mae" in trained
+        metrics = json.load(open(f"{run}/{rundir.METRICS}"))
+        assert not [key for key in metrics if "accuracy" in key]
+        assert {"test_loss", "test_mae", "train_mae"} <= set(metrics)
+        assert not [key for r in json.load(open(f"{run}/{rundir.HISTORY}")) for key in r if "accuracy" in key]
+        row = runs.summarize(run)
+        assert row["test_accuracy"] is None and row["test_mae"] == metrics["test_mae"]
+        assert cli.main(["eval", run, *devices]) == 0
+        assert capsys.readouterr().out.splitlines()[-1].startswith("test mae ")
+        assert cli.main(["eval", run, "--json", *devices]) == 0
+        scored = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert "test_accuracy" not in scored and scored["test_mae"] == pytest.approx(metrics["test_mae"], abs=1e-5)
         image = str(tmp_path / "bright.png")
         assert cli.main(["predict", run, image, "--json", "--backend", "keras"]) == 0
         row = json.loads(capsys.readouterr().out)["predictions"][0]

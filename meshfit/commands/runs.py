@@ -2,7 +2,8 @@
 
 A directory holding config.json is a run; any other directory given is searched one level down
 (default: runs/). One row per run: recipe, hardware and settings, epochs done of those planned,
-test accuracy, training seconds, samples/s, MFU, goodput (training-step time / wall time, from
+test accuracy ("-" for a model that is no classifier: --json has every run's test_loss and
+test_mae), training seconds, samples/s, MFU, goodput (training-step time / wall time, from
 metrics.json or, while unfinished, the run's goodput.json) and status:
   finished         metrics.json exists;
   unfinished       killed or still training: progress from history.json or, as training writes
@@ -98,6 +99,9 @@ def _fill(row: dict[str, Any], run: str) -> None:
         "goodput_seconds": spent.get("seconds") if spent else None,
         "epochs_done": len(records), "epochs_planned": source.get("epochs"),
         "test_accuracy": metrics.get("test_accuracy", last.get("val_accuracy")),
+        # a model that is no classifier has no accuracy ("-"): its loss and mean absolute error
+        "test_loss": metrics.get("test_loss", last.get("val_loss")),
+        "test_mae": metrics.get("test_mae", last.get("val_mae")),
         "train_seconds": metrics.get("train_seconds", seconds if records else None),
         "samples_per_second": metrics.get("samples_per_second",
                                           samples / seconds if seconds and samples else None),

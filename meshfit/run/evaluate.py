@@ -16,10 +16,19 @@ from meshfit.watch import progress
 
 
 def headline(scores: dict[str, Any]) -> tuple[str, float | None, float | None, int | None]:
-    """(split name, accuracy, loss, samples) to show: the test set's, else the validation's."""
-    name = "test" if "test_accuracy" in scores else "validation"
+    """(split name, accuracy, loss, samples) to show: the test set's, else the validation's
+    (accuracy None for a model that is no classifier)."""
+    name = "test" if "test_loss" in scores else "validation"
     return (name, scores.get(f"{name}_accuracy"), scores.get(f"{name}_loss"),
             scores.get(f"{name}_samples"))
+
+
+def score_line(scores: dict[str, Any]) -> str:
+    """What was measured on the headline split: "test accuracy 0.9012  test loss 0.2741", or a
+    model's that is no classifier "test mae 0.1234  test loss 0.0301"."""
+    name = headline(scores)[0]
+    return "  ".join(f"{name} {key} {scores[f'{name}_{key}']:.4f}" for key in ("accuracy", "mae", "loss")
+                     if scores.get(f"{name}_{key}") is not None)
 
 
 def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | None = None,
@@ -27,7 +36,7 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | No
              require: str | None = None, verbose: bool = False) -> dict[str, Any]:
     """Accuracy and loss of a trained run (its directory or model.keras) on its test set, or on
     its validation split when its data has no test set: {"test_accuracy", "test_loss"} (or
-    validation_*), with "split", "samples", "data" (what was scored) and the devices used.
+    validation_*; a model that is no classifier: "test_mae" for the accuracy), with "split", "samples", "data" (what was scored) and the devices used.
 
     data_dir: where a built-in dataset is (default: the one recorded in the run's config.json).
     folder: score on this folder of class sub-folders instead (as the test split; its class
@@ -66,8 +75,9 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | No
         passes = 2 if recipe.tta_flip else 1
         with progress.task("evaluating", total=len(batches) * passes) as advance:
             result = scores.evaluate_model(model, batches, data.labels(split), recipe.make_loss(),
-                                           recipe.tta_flip, advance)
-    return {f"{name}_accuracy": result["accuracy"], f"{name}_loss": result["loss"], "split": name,
+                                           recipe.tta_flip, advance,
+                                           scores.is_classifier(model, saved.class_names))
+    return {**{f"{name}_{key}": value for key, value in result.items()}, "split": name,
             "samples": data.size(split), "data": dataset.source, "recipe": recipe.name,
             "model": model_path, "engine": strategy.engine, "replicas": strategy.replicas,
             "platform": strategy.platform}

@@ -31,9 +31,9 @@ from meshfit.fit import jax_loop, memory_plan, set_random_seed, tf_microbatch
 from meshfit.parallel import cluster, planning, stall
 from meshfit.run import checkpoints, models, rundir, spec
 from meshfit.run.callbacks import RecipeCallbacks
-from meshfit.run.evaluate import headline
+from meshfit.run.evaluate import headline, score_line
 from meshfit.run.results import totals, write_metrics, write_results
-from meshfit.run.scores import evaluate_model, score
+from meshfit.run.scores import evaluate_model, is_classifier, score
 from meshfit.run.spec import RunSpec, profiling_steps
 from meshfit.watch import goodput, profiling, progress, progress_bar
 from meshfit.watch.report import EpochReport
@@ -138,7 +138,9 @@ def build(recipe: recipes.Recipe, dataset, steps_per_epoch: int, epochs: int, st
         recipe.prepare(model, dataset)
     optimizer = recipe.optimizer(steps_per_epoch, epochs)
     if recipe.compile is None:
-        model.compile(optimizer=optimizer, loss=recipe.make_loss(), metrics=["accuracy"],
+        # a model that is no classifier (a regression) has no accuracy: argmax would make one up
+        metric = "accuracy" if is_classifier(model, dataset.class_names) else "mae"
+        model.compile(optimizer=optimizer, loss=recipe.make_loss(), metrics=[metric],
                       steps_per_execution=steps_per_dispatch)
     else:  # the model's own compile signature (a subclassed model's)
         recipe.compile(model, optimizer)
@@ -196,10 +198,8 @@ def class_names_of(model, dataset) -> tuple[str, ...]:
     """The class names a run records: its data's where the model outputs one value per class
     (a classifier, or a subclassed model that does not say), none where it outputs another
     number of values (a regression's one), which `meshfit predict` then prints as they are."""
-    shape = model.output_shape if hasattr(model, "output_shape") else None
-    width = shape[-1] if isinstance(shape, tuple) and shape else None
     names = tuple(dataset.class_names)
-    return names if width is None or width == len(names) else ()
+    return names if is_classifier(model, names) else ()
 
 
 def make_spec(asked, strategy, dataset, *, steps_per_epoch: int, global_batch: int,
@@ -339,17 +339,18 @@ def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state,
 
 class _EpochEnd:
     """At each epoch end: evaluate on the validation split, or the test set (adds val_loss and
-    val_accuracy to the logs)."""
+    val_accuracy, or a model's that is no classifier val_mae, to the logs)."""
 
-    def __init__(self, model, batches, labels, loss, tta_flip, report):
+    def __init__(self, model, batches, labels, loss, tta_flip, report, classifier=True):
         self.model, self.batches, self.labels, self.loss = model, batches, labels, loss
-        self.tta_flip, self.report = tta_flip, report
+        self.tta_flip, self.report, self.classifier = tta_flip, report, classifier
 
     def __call__(self, epoch, logs):
         self.report.on_test_begin()  # the epoch's training clock stops before validation
         with goodput.ledger().part("eval"):
-            scores = evaluate_model(self.model, self.batches, self.labels, self.loss, self.tta_flip)
-        logs["val_loss"], logs["val_accuracy"] = scores["loss"], scores["accuracy"]
+            scores = evaluate_model(self.model, self.batches, self.labels, self.loss, self.tta_flip,
+                                    classifier=self.classifier)
+        logs.update({f"val_{key}": value for key, value in scores.items()})
 
 
 class _EarlierSessions(keras.callbacks.Callback):
@@ -533,7 +534,7 @@ def epoch_evaluation(model, dataset, recipe: recipes.Recipe, global_batch: int, 
         return []
     return [keras.callbacks.LambdaCallback(on_epoch_end=_EpochEnd(
         model, data.eval_batches(dataset, per_epoch[1], global_batch), data.labels(per_epoch[1]),
-        recipe.make_loss(), recipe.tta_flip, report))]
+        recipe.make_loss(), recipe.tta_flip, report, is_classifier(model, dataset.class_names)))]
 
 
 @contextlib.contextmanager
@@ -605,7 +606,7 @@ def score_and_write(asked, model, history: list, dataset, run_spec: RunSpec, chi
     ledger = goodput.ledger()
     with ledger.part("eval"):
         scores = score(model, history, dataset, run_spec.global_batch, r.make_loss(), r.tta_flip,
-                       run_spec.epochs)
+                       run_spec.epochs, classifier=bool(run_spec.class_names))
     # metrics.json is config.json's specification plus the results (see meshfit.run.spec).
     metrics = {**scores, **totals(history), **run_spec.to_dict(),
                "resumed": asked.saved is not None, "run_dir": run}
@@ -621,9 +622,8 @@ def score_and_write(asked, model, history: list, dataset, run_spec: RunSpec, chi
     if chief:
         write_metrics(run, metrics)
         if asked.options.verbose:
-            name, accuracy, loss_value, samples = headline(scores)
-            shown = (f"{name} accuracy {accuracy:.4f}  {name} loss {loss_value:.4f}  "
-                     f"({samples} images); " if accuracy is not None else "")
+            name, _, _, samples = headline(scores)
+            shown = f"{score_line(scores)}  ({samples} images); " if samples is not None else ""
             print(goodput.format_block(metrics["goodput"], metrics["mfu"], peak), flush=True)
             print(f"{shown}wrote {run}", flush=True)
     return metrics

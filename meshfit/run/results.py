@@ -13,12 +13,14 @@ from meshfit.run.evaluate import headline
 
 def plot_curves(history: list[dict[str, Any]], path: str, title: str,
                 evaluated_on: str = "test") -> None:
-    """Save loss and accuracy per epoch (train, and the split behind val_*) as a two-panel PNG."""
+    """Save loss and accuracy per epoch (train, and the split behind val_*) as a two-panel PNG
+    (a model that is no classifier: its mean absolute error for the accuracy)."""
     from matplotlib.figure import Figure
 
     epochs = [record["epoch"] for record in history]
+    measured = "mae" if any("mae" in r or "val_mae" in r for r in history) else "accuracy"
     figure = Figure(figsize=(10, 4), dpi=100, layout="constrained")
-    for axes, metric in zip(figure.subplots(1, 2), ("loss", "accuracy")):
+    for axes, metric in zip(figure.subplots(1, 2), ("loss", measured)):
         for key, label in ((metric, "train"), (f"val_{metric}", evaluated_on)):
             values = [record.get(key) for record in history]
             if any(v is not None for v in values):
@@ -32,11 +34,14 @@ def plot_curves(history: list[dict[str, Any]], path: str, title: str,
 
 
 def totals(history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The last epoch's training loss and accuracy, and time and speed summed over all epochs."""
+    """The last epoch's training loss and accuracy (a model that is no classifier: its mean
+    absolute error instead), and time and speed summed over all epochs."""
     final = history[-1] if history else {}
     train_seconds = sum(r.get("train_seconds") or 0.0 for r in history)
     samples = sum(r.get("samples") or 0 for r in history)
-    return {"train_accuracy": final.get("accuracy"), "train_loss": final.get("loss"),
+    measured = {"train_mae": final["mae"]} if "mae" in final and "accuracy" not in final else \
+        {"train_accuracy": final.get("accuracy")}
+    return {**measured, "train_loss": final.get("loss"),
             "train_seconds": train_seconds,
             "compile_seconds": sum(r.get("compile_seconds") or 0.0 for r in history),
             "samples_per_second": samples / train_seconds if train_seconds else None}

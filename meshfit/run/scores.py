@@ -1,4 +1,5 @@
-"""A model's scores: accuracy and mean loss over a split, and the end-of-run scores of a run.
+"""A model's scores: accuracy (a classifier's; a model that is no classifier: mean absolute
+error) and mean loss over a split, and the end-of-run scores of a run.
 
 This module imports Keras at its top: it runs after connect() (meshfit.run.fitting during
 training, meshfit.run.evaluate for `meshfit eval`).
@@ -21,11 +22,28 @@ def _loss_value(loss, labels: np.ndarray, outputs: np.ndarray) -> float:
     return float(np.mean(keras.ops.convert_to_numpy(fn(labels, outputs))))
 
 
+def is_classifier(model, class_names) -> bool:
+    """Whether `model` outputs one value per class of `class_names` (a classifier, or a subclassed
+    model that does not say its output shape); a model with another output width, or data with
+    no classes (a regression's float targets), is no classifier: it has no accuracy to measure."""
+    shape = model.output_shape if hasattr(model, "output_shape") else None
+    width = shape[-1] if isinstance(shape, tuple) and shape else None
+    return bool(class_names) and (width is None or width == len(class_names))
+
+
 def evaluate_model(model, batches, labels: np.ndarray, loss, tta_flip: bool = False,
-                   advance=None) -> dict[str, float]:
+                   advance=None, classifier: bool = True) -> dict[str, float]:
     """{"accuracy", "loss"}: accuracy and mean loss over every sample of `batches` (a
-    arrays.EvalBatches or folders.FolderEvalBatches); advance: see meshfit.fit.predict."""
+    arrays.EvalBatches or folders.FolderEvalBatches); for a model that is no classifier
+    {"mae", "loss"}: the mean absolute error of its outputs instead (argmax would make up an
+    accuracy). advance: see meshfit.fit.predict."""
     outputs = predict(model, batches, tta_flip=tta_flip, advance=advance)
+    if not classifier:
+        outputs = np.asarray(outputs, np.float32)  # one target per output, else per sample
+        shape = outputs.shape if labels.size == outputs.size else (len(outputs),) + (1,) * (outputs.ndim - 1)
+        targets = labels.reshape(shape).astype(np.float32)
+        return {"mae": float(np.mean(np.abs(outputs - targets))),
+                "loss": _loss_value(loss, targets, outputs)}
     if labels.size == np.prod(outputs.shape[:-1]):  # a label per position (a language model's
         labels = labels.reshape(outputs.shape[:-1])  # next tokens), flattened with the data
     accuracy = float(np.mean(np.argmax(outputs, axis=-1) == labels.reshape(outputs.shape[:-1])))
@@ -33,20 +51,22 @@ def evaluate_model(model, batches, labels: np.ndarray, loss, tta_flip: bool = Fa
 
 
 def score(model, history: list[dict[str, Any]], dataset, global_batch: int, loss, tta_flip: bool,
-          epochs: int) -> dict[str, float]:
-    """test_accuracy/test_loss and validation_accuracy/validation_loss, for the splits the data
-    has: the last epoch's evaluation where it ran on that split, else evaluated now."""
+          epochs: int, classifier: bool = True) -> dict[str, float]:
+    """test_accuracy/test_loss and validation_accuracy/validation_loss (no classifier: test_mae
+    and validation_mae for the accuracies), for the splits the data has: the last epoch's
+    evaluation where it ran on that split, else evaluated now."""
     final = history[-1] if history else {}
-    done = final.get("epoch") == epochs and "val_accuracy" in final
+    done = final.get("epoch") == epochs and "val_loss" in final
     scores = {}
     for name, split in (("test", dataset.test), ("validation", dataset.validation)):
         if split is None:
             continue
         if done and dataset.per_epoch[0] == name:
-            result = {"accuracy": final["val_accuracy"], "loss": final["val_loss"]}
+            result = {key: final[f"val_{key}"] for key in ("accuracy", "mae", "loss")
+                      if f"val_{key}" in final}
         else:
             result = evaluate_model(model, data.eval_batches(dataset, split, global_batch),
-                                    data.labels(split), loss, tta_flip)
-        scores.update({f"{name}_accuracy": result["accuracy"], f"{name}_loss": result["loss"],
-                       f"{name}_samples": data.size(split)})
+                                    data.labels(split), loss, tta_flip, classifier=classifier)
+        scores.update({f"{name}_{key}": value for key, value in result.items()})
+        scores[f"{name}_samples"] = data.size(split)
     return scores
