@@ -2,6 +2,7 @@
 TensorFlow engine's conv bias gradient."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -226,3 +227,22 @@ def test_a_notebook_is_told_to_restart_its_kernel(monkeypatch):
         message = str(caught.value)
         assert "\n" not in message and "restart the kernel" in message, message
         assert "import meshfit" in message and "KERAS_BACKEND'] = 'jax'" in message, message
+
+
+def test_connect_keeps_compiled_programs_in_the_users_cache(tmp_path):
+    """JAX programs (the batch order's, on every engine) are cached across runs under
+    $XDG_CACHE_HOME/meshfit/jax, where the user set no cache of their own."""
+    from helpers import cli_env
+
+    script = ("import functools, numpy as np, meshfit\n"
+              "meshfit.connect(verbose=False)\n"
+              "import jax\n"
+              "from meshfit.data.arrays import permutation\n"
+              "np.asarray(jax.jit(functools.partial(permutation, 0, n=60000))(0))\n")
+    changes = {**cli_env(tmp_path, "tensorflow"), "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+               "JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": None}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=environment(changes))
+    assert done.returncode == 0, done.stderr[-2000:]
+    cached = os.listdir(tmp_path / "xdg" / "meshfit" / "jax")
+    assert any(name.startswith("jit_permutation") for name in cached), cached
