@@ -2,6 +2,7 @@
 TensorFlow engine's conv bias gradient."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -238,3 +239,22 @@ def test_a_cpu_run_prints_no_cuda_error_of_the_tensorflow_wheel():
     code, out, err = finish(run_python(["-c", script], {**ONE_CPU, "TF_CPP_MIN_LOG_LEVEL": None}))
     assert code == 0 and out.strip() == "done", err[-2000:]
     assert "cuInit" not in err and "CUDA error" not in err, err
+
+
+def test_connect_keeps_compiled_programs_in_the_users_cache(tmp_path):
+    """JAX programs (the batch order's, on every engine) are cached across runs under
+    $XDG_CACHE_HOME/meshfit/jax, where the user set no cache of their own."""
+    from helpers import cli_env
+
+    script = ("import functools, numpy as np, meshfit\n"
+              "meshfit.connect(verbose=False)\n"
+              "import jax\n"
+              "from meshfit.data.arrays import permutation\n"
+              "np.asarray(jax.jit(functools.partial(permutation, 0, n=60000))(0))\n")
+    changes = {**cli_env(tmp_path, "tensorflow"), "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+               "JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": None}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=environment(changes))
+    assert done.returncode == 0, done.stderr[-2000:]
+    cached = os.listdir(tmp_path / "xdg" / "meshfit" / "jax")
+    assert any(name.startswith("jit_permutation") for name in cached), cached

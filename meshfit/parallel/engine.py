@@ -175,10 +175,23 @@ def start_engine(simulate_devices: int | None, engine: str | None,
     `meshfit.connect()` starts with it; a recipe file is run only after it, so that a file
     importing keras at its top gets the backend its run uses (Keras fixes it at its first import).
     """
+    use_compile_cache()
     info = devices.discover(simulate_devices=simulate_devices, require=require)
     chosen = choose_engine(engine, info.platform, info.device_count)
     activate(chosen)
     return info, chosen
+
+
+def use_compile_cache() -> None:
+    """JAX's persistent compilation cache in $XDG_CACHE_HOME/meshfit/jax (default ~/.cache),
+    programs compiling in 0.1 s or more, at most 256 MiB; each setting only where the user set none,
+    read by JAX at its import (a JAX imported before connect() keeps its own). Why: the batch
+    order's program (meshfit.data.arrays) compiled in 0.95 CPU-s in every run, even on the
+    TensorFlow engine; loaded from this cache, 0.31 (44 KB on disk; BENCHMARKS.md section 1)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(root, "meshfit", "jax"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(256 * 2**20))
 
 
 _hinted = False
