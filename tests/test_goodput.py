@@ -160,19 +160,15 @@ def test_a_slow_generator_is_input_wait_and_gets_the_input_bound_line(strategy, 
     assert len(bound) == 1 and "PyDataset" in bound[0]
 
 
-def test_a_save_charges_the_steps_it_waited_for_to_train_not_to_checkpoint(strategy, tmp_path):
-    """Dispatch is asynchronous: a save reads the state of steps the devices may still be
-    running. That device time is training (each step here sleeps 0.3 s on the device); only the
-    save's own work is checkpoint time."""
+def _slow_on_device_model(strategy, seconds):
+    """A model whose every train step sleeps `seconds` on the device (a callback in the step)."""
     import jax
     import keras
-
-    from meshfit.run import checkpoints, fitting
 
     class SlowOnDevice(keras.layers.Layer):
         def call(self, x):
             def sleep(value):
-                time.sleep(0.3)
+                time.sleep(seconds)
                 return value
             return jax.pure_callback(sleep, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
 
@@ -180,6 +176,44 @@ def test_a_save_charges_the_steps_it_waited_for_to_train_not_to_checkpoint(strat
         model = keras.Sequential([keras.Input((16,)), SlowOnDevice(),
                                   keras.layers.Dense(4, activation="softmax")])
         model.compile("adam", "sparse_categorical_crossentropy")
+    return model
+
+
+def test_a_slow_batch_read_while_steps_are_queued_leaves_their_time_to_train(strategy,
+                                                                             monkeypatch):
+    """Python dispatches several steps ahead of the devices: while it waits for a slow batch the
+    devices still run the queued steps. That time is training; input wait is only what remains
+    after them (each step here takes 0.2 s on the device; every 4th batch comes 1.2 s late, when
+    3 or 4 steps are queued)."""
+    from meshfit.fit import hooks
+
+    monkeypatch.setattr(hooks, "_clock", hooks._InputClock())  # no device time of other models
+    model = _slow_on_device_model(strategy, 0.2)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, 16), dtype="float32"), rng.integers(0, 4, 64)
+
+    def every_4th_late():
+        for i in range(1_000):
+            if i % 4 == 3:
+                time.sleep(1.2)
+            yield x, y
+
+    model.fit(every_4th_late(), steps_per_epoch=4, epochs=1, verbose=0)  # compiled, clock probed
+    before = goodput.ledger().totals()["seconds"]
+    model.fit(every_4th_late(), steps_per_epoch=8, epochs=1, verbose=0)
+    after = goodput.ledger().totals()["seconds"]
+    trained, waited = after["train"] - before["train"], after["input_wait"] - before["input_wait"]
+    assert trained >= 0.9 * 8 * 0.2  # every step's device time; before: 1.0 s of its 1.6 s lost
+    assert waited <= 2 * 1.2 - 3 * 0.2  # 1.0 s idle in truth; before: 2.0 s (1 step's time less)
+
+
+def test_a_save_charges_the_steps_it_waited_for_to_train_not_to_checkpoint(strategy, tmp_path):
+    """Dispatch is asynchronous: a save reads the state of steps the devices may still be
+    running. That device time is training (each step here sleeps 0.3 s on the device); only the
+    save's own work is checkpoint time."""
+    from meshfit.run import checkpoints, fitting
+
+    model = _slow_on_device_model(strategy, 0.3)
     rng = np.random.default_rng(0)
     x, y = rng.random((64, 16), dtype="float32"), rng.integers(0, 4, 64)
     model.fit(x[:8], y[:8], batch_size=8, verbose=0)  # compiled before the timed fit

@@ -242,17 +242,17 @@ def _on_compile_span(event: str, start: float, end: float, **_) -> None:
 
 class _InputClock:
     """What the input-wait accounting knows of the dispatches: a leaf of the last dispatch's
-    outputs (ready once the device has run it), when that dispatch returned, and the device's
-    time per dispatch (measured now and then: see _TimedBatches)."""
+    outputs (ready once the device has run it), the device's time per dispatch (measured now and
+    then: see _TimedBatches) and when the devices run out of the dispatches queued so far."""
 
     PROBE_EVERY = 64  # dispatches between two measurements of the device's time per dispatch
 
     def __init__(self):
         self.last = None
-        self.returned = 0.0
         self.device_seconds: float | None = None
         self.dispatches = 0
         self.ambiguous = False
+        self.busy_until = 0.0  # perf_counter time the devices finish the queued dispatches
         self.waited = 0.0  # input wait counted so far (seconds)
 
 
@@ -265,9 +265,14 @@ class _TimedBatches:
     A fetch counts as input wait as far as the devices had no step left to run meanwhile:
     all of it when the last dispatch had finished when the fetch began (checked without
     waiting: `is_ready`), none of it when that dispatch is still running when the fetch ends,
-    and otherwise the fetch time beyond what the dispatch still had to run (the device's time
-    per dispatch, measured by waiting for one dispatch every PROBE_EVERY once such fetches occur,
-    minus the time since it was dispatched). No device sync otherwise: dispatch stays async.
+    and otherwise the part after the devices ran out of queued dispatches (`busy_until`).
+    Python runs several dispatches ahead of the devices, so that moment is not one dispatch's
+    time after the last one: the devices run the dispatches in order, one at a time, each taking
+    the device's time per dispatch (measured by waiting for one dispatch every PROBE_EVERY once
+    such fetches occur), so they finish the queue at max(finish of the one before, its
+    dispatch) + that time, bounded by what `is_ready` saw (busy at the fetch's start, done at
+    its end). This is sufficient: only a fetch whose start and end disagree is estimated, and
+    then within those bounds. No device sync otherwise: dispatch stays async.
     """
 
     def __init__(self, iterator, clock: _InputClock):
@@ -289,11 +294,11 @@ class _TimedBatches:
         if idle:
             wait = end - start
         elif not last.is_ready():
-            wait = 0.0
+            wait, clock.busy_until = 0.0, max(clock.busy_until, end)
         else:
             clock.ambiguous = idle = True
-            remaining = max((clock.device_seconds or 0.0) - (start - clock.returned), 0.0)
-            wait = max(end - start - remaining, 0.0)
+            clock.busy_until = min(max(clock.busy_until, start), end)
+            wait = end - clock.busy_until
         self.device_idle = idle
         if wait > 0:
             clock.waited += wait
@@ -317,13 +322,14 @@ def _timed(function: Callable) -> Callable:
             ledger.steps += batches.count
         clock.last = _a_leaf(logs)
         clock.dispatches += 1
+        clock.busy_until = max(clock.busy_until, batches.fetched_at) + (clock.device_seconds or 0.0)
         if (clock.ambiguous and clock.last is not None and batches.device_idle
                 and compiled == compiled_seconds
                 and (clock.device_seconds is None or clock.dispatches % clock.PROBE_EVERY == 0)):
             # The queue was empty when this dispatch went out: its time to ready is the device's.
             clock.last.block_until_ready()
-            clock.device_seconds = time.perf_counter() - batches.fetched_at
-        clock.returned = time.perf_counter()
+            clock.busy_until = time.perf_counter()
+            clock.device_seconds = clock.busy_until - batches.fetched_at
         ledger.tick()
         return logs, state
 
