@@ -10,9 +10,8 @@ from the cache, it varies far less than the delays injected):
   checkpoint  --checkpoint-every 6 (10 saves of 20 MB): the checkpoint part should hold the extra wall time, and
               the train part stay as it was (the saves' wait for dispatched steps is training);
   input       every 4th training batch produced $GOODPUT_CHECK_INPUT s late (a sleep in the
-              source, read in the training loop: nothing reads ahead; long beside a step, so
-              that the step running meanwhile hides little of it): input wait should grow as
-              the wall time does, by about the injected delay;
+              source, read in the training loop: nothing reads ahead; the steps still queued on the
+              devices hide part of each delay): input wait should grow as the wall time does;
   eval        each validation pass $GOODPUT_CHECK_EVAL s late: eval should grow as the wall
               time does, by the delay.
 
@@ -174,7 +173,10 @@ def main() -> int:
         grew = median(variant, part) - median("plain", part)
         print(f"     {variant}: {injected:.2f} s injected, the wall time grew by {slower:+.2f} s")
         check(f"{variant}: {part} grew as the wall time did", grew, slower, TOLERANCE * injected)
-        check(f"{variant}: {part} grew by the injected delay", grew, injected, TOLERANCE * injected)
+        if variant == "eval":  # a late input batch is partly hidden by the steps still queued
+            # on the devices (JAX dispatches ahead), so only the wall time measures what it cost;
+            # nothing overlaps an evaluation pass
+            check(f"{variant}: {part} grew by the injected delay", grew, injected, TOLERANCE * injected)
     extra = median("checkpoint", "outside") - median("plain", "outside")
     check("checkpoint: the checkpoint part is the extra wall time",
           median("checkpoint", "checkpoint"), extra, max(TOLERANCE * abs(extra), 1.0))
