@@ -17,11 +17,13 @@ import contextlib
 import dataclasses
 import difflib
 import gc
+import importlib.machinery
 import json
 import os
 import shlex
 import signal
 import sys
+import time
 import warnings
 from typing import Callable, Iterator
 
@@ -584,11 +586,46 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 _interrupted = False  # a SIGINT came while main() ran (its KeyboardInterrupt may have been dropped)
 
 
+_deferred = False  # a SIGINT waits for a compiled module's initialisation to end
+
+
 def _on_sigint(signum, frame) -> None:
-    """Ctrl-C: remembered, and raised as KeyboardInterrupt where the main thread is."""
-    global _interrupted
+    """Ctrl-C: remembered, and raised as KeyboardInterrupt where the main thread is, except
+    inside a compiled module's initialisation: raised there, it cut jaxlib._jax's half-way (its
+    Python calls, e.g. importing jaxlib._hlo or a gc callback, see the KeyboardInterrupt), which
+    then failed with "ImportError: Encountered an error while initializing the extension" or
+    crashed the process (SIGSEGV). It is delivered again once the module is imported."""
+    global _interrupted, _deferred
     _interrupted = True
+    if _in_extension_init(frame or sys._getframe()):
+        if not _deferred:
+            _deferred = True
+            _thread.start_new_thread(_redeliver_after_extension_init, (_thread.get_ident(),))
+        return
     raise KeyboardInterrupt
+
+
+def _in_extension_init(frame) -> bool:
+    """Whether `frame` runs inside the loading of a compiled module: from its C initialisation
+    until it is in sys.modules (importlib's _load_unlocked), as a module dropped between the two
+    leaves jaxlib's C++ state pointing at freed objects."""
+    while frame is not None:
+        if frame.f_code.co_name in ("_load_unlocked", "module_from_spec", "create_module",
+                                    "exec_module"):
+            local = frame.f_locals
+            loader = getattr(local.get("spec"), "loader", local.get("self"))
+            if isinstance(loader, importlib.machinery.ExtensionFileLoader):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _redeliver_after_extension_init(main_thread: int) -> None:
+    global _deferred
+    while _in_extension_init(sys._current_frames().get(main_thread)):
+        time.sleep(0.005)
+    _deferred = False
+    _thread.interrupt_main(signal.SIGINT)
 
 
 @contextlib.contextmanager

@@ -43,9 +43,65 @@ sys.exit(code)
 """
 
 
-def interrupted(where: str, nth: int, *args: str, env=None) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-c", SIGINT_IN_GC, where, str(nth), *args],
-                         capture_output=True, text=True, timeout=300, env=environment(env))
+# `python -c SIGINT_ON_IMPORT MODULE ARGS...`: `meshfit ARGS...` that sends itself SIGINT as
+# MODULE's import starts (from a finder on sys.meta_path, where its handler runs).
+SIGINT_ON_IMPORT = """
+import os, signal, sys
+from meshfit import cli
+
+module = sys.argv[1]
+
+class SigintOnImport:
+    def find_spec(self, name, path=None, target=None):
+        global module
+        if name == module:
+            module = None
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintOnImport())
+code = cli.main(sys.argv[2:])
+print("sent" if module is None else "not sent", file=sys.stderr)
+sys.exit(code)
+"""
+
+# `python -c SIGINT_LOADING_JAXLIB N ARGS...`: `meshfit ARGS...` that sends itself SIGINT at the
+# N-th Python call made while importlib loads jaxlib._jax (_load_unlocked: from its C
+# initialisation until it is in sys.modules).
+SIGINT_LOADING_JAXLIB = """
+import os, signal, sys
+from meshfit import cli
+
+left = int(sys.argv[1])
+
+def loading_jaxlib(frame):
+    while frame is not None:
+        if frame.f_code.co_name == "_load_unlocked" and frame.f_locals["spec"].name == "jaxlib._jax":
+            return True
+        frame = frame.f_back
+    return False
+
+def profile(frame, event, arg):
+    global left
+    if event == "call" and loading_jaxlib(frame):
+        left -= 1
+        if not left:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGINT)
+
+sys.setprofile(profile)
+code = cli.main(sys.argv[2:])
+sys.setprofile(None)
+print("sent" if left == 0 else "not sent", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def interrupted(where: str, nth: int, *args: str, env=None, script=SIGINT_IN_GC
+                ) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-c", script, where] + ([str(nth)] if script is SIGINT_IN_GC else [])
+    out = subprocess.run(command + list(args), capture_output=True, text=True, timeout=300,
+                         env=environment(env))
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines[-1:] == ["sent"], out.stderr  # the moment was reached
     assert out.returncode == 130, out.stderr
@@ -68,3 +124,19 @@ def test_a_ctrl_c_in_a_gc_callback_stops_meshfit_train_as_it_writes_its_results(
                 env=cli_env(tmp_path))
     assert not os.path.exists(os.path.join(run, "metrics.json"))
     assert not [name for name in os.listdir(run) if name.startswith(".tmp-")]
+
+
+def test_a_ctrl_c_while_jaxlib_initialises_stops_meshfit_once_it_is_imported(tmp_path):
+    """jaxlib._jax imports jaxlib._hlo from its C initialisation: a KeyboardInterrupt there cut it
+    half-way ("ImportError: Encountered an error while initializing the extension", at other
+    moments a segmentation fault); it is raised once the module is imported."""
+    interrupted("jaxlib._hlo", 0, "info", "--simulate-devices", "8", "--json", env=cli_env(tmp_path),
+                script=SIGINT_ON_IMPORT)
+
+
+@pytest.mark.parametrize("nth", [5, 12])
+def test_a_ctrl_c_as_jaxlib_is_loaded_stops_meshfit_once_it_is_imported(nth, tmp_path):
+    """Just after jaxlib._jax's C initialisation, before it is in sys.modules: a KeyboardInterrupt
+    there dropped the module, and the garbage collection after it crashed (SIGSEGV)."""
+    interrupted(str(nth), 0, "info", "--simulate-devices", "8", "--json", env=cli_env(tmp_path),
+                script=SIGINT_LOADING_JAXLIB)
