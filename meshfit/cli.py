@@ -587,6 +587,7 @@ _interrupted = False  # a SIGINT came while main() ran (its KeyboardInterrupt ma
 
 
 _deferred = False  # a SIGINT waits for a compiled module's initialisation to end
+_ending = False  # the command ends on a Ctrl-C: a later SIGINT raises nothing (see main)
 
 
 def _on_sigint(signum, frame) -> None:
@@ -597,6 +598,8 @@ def _on_sigint(signum, frame) -> None:
     crashed the process (SIGSEGV). It is delivered again once the module is imported."""
     global _interrupted, _deferred
     _interrupted = True
+    if _ending:
+        return
     if _in_extension_init(frame or sys._getframe()):
         if not _deferred:
             _deferred = True
@@ -642,10 +645,12 @@ def _ctrl_c_stops() -> Iterator[bool]:
     Yields whether meshfit handles SIGINT (not outside the main thread, nor where it was ignored);
     once a command has ended on one, SIGINT stays ignored (the process is ending).
     """
-    global _interrupted
-    _interrupted = False
+    global _interrupted, _ending
+    _interrupted = _ending = False
     try:
         previous = signal.getsignal(signal.SIGINT)
+        if previous is meshfit._ctrl_c_while_starting:  # the process's start (see meshfit/__init__)
+            previous = signal.default_int_handler  # restored after: the exit is no start-up
         if previous is signal.default_int_handler:
             signal.signal(signal.SIGINT, _on_sigint)
     except ValueError:  # not the main thread: Python delivers signals to the main thread only
@@ -672,19 +677,12 @@ def _ctrl_c_stops() -> Iterator[bool]:
         sys.unraisablehook = hook
 
 
-def _ignore_sigint() -> None:
-    """Ignore SIGINT from now on: the command is ending on one (a pending one raises first)."""
-    while True:
-        try:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            return
-        except KeyboardInterrupt:
-            continue
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a MeshfitError becomes one line on stderr and exit code 2, a Ctrl-C (at
     any moment) the line "meshfit: interrupted" and exit code 130."""
+    global _ending
     if argv is None:  # the process's own command line (not a caller's): its exit made quick
         goodput.quick_exit()
     with _ctrl_c_stops() as handled:
@@ -693,8 +691,12 @@ def main(argv: list[str] | None = None) -> int:
             if _interrupted and not code:  # its KeyboardInterrupt was swallowed (a library's
                 raise KeyboardInterrupt    # `except BaseException`): the command still stops
         except KeyboardInterrupt:
-            if handled:  # one line and 130, even on a second Ctrl-C or a late redelivery now
-                _ignore_sigint()
+            # First, before any call (where a pending signal's handler runs): from here a second
+            # Ctrl-C or a late redelivery raises nothing. One raised here escaped main, and Python
+            # ended the process by SIGINT (a parent saw -2, not 130).
+            _ending = True
+            if handled:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process is ending
             print("meshfit: interrupted", file=sys.stderr, flush=True)
             code = 130
             _exit_failed(code, stopped=False)

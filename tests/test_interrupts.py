@@ -140,3 +140,25 @@ def test_a_ctrl_c_as_jaxlib_is_loaded_stops_meshfit_once_it_is_imported(nth, tmp
     there dropped the module, and the garbage collection after it crashed (SIGSEGV)."""
     interrupted(str(nth), 0, "info", "--simulate-devices", "8", "--json", env=cli_env(tmp_path),
                 script=SIGINT_LOADING_JAXLIB)
+
+
+def test_a_ctrl_c_while_the_meshfit_command_starts_ends_it_with_one_line(tmp_path):
+    """Before main() runs, as the `meshfit` console script imports meshfit.cli: was a traceback
+    and an exit by SIGINT (-2)."""
+    script = """
+import os, signal, sys
+sys.argv[0] = os.path.join(os.path.dirname(sys.executable), "meshfit")  # the console script
+
+class SigintOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "meshfit.cli":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintOnImport())
+from meshfit.cli import main
+sys.exit(main(["info", "--json"]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env=environment(cli_env(tmp_path)))
+    assert (out.returncode, out.stderr) == (130, "meshfit: interrupted\n")
