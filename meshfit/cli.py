@@ -586,16 +586,17 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 _interrupted = False  # a SIGINT came while main() ran (its KeyboardInterrupt may have been dropped)
 
 
-_deferred = False  # a SIGINT waits for a compiled module's initialisation to end
+_deferred = False  # a SIGINT waits for a compiled module to be loaded
 _ending = False  # the command ends on a Ctrl-C: a later SIGINT raises nothing (see main)
 
 
 def _on_sigint(signum, frame) -> None:
-    """Ctrl-C: remembered, and raised as KeyboardInterrupt where the main thread is, except
-    inside a compiled module's initialisation: raised there, it cut jaxlib._jax's half-way (its
-    Python calls, e.g. importing jaxlib._hlo or a gc callback, see the KeyboardInterrupt), which
-    then failed with "ImportError: Encountered an error while initializing the extension" or
-    crashed the process (SIGSEGV). It is delivered again once the module is imported."""
+    """Ctrl-C: remembered, and raised as KeyboardInterrupt where the main thread is; not while a
+    compiled module is being loaded, where it is delivered again once the module is in
+    sys.modules. Raised there (JAX's import: in the Python code jaxlib._jax's C initialisation
+    calls, or in importlib just after it), jaxlib._jax failed ("ImportError: Encountered an error
+    while initializing the extension") or was dropped, and a later garbage collection crashed
+    the process (SIGSEGV)."""
     global _interrupted, _deferred
     _interrupted = True
     if _ending:
