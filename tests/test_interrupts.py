@@ -76,7 +76,8 @@ left = int(sys.argv[1])
 
 def loading_jaxlib(frame):
     while frame is not None:
-        if frame.f_code.co_name == "_load_unlocked" and frame.f_locals["spec"].name == "jaxlib._jax":
+        code, local = frame.f_code, frame.f_locals
+        if code.co_name == "_load_unlocked" and local["spec"].name == "jaxlib._jax":
             return True
         frame = frame.f_back
     return False
@@ -97,11 +98,11 @@ sys.exit(code)
 """
 
 
-def interrupted(where: str, nth: int, *args: str, env=None, script=SIGINT_IN_GC
+def interrupted(script: str, moment: list[str], *args: str, env=None
                 ) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-c", script, where] + ([str(nth)] if script is SIGINT_IN_GC else [])
-    out = subprocess.run(command + list(args), capture_output=True, text=True, timeout=300,
-                         env=environment(env))
+    """`meshfit ARGS...` run by `script` (one of the above), told the `moment` of its SIGINT."""
+    out = subprocess.run([sys.executable, "-c", script, *moment, *args], capture_output=True,
+                         text=True, timeout=300, env=environment(env))
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines[-1:] == ["sent"], out.stderr  # the moment was reached
     assert out.returncode == 130, out.stderr
@@ -112,15 +113,16 @@ def interrupted(where: str, nth: int, *args: str, env=None, script=SIGINT_IN_GC
 @pytest.mark.parametrize("nth", [1, 60, 300])
 def test_a_ctrl_c_in_a_gc_callback_stops_meshfit_info(nth, tmp_path):
     """In argument parsing (the first collection), while JAX is imported and while it starts."""
-    interrupted("-", nth, "info", "--simulate-devices", "8", "--json", env=cli_env(tmp_path))
+    interrupted(SIGINT_IN_GC, ["-", str(nth)], "info", "--simulate-devices", "8", "--json",
+                env=cli_env(tmp_path))
 
 
 def test_a_ctrl_c_in_a_gc_callback_stops_meshfit_train_as_it_writes_its_results(data_dir, tmp_path):
     """After training, while the results are written: nothing is half-written, and the run is
     not finished (no metrics.json), so `--resume` finishes it."""
     run = str(tmp_path / "run")
-    interrupted("score_and_write", 1, "train", "--data-dir", data_dir, "--out", run, "--epochs", "1",
-                "--steps-per-epoch", "2", "--global-batch", "16", "--no-tensorboard",
+    interrupted(SIGINT_IN_GC, ["score_and_write", "1"], "train", "--data-dir", data_dir, "--out", run,
+                "--epochs", "1", "--steps-per-epoch", "2", "--global-batch", "16", "--no-tensorboard",
                 env=cli_env(tmp_path))
     assert not os.path.exists(os.path.join(run, "metrics.json"))
     assert not [name for name in os.listdir(run) if name.startswith(".tmp-")]
@@ -130,16 +132,16 @@ def test_a_ctrl_c_while_jaxlib_initialises_stops_meshfit_once_it_is_imported(tmp
     """jaxlib._jax imports jaxlib._hlo from its C initialisation: a KeyboardInterrupt there cut it
     half-way ("ImportError: Encountered an error while initializing the extension", at other
     moments a segmentation fault); it is raised once the module is imported."""
-    interrupted("jaxlib._hlo", 0, "info", "--simulate-devices", "8", "--json", env=cli_env(tmp_path),
-                script=SIGINT_ON_IMPORT)
+    interrupted(SIGINT_ON_IMPORT, ["jaxlib._hlo"], "info", "--simulate-devices", "8", "--json",
+                env=cli_env(tmp_path))
 
 
 @pytest.mark.parametrize("nth", [5, 12])
 def test_a_ctrl_c_as_jaxlib_is_loaded_stops_meshfit_once_it_is_imported(nth, tmp_path):
     """Just after jaxlib._jax's C initialisation, before it is in sys.modules: a KeyboardInterrupt
     there dropped the module, and the garbage collection after it crashed (SIGSEGV)."""
-    interrupted(str(nth), 0, "info", "--simulate-devices", "8", "--json", env=cli_env(tmp_path),
-                script=SIGINT_LOADING_JAXLIB)
+    interrupted(SIGINT_LOADING_JAXLIB, [str(nth)], "info", "--simulate-devices", "8", "--json",
+                env=cli_env(tmp_path))
 
 
 def test_a_ctrl_c_while_the_meshfit_command_starts_ends_it_with_one_line(tmp_path):
