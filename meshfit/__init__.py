@@ -6,7 +6,32 @@ Keras is imported only by `connect()` (after the engine is chosen), so import me
 if you want meshfit to choose the Keras backend.
 """
 
-from meshfit.errors import MeshfitError
+import os as _os
+import signal as _signal
+import sys as _sys
+
+
+def _ctrl_c_while_starting(signum, frame) -> None:
+    """A Ctrl-C before the command line's main() runs (the command has done nothing yet, so
+    nothing is lost by an immediate exit): its one line and exit code 130, not a traceback."""
+    _sys.stderr.write("meshfit: interrupted\n")
+    _sys.stderr.flush()
+    _os._exit(130)  # not an exception: it cannot be caught, nor cut an import half-way
+
+
+def _stop_on_ctrl_c_while_starting() -> None:
+    """In the `meshfit` process, Ctrl-C ends it from here until cli.main() sets its own handler."""
+    try:
+        if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:  # not when ignored
+            _signal.signal(_signal.SIGINT, _ctrl_c_while_starting)
+    except ValueError:  # not the main thread
+        pass
+
+
+if _os.path.basename(_sys.argv[0] if _sys.argv else "") in ("meshfit", "meshfit.exe"):
+    _stop_on_ctrl_c_while_starting()  # first thing: the console script imports meshfit.cli (0.15 s)
+
+from meshfit.errors import MeshfitError  # noqa: E402
 from meshfit.parallel import engine as _engine
 from meshfit.parallel import planning as _planning
 from meshfit.parallel import sharding as _sharding

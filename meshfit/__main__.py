@@ -2,6 +2,10 @@
 
 import sys
 
-from meshfit.cli import main
+import meshfit
+
+meshfit._stop_on_ctrl_c_while_starting()  # before meshfit.cli is imported
+
+from meshfit.cli import main  # noqa: E402
 
 sys.exit(main())

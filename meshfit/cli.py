@@ -17,11 +17,13 @@ import contextlib
 import dataclasses
 import difflib
 import gc
+import importlib.machinery
 import json
 import os
 import shlex
 import signal
 import sys
+import time
 import warnings
 from typing import Callable, Iterator
 
@@ -582,11 +584,50 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 _interrupted = False  # a SIGINT came while main() ran (its KeyboardInterrupt may have been dropped)
 
 
+_deferred = False  # a SIGINT waits for a compiled module to be loaded
+_ending = False  # the command ends on a Ctrl-C: a later SIGINT raises nothing (see main)
+
+
 def _on_sigint(signum, frame) -> None:
-    """Ctrl-C: remembered, and raised as KeyboardInterrupt where the main thread is."""
-    global _interrupted
+    """Ctrl-C: remembered, and raised as KeyboardInterrupt where the main thread is; not while a
+    compiled module is being loaded, where it is delivered again once the module is in
+    sys.modules. Raised there (JAX's import: in the Python code jaxlib._jax's C initialisation
+    calls, or in importlib just after it), jaxlib._jax failed ("ImportError: Encountered an error
+    while initializing the extension") or was dropped, and a later garbage collection crashed
+    the process (SIGSEGV)."""
+    global _interrupted, _deferred
     _interrupted = True
+    if _ending:
+        return
+    if _in_extension_init(frame or sys._getframe()):
+        if not _deferred:
+            _deferred = True
+            _thread.start_new_thread(_redeliver_after_extension_init, (_thread.get_ident(),))
+        return
     raise KeyboardInterrupt
+
+
+def _in_extension_init(frame) -> bool:
+    """Whether `frame` runs inside the loading of a compiled module: from its C initialisation
+    until it is in sys.modules (importlib's _load_unlocked), as a module dropped between the two
+    leaves jaxlib's C++ state pointing at freed objects."""
+    while frame is not None:
+        if frame.f_code.co_name in ("_load_unlocked", "module_from_spec", "create_module",
+                                    "exec_module"):
+            local = frame.f_locals
+            loader = getattr(local.get("spec"), "loader", local.get("self"))
+            if isinstance(loader, importlib.machinery.ExtensionFileLoader):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _redeliver_after_extension_init(main_thread: int) -> None:
+    global _deferred
+    while _in_extension_init(sys._current_frames().get(main_thread)):
+        time.sleep(0.005)
+    _deferred = False
+    _thread.interrupt_main(signal.SIGINT)
 
 
 @contextlib.contextmanager
@@ -603,10 +644,12 @@ def _ctrl_c_stops() -> Iterator[bool]:
     Yields whether meshfit handles SIGINT (not outside the main thread, nor where it was ignored);
     once a command has ended on one, SIGINT stays ignored (the process is ending).
     """
-    global _interrupted
-    _interrupted = False
+    global _interrupted, _ending
+    _interrupted = _ending = False
     try:
         previous = signal.getsignal(signal.SIGINT)
+        if previous is meshfit._ctrl_c_while_starting:  # the process's start (see meshfit/__init__)
+            previous = signal.default_int_handler  # restored after: the exit is no start-up
         if previous is signal.default_int_handler:
             signal.signal(signal.SIGINT, _on_sigint)
     except ValueError:  # not the main thread: Python delivers signals to the main thread only
@@ -633,19 +676,12 @@ def _ctrl_c_stops() -> Iterator[bool]:
         sys.unraisablehook = hook
 
 
-def _ignore_sigint() -> None:
-    """Ignore SIGINT from now on: the command is ending on one (a pending one raises first)."""
-    while True:
-        try:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            return
-        except KeyboardInterrupt:
-            continue
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a MeshfitError becomes one line on stderr and exit code 2, a Ctrl-C (at
     any moment) the line "meshfit: interrupted" and exit code 130."""
+    global _ending
     if argv is None:  # the process's own command line (not a caller's): its exit made quick
         goodput.quick_exit()
     with _ctrl_c_stops() as handled:
@@ -654,8 +690,12 @@ def main(argv: list[str] | None = None) -> int:
             if _interrupted and not code:  # its KeyboardInterrupt was swallowed (a library's
                 raise KeyboardInterrupt    # `except BaseException`): the command still stops
         except KeyboardInterrupt:
-            if handled:  # one line and 130, even on a second Ctrl-C or a late redelivery now
-                _ignore_sigint()
+            # First, before any call (where a pending signal's handler runs): from here a second
+            # Ctrl-C or a late redelivery raises nothing. One raised here escaped main, and Python
+            # ended the process by SIGINT (a parent saw -2, not 130).
+            _ending = True
+            if handled:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process is ending
             print("meshfit: interrupted", file=sys.stderr, flush=True)
             code = 130
             _exit_failed(code, stopped=False)

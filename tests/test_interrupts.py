@@ -43,9 +43,66 @@ sys.exit(code)
 """
 
 
-def interrupted(where: str, nth: int, *args: str, env=None) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-c", SIGINT_IN_GC, where, str(nth), *args],
-                         capture_output=True, text=True, timeout=300, env=environment(env))
+# `python -c SIGINT_ON_IMPORT MODULE ARGS...`: `meshfit ARGS...` that sends itself SIGINT as
+# MODULE's import starts (from a finder on sys.meta_path, where its handler runs).
+SIGINT_ON_IMPORT = """
+import os, signal, sys
+from meshfit import cli
+
+module = sys.argv[1]
+
+class SigintOnImport:
+    def find_spec(self, name, path=None, target=None):
+        global module
+        if name == module:
+            module = None
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintOnImport())
+code = cli.main(sys.argv[2:])
+print("sent" if module is None else "not sent", file=sys.stderr)
+sys.exit(code)
+"""
+
+# `python -c SIGINT_LOADING_JAXLIB N ARGS...`: `meshfit ARGS...` that sends itself SIGINT at the
+# N-th Python call made while importlib loads jaxlib._jax (_load_unlocked: from its C
+# initialisation until it is in sys.modules).
+SIGINT_LOADING_JAXLIB = """
+import os, signal, sys
+from meshfit import cli
+
+left = int(sys.argv[1])
+
+def loading_jaxlib(frame):
+    while frame is not None:
+        code, local = frame.f_code, frame.f_locals
+        if code.co_name == "_load_unlocked" and local["spec"].name == "jaxlib._jax":
+            return True
+        frame = frame.f_back
+    return False
+
+def profile(frame, event, arg):
+    global left
+    if event == "call" and loading_jaxlib(frame):
+        left -= 1
+        if not left:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGINT)
+
+sys.setprofile(profile)
+code = cli.main(sys.argv[2:])
+sys.setprofile(None)
+print("sent" if left == 0 else "not sent", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def interrupted(script: str, moment: list[str], *args: str, env=None
+                ) -> subprocess.CompletedProcess:
+    """`meshfit ARGS...` run by `script` (one of the above), told the `moment` of its SIGINT."""
+    out = subprocess.run([sys.executable, "-c", script, *moment, *args], capture_output=True,
+                         text=True, timeout=300, env=environment(env))
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines[-1:] == ["sent"], out.stderr  # the moment was reached
     assert out.returncode == 130, out.stderr
@@ -56,15 +113,54 @@ def interrupted(where: str, nth: int, *args: str, env=None) -> subprocess.Comple
 @pytest.mark.parametrize("nth", [1, 60, 300])
 def test_a_ctrl_c_in_a_gc_callback_stops_meshfit_info(nth, tmp_path):
     """In argument parsing (the first collection), while JAX is imported and while it starts."""
-    interrupted("-", nth, "info", "--simulate-devices", "8", "--json", env=cli_env(tmp_path))
+    interrupted(SIGINT_IN_GC, ["-", str(nth)], "info", "--simulate-devices", "8", "--json",
+                env=cli_env(tmp_path))
 
 
 def test_a_ctrl_c_in_a_gc_callback_stops_meshfit_train_as_it_writes_its_results(data_dir, tmp_path):
     """After training, while the results are written: nothing is half-written, and the run is
     not finished (no metrics.json), so `--resume` finishes it."""
     run = str(tmp_path / "run")
-    interrupted("score_and_write", 1, "train", "--data-dir", data_dir, "--out", run, "--epochs", "1",
-                "--steps-per-epoch", "2", "--global-batch", "16", "--no-tensorboard",
+    interrupted(SIGINT_IN_GC, ["score_and_write", "1"], "train", "--data-dir", data_dir, "--out", run,
+                "--epochs", "1", "--steps-per-epoch", "2", "--global-batch", "16", "--no-tensorboard",
                 env=cli_env(tmp_path))
     assert not os.path.exists(os.path.join(run, "metrics.json"))
     assert not [name for name in os.listdir(run) if name.startswith(".tmp-")]
+
+
+def test_a_ctrl_c_while_jaxlib_initialises_stops_meshfit_once_it_is_imported(tmp_path):
+    """jaxlib._jax imports jaxlib._hlo from its C initialisation: a KeyboardInterrupt there cut it
+    half-way ("ImportError: Encountered an error while initializing the extension", at other
+    moments a segmentation fault); it is raised once the module is imported."""
+    interrupted(SIGINT_ON_IMPORT, ["jaxlib._hlo"], "info", "--simulate-devices", "8", "--json",
+                env=cli_env(tmp_path))
+
+
+@pytest.mark.parametrize("nth", [5, 12])
+def test_a_ctrl_c_as_jaxlib_is_loaded_stops_meshfit_once_it_is_imported(nth, tmp_path):
+    """Just after jaxlib._jax's C initialisation, before it is in sys.modules: a KeyboardInterrupt
+    there dropped the module, and the garbage collection after it crashed (SIGSEGV)."""
+    interrupted(SIGINT_LOADING_JAXLIB, [str(nth)], "info", "--simulate-devices", "8", "--json",
+                env=cli_env(tmp_path))
+
+
+def test_a_ctrl_c_while_the_meshfit_command_starts_ends_it_with_one_line(tmp_path):
+    """Before main() runs, as the `meshfit` console script imports meshfit.cli: was a traceback
+    and an exit by SIGINT (-2)."""
+    script = """
+import os, signal, sys
+sys.argv[0] = os.path.join(os.path.dirname(sys.executable), "meshfit")  # the console script
+
+class SigintOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "meshfit.cli":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, SigintOnImport())
+from meshfit.cli import main
+sys.exit(main(["info", "--json"]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env=environment(cli_env(tmp_path)))
+    assert (out.returncode, out.stderr) == (130, "meshfit: interrupted\n")
