@@ -183,15 +183,20 @@ def start_engine(simulate_devices: int | None, engine: str | None,
 
 
 def use_compile_cache() -> None:
-    """JAX's persistent compilation cache in $XDG_CACHE_HOME/meshfit/jax (default ~/.cache),
-    programs compiling in 0.1 s or more, at most 256 MiB; each setting only where the user set none,
-    read by JAX at its import (a JAX imported before connect() keeps its own). Why: the batch
-    order's program (meshfit.data.arrays) compiled in 0.95 CPU-s in every run, even on the
-    TensorFlow engine; loaded from this cache, 0.31 (44 KB on disk; BENCHMARKS.md section 1)."""
+    """JAX's persistent compilation cache in $XDG_CACHE_HOME/meshfit/jax (default ~/.cache) for
+    programs compiling in 0.1 s or more, where the user chose no cache of their own (then every
+    JAX_* cache setting is theirs), read by JAX at its import (a JAX imported before connect()
+    keeps its own). Why: the batch order's program (meshfit.data.arrays) compiled in 0.95 CPU-s in
+    every run, even on the TensorFlow engine; loaded from this cache, 0.31 (44 KB on disk;
+    BENCHMARKS.md section 1). No size cap: JAX's cap (JAX_COMPILATION_CACHE_MAX_SIZE) evicts by
+    access-time files that processes sharing the folder race on ("Error writing persistent
+    compilation cache entry ... FileNotFoundError: ...-atime", seen in the test suite's shared
+    cache), so the folder grows by each new program's few KB to MB: delete it to free it."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(root, "meshfit", "jax"))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(root, "meshfit", "jax")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(256 * 2**20))
 
 
 _hinted = False

@@ -130,7 +130,7 @@ def memory_plan_of(recipe: recipes.Recipe, dataset, strategy, global_batch: int,
 
 def build(recipe: recipes.Recipe, dataset, steps_per_epoch: int, epochs: int, steps_per_dispatch: int):
     """The recipe's model, built, prepared and compiled (call inside the strategy's scope).
-    dataset: anything with input_shape and num_classes (a data.RunData)."""
+    dataset: anything with input_shape, num_classes and class_names (a data.RunData)."""
     model = recipe.build_model(tuple(recipe.input_shape or dataset.input_shape), dataset.num_classes)
     if recipe.compile is None:
         check_compile_signature(model)  # before prepare(), which may train a teacher first

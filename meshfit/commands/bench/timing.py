@@ -39,11 +39,17 @@ PLAIN, TENSORBOARD_PATH = "plain", "meshfit+tensorboard"
 @dataclass(frozen=True)
 class RandomData:
     """The bench's random images and labels, as meshfit.run.fitting.build reads a run's data:
-    input_shape (height, width, channels), num_classes, and train = (x, y) for a recipe's prepare."""
+    input_shape (height, width, channels), num_classes, class_names (the labels are classes:
+    the model is compiled with accuracy, as `meshfit train` compiles it), and train = (x, y) for a
+    recipe's prepare."""
 
     input_shape: tuple[int, ...]
     num_classes: int
     train: tuple
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return tuple(str(i) for i in range(self.num_classes))
 
 
 def class_count(recipe: recipes.Recipe) -> int:
