@@ -527,14 +527,16 @@ def charged_to_checkpoint(checkpointer: checkpoints.Checkpointer) -> checkpoints
     return checkpointer
 
 
-def epoch_evaluation(model, dataset, recipe: recipes.Recipe, global_batch: int, report) -> list:
-    """The callback scoring each epoch on the split behind val_* (none without one)."""
+def epoch_evaluation(model, dataset, recipe: recipes.Recipe, global_batch: int, report,
+                     classifier: bool) -> list:
+    """The callback scoring each epoch on the split behind val_* (none without one); classifier:
+    whether the run records class names (class_names_of), as the end-of-run score reads it."""
     per_epoch = dataset.per_epoch
     if not per_epoch:
         return []
     return [keras.callbacks.LambdaCallback(on_epoch_end=_EpochEnd(
         model, data.eval_batches(dataset, per_epoch[1], global_batch), data.labels(per_epoch[1]),
-        recipe.make_loss(), recipe.tta_flip, report, is_classifier(model, dataset.class_names)))]
+        recipe.make_loss(), recipe.tta_flip, report, classifier))]
 
 
 @contextlib.contextmanager
@@ -570,7 +572,8 @@ def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
     # the report prints them and the history and TensorBoard record them, and the checkpointer
     # saves a history that already holds the epoch.
     callbacks = [
-        *watch.before, *epoch_evaluation(model, dataset, asked.recipe, global_batch, report),
+        *watch.before, *epoch_evaluation(model, dataset, asked.recipe, global_batch, report,
+                                          bool(run_spec.class_names)),
         report, *watch.after,
         earlier, keras.callbacks.LambdaCallback(on_epoch_end=_History(history, report, global_batch,
                                                                       earlier)),
