@@ -25,6 +25,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # subprocess a HOME of its own (test_goodput sets its own cache where it tests the probe).
 if _JAX_CACHE:  # the session's own folders, removed at its end
     os.environ.setdefault("XDG_CACHE_HOME", os.path.join(_JAX_CACHE, "xdg"))
+    # and the datasets' cache (downloads, unpacked arrays), so no test leaves files in HOME
+    os.environ.setdefault("MESHFIT_CACHE", os.path.join(_JAX_CACHE, "datasets"))
 
 import pytest  # noqa: E402 (the environment above must come first)
 from helpers import connect_eight_devices, write_idx_dataset  # noqa: E402

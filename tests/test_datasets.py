@@ -431,3 +431,54 @@ def test_real_fashion_mnist_with_md5(tmp_path, monkeypatch):
     monkeypatch.setitem(datasets.PUBLISHED, ("fashion_mnist", name), ("0" * 32, size))
     with pytest.raises(MeshfitError, match=f"{name}.*MD5"):
         load("fashion_mnist", REAL_DATA)
+
+
+# ----------------------------------------------------------------------------- the unpacked cache
+
+def test_a_second_load_reads_the_kept_arrays_not_the_sources(tmp_path, monkeypatch):
+    arrays = write_idx_dataset(tmp_path / "data" / "fashion-mnist", **TINY, seed=3)
+    check_mnist_like(load("fashion_mnist", tmp_path / "data"), arrays, "fashion_mnist")
+    kept = list((tmp_path / "cache" / "unpacked").iterdir())
+    assert len(kept) == 1 and sorted(p.name for p in kept[0].iterdir()) == [
+        "class_names.txt", "x_test.npy", "x_train.npy", "y_test.npy", "y_train.npy"]
+
+    def unpack(*_):
+        raise AssertionError("the sources were read again")
+
+    monkeypatch.setattr(datasets, "_read", unpack)
+    ds = load("fashion_mnist", tmp_path / "data")
+    check_mnist_like(ds, arrays, "fashion_mnist")
+    assert ds.class_names[9] == "Ankle boot"
+
+
+def test_a_changed_source_is_read_and_checked_again(tmp_path):
+    folder = tmp_path / "data" / "mnist"
+    write_idx_dataset(folder, **TINY, seed=4)
+    load("mnist", tmp_path / "data")
+    changed = write_idx_dataset(folder, n_train=14, n_test=5, seed=5)  # other images, other size
+    check_mnist_like(load("mnist", tmp_path / "data"), changed, "mnist")
+    (folder / IDX_FILES[1]).write_bytes(b"not gzip at all")
+    with pytest.raises(MeshfitError, match="corrupt or truncated"):
+        load("mnist", tmp_path / "data")
+
+
+def test_a_cut_entry_or_an_unwritable_cache_falls_back_to_the_sources(tmp_path, monkeypatch):
+    arrays = write_idx_dataset(tmp_path / "data" / "mnist", **TINY, seed=6)
+    load("mnist", tmp_path / "data")
+    (entry,) = (tmp_path / "cache" / "unpacked").iterdir()
+    (entry / "x_train.npy").write_bytes(b"\x93NUMPY cut short")
+    check_mnist_like(load("mnist", tmp_path / "data"), arrays, "mnist")
+    monkeypatch.setenv("MESHFIT_CACHE", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("not a folder")
+    check_mnist_like(load("mnist", tmp_path / "data"), arrays, "mnist")
+
+
+def test_cifar_class_names_come_back_from_the_kept_entry(tmp_path, monkeypatch):
+    names = [f"class {i}" for i in range(10)]
+    make_cifar(tmp_path / "data" / "cifar10" / datasets.CIFAR_DIR, label_names=names)
+    first = load("cifar10", tmp_path / "data")
+    monkeypatch.setattr(datasets, "_read", None)  # a second read of the sources would fail
+    again = load("cifar10", tmp_path / "data")
+    assert again.class_names == first.class_names == tuple(names)
+    np.testing.assert_array_equal(again.x_train, first.x_train)
+    np.testing.assert_array_equal(again.y_test, first.y_test)

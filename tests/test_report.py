@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from helpers import compiled_cnn, random_images
 
 
@@ -24,3 +26,26 @@ def test_train_step_flops_come_from_xla(strategy):
     # Conv 26*26*64*9*2 FLOPs forward per image; backward roughly doubles it twice.
     forward_conv = 26 * 26 * 64 * 9 * 2 * 64
     assert 2 * forward_conv < flops < 10 * forward_conv
+
+
+def test_the_flop_count_is_kept_per_model_and_batch(strategy, tmp_path, monkeypatch):
+    from meshfit.watch import report
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = compiled_cnn(strategy)
+    counted = report.train_step_flops(model, 64)
+    assert counted and (tmp_path / "meshfit" / "flops.json").is_file()
+
+    def count_again(*_):
+        raise AssertionError("counted again")
+
+    monkeypatch.setattr(report, "count_train_step_flops", count_again)
+    assert report.train_step_flops(model, 64) == counted  # the same model and batch: kept
+    with pytest.raises(AssertionError, match="counted again"):
+        report.train_step_flops(model, 128)  # another batch is another count
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")  # another optimizer
+    assert report.flops_key(model, 64) != report.flops_key(compiled_cnn(strategy), 64)
+    monkeypatch.setattr(report, "count_train_step_flops", lambda *_: 123.0)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))  # no cache can be written there
+    assert report.train_step_flops(model, 64) == report.train_step_flops(model, 64) == 123.0

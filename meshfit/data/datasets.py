@@ -17,6 +17,12 @@ root folders the layout is the one the canonical downloads unpack to:
                                                   (or ROOT/cifar-10-batches-py/, as keras)
 
 A root may also be the dataset's own folder (e.g. `data_dir=".../mnist"`).
+
+Unpacking costs more than training's start-up can spare (Fashion-MNIST's gzip: 0.58 CPU-s,
+CIFAR-10's pickles: 1.76; as .npy files: 0.01 and 0.24, measured 2026-11-27 on the 2-core EPYC),
+so the arrays read once are kept as .npy files in `CACHE/unpacked/` (`_read_through_cache`), named
+by the source files' paths, sizes and modification times and the checks they passed: a changed
+source is read (and checked) again. On disk: MNIST and Fashion-MNIST 52 MB each, CIFAR-10 176 MB.
 """
 
 from __future__ import annotations
@@ -161,7 +167,7 @@ def load(name: str, data_dir: str | os.PathLike | None = None, download: bool = 
     for _, root in roots:
         found = _find(key, root)
         if found:
-            return _not_empty(_read(key, found, verify), found)
+            return _not_empty(_read_through_cache(key, found, verify), found)
     offline = env.is_set(env.OFFLINE)
     places = "; ".join(f"{label} ({root})" for label, root in roots)
     folder = FOLDERS[key] + ("/" + CIFAR_DIR if key == "cifar10" else "")
@@ -176,7 +182,7 @@ def load(name: str, data_dir: str | os.PathLike | None = None, download: bool = 
     except (OSError, http.client.HTTPException) as e:
         raise MeshfitError(f"{key} not found in: {places}; downloading it from {URLS[key]} "
                            f"failed ({e}); {hint}", see="dataset-not-found") from e
-    return _not_empty(_read(key, found, verify), found)
+    return _not_empty(_read_through_cache(key, found, verify), found)
 
 
 def mnist(data_dir: str | os.PathLike | None = None, download: bool = True) -> Dataset:
@@ -301,6 +307,58 @@ def _not_empty(dataset: Dataset, found: str) -> Dataset:
     for x, split in ((dataset.x_train, "training"), (dataset.x_test, "test")):
         if not len(x):
             raise MeshfitError(f"{found} has no {split} images; put the full dataset there")
+    return dataset
+
+
+_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
+UNPACKED_FORMAT = 1  # part of each cache entry's name: raise it when what _read returns changes
+
+
+def _sources(key: str, found: str) -> list[str]:
+    """The files `_read` reads for the dataset found at `found`."""
+    if found.endswith(".npz"):
+        return [found]
+    names = IDX_FILES if key != "cifar10" else CIFAR_FILES + ("batches.meta",)
+    return [os.path.join(found, n) for n in names if os.path.isfile(os.path.join(found, n))]
+
+
+def _read_through_cache(key: str, found: str, verify: bool) -> Dataset:
+    """`_read(key, found, verify)`, from CACHE/unpacked/ when these source files (same paths,
+    sizes and modification times) were read before; else read, checked and kept there.
+
+    Kept arrays were checked when written, so a hit skips the checks: a source replaced by one
+    of the same size and modification time (to the nanosecond) would not be seen; any other change
+    is. Entries are written to a temporary folder and renamed, so concurrent runs (the processes
+    of a job on one host) never see half an entry; an entry that cannot be read is read again
+    from the sources. No writable cache: the sources are read each time."""
+    try:
+        stamp = [(os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns)
+                 for p in _sources(key, found)]
+    except OSError:  # vanished between _find and here: _read gives the clear error
+        return _read(key, found, verify)
+    checks = sorted((k, v) for k, v in PUBLISHED.items() if k[0] == key) if verify else []
+    digest = hashlib.sha256(repr((UNPACKED_FORMAT, key, checks, stamp)).encode()).hexdigest()[:20]
+    entry = os.path.join(_cache_root(), "unpacked", f"{key}-{digest}")
+    try:
+        with open(os.path.join(entry, "class_names.txt"), encoding="utf-8") as f:
+            names = tuple(f.read().split("\n")) if key == "cifar10" else CLASS_NAMES[key]
+        arrays = [np.load(os.path.join(entry, f"{a}.npy"), allow_pickle=False) for a in _ARRAYS]
+        return Dataset(*arrays, names, key)
+    except (OSError, ValueError):  # not kept yet, or an entry cut short: read the sources
+        pass
+    dataset = _read(key, found, verify)
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(entry), prefix=".tmp-")
+        for a in _ARRAYS:
+            np.save(os.path.join(tmp, f"{a}.npy"), getattr(dataset, a))
+        with open(os.path.join(tmp, "class_names.txt"), "w", encoding="utf-8") as f:
+            f.write("\n".join(dataset.class_names))
+        os.rename(tmp, entry)  # fails where another run kept it first: this copy is then dropped
+    except OSError:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
     return dataset
 
 

@@ -14,12 +14,12 @@ TensorFlow are imported inside the probe, which runs after connect().
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
 from meshfit.parallel import devices as devices_lib
+from meshfit.watch import kept
 
 PROBE_SIZE = 512  # n of the n x n products: large enough for the BLAS kernels' peak rate
 PROBE_SECONDS = 0.15  # each round repeats products for at least this long
@@ -29,9 +29,8 @@ _measured: dict[str, float] = {}  # this process's probes, by cache key
 
 
 def cache_path() -> str:
-    """$XDG_CACHE_HOME/meshfit/peak.json (default ~/.cache/meshfit/peak.json)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "meshfit", "peak.json")
+    """Where the peaks are kept: $XDG_CACHE_HOME/meshfit/peak.json (default ~/.cache)."""
+    return kept.path("peak")
 
 
 def peak_of(strategy, again: bool = False) -> dict[str, Any]:
@@ -68,33 +67,17 @@ def cpu_peak(devices: list, precision: str, engine: str = "jax",
     key = _key(len(devices), precision, engine)
     if key in _measured and not again:
         return _measured[key], True
-    path = cache_path()
     known = 0.0
     try:
-        with open(path) as f:
-            known = float(json.load(f)[key])
+        known = float(kept.read("peak")[key])
         if known > 0 and not again:
             _measured[key] = known
             return known, True
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, ValueError, TypeError):
         pass
     flops = max(probe(devices, precision, engine), known, _measured.get(key, 0.0))
     _measured[key] = flops
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            with open(path) as f:
-                cached = json.load(f)
-        except (OSError, ValueError):
-            cached = {}
-        cached = cached if isinstance(cached, dict) else {}
-        cached[key] = flops
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(cached, f, indent=1)
-        os.replace(tmp, path)
-    except OSError:  # no writable cache: measured again next time
-        pass
+    kept.keep("peak", key, flops)
     return flops, False
 
 
