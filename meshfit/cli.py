@@ -434,7 +434,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                       data_dir=args.data_dir, verbose=not args.json,
                                       model_parallel=args.model_parallel, **sharding_options(args))
     if args.json:  # without --json, plan_memory printed the plan
-        print(json.dumps(result))
+        print(json.dumps(result.as_dict()))
     return 0
 
 

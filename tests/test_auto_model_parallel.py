@@ -12,6 +12,7 @@ from the plans themselves, so that a new XLA that moves them fails loudly here, 
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -66,13 +67,14 @@ def one_device_loss():
 def compiles(monkeypatch):
     """The number of train steps the memory plan compiles, counted."""
     count = [0]
-    compiled = memory_plan._compiled_bytes
+    planning = sys.modules["meshfit.fit.memory_plan.plan"]  # where plan_mode finds it
+    compiled = planning.compiled_bytes
 
     def counted(*args, **kwargs):
         count[0] += 1
         return compiled(*args, **kwargs)
 
-    monkeypatch.setattr(memory_plan, "_compiled_bytes", counted)
+    monkeypatch.setattr(planning, "compiled_bytes", counted)
     return count
 
 
@@ -81,28 +83,28 @@ def test_plan_chooses_the_smallest_model_parallelism_that_fits_and_says_why(stra
         meshfit.connect(simulate_devices=8, verbose=False, **MEMORY)
         result = meshfit.plan(wide, 1024)
         out = capsys.readouterr().out
-        data, fsdp = result["modes"]["data"], result["modes"]["fsdp"]
-        tried = result["model_parallel_plans"]
-        assert not data["fits"] and not fsdp["fits"]
+        data, fsdp = result.modes["data"], result.modes["fsdp"]
+        tried = result.model_parallel_plans
+        assert not data.fits and not fsdp.fits
         assert list(tried) == ["data x model 2", "fsdp x model 2"]
         chosen = tried["fsdp x model 2"]
-        assert chosen["fits"] and not tried["data x model 2"]["fits"]
-        assert result["model_parallel"] == 2 and result["sharding"] == "fsdp"
-        assert chosen["model_parallel"] == 2 and chosen["weights"] * 6 < data["weights"]
+        assert chosen.fits and not tried["data x model 2"].fits
+        assert result.model_parallel == 2 and result.sharding == "fsdp"
+        assert chosen.model_parallel == 2 and chosen.weights * 6 < data.weights
         # XLA's cost analysis and the collectives of each compiled step, shown with the reason.
-        assert chosen["flops"] > 1e8 and chosen["bytes_accessed"] > 0
-        assert chosen["collectives"] > fsdp["collectives"] > data["collectives"] >= 1
-        assert chosen["collective_bytes"] > 0
+        assert chosen.flops > 1e8 and chosen.bytes_accessed > 0
+        assert chosen.collectives > fsdp.collectives > data.collectives >= 1
+        assert chosen.collective_bytes > 0
         using = next(line for line in out.splitlines() if "using" in line)
         assert using.startswith("  using fsdp x model 2: model parallel 2: fsdp needs 4.2 MB per device "
                                 "(data 6.9 MB), more than 4.1 MB; fsdp x model 2 needs 4.0 MB (each step")
-        assert using.endswith(f"; data x model 2 needs {format_bytes(tried['data x model 2']['total'])}")
+        assert using.endswith(f"; data x model 2 needs {format_bytes(tried['data x model 2'].total)}")
         assert "collectives of" in using and "meshfit.connect(..., sharding='fsdp', model_parallel=2)" in out
         # A model parallelism the user gave is kept: nothing else is tried.
         meshfit.connect(simulate_devices=8, verbose=False, model_parallel=1, **MEMORY)
         kept = meshfit.plan(wide, 1024, verbose=False)
-        assert kept["model_parallel"] == 1 and "model_parallel_plans" not in kept
-        assert kept["why"].endswith("neither fits")
+        assert kept.model_parallel == 1 and kept.model_parallel_plans is None
+        assert kept.why.endswith("neither fits")
     finally:
         connect_eight_devices()
 
@@ -131,17 +133,17 @@ def test_auto_takes_the_smallest_k_where_data_or_fsdp_x_model_fits_and_the_fewer
         seen.append((mode, k, candidate.distribution.axis_sizes["model"]))
         return plan(mode, k, *plans[k][mode == "fsdp"])
 
-    result = {"device_memory": 100, "why": "neither fits",
-              "modes": {"data": {"total": 400}, "fsdp": {"total": 200}}, "model_parallel": 1, "choice": "fsdp"}
-    memory_plan.model_parallel_plans(strategy, plan_on, result)
+    neither = {"data": plan("data", 1, 400, 1), "fsdp": plan("fsdp", 1, 200, 1)}
+    result = memory_plan.MemoryPlan(100, 1024, 8, 1, neither, "fsdp", "neither fits")
+    result = memory_plan.model_parallel_plans(strategy, plan_on, result)
     assert all(k == size for _, k, size in seen)  # each planned on its own (8/K) x K mesh
     assert [(m, k) for m, k, _ in seen] == [(m, k) for k in plans for m in ("data", "fsdp")][:len(seen)]
     if chosen is None:
-        assert result["model_parallel"] == 1 and result["why"].startswith("neither fits; nor data or fsdp x model 2, 4, 8")
+        assert result.model_parallel == 1 and result.why.startswith("neither fits; nor data or fsdp x model 2, 4, 8")
     else:
-        assert (result["choice"], result["model_parallel"]) == chosen and seen[-1][1] == chosen[1]
-        assert result["why"].startswith(f"model parallel {chosen[1]}: ")
-        assert memory_plan.plan_used(result, chosen[0])["total"] == plans[chosen[1]][chosen[0] == "fsdp"][0]
+        assert (result.choice, result.model_parallel) == chosen and seen[-1][1] == chosen[1]
+        assert result.why.startswith(f"model parallel {chosen[1]}: ")
+        assert result.used(chosen[0]).total == plans[chosen[1]][chosen[0] == "fsdp"][0]
 
 
 def test_a_plain_fit_names_the_model_parallel_to_connect_with_and_then_trains_as_one_device(
@@ -178,8 +180,8 @@ def test_a_model_that_fits_data_parallel_keeps_one_and_compiles_nothing_more(com
         assert compiles[0] == 1 and capsys.readouterr().out == ""  # the data step only, as before
         assert (strategy.sharding, strategy.model_parallel) == ("data", 1)
         result = meshfit.plan(lambda: wide(width=256), 1024, verbose=False)
-        assert compiles[0] == 3 and result["model_parallel"] == 1 and result["sharding"] == "data"
-        assert "model_parallel_plans" not in result
+        assert compiles[0] == 3 and result.model_parallel == 1 and result.sharding == "data"
+        assert result.model_parallel_plans is None
     finally:
         connect_eight_devices()
 

@@ -182,7 +182,7 @@ def test_plan_takes_the_sequence_length_keras_input_leaves_unknown(strategy, cap
     built = []
     abstract = meshfit.plan(lambda: built.append(llama()) or built[0], 16,
                             input_shapes={"token_ids": (16,), "padding_mask": (16,)})
-    assert abstract["modes"]["data"]["total"] == short.total
+    assert abstract.modes["data"].total == short.total
     assert "using data: device memory unknown" in capsys.readouterr().out
     assert all(v._value is None for v in built[0].variables)  # nothing allocated
 

@@ -64,15 +64,14 @@ def test_plan_decides_batch_steps_dispatch_and_micro_batches_in_one_value():
 
 
 def plan_of(data_total, fsdp_total, memory, largest_per_core):
-    """A memory plan's dict (as memory_plan.plan_memory returns it) for two modes' totals."""
+    """A memory plan (as memory_plan.plan_memory returns it) for two modes' totals."""
     from meshfit.fit import memory_plan
 
     plans = {mode: memory_plan.ModePlan(mode, 100, 200, total - 300, 10, total, 300, 300,
                                         total <= memory, largest_per_core)
              for mode, total in (("data", data_total), ("fsdp", fsdp_total))}
     choice, why = memory_plan.auto_sharding(plans, memory)
-    return {"device_memory": memory, "global_batch": 64, "devices": 8, "model_parallel": 1,
-            "modes": {m: p.as_dict() for m, p in plans.items()}, "choice": choice, "why": why}
+    return memory_plan.MemoryPlan(memory, 64, 8, 1, plans, choice, why)
 
 
 def test_plan_claims_no_mode_when_nothing_fits():
@@ -87,3 +86,34 @@ def test_plan_claims_no_mode_when_nothing_fits():
     assert asked == "  data (as asked) does not fit; the largest global batch that fits is 16 (--global-batch 16)"
     fits = memory_plan.summary_lines(plan_of(8000, 2000, 4000, 2), "fsdp")[-1]
     assert fits.startswith("  using fsdp: the replicated step needs 8.0 KB")
+
+
+# The keys `meshfit plan --json` wrote while the plan was a dict (meshfit.fit.memory_plan before
+# MemoryPlan; checked against that code's output for a recipe where model parallelism was weighed).
+PLAN_KEYS = ["device_memory", "global_batch", "devices", "model_parallel", "modes", "choice", "why",
+             "model_parallel_plans", "sharding", "fits", "recipe"]
+MODE_KEYS = ["mode", "weights", "optimizer", "step_temp", "batch", "total", "replicated", "state", "fits",
+             "largest_per_core_batch", "model_parallel", "flops", "bytes_accessed", "collectives",
+             "collective_bytes", "replicated_share"]
+
+
+def test_memory_plan_is_frozen_and_its_json_has_the_keys_meshfit_plan_wrote():
+    import dataclasses
+    import json
+
+    plan = plan_of(8000, 2000, 4000, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.choice = "data"
+    with pytest.raises(TypeError):  # its plans too
+        plan.modes["data"] = plan.modes["fsdp"]
+    assert list(plan.as_dict()) == PLAN_KEYS[:7]  # undecided, nothing weighed, no recipe
+    weighed = dataclasses.replace(plan, model_parallel_plans={"fsdp x model 2": plan.modes["fsdp"]},
+                                  sharding="fsdp", recipe="wide")
+    written = json.loads(json.dumps(weighed.as_dict()))
+    assert list(written) == PLAN_KEYS and list(written["modes"]["data"]) == MODE_KEYS
+    assert list(written["model_parallel_plans"]["fsdp x model 2"]) == MODE_KEYS
+    assert (written["sharding"], written["fits"], written["modes"]["data"]["fits"]) == ("fsdp", True, False)
+    assert written["modes"]["fsdp"]["replicated_share"] == 1.0
+    # --sharding data where it does not fit: "fits" is that mode's, and no plan was weighed.
+    asked = dataclasses.replace(plan, sharding="data").as_dict()
+    assert asked["fits"] is False and "model_parallel_plans" not in asked and "recipe" not in asked

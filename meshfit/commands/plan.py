@@ -7,6 +7,7 @@ it), without loading the data where the recipe's dataset says its shape, and wit
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -24,11 +25,11 @@ def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = Non
                 device_memory: int | str | None = None, precision: str | None = None,
                 engine: str | None = None, require: str | None = None,
                 data_dir: str | None = None, verbose: bool = True,
-                model_parallel: int | None = None) -> dict[str, Any]:
+                model_parallel: int | None = None) -> Any:
     """`meshfit plan`: the memory plan of a recipe's train step on these devices (both modes,
     the largest per-core batch that fits each), without training; printed when `verbose`.
-    Returns meshfit.fit.memory_plan.plan_memory's dict with "recipe", "sharding" (the mode
-    `meshfit train` would use with this `sharding`) and "fits" (whether that mode's step fits the
+    Returns the meshfit.fit.memory_plan.MemoryPlan with its recipe, its sharding (the mode
+    `meshfit train` would use with this `sharding`) and `fits` (whether that mode's step fits the
     device memory: False where nothing fits, which `meshfit train` refuses; None where the memory
     is unknown). A plan that finds nothing fitting is still an answer: `meshfit plan` exits 0."""
     datasets.check_data_dir(data_dir)
@@ -47,8 +48,7 @@ def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = Non
     shape = data_shape(the_recipe, data_dir)
     result = train.keras_side().memory_plan_of(the_recipe, shape, strategy, planned_batch,
                                                largest=memory is not None, verbose=verbose)
-    result.update(recipe=the_recipe.name)
-    return result
+    return dataclasses.replace(result, recipe=the_recipe.name)
 
 
 def data_shape(recipe: recipes.Recipe, data_dir: str | None):

@@ -373,14 +373,15 @@ class Strategy:
                              verbose=verbose, **kwargs)
 
 
-def plan(build, global_batch: int, input_shapes=None, verbose: bool = True) -> dict[str, Any]:
+def plan(build, global_batch: int, input_shapes=None, verbose: bool = True) -> memory_plan.MemoryPlan:
     """The memory plan of the model `build()` returns (compiled) on the devices and device memory
     of the last `meshfit.connect()` (e.g. `connect(simulate_devices=8, device_memory="16GB",
     model_parallel=2)`), without allocating its weights: per device the weights, optimizer state
     and the step's temporary memory under data and fsdp (with the connected model parallelism),
     whether each fits and the layout 'auto' would choose. input_shapes: the inputs' shapes without
     the batch where keras.Input leaves them unknown, e.g. {"token_ids": (1024,), "padding_mask":
-    (1024,)}. See meshfit.fit.memory_plan.plan_build."""
+    (1024,)}. Returns the meshfit.fit.memory_plan.MemoryPlan (its `as_dict()` for JSON). See
+    meshfit.fit.memory_plan.plan_build."""
     strategy = hooks.active()
     if strategy is None:
         raise MeshfitError("meshfit.plan plans on the connected devices: call meshfit.connect() "

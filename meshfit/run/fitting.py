@@ -103,28 +103,43 @@ def start_session(strategy, seed: int) -> None:
         tf.config.experimental.enable_op_determinism()  # bit-identical resume on TensorFlow
 
 
+class RecipeModels:
+    """What memory_plan.choose_sharding builds its plan's model with (a memory_plan.ModelBuilder):
+    the recipe's model for this dataset and schedule, in a session seeded by `seed`."""
+
+    def __init__(self, recipe: recipes.Recipe, dataset, steps_per_epoch: int, epochs: int,
+                 steps_per_dispatch: int, seed: int):
+        self.recipe, self.dataset, self.seed = recipe, dataset, seed
+        self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
+        self.steps_per_dispatch = steps_per_dispatch
+
+    def fresh_session(self, strategy) -> None:
+        start_session(strategy, self.seed)
+
+    def build_model(self):
+        return build(self.recipe, self.dataset, self.steps_per_epoch, self.epochs, self.steps_per_dispatch)
+
+
 def plan_sharding(asked, strategy, dataset, batch_plan: planning.BatchPlan):
     """The strategy in the sharding whose train step fits the device memory ('auto' decided by
     memory_plan.choose_sharding), its session started."""
     seed, epochs = asked.options.seed, asked.options.epochs
-    strategy, _ = memory_plan.choose_sharding(
-        strategy, lambda: build(asked.recipe, dataset, batch_plan.steps_per_epoch or 1, epochs,
-                                batch_plan.steps_per_dispatch),
-        batch_plan.global_batch, lambda s: start_session(s, seed), asked.options.verbose)
+    models = RecipeModels(asked.recipe, dataset, batch_plan.steps_per_epoch or 1, epochs,
+                          batch_plan.steps_per_dispatch, seed)
+    strategy, _ = memory_plan.choose_sharding(strategy, models, batch_plan.global_batch,
+                                              asked.options.verbose)
     start_session(strategy, seed)
     return strategy
 
 
 def memory_plan_of(recipe: recipes.Recipe, dataset, strategy, global_batch: int, largest: bool,
-                   verbose: bool = True) -> dict[str, Any]:
+                   verbose: bool = True) -> memory_plan.MemoryPlan:
     """`meshfit plan`'s memory plan of the recipe's train step on these devices, shown (when
     verbose), not enforced; 'auto' decided as plan_sharding decides it."""
-    _, result = memory_plan.choose_sharding(
-        strategy, lambda: build(recipe, dataset, 1, recipe.epochs, 1), global_batch,
-        lambda s: start_session(s, 0), verbose=False, largest=largest, always=True)
-    result["fits"] = memory_plan.plan_used(result, result["sharding"])["fits"]
+    _, result = memory_plan.choose_sharding(strategy, RecipeModels(recipe, dataset, 1, recipe.epochs, 1, 0),
+                                            global_batch, verbose=False, largest=largest, always=True)
     if verbose:
-        print("\n".join(memory_plan.summary_lines(result, result["sharding"])), flush=True)
+        print("\n".join(memory_plan.summary_lines(result, result.sharding)), flush=True)
     return result
 
 

@@ -12,6 +12,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,8 +172,8 @@ def time_one(spec: dict, info, recipe: recipes.Recipe, strategy: Strategy, preci
         if spec["engine"] == "jax" and strategy.replicas > 1:
             keras.distribution.set_distribution(keras.distribution.DataParallel())
     else:
-        chosen, _ = memory_plan.choose_sharding(strategy, build, global_batch, _fresh_session,
-                                                verbose=False)
+        builder = types.SimpleNamespace(fresh_session=_fresh_session, build_model=build)  # a ModelBuilder
+        chosen, _ = memory_plan.choose_sharding(strategy, builder, global_batch, verbose=False)
         _fresh_session(chosen)
     model = build()
     timer = EpochTimer()
