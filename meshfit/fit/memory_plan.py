@@ -4,7 +4,8 @@ for 'auto' with no model_parallel given, the model parallelism K when neither mo
 
 The model's own stateless `train_step` is lowered and compiled (never run) with abstract
 `jax.ShapeDtypeStruct` arguments carrying each mode's shardings (the batch split over the devices,
-every variable laid out by meshfit.parallel.sharding), so nothing is allocated for the mode not in use.
+every variable laid out by its mode's rule: meshfit.parallel.modes), so nothing is allocated for
+the mode not in use.
 Per device: weights and optimizer state (the variables' shards), the step's temporary memory
 (XLA's `temp_size_in_bytes`: activations, gradients, gathered weights) and the batch; total =
 XLA's arguments + outputs not aliased to them (the state is donated) + temporaries. With each
@@ -41,6 +42,7 @@ from keras.src.optimizers import base_optimizer  # has no public name
 from meshfit.errors import MeshfitError
 from meshfit.fit import sources
 from meshfit.parallel import devices, sharding
+from meshfit.parallel.modes import AUTO, FSDP, ShardingMode, mode_named, sharding_named, weighed
 from meshfit.watch import report
 
 
@@ -48,7 +50,7 @@ from meshfit.watch import report
 class ModePlan:
     """One mode's bytes per device (sizes in bytes)."""
 
-    mode: str  # 'data' or 'fsdp'
+    mode: str  # a registered mode's name (meshfit.parallel.modes)
     weights: int  # the model's variables (weights, batch-norm statistics)
     optimizer: int  # the optimizer's variables (Adam's moments, ...)
     step_temp: int  # XLA's temporary memory of the compiled step
@@ -152,7 +154,7 @@ def state_groups(model) -> tuple:
 
 
 def _specs(model, mode: str, strategy) -> dict[int, list]:
-    """Each variable's partition spec under `mode`: meshfit.parallel.sharding's rule, except
+    """Each variable's partition spec under `mode`: its rule (meshfit.parallel.modes), except
     where it is laid out otherwise (a LayoutMap's entry, or an optimizer slot of one), which
     keeps its layout, as Strategy.relayout keeps it. A variable laid out on a mesh of another
     shape than this strategy's (a plain fit's model planned for another K) takes the user's
@@ -272,7 +274,7 @@ def plan_mode(model, strategy, mode: str, global_batch: int, device_memory: int 
             multiple = strategy.per_core_multiple
             best = int((device_memory - (total - slope * per_core)) // slope) // multiple * multiple
             best = best if best >= multiple else 0
-    return ModePlan(mode, weights, optimizer, temp, batch, total, replicated, whole,
+    return ModePlan(mode_named(mode).name, weights, optimizer, temp, batch, total, replicated, whole,
                     None if device_memory is None else total <= device_memory, best,
                     strategy.model_parallel, **cost)
 
@@ -291,9 +293,9 @@ def plan_memory(model, strategy, global_batch: int, device_memory: int | None,
     jax.ShapeDtypeStruct) to plan with; input_shapes: else the inputs' shapes without the batch,
     for dimensions `keras.Input` leaves unknown, e.g. {'token_ids': (1024,)} (see input_structs).
     Returns {"device_memory", "global_batch", "devices", "modes": {mode: ModePlan as dict},
-    "choice": 'data' or 'fsdp', "why": one line}.
+    "choice": a mode's name, "why": one line}. The modes planned: auto's and the one asked.
     """
-    modes = ("data", "fsdp") if strategy.distribution is not None else ("data",)
+    modes = [m.name for m in weighed(strategy.sharding_asked, strategy.distribution is not None)]
     plans = {mode: plan_mode(model, strategy, mode, global_batch, device_memory, largest, data,
                              input_shapes)
              for mode in modes}
@@ -306,18 +308,18 @@ def plan_memory(model, strategy, global_batch: int, device_memory: int | None,
 
 def auto_sharding(plans: dict[str, ModePlan], device_memory: int | None) -> tuple[str, str]:
     """The mode `auto` picks from the plans and why: data when it fits or memory is unknown."""
-    data = plans["data"]
-    fsdp = plans.get("fsdp")
+    data = plans[AUTO.first.name]
+    fsdp = plans.get(AUTO.fallback.name)
     if device_memory is None:
-        return "data", "device memory unknown (set --device-memory): data-parallel"
+        return data.mode, "device memory unknown (set --device-memory): data-parallel"
     if data.fits or fsdp is None:
-        return "data", (f"the replicated step fits: {sharding.format_bytes(data.total)} of "
+        return data.mode, (f"the replicated step fits: {sharding.format_bytes(data.total)} of "
                         f"{sharding.format_bytes(device_memory)} per device")
     needs = (f"the replicated step needs {sharding.format_bytes(data.total)} per device, more than "
              f"{sharding.format_bytes(device_memory)}")
     if fsdp.fits:
-        return "fsdp", f"{needs}; sharded: {sharding.format_bytes(fsdp.total)}"
-    return "fsdp", f"{needs}, and sharded it needs {sharding.format_bytes(fsdp.total)}: neither fits"
+        return fsdp.mode, f"{needs}; sharded: {sharding.format_bytes(fsdp.total)}"
+    return fsdp.mode, f"{needs}, and sharded it needs {sharding.format_bytes(fsdp.total)}: neither fits"
 
 
 def model_parallel_candidates(strategy) -> list[int]:
@@ -330,7 +332,7 @@ def weighs_model_parallel(strategy, result: dict) -> bool:
     """True where 'auto' chooses K after `result` (plan_memory's, K = 1): sharding 'auto',
     model_parallel not given, several devices on JAX, a known device memory, and neither data
     nor fsdp fits it."""
-    return (strategy.sharding_asked == "auto" and strategy.model_parallel_asked is None
+    return (strategy.sharding_asked is AUTO and strategy.model_parallel_asked is None
             and strategy.distribution is not None and result["device_memory"] is not None
             and all(p["fits"] is False for p in result["modes"].values()))
 
@@ -357,20 +359,21 @@ def model_parallel_plans(strategy, plan_on: Callable[[Any, str], ModePlan], resu
     and bytes, not the time a link takes (ICI, NVLink, a network), nor what overlaps with compute.
     """
     memory = result["device_memory"]
-    data, fsdp = result["modes"]["data"], result["modes"].get("fsdp")
+    data, fsdp = result["modes"][AUTO.first.name], result["modes"].get(AUTO.fallback.name)
     tried = result.setdefault("model_parallel_plans", {})
     for k in model_parallel_candidates(strategy):
         plans = {}
-        for mode in ("data", "fsdp"):
-            candidate, name = strategy.with_sharding(mode, k), f"{mode} x model {k}"
+        for mode in AUTO.candidates:
+            candidate, name = strategy.with_sharding(mode, k), mode.layout_name(k)
             with candidate.scope():
-                plans[name] = plan_on(candidate, mode)
+                plans[name] = plan_on(candidate, mode.name)
             tried[name] = plans[name].as_dict()
         fitting = [name for name, plan in plans.items() if plan.fits]
         if not fitting:
             continue
         exchanged = {name: plans[name].collective_bytes for name in fitting}
-        name = min(fitting, key=lambda n: (exchanged[n] is None, exchanged[n] or 0, not n.startswith("data")))
+        first = AUTO.first.layout_name(k)  # data x model K on a tie
+        name = min(fitting, key=lambda n: (exchanged[n] is None, exchanged[n] or 0, n != first))
         why = (f"model parallel {k}: fsdp needs {sharding.format_bytes(fsdp['total'])} per device "
                f"(data {sharding.format_bytes(data['total'])}), more than "
                f"{sharding.format_bytes(memory)}; {name} needs {sharding.format_bytes(plans[name].total)} "
@@ -408,7 +411,7 @@ def plan_used(result: dict, mode: str) -> dict:
     """The plan (a dict) of what a run trains with: `mode` on the planned mesh, or `mode` x model K
     where 'auto' chose K (model_parallel_plans)."""
     chosen = result.get("model_parallel_plans", {}).get(
-        f"{result['choice']} x model {result.get('model_parallel')}")
+        mode_named(result["choice"]).layout_name(result.get("model_parallel") or 1))
     return chosen if chosen is not None and mode == result["choice"] else result["modes"][mode]
 
 
@@ -420,22 +423,24 @@ def largest_global_batch(result: dict, mode: str) -> int | None:
 
 
 def sharding_to_use(result: dict, asked: str) -> str:
-    """The mode a run trains with: `asked` ('data' or 'fsdp'), or for 'auto' the plan's choice."""
-    return result["choice"] if asked == "auto" else asked
+    """The name of the mode a run trains with: `asked` (a mode or its name), or for 'auto' the
+    plan's choice."""
+    asked = sharding_named(asked)
+    return result["choice"] if asked is AUTO else asked.name
 
 
 def check_fits(result: dict, mode: str) -> None:
-    """A MeshfitError when `mode` ('data' or 'fsdp') does not fit the device memory of `result`
+    """A MeshfitError when `mode` (a mode's name) does not fit the device memory of `result`
     (from `plan_memory`), naming the bytes needed, the bytes there are and the fix."""
     memory = result["device_memory"]
     chosen = plan_used(result, mode) if mode in result["modes"] else None
     if memory is None or chosen is None or chosen["fits"]:
         return
     need, have = sharding.format_bytes(chosen["total"]), sharding.format_bytes(memory)
-    fsdp = result["modes"].get("fsdp")
+    fsdp = result["modes"].get(AUTO.fallback.name)
     largest = largest_global_batch(result, mode)
-    if mode == "data" and fsdp and fsdp["fits"]:
-        fix = f"use --sharding fsdp (or auto), which needs {sharding.format_bytes(fsdp['total'])}"
+    if mode == AUTO.first.name and fsdp and fsdp["fits"]:
+        fix = f"use --sharding {AUTO.fallback} (or auto), which needs {sharding.format_bytes(fsdp['total'])}"
     elif largest:
         fix = (f"use --global-batch {largest} or less (the largest global batch that fits, "
                f"{largest // result['devices']} per device), more devices or a smaller model")
@@ -443,8 +448,9 @@ def check_fits(result: dict, mode: str) -> None:
         fix = "no batch fits: use more devices, or a smaller model"
     else:
         fix = "use a smaller --global-batch, more devices or a smaller model"
-    if mode == "fsdp" and not result["modes"]["data"]["fits"]:
-        fix = f"it does not fit replicated either ({sharding.format_bytes(result['modes']['data']['total'])}); {fix}"
+    replicated = result["modes"][AUTO.first.name]
+    if mode == AUTO.fallback.name and not replicated["fits"]:
+        fix = f"it does not fit replicated either ({sharding.format_bytes(replicated['total'])}); {fix}"
     raise MeshfitError(f"out of device memory: the model's train step needs {need} per device with "
                        f"--sharding {mode} "
                        f"(weights {sharding.format_bytes(chosen['weights'])}, optimizer "
@@ -472,7 +478,7 @@ def summary_lines(result: dict, mode: str) -> list[str]:
             lines[-1] += f"  largest per-core batch {p['largest_per_core_batch'] or 'none'}"
         if result.get("model_parallel_plans"):  # where model parallelism was weighed: the step's cost
             lines[-1] += f"  [{cost_text(p)}]"
-    used = mode if result.get("model_parallel", k) == k else f"{mode} x model {result['model_parallel']}"
+    used = mode_named(mode).layout_name(1 if result.get("model_parallel", k) == k else result["model_parallel"])
     fits = plan_used(result, mode)["fits"] is not False
     if mode != result["choice"]:
         lines.append(f"  using {used}: as asked" if fits else f"  {used} (as asked) does not fit")
@@ -486,11 +492,12 @@ def summary_lines(result: dict, mode: str) -> list[str]:
 
 
 def replicated_warning(result: dict, mode: str) -> str | None:
-    """A warning when fsdp leaves more than 2% of the state replicated, else None."""
+    """A warning when a mode that splits the state (fsdp) leaves more than 2% of it replicated,
+    else None."""
     p = plan_used(result, mode) if mode in result["modes"] else None
-    if mode != "fsdp" or p is None or p["replicated_share"] <= sharding.REPLICATED_WARN_SHARE:
+    if not mode_named(mode).splits_state or p is None or p["replicated_share"] <= sharding.REPLICATED_WARN_SHARE:
         return None
-    return (f"fsdp leaves {p['replicated_share']:.1%} of the state "
+    return (f"{mode} leaves {p['replicated_share']:.1%} of the state "
             f"({sharding.format_bytes(p['replicated'])}) replicated on every device: variables "
             f"under --fsdp-min-bytes or with no dimension divisible by {result['devices']}")
 
@@ -511,7 +518,8 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     is shown, not enforced: `meshfit plan`). largest: see plan_mode.
     """
     device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
-    skip = strategy.distribution is None or (strategy.sharding_asked != "fsdp" and device_memory is None)
+    splits = isinstance(strategy.sharding_asked, ShardingMode) and strategy.sharding_asked.splits_state
+    skip = strategy.distribution is None or (not splits and device_memory is None)
     if skip and not always:
         return strategy, None
 
@@ -525,7 +533,7 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
                 model = make_model()
         return model
 
-    planned = strategy.with_sharding("fsdp") if strategy.distribution is not None else strategy
+    planned = strategy.with_sharding(FSDP) if strategy.distribution is not None else strategy
     model = built(planned)
     result = plan_memory(model, planned, global_batch, device_memory, largest)
     if weighs_model_parallel(strategy, result):
@@ -549,7 +557,7 @@ def choose_sharding(strategy, make_model: Callable[[], Any], global_batch: int,
     warning = replicated_warning(result, mode)
     if warning:
         warnings.warn(warning, stacklevel=2)
-    if (mode, chosen_k) == (strategy.sharding, strategy.model_parallel):
+    if (mode, chosen_k) == (strategy.sharding.name, strategy.model_parallel):
         strategy.distribution.spill_after = None  # decided: the run's variables follow `mode` alone
         return strategy, result
     return strategy.with_sharding(mode, chosen_k), result
@@ -595,7 +603,7 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
     compiled (once more). A source whose shapes are unknown before it is
     read gets one line saying how to choose. Returns the plan when one was printed, else None."""
     device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
-    if (strategy.sharding_asked != "auto" or strategy.distribution is None or device_memory is None
+    if (strategy.sharding_asked is not AUTO or strategy.distribution is None or device_memory is None
             or getattr(model, "_meshfit_planned", False) or model.optimizer is None):
         return None
     model._meshfit_planned = True  # once per model: later fits keep the layout chosen
@@ -614,10 +622,10 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> dict | None
                   flush=True)
         return None
     data, global_batch = found
-    if plan_mode(model, strategy, "data", global_batch, device_memory, data=data).fits:
+    if plan_mode(model, strategy, AUTO.first, global_batch, device_memory, data=data).fits:
         # The replicated step fits: nothing more is compiled, and only variables built sharded
         # (past MeshParallel.spill_after, e.g. a frozen backbone for LoRA) are gathered.
-        strategy.relayout(model, "data")
+        strategy.relayout(model, AUTO.first)
         return None
     result = plan_memory(model, strategy, global_batch, device_memory, data=data)
     if weighs_model_parallel(strategy, result):  # this model's variables as built on each candidate's mesh
