@@ -33,6 +33,7 @@ if _os.path.basename(_sys.argv[0] if _sys.argv else "") in ("meshfit", "meshfit.
 
 from meshfit.errors import MeshfitError  # noqa: E402
 from meshfit.parallel import engine as _engine
+from meshfit.parallel import modes as _modes
 from meshfit.parallel import planning as _planning
 from meshfit.parallel import sharding as _sharding
 
@@ -52,7 +53,7 @@ def connect(require: str | None = None, simulate_devices: int | None = None, pre
       older keyword `simulate` is still accepted.
     precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32).
     engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
-    sharding: 'auto' (default), 'data' or 'fsdp' (see meshfit.parallel.sharding). 'auto' lays
+    sharding: 'auto' (default), 'data' or 'fsdp' (see meshfit.parallel.modes). 'auto' lays
       variables out as 'data' until a model's first fit plans its train step with fit's batch
       (meshfit.fit.memory_plan) and, when the device memory is known and the replicated step
       does not fit, lays its variables out as fsdp (`meshfit train` plans before building).
@@ -79,7 +80,7 @@ def connect(require: str | None = None, simulate_devices: int | None = None, pre
         simulate_devices = simulate
     # Every setting is checked before any slow work (finding devices, importing Keras).
     precision = _planning.precision_name(precision)
-    sharding = _sharding.check_sharding(sharding)
+    sharding = _modes.check_sharding(sharding)  # None: modes.DEFAULT
     fsdp_min_bytes = _sharding.parse_fsdp_min_bytes(fsdp_min_bytes)
     device_memory = _sharding.parse_size(device_memory)
     model_parallel = None if model_parallel is None else _sharding.check_model_parallel(model_parallel)

@@ -62,7 +62,8 @@ def add_device_arguments(parser: argparse.ArgumentParser, precision: bool = True
 
 
 def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
-    """--sharding, --fsdp-min-bytes and --device-memory (see meshfit.parallel.sharding, meshfit.fit.memory_plan)."""
+    """--sharding, --fsdp-min-bytes and --device-memory (see meshfit.parallel.modes and
+    meshfit.fit.memory_plan)."""
     options.add_flags(parser, "sharding", "fsdp_min_bytes", "device_memory")
 
 

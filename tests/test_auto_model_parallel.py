@@ -21,6 +21,7 @@ from helpers import connect_eight_devices
 import meshfit
 from meshfit.errors import MeshfitError
 from meshfit.fit import memory_plan
+from meshfit.parallel import modes
 from meshfit.parallel.sharding import format_bytes
 from meshfit.run import rundir
 
@@ -160,7 +161,7 @@ def test_a_plain_fit_names_the_model_parallel_to_connect_with_and_then_trains_as
             assert "pass model_parallel=2 to meshfit.connect()" in message
         assert "using fsdp x model 2" in capsys.readouterr().out
         assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
-        assert strategy.model_parallel == 1 and strategy.sharding == "data"
+        assert strategy.model_parallel == 1 and strategy.sharding is modes.DATA
         # As the line says:
         strategy = meshfit.connect(simulate_devices=8, verbose=False, sharding="fsdp", model_parallel=2,
                                    **MEMORY)
@@ -178,7 +179,7 @@ def test_a_model_that_fits_data_parallel_keeps_one_and_compiles_nothing_more(com
         model = wide(width=256)
         train(model)
         assert compiles[0] == 1 and capsys.readouterr().out == ""  # the data step only, as before
-        assert (strategy.sharding, strategy.model_parallel) == ("data", 1)
+        assert (strategy.sharding.name, strategy.model_parallel) == ("data", 1)
         result = meshfit.plan(lambda: wide(width=256), 1024, verbose=False)
         assert compiles[0] == 3 and result.model_parallel == 1 and result.sharding == "data"
         assert result.model_parallel_plans is None

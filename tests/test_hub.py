@@ -15,6 +15,7 @@ import keras  # noqa: E402 (conftest chose the backend)
 
 from helpers import connect_eight_devices  # noqa: E402
 from meshfit.fit.strategy import Strategy  # noqa: E402
+from meshfit.parallel import modes  # noqa: E402
 
 VOCAB, SEQ = 256, 12
 
@@ -134,12 +135,12 @@ def test_auto_shards_a_model_that_does_not_fit_at_its_first_fit(one_device_loss,
     try:
         model = llama()
         whole = sum(v.value.nbytes for v in model.variables)
-        assert strategy.sharding == "data"
+        assert strategy.sharding is modes.DATA
         assert replicated_bytes(model) <= strategy.distribution.spill_after < whole
         losses = train(model)
         out = capsys.readouterr().out
         assert "using fsdp: the replicated step needs" in out and "more than 600.0 KB" in out
-        assert strategy.sharding == "fsdp"
+        assert strategy.sharding is modes.FSDP
         np.testing.assert_allclose(losses, one_device_loss, rtol=1e-5)
         assert device_zero_share(model) < 0.2  # 1/8 of the sharded variables, small ones whole
     finally:
@@ -159,7 +160,7 @@ def test_auto_gathers_a_lora_model_built_sharded_when_its_replicated_step_fits(o
         assert replicated_bytes(model) < whole  # some created sharded
         losses = train(model)
         assert capsys.readouterr().out == ""  # the replicated step fits: nothing to say
-        assert strategy.sharding == "data" and replicated_bytes(model) == whole
+        assert strategy.sharding is modes.DATA and replicated_bytes(model) == whole
         np.testing.assert_allclose(losses, one_device_losses[1], rtol=1e-5)
         assert all(np.array_equal(frozen[v.path], v.value) for v in model.non_trainable_variables)
     finally:

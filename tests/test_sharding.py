@@ -14,7 +14,7 @@ import pytest
 from helpers import connect_eight_devices, environment
 
 from meshfit.run import rundir
-from meshfit.parallel import sharding
+from meshfit.parallel import modes, sharding
 from meshfit.fit.strategy import Strategy
 from meshfit.errors import MeshfitError
 
@@ -195,7 +195,7 @@ def test_rule_sizes_and_modes():
         with pytest.raises(MeshfitError, match="size|at least"):
             sharding.parse_size(bad)
     with pytest.raises(MeshfitError, match="unknown sharding 'zero'"):
-        sharding.check_sharding("zero")
+        modes.check_sharding("zero")
 
 
 def test_fsdp_x_model_splits_what_model_leaves_whole_over_both_axes():
@@ -203,7 +203,7 @@ def test_fsdp_x_model_splits_what_model_leaves_whole_over_both_axes():
     # 'batch' the largest other dimension it divides; what 'model' leaves whole (a vector, one
     # key/value head) goes over all 8 devices where 8 divides a dimension.
     def spec(shape, sharding_="fsdp"):
-        return sharding.partition(shape, "float32", sharding_, 2, 1, "batch", 4)
+        return modes.mode_named(sharding_).partition(shape, "float32", 2, 1, "batch", 4)
 
     assert spec((32, 128)) == ["batch", "model"]  # an up-projection
     assert spec((32, 4, 8)) == ["batch", "model", None]  # query heads
@@ -221,7 +221,7 @@ def test_a_convolution_kernel_is_split_along_its_channels_never_its_window():
     # XLA's partitioner doubled a ViT patch embedding's gradient with its window split
     # (benchmarks/xla_conv_window_gradient.py): only the last two axes (in, out) are split.
     def spec(shape, batch=4, model=2):
-        return sharding.partition(shape, "float32", "fsdp", batch, 1, "batch", model)
+        return modes.FSDP.partition(shape, "float32", batch, 1, "batch", model)
 
     assert spec((4, 4, 3, 32)) == [None, None, None, ("model", "batch")]  # keras-hub ViT's patches
     assert spec((16, 16, 3, 768)) == [None, None, None, ("model", "batch")]  # ViT-B/16's

@@ -72,8 +72,9 @@ def _on_jax() -> bool:
     return keras.backend.backend() == "jax"
 
 
-def _batch_sharding(shape: tuple[int, ...]):
-    """The jax sharding of an array split along its first axis with Keras' data layout."""
+def _batch_placement(shape: tuple[int, ...]):
+    """The JAX placement (a jax.sharding.Sharding) of an array split along its first axis with
+    Keras' data layout."""
     import jax
     import keras
 
@@ -83,18 +84,18 @@ def _batch_sharding(shape: tuple[int, ...]):
     return distribution.get_data_layout(shape).backend_layout
 
 
-def _replicated(sharding):
-    """A sharding over the same devices that keeps a full copy on each."""
+def _replicated(placement):
+    """A placement over the same devices that keeps a full copy on each."""
     import jax
 
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    return sharding
+    if isinstance(placement, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
+    return placement
 
 
-def _fits_on_devices(nbytes: int, sharding) -> bool:
+def _fits_on_devices(nbytes: int, placement) -> bool:
     """True when a batch-sharded array of `nbytes` takes at most a quarter of each device's memory."""
-    devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
+    devices = sorted(placement.addressable_devices, key=lambda d: d.id)
     stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
     limit = (stats or {}).get("bytes_limit")
     return not limit or nbytes / len(devices) <= DEVICE_MEMORY_FRACTION * limit
@@ -107,8 +108,8 @@ def _put_sharded(array: np.ndarray, multiple: int):
     extra = -len(array) % multiple  # JAX shards an array only in equal parts; no order reaches the padding
     if extra:
         array = np.concatenate([array, np.zeros((extra,) + array.shape[1:], array.dtype)])
-    sharding = _batch_sharding(array.shape)
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+    placement = _batch_placement(array.shape)
+    return jax.make_array_from_callback(array.shape, placement, lambda index: array[index])
 
 
 def check_train_batches(samples: int, image_size: tuple[int, int], global_batch: int,
@@ -162,12 +163,12 @@ class TrainBatches:
         self.augment, self.crop_padding, self.flips = augment, int(crop_padding), flips
         self.num_samples = len(x)
         if on_device is None:
-            on_device = _on_jax() and _fits_on_devices(x.nbytes, _batch_sharding(x.shape))
+            on_device = _on_jax() and _fits_on_devices(x.nbytes, _batch_placement(x.shape))
         self.on_device = on_device
         self._order_epoch, self._order = None, None
         if on_device:
-            self._x = _put_sharded(x, len(_batch_sharding(x.shape).device_set))
-            self._y = _put_sharded(y, len(_batch_sharding(y.shape).device_set))
+            self._x = _put_sharded(x, len(_batch_placement(x.shape).device_set))
+            self._y = _put_sharded(y, len(_batch_placement(y.shape).device_set))
 
     def __len__(self) -> int:
         return self.steps_per_epoch
@@ -205,7 +206,7 @@ class TrainBatches:
         import jax
 
         # Each device gathers its batch rows from anywhere in the data: the order is whole on each.
-        out = _replicated(_batch_sharding(self.x.shape)) if self.on_device else None
+        out = _replicated(_batch_placement(self.x.shape)) if self.on_device else None
         return jax.jit(functools.partial(permutation, self.seed, n=self.num_samples),
                        out_shardings=out)
 
@@ -216,8 +217,8 @@ class TrainBatches:
 
         batch, augment = self.global_batch, self.augment
         parameters = self._parameters()
-        shardings = (_batch_sharding((batch,) + self.x.shape[1:]),
-                     _batch_sharding((batch,) + self.y.shape[1:]))
+        placements = (_batch_placement((batch,) + self.x.shape[1:]),
+                      _batch_placement((batch,) + self.y.shape[1:]))
 
         def gather(x, y, order, epoch, step):
             indices = jax.lax.dynamic_slice_in_dim(order, step * batch, batch)
@@ -227,7 +228,7 @@ class TrainBatches:
                 images = _flip_crop_on_device(images, rows, cols, flips, self.crop_padding)
             return images, labels
 
-        return jax.jit(gather, out_shardings=shardings)
+        return jax.jit(gather, out_shardings=placements)
 
     def _parameters(self):
         """`fn(epoch, step, indices)`: the batch's crop offsets and flips (jax, traceable)."""
@@ -262,7 +263,7 @@ class EvalBatches:
         self.num_batches = -(-len(x) // global_batch)
         padded = self.num_batches * global_batch  # one shape for every batch: predict compiles once
         if on_device is None:
-            on_device = _on_jax() and _fits_on_devices(x.nbytes, _batch_sharding(x.shape))
+            on_device = _on_jax() and _fits_on_devices(x.nbytes, _batch_placement(x.shape))
         self.on_device = on_device
         if on_device:
             # (batches, batch, ...) sharded on the batch axis: batch i is a local slice per device.
@@ -271,12 +272,12 @@ class EvalBatches:
             stacked = np.zeros((padded,) + x.shape[1:], x.dtype)
             stacked[:len(x)] = x
             stacked = stacked.reshape((self.num_batches, global_batch) + x.shape[1:])
-            inner = _batch_sharding((global_batch,) + x.shape[1:])
-            sharding = inner
+            inner = _batch_placement((global_batch,) + x.shape[1:])
+            placement = inner
             if isinstance(inner, jax.sharding.NamedSharding):
-                sharding = jax.sharding.NamedSharding(
+                placement = jax.sharding.NamedSharding(
                     inner.mesh, jax.sharding.PartitionSpec(None, *inner.spec))
-            self._x = jax.make_array_from_callback(stacked.shape, sharding, lambda i: stacked[i])
+            self._x = jax.make_array_from_callback(stacked.shape, placement, lambda i: stacked[i])
             self._take = jax.jit(lambda xs, i, flip: xs[i][:, :, ::-1, :] if flip else xs[i],
                                  static_argnums=2, out_shardings=inner)
 

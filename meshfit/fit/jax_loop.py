@@ -32,15 +32,15 @@ from meshfit.parallel import heartbeat
 from meshfit.parallel.planning import check_steps_per_dispatch
 
 
-def make_multi_step(model, steps: int, state_shardings: Any = None) -> Callable:
+def make_multi_step(model, steps: int, state_placements: Any = None) -> Callable:
     """A jitted `fn(state, batches) -> (logs, state)` that runs `steps` train steps in one program.
 
     state: the model's JAX training state, the tuple Keras' JAX `train_function` takes:
       (trainable, non-trainable, optimizer, metrics variable values).
     batches: a sequence of `steps` batches, each `(x, y)` or `(x, y, sample_weight)` of equal
       shapes; they are stacked on the device and scanned over in order.
-    state_shardings: the shardings the new state must keep (Keras' DataParallel replicates
-      variables); None lets XLA choose.
+    state_placements: the JAX placements (jax.sharding.Sharding) the new state must keep (Keras'
+      DataParallel replicates variables); None lets XLA choose.
     Returns the last step's logs (Keras metrics are running means, so these are the epoch's so
     far) and the new state. The input state's buffers are donated.
     """
@@ -61,7 +61,7 @@ def make_multi_step(model, steps: int, state_shardings: Any = None) -> Callable:
         # Keras' metrics are running means: the last step's logs are the epoch's so far.
         return jax.tree.map(lambda t: t[-1], logs), state
 
-    out_shardings = None if state_shardings is None else (None, state_shardings)
+    out_shardings = None if state_placements is None else (None, state_placements)
     return jax.jit(run, donate_argnums=0, out_shardings=out_shardings)
 
 
@@ -93,7 +93,7 @@ def install(model, steps: int = 1) -> None:
     count is not a multiple of `steps`, or a last batch of another size, finish with ordinary
     single steps. Choose `steps` dividing the epoch's steps (see `meshfit.parallel.planning.dividing_steps`): like Keras'
     `steps_per_execution`, a call takes up to `steps` batches from the iterator.
-    With steps=1 it is Keras' step, except that the state is kept on its devices' shardings: on one
+    With steps=1 it is Keras' step, except that the state is kept on its devices' placements: on one
     device Keras' `DataParallel` leaves fresh variables uncommitted, and its jitted step then
     compiles again at the second step and after every metrics reset.
     On other engines Keras' own `steps_per_execution` is set (an in-graph loop on TensorFlow).
@@ -113,22 +113,22 @@ class _TrainFunction:
     def __init__(self, model, steps: int):
         self.model = model
         self.steps = steps
-        self._shardings = None
+        self._placements = None
         self._multi = None
         self._single = None
 
     def _compile(self, state) -> None:
-        self._shardings = jax.tree.map(lambda a: a.sharding, state)
+        self._placements = jax.tree.map(lambda a: a.sharding, state)
         self._single = jax.jit(self.model.train_step, donate_argnums=0,
-                               out_shardings=(None, self._shardings))
+                               out_shardings=(None, self._placements))
         if self.steps > 1:
-            self._multi = make_multi_step(self.model, self.steps, self._shardings)
+            self._multi = make_multi_step(self.model, self.steps, self._placements)
 
     def __call__(self, state, iterator):
         if self._single is None:
             self._compile(state)
         if not all(a.committed for a in jax.tree.leaves(state)):
-            state = jax.device_put(state, self._shardings)  # one compiled program, not two
+            state = jax.device_put(state, self._placements)  # one compiled program, not two
         heartbeat.advance()  # for meshfit launch's watchdog: reading batches may wait for other hosts
         batches = []
         for batch in iterator:

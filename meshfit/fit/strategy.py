@@ -4,7 +4,7 @@ one once the engine is chosen (`connected`).
 On JAX this is Keras' own `keras.distribution.DataParallel` over a `jax.sharding` mesh: variables
 are replicated, every global batch is split along its first axis, and XLA inserts the gradient
 all-reduce. With sharding="fsdp" the large variables are sharded over the same devices instead
-(`MeshParallel`, by the rule of meshfit.parallel.sharding), each drawn straight into its shards
+(`MeshParallel`, by the mode's rule: meshfit.parallel.modes), each drawn straight into its shards
 (meshfit.fit.sharded_init). Nothing here writes a collective by hand.
 """
 
@@ -22,7 +22,7 @@ from meshfit.errors import MeshfitError
 from meshfit.fit import hooks, hosts, memory_plan, sources, tf_bias_gradient, tf_microbatch
 from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
-from meshfit.parallel import planning
+from meshfit.parallel import modes, planning
 from meshfit.parallel import sharding as sharding_lib
 from meshfit.watch.report import EpochReport, discovery_text
 
@@ -30,7 +30,7 @@ from meshfit.watch.report import EpochReport, discovery_text
 class MeshLayout(keras.distribution.TensorLayout):
     """Keras' TensorLayout, whose entries may also name several mesh axes (('batch', 'model'):
     one dimension split over both), as jax.sharding.PartitionSpec allows and
-    meshfit.parallel.sharding.partition lays out; Keras' own check takes single names only."""
+    a mode's partition rule (meshfit.parallel.modes) lays out; Keras' own check takes single names only."""
 
     def _validate_axes(self):
         names = {n for a in self.axes for n in (a if isinstance(a, tuple) else (a,))} - {None}
@@ -41,11 +41,11 @@ class MeshLayout(keras.distribution.TensorLayout):
 
 class MeshParallel(keras.distribution.ModelParallel):
     """Keras' `ModelParallel` on a mesh (N/K) x K with axes 'batch' and 'model', whose variables
-    are laid out by meshfit.parallel.sharding's rule from their shapes: 'data' (whole on 'batch'),
-    'fsdp' (large variables sharded over 'batch'), and with model_parallel K > 1 every kernel
-    split over 'model' too. With K = 1 and 'data' this is Keras' `DataParallel`.
+    are laid out by their sharding mode's rule from their shapes (meshfit.parallel.modes): 'data'
+    (whole on 'batch'), 'fsdp' (large variables sharded over 'batch'), and with model_parallel
+    K > 1 every kernel split over 'model' too. With K = 1 and 'data' this is Keras' `DataParallel`.
 
-    sharding: 'data' or 'fsdp'; changing it changes the layout of variables created afterwards
+    sharding: a ShardingMode (or its name); changing it changes the layout of variables created afterwards
     (see Strategy.relayout for those that exist). fsdp_min_bytes: variables smaller stay whole on
     'batch'. layout_map: a `keras.distribution.LayoutMap` (or a function of the mesh returning
     one, e.g. keras-hub's `Backbone.get_layout_map`) whose entries win over the rule; see
@@ -53,24 +53,26 @@ class MeshParallel(keras.distribution.ModelParallel):
     rows (see Strategy.fit).
 
     spill_after: bytes (under 'auto' with the device memory known: a quarter of it), else None.
-    While the mode is 'data', variables are then laid out replicated until the live ones so laid
-    out would pass it, and by 'fsdp' beyond, so that a model too large to hold replicated can be
-    built before its first fit plans it (Strategy.relayout then lays out every one as chosen).
+    While the mode is auto's first ('data'), variables are then laid out so until the live ones
+    so laid out would pass it, and by auto's fallback ('fsdp') beyond, so that a model too large
+    to hold replicated can be built before its first fit plans it (Strategy.relayout then lays
+    out every one as chosen).
     A quarter because a replicated step holds each weight it trains at least four times (the
     weight, its gradient and Adam's two moments): past it, such a step cannot fit, and the
     device keeps three quarters for the shares of what follows. Where it still fits (frozen
     weights, as under LoRA), the first fit gathers them.
     """
 
-    def __init__(self, *, devices, sharding: str, fsdp_min_bytes: int, model_parallel: int = 1,
-                 layout_map=None):
+    def __init__(self, *, devices, sharding: modes.ShardingMode | str, fsdp_min_bytes: int,
+                 model_parallel: int = 1, layout_map=None):
         mesh = keras.distribution.DeviceMesh((len(devices) // model_parallel, model_parallel),
                                              ("batch", "model"), list(devices))
         super().__init__(layout_map=keras.distribution.LayoutMap(mesh), batch_dim_name="batch",
                          auto_shard_dataset=False)
-        self.sharding, self.fsdp_min_bytes, self.model_parallel = sharding, fsdp_min_bytes, model_parallel
+        self.sharding = modes.mode_named(sharding)
+        self.fsdp_min_bytes, self.model_parallel = fsdp_min_bytes, model_parallel
         self.spill_after: int | None = None
-        self.replicated_bytes = 0  # of the live variables laid out by 'data' while spill_after is set
+        self.replicated_bytes = 0  # of the live variables laid out by auto's first while spill_after is set
         if layout_map is not None:
             self.use_layout_map(layout_map)
 
@@ -102,21 +104,22 @@ class MeshParallel(keras.distribution.ModelParallel):
                           f"axis this mesh lacks (it has {', '.join(self.device_mesh.axis_names)}): "
                           "ignored; those variables follow meshfit's rule", stacklevel=3)
 
-    def spec(self, shape, dtype, sharding: str | None = None) -> list:
-        """A variable's partition spec by meshfit's rule under `sharding` (default: this one's)."""
+    def spec(self, shape, dtype, sharding: modes.ShardingMode | str | None = None) -> list:
+        """A variable's partition spec by the rule of `sharding` (a mode or its name; default:
+        this one's)."""
         sizes = self.axis_sizes
-        return sharding_lib.partition(tuple(shape), dtype, sharding or self.sharding, sizes["batch"],
-                                      self.fsdp_min_bytes, "batch", sizes["model"])
+        mode = self.sharding if sharding is None else modes.mode_named(sharding)
+        return mode.partition(shape, dtype, sizes["batch"], self.fsdp_min_bytes, "batch", sizes["model"])
 
     def _forget(self, whole: int) -> None:
         self.replicated_bytes -= whole
 
-    def axes_under(self, shape, dtype, axes, sharding: str) -> list:
+    def axes_under(self, shape, dtype, axes, sharding: modes.ShardingMode | str) -> list:
         """The axes a variable laid out as `axes` takes under `sharding`: the rule's where `axes`
-        are the rule's under 'data' or 'fsdp', else `axes` (a layout_map entry's, or its
-        optimizer slot's, kept under every mode); padded to the variable's rank."""
+        are some registered mode's, else `axes` (a layout_map entry's, or its optimizer slot's,
+        kept under every mode); padded to the variable's rank."""
         axes = (list(axes) + [None] * len(shape))[:len(shape)]
-        follows = axes in (self.spec(shape, dtype, "data"), self.spec(shape, dtype, "fsdp"))
+        follows = any(axes == self.spec(shape, dtype, mode) for mode in modes.MODES.values())
         return self.spec(shape, dtype, sharding) if follows else axes
 
     def get_variable_layout(self, variable):
@@ -127,20 +130,20 @@ class MeshParallel(keras.distribution.ModelParallel):
         layout = self._layout_map[variable.path]
         if layout is not None:
             return layout
-        sharding = self.sharding
-        if self.spill_after is not None and sharding == "data":
+        mode = self.sharding
+        if self.spill_after is not None and mode is modes.AUTO.first:
             whole = sharding_lib.bytes_per_device(tuple(variable.shape), variable.dtype, [], 1)
             if self.replicated_bytes + whole > self.spill_after:
-                sharding = "fsdp"
+                mode = modes.AUTO.fallback
             else:  # counted while it lives: a model built again, or dropped, frees its bytes
                 self.replicated_bytes += whole
                 weakref.finalize(variable, self._forget, whole)
-        return MeshLayout(self.spec(variable.shape, variable.dtype, sharding), self.device_mesh)
+        return MeshLayout(self.spec(variable.shape, variable.dtype, mode), self.device_mesh)
 
 
-def keras_distribution(devices: list, sharding: str, fsdp_min_bytes: int, layout_map=None,
-                       model_parallel: int = 1) -> MeshParallel:
-    """The Keras distribution for `sharding` ('data' or 'fsdp') over `devices`, as a mesh
+def keras_distribution(devices: list, sharding: modes.ShardingMode | str, fsdp_min_bytes: int,
+                       layout_map=None, model_parallel: int = 1) -> MeshParallel:
+    """The Keras distribution for `sharding` (a mode or its name) over `devices`, as a mesh
     (devices/model_parallel) x model_parallel with axes 'batch' and 'model'."""
     return MeshParallel(devices=devices, sharding=sharding, fsdp_min_bytes=fsdp_min_bytes,
                         model_parallel=model_parallel, layout_map=layout_map)
@@ -149,10 +152,12 @@ def keras_distribution(devices: list, sharding: str, fsdp_min_bytes: int, layout
 class Strategy:
     """The devices in use, the engine and precision chosen, the batch plan and the sharding.
 
-    sharding: 'data' (replicated variables), 'fsdp' (large variables sharded, see
-    meshfit.parallel.sharding) or 'auto', which lays variables out as 'data' (with the device
-    memory known, those past a quarter of it as 'fsdp': MeshParallel.spill_after) until a
-    model's first fit (memory_plan.plan_at_first_fit) or memory_plan.choose_sharding picks a mode.
+    sharding: 'auto' (the default, modes.DEFAULT), or a mode of meshfit.parallel.modes: 'data'
+    (replicated variables), 'fsdp' (large variables sharded); a name or the object. 'auto' lays
+    variables out as 'data' (with the device memory known, those past a quarter of it as 'fsdp':
+    MeshParallel.spill_after) until a model's first fit (memory_plan.plan_at_first_fit) or
+    memory_plan.choose_sharding picks a mode. `sharding` is then the ShardingMode in use and
+    `sharding_asked` what was asked (modes.AUTO or a mode).
     fsdp_min_bytes: under fsdp, variables smaller than this stay replicated.
     device_memory: bytes per device to plan with (None: the device's own figure, where known).
     layout_map: optional keras.distribution.LayoutMap whose entries win over the fsdp rule.
@@ -160,26 +165,28 @@ class Strategy:
     """
 
     def __init__(self, info: devices_lib.DeviceInfo, engine: str, precision: str,
-                 sharding: str = "data", fsdp_min_bytes: int = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
+                 sharding: modes.ShardingMode | str | None = None,
+                 fsdp_min_bytes: int = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
                  device_memory: int | None = None, layout_map=None, model_parallel: int | None = 1):
         self.info = info
         self.engine = engine
         self.precision = precision
         self.per_core_multiple = planning.batch_multiple(info.platform, info.device_kind)
-        self.sharding_asked = sharding
+        self.sharding_asked = asked = modes.sharding_named(sharding)  # None: modes.DEFAULT
         self.fsdp_min_bytes = fsdp_min_bytes
         self.device_memory = device_memory
         # None: not given, so that 'auto' may choose it (memory_plan.model_parallel_plans); 1 until then.
         self.model_parallel_asked = model_parallel
         model_parallel = self.model_parallel = model_parallel or 1
-        self.sharding = "data" if sharding == "auto" else sharding  # until choose_sharding decides
+        # under auto, its first mode until choose_sharding decides
+        self.sharding: modes.ShardingMode = modes.AUTO.first if asked is modes.AUTO else asked
         self._distribution = None
         distributed = engine == "jax" and len(info.devices) > 1
-        if self.sharding == "fsdp" and not distributed:
-            warnings.warn("sharding fsdp needs several devices on the JAX engine; with "
+        if self.sharding.splits_state and not distributed:
+            warnings.warn(f"sharding {self.sharding} needs several devices on the JAX engine; with "
                           f"{len(info.devices)} device(s) on {engine} every variable is whole on "
                           "each device (data-parallel)", stacklevel=2)
-            self.sharding = "data"
+            self.sharding = modes.DATA
         if model_parallel > 1 and not distributed:
             raise MeshfitError(f"model_parallel={model_parallel} needs several devices on the JAX "
                                f"engine (here {len(info.devices)} on {engine}); use model_parallel=1")
@@ -190,7 +197,7 @@ class Strategy:
             # One device needs no distribution: Keras' distributed input path would cost ~0.3 ms/step.
             self._distribution = keras_distribution(list(info.devices), self.sharding,
                                                     fsdp_min_bytes, layout_map, model_parallel)
-            memory = devices_lib.memory_bytes(info, device_memory) if sharding == "auto" else None
+            memory = devices_lib.memory_bytes(info, device_memory) if asked is modes.AUTO else None
             if memory is not None:
                 self._distribution.spill_after = memory // 4
         elif layout_map is not None:
@@ -198,8 +205,9 @@ class Strategy:
                           "nothing out (it needs several devices on the JAX engine)", stacklevel=2)
         self._layout_map = layout_map
 
-    def with_sharding(self, sharding: str, model_parallel: int | None = None) -> "Strategy":
-        """This strategy on the same devices with another sharding ('data' or 'fsdp') and, given
+    def with_sharding(self, sharding: modes.ShardingMode | str,
+                      model_parallel: int | None = None) -> "Strategy":
+        """This strategy on the same devices with another sharding (a mode or its name) and, given
         model_parallel, another mesh ((devices/K) x K), e.g. what the memory plan chose for 'auto';
         activate it before building the model."""
         chosen = Strategy(self.info, self.engine, self.precision, sharding, self.fsdp_min_bytes,
@@ -230,15 +238,16 @@ class Strategy:
             self._distribution.use_layout_map(layout_map)
         self._layout_map = layout_map
 
-    def relayout(self, model, sharding: str) -> None:
-        """Lay `model`'s variables (and its optimizer's, once built) out under `sharding` ('data'
-        or 'fsdp') in place, and make it the mode of variables created afterwards: what 'auto'
+    def relayout(self, model, sharding: modes.ShardingMode | str) -> None:
+        """Lay `model`'s variables (and its optimizer's, once built) out under `sharding` (a mode
+        or its name) in place, and make it the mode of variables created afterwards: what 'auto'
         decides at the first fit (meshfit.fit.memory_plan), from the layout they were built with
         ('data', and 'fsdp' past MeshParallel.spill_after). A user's layout_map entries keep
         their layout."""
         distribution = self._distribution
         if distribution is None:
             return
+        sharding = modes.mode_named(sharding)
         distribution.sharding = self.sharding = sharding
         optimizer = getattr(model, "optimizer", None)
         variables = list(model.variables) + (list(optimizer.variables) if optimizer is not None
@@ -317,8 +326,8 @@ class Strategy:
             "keras_policy": planning.keras_policy(self.precision),
             "per_core_batch_multiple": self.per_core_multiple,
             "peak_flops": self.peak_flops,
-            "sharding": self.sharding,
-            "sharding_asked": self.sharding_asked,
+            "sharding": self.sharding.name,
+            "sharding_asked": self.sharding_asked.name,
             "model_parallel": self.model_parallel,
             "model_parallel_asked": self.model_parallel_asked,  # None: 'auto' may choose it
             "fsdp_min_bytes": self.fsdp_min_bytes,

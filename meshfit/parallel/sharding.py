@@ -1,15 +1,14 @@
-"""How each variable is laid out on the devices: replicated ("data") or sharded ("fsdp"), and
-with model parallelism split over the mesh's 'model' axis too (tensor parallelism).
+"""The partition rules of the sharding modes (meshfit.parallel.modes) as pure functions of a
+variable's shape and dtype, and sizes in bytes.
 
-- data: every variable is replicated on every device; each device takes 1/N of the batch.
-- fsdp (fully sharded data parallel, ZeRO-3 style): every floating-point variable of at least
-  `fsdp_min_bytes` (default 1 MiB) is split over all N devices along its largest dimension that N
-  divides (on a tie, the trailing one); smaller, integer and indivisible variables stay
-  replicated. The batch is still split over the same device axis ('batch'), and XLA gathers each
-  weight for the step that uses it. Keras creates an optimizer variable with its weight's layout
-  (`add_variable_from_reference`), so Adam's moments are sharded like their weights.
-- auto: data-parallel when the memory plan (meshfit.fit.memory_plan) says the replicated step fits
-  each device, else fsdp; data when the device memory is unknown.
+- data (`replicated_spec`): every variable is whole on every device of 'batch'; each device takes
+  1/N of the batch.
+- fsdp (`fsdp_spec`; fully sharded data parallel, ZeRO-3 style): every floating-point variable of
+  at least `fsdp_min_bytes` (default 1 MiB) is split over all N devices along its largest
+  dimension that N divides (on a tie, the trailing one); smaller, integer and indivisible
+  variables stay replicated. The batch is still split over the same device axis ('batch'), and
+  XLA gathers each weight for the step that uses it. Keras creates an optimizer variable with its
+  weight's layout (`add_variable_from_reference`), so Adam's moments are sharded like their weights.
 
 - model parallelism K (`connect(model_parallel=K)`): the devices form a mesh (N/K) x K with axes
   'batch' and 'model'. Every floating-point kernel (2 dimensions or more) is split over 'model'
@@ -26,9 +25,9 @@ with model parallelism split over the mesh's 'model' axis too (tensor parallelis
 - A kernel of 4 dimensions or more is a convolution's (window..., in, out): only its channels
   are split, never its window (`splittable_axes`).
 
-Here the rule is pure functions of shapes and dtypes; meshfit.fit.strategy.MeshParallel applies it
-per variable through Keras' `Distribution.get_variable_layout` (a `ModelParallel` subclass), so it
-works for any Keras model. A user's `LayoutMap` entries win.
+meshfit.fit.strategy.MeshParallel applies a mode's rule per variable through Keras'
+`Distribution.get_variable_layout` (a `ModelParallel` subclass), so it works for any Keras model.
+A user's `LayoutMap` entries win.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ from typing import Any, Sequence
 
 from meshfit.errors import MeshfitError
 
-SHARDINGS = ("auto", "data", "fsdp")
-DEFAULT_SHARDING = "auto"
 # Small variables stay whole: sharding every variable of the tutorial CNN (threshold 1 byte)
 # cost ~10% per step in gathers (BENCHMARKS.md, section 2b).
 DEFAULT_FSDP_MIN_BYTES = 1 << 20
@@ -48,15 +45,6 @@ REPLICATED_WARN_SHARE = 0.02  # above this share of the state left replicated un
 _UNITS = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "m": 10 ** 6, "mb": 10 ** 6, "g": 10 ** 9,
           "gb": 10 ** 9, "t": 10 ** 12, "tb": 10 ** 12, "kib": 1 << 10, "mib": 1 << 20,
           "gib": 1 << 30, "tib": 1 << 40}
-
-
-def check_sharding(sharding: str | None) -> str:
-    """`sharding` ('auto', 'data' or 'fsdp'; None: the default, 'auto') checked, lower-cased."""
-    name = str(sharding or DEFAULT_SHARDING).strip().lower()
-    if name not in SHARDINGS:
-        raise MeshfitError(f"unknown sharding {sharding!r}; use one of: {', '.join(SHARDINGS)} "
-                           "(e.g. --sharding fsdp)")
-    return name
 
 
 def check_model_parallel(model_parallel: int | str | None) -> int:
@@ -166,19 +154,28 @@ def model_axis(shape: Sequence[int], dtype: Any, model_devices: int) -> int | No
     return next((axis for axis in order if divides(axis)), None)
 
 
-def partition(shape: Sequence[int], dtype: Any, sharding: str, devices: int, fsdp_min_bytes: int,
-              axis_name: str = "batch", model_devices: int = 1) -> list[Any]:
-    """The per-axis partition spec of a variable under `sharding` ('data' or 'fsdp') on a mesh
-    of `devices` along `axis_name` and `model_devices` along 'model' (1: no model axis): the
-    'model' axis from `model_axis`, then under fsdp the largest remaining dimension `devices`
-    divides (see `shard_axis`), or both axes on one dimension (an entry (axis_name, 'model') or
-    ('model', axis_name)) as the module docstring says."""
+def replicated_spec(shape: Sequence[int], dtype: Any, devices: int, fsdp_min_bytes: int,
+                    axis_name: str = "batch", model_devices: int = 1) -> list[Any]:
+    """data's rule: the per-axis partition spec of a variable whole on every device of
+    `axis_name`, split over 'model' only (`model_axis`, with `model_devices` > 1)."""
     spec: list[Any] = [None] * len(shape)
     taken = model_axis(shape, dtype, model_devices)
     if taken is not None:
         spec[taken] = "model"
-    if sharding != "fsdp" or shard_axis(shape, dtype, devices, fsdp_min_bytes) is None:
-        return spec  # data, or small, integer or indivisible: whole on 'batch'
+    return spec
+
+
+def fsdp_spec(shape: Sequence[int], dtype: Any, devices: int, fsdp_min_bytes: int,
+              axis_name: str = "batch", model_devices: int = 1) -> list[Any]:
+    """fsdp's rule: the per-axis partition spec of a variable on a mesh of `devices` along
+    `axis_name` and `model_devices` along 'model' (1: no model axis): the 'model' axis from
+    `model_axis`, then the largest remaining dimension `devices` divides (see `shard_axis`), or
+    both axes on one dimension (an entry (axis_name, 'model') or ('model', axis_name)) as the
+    module docstring says."""
+    spec = replicated_spec(shape, dtype, devices, fsdp_min_bytes, axis_name, model_devices)
+    taken = spec.index("model") if "model" in spec else None
+    if shard_axis(shape, dtype, devices, fsdp_min_bytes) is None:
+        return spec  # small, integer or indivisible: whole on 'batch'
     everywhere = devices * model_devices
 
     def largest(axes):
@@ -201,7 +198,7 @@ def partition(shape: Sequence[int], dtype: Any, sharding: str, devices: int, fsd
 
 def bytes_per_device(shape: Sequence[int], dtype: Any, spec: Sequence[Any],
                      devices: int | dict[str, int]) -> int:
-    """Bytes one device holds of a variable laid out by `spec` (from `partition`); `devices`:
+    """Bytes one device holds of a variable laid out by `spec` (a mode's `partition`); `devices`:
     the mesh's axis sizes by name, or one count for every named axis (a 1-D mesh)."""
     count = math.prod(shape) * itemsize(dtype)
     for entry in spec:

@@ -238,7 +238,7 @@ def make_spec(asked, strategy, dataset, *, steps_per_epoch: int, global_batch: i
         recipe_source=r.file, augment=r.augment, crop_padding=r.crop_padding,
         flips=r.flips, tta_flip=r.tta_flip, checkpoint_every=o.checkpoint_every,
         keep_checkpoints=o.keep_checkpoints, meshfit_version=__version__,
-        keras_version=keras.__version__, command=command, sharding=strategy.sharding,
+        keras_version=keras.__version__, command=command, sharding=strategy.sharding.name,
         fsdp_min_bytes=strategy.fsdp_min_bytes, model_parallel=strategy.model_parallel)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshfit.errors import MeshfitError
-from meshfit.parallel import planning, sharding
+from meshfit.parallel import modes, planning, sharding
 from meshfit.parallel.sharding import DEFAULT_FSDP_MIN_BYTES
 from meshfit.run import spec
 
@@ -89,10 +89,9 @@ class TrainOptions:
     require: str | None = _setting(None, "fail unless this platform is present",
                                    choices=("tpu", "gpu", "cpu"))
     sharding: str | None = _setting(
-        None, "auto, data or fsdp: variables replicated (data) or the large ones sharded over the "
-              "devices (fsdp); auto: fsdp only when the replicated step does not fit the device "
-              "memory, and when neither fits (without --model-parallel) fsdp on the smallest "
-              f"--model-parallel K that does (default: auto{ON_RESUME})", metavar="S")
+        None, f"{', '.join(modes.names())}: {modes.help_text()}; when neither fits (without "
+              "--model-parallel), auto takes the smallest --model-parallel K that does (default: "
+              f"{modes.DEFAULT.name}{ON_RESUME})", metavar="S")
     fsdp_min_bytes: int | str | None = _setting(
         None, "with fsdp: shard floating-point variables of at least SIZE (default: "
               f"{DEFAULT_FSDP_MIN_BYTES >> 20}MiB{ON_RESUME})", metavar="SIZE",
@@ -122,7 +121,7 @@ class TrainOptions:
         if self.micro_batches not in (None, "auto"):
             planning.check_micro_batches(self.micro_batches)
         if self.sharding is not None:
-            object.__setattr__(self, "sharding", sharding.check_sharding(self.sharding))
+            object.__setattr__(self, "sharding", modes.check_sharding(self.sharding))
         sharding.parse_fsdp_min_bytes(self.fsdp_min_bytes)
         sharding.parse_size(self.device_memory)
         sharding.check_model_parallel(self.model_parallel)

@@ -75,13 +75,14 @@ def quiet_after_interrupt() -> None:
     logging.getLogger("absl").addFilter(lambda record: "orbax" not in record.pathname)
 
 
-def target_of(shape: tuple[int, ...], dtype: str, sharding=None) -> Any:
-    """What `read` should make of a saved array: a jax.Array of this shape, dtype and sharding
-    (the sharding of the variable it goes into), or without one a numpy array on this host."""
-    if sharding is not None:
+def target_of(shape: tuple[int, ...], dtype: str, placement=None) -> Any:
+    """What `read` should make of a saved array: a jax.Array of this shape, dtype and placement
+    (the jax.sharding.Sharding of the variable it goes into), or without one a numpy array on
+    this host."""
+    if placement is not None:
         import jax
 
-        return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+        return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=placement)
     return np.zeros(tuple(shape), dtype)
 
 

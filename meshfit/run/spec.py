@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshfit.errors import MeshfitError
-from meshfit.parallel import planning
+from meshfit.parallel import modes, planning
 from meshfit.run import rundir
 
 DEFAULT_CHECKPOINT_EVERY = "60s"
@@ -62,7 +62,10 @@ class RunSpec:
     meshfit_version: str = ""
     keras_version: str = ""
     command: str = ""
-    sharding: str = "data"  # how variables were laid out: data (replicated) or fsdp (meshfit.parallel.sharding)
+    # How variables were laid out: a mode's name (meshfit.parallel.modes), never 'auto' (a run
+    # records the mode chosen). Not modes.DEFAULT: a config.json without the key predates the
+    # setting, and those runs trained data-parallel.
+    sharding: str = modes.DATA.name
     fsdp_min_bytes: int | None = None  # fsdp's threshold (bytes); None: the default (older runs)
     model_parallel: int = 1  # devices per model replica (the mesh's 'model' axis)
 

@@ -109,11 +109,11 @@ def _jax_products(devices: list, dtype: str, size: int):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.array(devices), ("d",))
-    sharding = NamedSharding(mesh, PartitionSpec("d"))
+    placement = NamedSharding(mesh, PartitionSpec("d"))
     rng = np.random.default_rng(0)
-    a = jax.device_put(rng.standard_normal((len(devices), size, size), dtype="float32"), sharding)
+    a = jax.device_put(rng.standard_normal((len(devices), size, size), dtype="float32"), placement)
     a = a.astype(dtype)
-    product = jax.jit(lambda m: m @ m, out_shardings=sharding)
+    product = jax.jit(lambda m: m @ m, out_shardings=placement)
     return lambda: product(a).block_until_ready()
 
 

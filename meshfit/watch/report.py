@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import keras
 
+from meshfit.parallel import modes
 from meshfit.parallel.sharding import format_bytes
 from meshfit.watch import goodput, kept, peak
 
@@ -190,22 +191,22 @@ def discovery_text(d: dict[str, Any]) -> str:
 
 
 def sharding_text(d: dict[str, Any]) -> str:
-    """The discovery report's sharding row: the mode and why (see meshfit.parallel.sharding)."""
+    """The discovery report's sharding row: the mode and why (see meshfit.parallel.modes)."""
     memory = d.get("device_memory")
     known = f"{format_bytes(memory)} per device" if memory else "device memory unknown"
-    if d["sharding_asked"] == "auto" and d["replicas"] > 1 and d["engine"] == "jax":
-        why = ("planned per model when training: fsdp if the replicated step does not fit "
-               "(variables past a quarter of a device are created sharded)"
+    asked, mode = modes.sharding_named(d["sharding_asked"]), modes.mode_named(d["sharding"])
+    if asked is modes.AUTO and d["replicas"] > 1 and d["engine"] == "jax":
+        why = (f"planned per model when training: {modes.AUTO.fallback} if the replicated step "
+               "does not fit (variables past a quarter of a device are created sharded)"
                if memory else "data-parallel (set --device-memory to plan)")
         if memory and d.get("model_parallel_asked", 1) is None:
             why += ("; if neither fits, the smallest model parallelism K that does (meshfit train "
                     "uses it; a plain fit names the model_parallel=K to connect with)")
         return f"auto ({known}): {why}"
-    if d["sharding"] == "fsdp":
-        return (f"fsdp (asked; float variables >= {format_bytes(d['fsdp_min_bytes'])} sharded over "
-                f"{d['replicas']} devices, the rest replicated; {known})")
-    why = "asked" if d["sharding_asked"] == "data" else "one replica"
-    return f"data (every variable replicated; {why}; {known})"
+    why = "asked" if asked is mode else "one replica"
+    if mode.splits_state:
+        why += f"; variables of at least {format_bytes(d['fsdp_min_bytes'])} over {d['replicas']} devices"
+    return f"{mode} ({mode.description}; {why}; {known})"
 
 
 def format_epoch_line(epoch: int, epochs: int, logs: dict[str, Any], stats: dict[str, Any]) -> str:

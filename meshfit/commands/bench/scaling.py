@@ -20,6 +20,7 @@ from typing import Any
 from meshfit import recipes
 from meshfit.commands.bench import step, worker
 from meshfit.errors import MeshfitError
+from meshfit.parallel import modes
 from meshfit.run import rundir
 from meshfit.watch import figures, goodput
 
@@ -42,7 +43,7 @@ def bench_scaling(recipe: str = recipes.DEFAULT, counts: list[int] | None = None
     spec = {"recipe": the_recipe.file or the_recipe.name, "engine": "jax", "path": "meshfit",
             "precisions": [precision] if precision else None,
             "global_batches": [global_batch or _batch_for(counts)], "steps_per_dispatch": [1],
-            "repeats": repeats, "steps": steps, "sharding": "data", "fsdp_min_bytes": None,
+            "repeats": repeats, "steps": steps, "sharding": modes.DATA.name, "fsdp_min_bytes": None,
             "device_memory": None}
     rows, machine, skipped = [], None, []
     for count in counts:

@@ -41,7 +41,7 @@ from meshfit.commands.bench import table, worker
 from meshfit.errors import MeshfitError
 from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
-from meshfit.parallel import planning
+from meshfit.parallel import modes, planning
 from meshfit.parallel import sharding as sharding_lib
 from meshfit.run import rundir
 
@@ -71,7 +71,7 @@ def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
     spec = {"recipe": the_recipe.file or the_recipe.name, "precisions": precisions,
             "global_batches": global_batches, "steps_per_dispatch": steps_per_dispatch,
             "simulate_devices": simulate_devices, "repeats": repeats, "steps": steps,
-            "sharding": sharding_lib.check_sharding(sharding),
+            "sharding": modes.check_sharding(sharding),
             "fsdp_min_bytes": sharding_lib.parse_fsdp_min_bytes(fsdp_min_bytes),
             "device_memory": sharding_lib.parse_size(device_memory)}
     engines = engines or default_engines(simulate_devices)

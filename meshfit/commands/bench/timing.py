@@ -27,7 +27,7 @@ from meshfit.fit import memory_plan, tf_microbatch
 from meshfit.fit.strategy import Strategy
 from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
-from meshfit.parallel import planning
+from meshfit.parallel import modes, planning
 from meshfit.run import fitting
 from meshfit.watch import goodput
 from meshfit.watch.peak import peak_of
@@ -122,7 +122,7 @@ def strategy_for(spec: dict, info, precision: str) -> Strategy:
     """The replicas, batch plan and peak FLOP/s of the path: the plain path reads them and never
     activates it (plain Keras stays data-parallel); the meshfit path trains with it."""
     if spec["path"] == PLAIN:
-        return Strategy(info, spec["engine"], precision)
+        return Strategy(info, spec["engine"], precision, modes.DATA)
     return Strategy(info, spec["engine"], precision, spec["sharding"], spec["fsdp_min_bytes"],
                     spec["device_memory"])
 
@@ -191,7 +191,7 @@ def time_one(spec: dict, info, recipe: recipes.Recipe, strategy: Strategy, preci
     return {"recipe": recipe.name, "engine": spec["engine"], "path": spec["path"],
             "precision": precision, "global_batch": global_batch,
             "steps_per_dispatch": steps_per_dispatch, "micro_batches": micro_batches,
-            "sharding": chosen.sharding if chosen else "data", "replicas": (chosen or strategy).replicas,
+            "sharding": (chosen or strategy).sharding.name, "replicas": (chosen or strategy).replicas,
             "ms_per_step": 1000 * step_seconds, "samples_per_s": global_batch / step_seconds,
             "mfu": flops / step_seconds / peak if (flops and peak) else None,
             "compile_s": max(timer.seconds[0] - median, 0.0), "flops_per_step": flops or None,

@@ -10,6 +10,7 @@ from typing import Any, Callable
 from meshfit.fit.memory_plan.plan import MemoryPlan, ModePlan, plan_mode
 from meshfit.fit.memory_plan.words import cost_text
 from meshfit.parallel import sharding
+from meshfit.parallel.modes import AUTO, sharding_named, weighed
 
 # The plan of the model on a candidate strategy, in a mode: (candidate, mode) -> ModePlan.
 PlanOn = Callable[[Any, str], ModePlan]
@@ -22,9 +23,9 @@ def plan_memory(model, strategy, global_batch: int, device_memory: int | None,
     data: a batch as fit reads it ((x, y) or (x, y, sample_weight), arrays or
     jax.ShapeDtypeStruct) to plan with; input_shapes: else the inputs' shapes without the batch,
     for dimensions `keras.Input` leaves unknown, e.g. {'token_ids': (1024,)} (see
-    lowering.input_structs). largest: see plan_mode.
+    lowering.input_structs). largest: see plan_mode. The modes planned: auto's and the one asked.
     """
-    modes = ("data", "fsdp") if strategy.distribution is not None else ("data",)
+    modes = [m.name for m in weighed(strategy.sharding_asked, strategy.distribution is not None)]
     plans = {mode: plan_mode(model, strategy, mode, global_batch, device_memory, largest, data,
                              input_shapes)
              for mode in modes}
@@ -35,23 +36,25 @@ def plan_memory(model, strategy, global_batch: int, device_memory: int | None,
 
 def auto_sharding(plans: dict[str, ModePlan], device_memory: int | None) -> tuple[str, str]:
     """The mode `auto` picks from the plans and why: data when it fits or memory is unknown."""
-    data = plans["data"]
-    fsdp = plans.get("fsdp")
+    data = plans[AUTO.first.name]
+    fsdp = plans.get(AUTO.fallback.name)
     if device_memory is None:
-        return "data", "device memory unknown (set --device-memory): data-parallel"
+        return data.mode, "device memory unknown (set --device-memory): data-parallel"
     if data.fits or fsdp is None:
-        return "data", (f"the replicated step fits: {sharding.format_bytes(data.total)} of "
+        return data.mode, (f"the replicated step fits: {sharding.format_bytes(data.total)} of "
                         f"{sharding.format_bytes(device_memory)} per device")
     needs = (f"the replicated step needs {sharding.format_bytes(data.total)} per device, more than "
              f"{sharding.format_bytes(device_memory)}")
     if fsdp.fits:
-        return "fsdp", f"{needs}; sharded: {sharding.format_bytes(fsdp.total)}"
-    return "fsdp", f"{needs}, and sharded it needs {sharding.format_bytes(fsdp.total)}: neither fits"
+        return fsdp.mode, f"{needs}; sharded: {sharding.format_bytes(fsdp.total)}"
+    return fsdp.mode, f"{needs}, and sharded it needs {sharding.format_bytes(fsdp.total)}: neither fits"
 
 
-def sharding_to_use(plan: MemoryPlan, asked: str) -> str:
-    """The mode a run trains with: `asked` ('data' or 'fsdp'), or for 'auto' the plan's choice."""
-    return plan.choice if asked == "auto" else asked
+def sharding_to_use(plan: MemoryPlan, asked) -> str:
+    """The name of the mode a run trains with: `asked` (a mode or its name), or for 'auto' the
+    plan's choice."""
+    asked = sharding_named(asked)
+    return plan.choice if asked is AUTO else asked.name
 
 
 def model_parallel_candidates(strategy) -> list[int]:
@@ -64,7 +67,7 @@ def weighs_model_parallel(strategy, plan: MemoryPlan) -> bool:
     """True where 'auto' chooses K after `plan` (plan_memory's, K = 1): sharding 'auto',
     model_parallel not given, several devices on JAX, a known device memory, and neither data
     nor fsdp fits it."""
-    return (strategy.sharding_asked == "auto" and strategy.model_parallel_asked is None
+    return (strategy.sharding_asked is AUTO and strategy.model_parallel_asked is None
             and strategy.distribution is not None and plan.device_memory is not None
             and all(p.fits is False for p in plan.modes.values()))
 
@@ -91,20 +94,21 @@ def model_parallel_plans(strategy, plan_on: PlanOn, plan: MemoryPlan) -> MemoryP
     and bytes, not the time a link takes (ICI, NVLink, a network), nor what overlaps with compute.
     """
     memory = plan.device_memory
-    data, fsdp = plan.modes["data"], plan.modes.get("fsdp")
+    data, fsdp = plan.modes[AUTO.first.name], plan.modes.get(AUTO.fallback.name)
     tried = dict(plan.model_parallel_plans or {})
     for k in model_parallel_candidates(strategy):
         plans = {}
-        for mode in ("data", "fsdp"):
-            candidate, name = strategy.with_sharding(mode, k), f"{mode} x model {k}"
+        for mode in AUTO.candidates:
+            candidate, name = strategy.with_sharding(mode, k), mode.layout_name(k)
             with candidate.scope():
-                plans[name] = plan_on(candidate, mode)
+                plans[name] = plan_on(candidate, mode.name)
             tried[name] = plans[name]
         fitting = [name for name, p in plans.items() if p.fits]
         if not fitting:
             continue
         exchanged = {name: plans[name].collective_bytes for name in fitting}
-        name = min(fitting, key=lambda n: (exchanged[n] is None, exchanged[n] or 0, not n.startswith("data")))
+        first = AUTO.first.layout_name(k)  # data x model K on a tie
+        name = min(fitting, key=lambda n: (exchanged[n] is None, exchanged[n] or 0, n != first))
         why = (f"model parallel {k}: fsdp needs {sharding.format_bytes(fsdp.total)} per device "
                f"(data {sharding.format_bytes(data.total)}), more than "
                f"{sharding.format_bytes(memory)}; {name} needs {sharding.format_bytes(plans[name].total)} "

@@ -17,6 +17,7 @@ from meshfit.fit.memory_plan.choice import model_parallel_plans, plan_memory, we
 from meshfit.fit.memory_plan.plan import MemoryPlan, plan_mode
 from meshfit.fit.memory_plan.words import summary_lines
 from meshfit.parallel import devices
+from meshfit.parallel.modes import AUTO
 
 
 def first_fit_batch(arguments: dict[str, Any]) -> tuple[Any, int] | None:
@@ -59,7 +60,7 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> MemoryPlan 
     compiled (once more). A source whose shapes are unknown before it is
     read gets one line saying how to choose. Returns the plan when one was printed, else None."""
     device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
-    if (strategy.sharding_asked != "auto" or strategy.distribution is None or device_memory is None
+    if (strategy.sharding_asked is not AUTO or strategy.distribution is None or device_memory is None
             or getattr(model, "_meshfit_planned", False) or model.optimizer is None):
         return None
     model._meshfit_planned = True  # once per model: later fits keep the layout chosen
@@ -78,10 +79,10 @@ def plan_at_first_fit(strategy, model, arguments: dict[str, Any]) -> MemoryPlan 
                   flush=True)
         return None
     data, global_batch = found
-    if plan_mode(model, strategy, "data", global_batch, device_memory, data=data).fits:
+    if plan_mode(model, strategy, AUTO.first, global_batch, device_memory, data=data).fits:
         # The replicated step fits: nothing more is compiled, and only variables built sharded
         # (past MeshParallel.spill_after, e.g. a frozen backbone for LoRA) are gathered.
-        strategy.relayout(model, "data")
+        strategy.relayout(model, AUTO.first)
         return None
     result = plan_memory(model, strategy, global_batch, device_memory, data=data)
     if weighs_model_parallel(strategy, result):  # this model's variables as built on each candidate's mesh

@@ -101,7 +101,7 @@ def state_groups(model) -> tuple:
 
 
 def variable_specs(model, mode: str, strategy) -> dict[int, list]:
-    """Each variable's partition spec under `mode`, by id: meshfit.parallel.sharding's rule, except
+    """Each variable's partition spec under `mode`, by id: its rule (meshfit.parallel.modes), except
     where it is laid out otherwise (a LayoutMap's entry, or an optimizer slot of one), which
     keeps its layout, as Strategy.relayout keeps it. A variable laid out on a mesh of another
     shape than this strategy's (a plain fit's model planned for another K) takes the user's

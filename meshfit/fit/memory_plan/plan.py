@@ -18,13 +18,14 @@ from typing import Any, Mapping
 from meshfit.fit.memory_plan.lowering import (axis_sizes, batch_bytes, compiled_bytes, state_groups,
                                               variable_specs)
 from meshfit.parallel import sharding
+from meshfit.parallel.modes import mode_named
 
 
 @dataclass(frozen=True)
 class ModePlan:
     """One mode's bytes per device (sizes in bytes)."""
 
-    mode: str  # 'data' or 'fsdp'
+    mode: str  # a registered mode's name (meshfit.parallel.modes)
     weights: int  # the model's variables (weights, batch-norm statistics)
     optimizer: int  # the optimizer's variables (Adam's moments, ...)
     step_temp: int  # XLA's temporary memory of the compiled step
@@ -60,7 +61,7 @@ class MemoryPlan:
     devices: int  # the replicas the batch is split over
     model_parallel: int  # K: the planned mesh's, or the one 'auto' chose (model_parallel_plans)
     modes: Mapping[str, ModePlan]  # 'data' (and 'fsdp' with several devices) on the planned mesh
-    choice: str  # the mode 'auto' picks: 'data' or 'fsdp'
+    choice: str  # the name of the mode 'auto' picks
     why: str  # one line saying why
     # 'data x model K': plan, for each K tried where neither mode fit; None where none was weighed.
     model_parallel_plans: Mapping[str, ModePlan] | None = None
@@ -77,7 +78,8 @@ class MemoryPlan:
     def used(self, mode: str) -> ModePlan:
         """The plan of what a run trains with: `mode` on the planned mesh, or `mode` x model K
         where 'auto' chose K (model_parallel_plans)."""
-        chosen = (self.model_parallel_plans or {}).get(f"{self.choice} x model {self.model_parallel}")
+        chosen = (self.model_parallel_plans or {}).get(
+            mode_named(self.choice).layout_name(self.model_parallel or 1))
         return chosen if chosen is not None and mode == self.choice else self.modes[mode]
 
     @property
@@ -145,6 +147,6 @@ def plan_mode(model, strategy, mode: str, global_batch: int, device_memory: int 
             multiple = strategy.per_core_multiple
             best = int((device_memory - (total - slope * per_core)) // slope) // multiple * multiple
             best = best if best >= multiple else 0
-    return ModePlan(mode, weights, optimizer, temp, batch, total, replicated, whole,
+    return ModePlan(mode_named(mode).name, weights, optimizer, temp, batch, total, replicated, whole,
                     None if device_memory is None else total <= device_memory, best,
                     strategy.model_parallel, **cost)

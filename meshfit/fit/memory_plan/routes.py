@@ -14,6 +14,7 @@ from meshfit.fit.memory_plan.choice import (model_parallel_plans, plan_memory, s
 from meshfit.fit.memory_plan.plan import MemoryPlan, plan_mode
 from meshfit.fit.memory_plan.words import check_fits, replicated_warning, summary_lines
 from meshfit.parallel import devices
+from meshfit.parallel.modes import FSDP, ShardingMode
 
 
 class ModelBuilder(Protocol):
@@ -42,7 +43,8 @@ def choose_sharding(strategy, builder: ModelBuilder, global_batch: int, verbose:
     `always` (then the plan is shown, not enforced: `meshfit plan`). largest: see plan_mode.
     """
     device_memory = devices.memory_bytes(strategy.info, strategy.device_memory)
-    skip = strategy.distribution is None or (strategy.sharding_asked != "fsdp" and device_memory is None)
+    splits = isinstance(strategy.sharding_asked, ShardingMode) and strategy.sharding_asked.splits_state
+    skip = strategy.distribution is None or (not splits and device_memory is None)
     if skip and not always:
         return strategy, None
 
@@ -56,7 +58,7 @@ def choose_sharding(strategy, builder: ModelBuilder, global_batch: int, verbose:
                 model = builder.build_model()
         return model
 
-    planned = strategy.with_sharding("fsdp") if strategy.distribution is not None else strategy
+    planned = strategy.with_sharding(FSDP) if strategy.distribution is not None else strategy
     model = built(planned)
     result = plan_memory(model, planned, global_batch, device_memory, largest)
     if weighs_model_parallel(strategy, result):
@@ -80,7 +82,7 @@ def choose_sharding(strategy, builder: ModelBuilder, global_batch: int, verbose:
     warning = replicated_warning(result, mode)
     if warning:
         warnings.warn(warning, stacklevel=2)
-    if (mode, chosen_k) == (strategy.sharding, strategy.model_parallel):
+    if (mode, chosen_k) == (strategy.sharding.name, strategy.model_parallel):
         strategy.distribution.spill_after = None  # decided: the run's variables follow `mode` alone
         return strategy, result
     return strategy.with_sharding(mode, chosen_k), result

@@ -7,6 +7,7 @@ from __future__ import annotations
 from meshfit.errors import MeshfitError
 from meshfit.fit.memory_plan.plan import MemoryPlan, ModePlan
 from meshfit.parallel import sharding
+from meshfit.parallel.modes import AUTO, mode_named
 
 
 def cost_text(plan: ModePlan) -> str:
@@ -23,17 +24,17 @@ def cost_text(plan: ModePlan) -> str:
 
 
 def check_fits(plan: MemoryPlan, mode: str) -> None:
-    """A MeshfitError when `mode` ('data' or 'fsdp') does not fit the device memory of `plan`
+    """A MeshfitError when `mode` (a mode's name) does not fit the device memory of `plan`
     (from `plan_memory`), naming the bytes needed, the bytes there are and the fix."""
     memory = plan.device_memory
     chosen = plan.used(mode) if mode in plan.modes else None
     if memory is None or chosen is None or chosen.fits:
         return
     need, have = sharding.format_bytes(chosen.total), sharding.format_bytes(memory)
-    fsdp = plan.modes.get("fsdp")
+    fsdp = plan.modes.get(AUTO.fallback.name)
     largest = plan.largest_global_batch(mode)
-    if mode == "data" and fsdp and fsdp.fits:
-        fix = f"use --sharding fsdp (or auto), which needs {sharding.format_bytes(fsdp.total)}"
+    if mode == AUTO.first.name and fsdp and fsdp.fits:
+        fix = f"use --sharding {AUTO.fallback} (or auto), which needs {sharding.format_bytes(fsdp.total)}"
     elif largest:
         fix = (f"use --global-batch {largest} or less (the largest global batch that fits, "
                f"{largest // plan.devices} per device), more devices or a smaller model")
@@ -41,8 +42,9 @@ def check_fits(plan: MemoryPlan, mode: str) -> None:
         fix = "no batch fits: use more devices, or a smaller model"
     else:
         fix = "use a smaller --global-batch, more devices or a smaller model"
-    if mode == "fsdp" and not plan.modes["data"].fits:
-        fix = f"it does not fit replicated either ({sharding.format_bytes(plan.modes['data'].total)}); {fix}"
+    replicated = plan.modes[AUTO.first.name]
+    if mode == AUTO.fallback.name and not replicated.fits:
+        fix = f"it does not fit replicated either ({sharding.format_bytes(replicated.total)}); {fix}"
     raise MeshfitError(f"out of device memory: the model's train step needs {need} per device with "
                        f"--sharding {mode} "
                        f"(weights {sharding.format_bytes(chosen.weights)}, optimizer "
@@ -70,7 +72,7 @@ def summary_lines(plan: MemoryPlan, mode: str) -> list[str]:
             lines[-1] += f"  largest per-core batch {p.largest_per_core_batch or 'none'}"
         if plan.model_parallel_plans:  # where model parallelism was weighed: the step's cost
             lines[-1] += f"  [{cost_text(p)}]"
-    used = mode if plan.model_parallel == k else f"{mode} x model {plan.model_parallel}"
+    used = mode_named(mode).layout_name(1 if plan.model_parallel == k else plan.model_parallel)
     fits = plan.used(mode).fits is not False
     if mode != plan.choice:
         lines.append(f"  using {used}: as asked" if fits else f"  {used} (as asked) does not fit")
@@ -84,10 +86,11 @@ def summary_lines(plan: MemoryPlan, mode: str) -> list[str]:
 
 
 def replicated_warning(plan: MemoryPlan, mode: str) -> str | None:
-    """A warning when fsdp leaves more than 2% of the state replicated, else None."""
+    """A warning when a mode that splits the state (fsdp) leaves more than 2% of it replicated,
+    else None."""
     p = plan.used(mode) if mode in plan.modes else None
-    if mode != "fsdp" or p is None or p.replicated_share <= sharding.REPLICATED_WARN_SHARE:
+    if not mode_named(mode).splits_state or p is None or p.replicated_share <= sharding.REPLICATED_WARN_SHARE:
         return None
-    return (f"fsdp leaves {p.replicated_share:.1%} of the state "
+    return (f"{mode} leaves {p.replicated_share:.1%} of the state "
             f"({sharding.format_bytes(p.replicated)}) replicated on every device: variables "
             f"under --fsdp-min-bytes or with no dimension divisible by {plan.devices}")
