@@ -103,15 +103,17 @@ def start_session(strategy, seed: int) -> None:
         tf.config.experimental.enable_op_determinism()  # bit-identical resume on TensorFlow
 
 
+@dataclass(frozen=True)
 class RecipeModels:
     """What memory_plan.choose_sharding builds its plan's model with (a memory_plan.ModelBuilder):
     the recipe's model for this dataset and schedule, in a session seeded by `seed`."""
 
-    def __init__(self, recipe: recipes.Recipe, dataset, steps_per_epoch: int, epochs: int,
-                 steps_per_dispatch: int, seed: int):
-        self.recipe, self.dataset, self.seed = recipe, dataset, seed
-        self.steps_per_epoch, self.epochs = steps_per_epoch, epochs
-        self.steps_per_dispatch = steps_per_dispatch
+    recipe: recipes.Recipe
+    dataset: Any  # a data.RunData, or what `build` reads of one
+    steps_per_epoch: int
+    epochs: int
+    steps_per_dispatch: int
+    seed: int
 
     def fresh_session(self, strategy) -> None:
         start_session(strategy, self.seed)
@@ -136,8 +138,9 @@ def memory_plan_of(recipe: recipes.Recipe, dataset, strategy, global_batch: int,
                    verbose: bool = True) -> memory_plan.MemoryPlan:
     """`meshfit plan`'s memory plan of the recipe's train step on these devices, shown (when
     verbose), not enforced; 'auto' decided as plan_sharding decides it."""
-    _, result = memory_plan.choose_sharding(strategy, RecipeModels(recipe, dataset, 1, recipe.epochs, 1, 0),
-                                            global_batch, verbose=False, largest=largest, always=True)
+    models = RecipeModels(recipe, dataset, 1, recipe.epochs, 1, seed=0)
+    _, result = memory_plan.choose_sharding(strategy, models, global_batch, verbose=False,
+                                            largest=largest, always=True)
     if verbose:
         print("\n".join(memory_plan.summary_lines(result, result.sharding)), flush=True)
     return result
