@@ -125,10 +125,11 @@ def mode_named(name: str | ShardingMode) -> ShardingMode:
     """The registered mode called `name` (a mode is returned as it is); a MeshfitError for another."""
     if isinstance(name, ShardingMode):
         return name
-    mode = MODES.get(str(name).strip().lower())
-    if mode is None:
-        raise MeshfitError(f"unknown sharding mode {name!r}; use one of: {', '.join(MODES)}")
-    return mode
+    word = str(name).strip().lower()
+    if word not in MODES:
+        what = "the policy that picks a mode, not a mode" if word == AUTO.name else "unknown"
+        raise MeshfitError(f"sharding mode {name!r} is {what}; use one of: {', '.join(MODES)}")
+    return MODES[word]
 
 
 def sharding_named(name: str | ShardingMode | AutoPolicy | None) -> ShardingMode | AutoPolicy:
@@ -145,7 +146,8 @@ def sharding_named(name: str | ShardingMode | AutoPolicy | None) -> ShardingMode
     return MODES[word]
 
 
-def weighed(asked: str | ShardingMode | AutoPolicy | None, distributed: bool) -> tuple[ShardingMode, ...]:
+def weighed(asked: str | ShardingMode | AutoPolicy | None,
+            distributed: bool) -> tuple[ShardingMode, ...]:
     """The modes a memory plan compiles for `asked`: auto's candidates and the mode asked, those
     that split variables only where there are several devices (`distributed`) to split them over."""
     asked = sharding_named(asked)

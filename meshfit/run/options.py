@@ -89,7 +89,7 @@ class TrainOptions:
     require: str | None = _setting(None, "fail unless this platform is present",
                                    choices=("tpu", "gpu", "cpu"))
     sharding: str | None = _setting(
-        None, f"{', '.join(modes.names())}: {modes.help_text()}; when neither fits (without "
+        None, f"{modes.help_text()}; when neither fits (without "
               "--model-parallel), auto takes the smallest --model-parallel K that does (default: "
               f"{modes.DEFAULT.name}{ON_RESUME})", metavar="S")
     fsdp_min_bytes: int | str | None = _setting(
