@@ -224,7 +224,7 @@ def _convert(im, mode: str):
 
 
 def default_workers() -> int:
-    """Decoding threads: one per core this process may use."""
+    """Threads that read or decode images: one per core this process may use."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
