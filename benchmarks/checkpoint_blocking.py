@@ -9,7 +9,7 @@ engine="jax", sharding=...), trains it one step (so the optimizer state exists),
 `runs` times each way, alternating (async, sync, npz, npz, sync, async, ...) after one untimed
 save of each: "async" is orbax in the background (format 3, what training does on JAX), "sync"
 the same files written before returning, "npz" the format before orbax (every array gathered to
-process 0 into arrays.npz, format 2). "blocked" is the time until `checkpoints.begin_save` returns
+process 0 into arrays.npz, format 2). "blocked" is the time until `checkpoint_save.begin_save` returns
 (training could go on from then), "committed" until its manifest is written. Prints one line per save and the medians, in seconds. Numbers for
 BENCHMARKS.md section 2b.
 """
@@ -41,7 +41,7 @@ def main() -> None:
     import keras
     import numpy as np
 
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_save
 
     with strategy.scope():
         keras.utils.set_random_seed(0)
@@ -66,9 +66,9 @@ def main() -> None:
     try:
         for step, mode in enumerate(order, 1):
             started = time.perf_counter()
-            pending = checkpoints.begin_save(root, model, epoch=0, step=step, steps_per_epoch=10 ** 6,
-                                             keep=2, background=mode == "async",
-                                             sharded=mode != "npz")
+            pending = checkpoint_save.begin_save(root, model, epoch=0, step=step, steps_per_epoch=10 ** 6,
+                                                 keep=2, background=mode == "async",
+                                                 sharded=mode != "npz")
             blocked = time.perf_counter() - started
             pending.result()
             committed = time.perf_counter() - started

@@ -4,7 +4,7 @@ Every loader decodes the same files in the same order (epoch 0's permutation of
 FolderTrainBatches) into uint8 batches of (B, H, W, 3), with decoding and prefetch in parallel:
   threads           meshfit.data.folders.FolderTrainBatches (its thread pool; simplejpeg for JPEGs)
   threads-pillow    the same with every file decoded by Pillow (no simplejpeg)
-  grain-threads     grain.MapDataset(files).map(folders.load_image).batch(B), to_iter_dataset
+  grain-threads     grain.MapDataset(files).map(image_files.load_image).batch(B), to_iter_dataset
                     with one read thread per core
   grain-processes   the same batches made in one worker process per core (mp_prefetch)
   tf.data           tf.data: read_file + decode_jpeg (uint8) with num_parallel_calls=AUTOTUNE,
@@ -32,24 +32,24 @@ WARMUP = 5
 
 
 def _decode(path: str, size: tuple[int, int]):
-    from meshfit.data import folders
+    from meshfit.data import image_files
 
-    return folders.load_image(path, size, 3)
+    return image_files.load_image(path, size, 3)
 
 
 def _stream(loader: str, folder: str, size: tuple[int, int], batch: int):
     import numpy as np
 
-    from meshfit.data import folders
+    from meshfit.data import folder_scan, folders, image_files
 
-    found = folders.scan(folder)
+    found = folder_scan.scan(folder)
     batches = folders.FolderTrainBatches(found, size, 3, batch)
     if loader in ("threads", "threads-pillow"):
         if loader == "threads-pillow":
-            folders._decode_jpeg = lambda data, out: False
+            image_files._decode_jpeg = lambda data, out: False
         return batches.iterate()
     files = [found.files[i] for i in batches._order(0)]
-    cores = folders.default_workers()
+    cores = image_files.default_workers()
     if loader.startswith("grain"):
         import functools
 

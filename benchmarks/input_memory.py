@@ -28,9 +28,9 @@ def main() -> None:
         strategy = meshfit.connect(engine=args.fit, verbose=False)
     import psutil
 
-    from meshfit.data import folders
+    from meshfit.data import folder_scan, folders
 
-    batches = folders.FolderTrainBatches(folders.scan(args.folder), SIZE, 3, BATCH,
+    batches = folders.FolderTrainBatches(folder_scan.scan(args.folder), SIZE, 3, BATCH,
                                              augment="flip-crop")
     if args.fit:
         import keras

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import cli_env, drop_state_field, run_meshfit, write_idx_dataset
 
-from meshfit.run import checkpoints, rundir
+from meshfit.run import checkpoint_format, checkpoint_restore, checkpoint_save, rundir
 from meshfit.data import datasets
 from meshfit.errors import MeshfitError
 
@@ -71,11 +71,11 @@ def test_the_checkpoint_just_written_is_never_deleted(strategy, tmp_path):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.compile(optimizer="sgd", loss="mse")
     directory = tmp_path / "checkpoints"
-    stale = checkpoints.save(directory, model, epoch=10, step=0, steps_per_epoch=10)  # step 100
-    written = checkpoints.save(directory, model, epoch=0, step=5, steps_per_epoch=10, keep=1)
+    stale = checkpoint_save.save(directory, model, epoch=10, step=0, steps_per_epoch=10)  # step 100
+    written = checkpoint_save.save(directory, model, epoch=0, step=5, steps_per_epoch=10, keep=1)
     assert os.path.isdir(written) and not os.path.exists(stale)
-    kept = checkpoints.save(directory, model, epoch=0, step=6, steps_per_epoch=10, keep=2)
-    assert checkpoints.list_checkpoints(directory) == [written, kept]
+    kept = checkpoint_save.save(directory, model, epoch=0, step=6, steps_per_epoch=10, keep=2)
+    assert rundir.list_checkpoints(directory) == [written, kept]
 
 
 def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_previous(strategy, tmp_path, monkeypatch):
@@ -85,15 +85,15 @@ def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_previous(strategy, 
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.compile(optimizer="sgd", loss="mse")
     directory = tmp_path / "checkpoints"
-    previous = checkpoints.save(directory, model, epoch=0, step=1, steps_per_epoch=10)
+    previous = checkpoint_save.save(directory, model, epoch=0, step=1, steps_per_epoch=10)
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(np, "savez", disk_full)
     with pytest.raises(MeshfitError, match="No space left on device.*previous checkpoints are intact"):
-        checkpoints.save(directory, model, epoch=0, step=2, steps_per_epoch=10)
-    assert checkpoints.list_checkpoints(directory) == [previous]
+        checkpoint_save.save(directory, model, epoch=0, step=2, steps_per_epoch=10)
+    assert rundir.list_checkpoints(directory) == [previous]
     assert [n for n in os.listdir(directory) if n.startswith(".tmp-")] == []
 
 
@@ -157,20 +157,20 @@ def test_a_checkpoint_is_committed_by_its_manifest_never_by_renaming_a_folder(st
 
     monkeypatch.setattr(os, "rename", no_folder_renames)
     monkeypatch.setattr(os, "replace", no_folder_renames)
-    path = checkpoints.save(tmp_path, model, epoch=0, step=3, steps_per_epoch=10)
+    path = checkpoint_save.save(tmp_path, model, epoch=0, step=3, steps_per_epoch=10)
     # arrays/: orbax's shards (JAX), its folder marked complete by a file, not renamed either
     assert sorted(os.listdir(path)) == ["arrays", "arrays.npz", "manifest.json", "state.json"]
     assert "commit_success.txt" in os.listdir(os.path.join(path, "arrays"))
-    checkpoints.verify(path)
+    checkpoint_format.verify(path)
     os.remove(os.path.join(path, "manifest.json"))  # a save cut short before its commit
-    assert checkpoints.list_checkpoints(tmp_path) == []
+    assert rundir.list_checkpoints(tmp_path) == []
 
 
 @pytest.mark.parametrize("damage", ["truncated arrays", "flipped byte", "no manifest field",
                                     "state lacks a field"])
 def test_a_damaged_checkpoint_is_refused_before_any_variable_changes(strategy, tmp_path, damage):
     model = _dense_model(strategy)
-    path = checkpoints.save(tmp_path, model, epoch=0, step=3, steps_per_epoch=10)
+    path = checkpoint_save.save(tmp_path, model, epoch=0, step=3, steps_per_epoch=10)
     arrays = os.path.join(path, "arrays.npz")
     if damage == "truncated arrays":
         os.truncate(arrays, 100)
@@ -183,8 +183,8 @@ def test_a_damaged_checkpoint_is_refused_before_any_variable_changes(strategy, t
     else:  # with a manifest that matches, as a hand-edited file would not
         drop_state_field(path, "steps_per_epoch")
     model.trainable_variables[0].assign(np.zeros((3, 2)))
-    with pytest.raises(checkpoints.CheckpointDamaged, match=f"checkpoint {path} is damaged"):
-        checkpoints.restore(model, path)
+    with pytest.raises(checkpoint_format.CheckpointDamaged, match=f"checkpoint {path} is damaged"):
+        checkpoint_restore.restore(model, path)
     np.testing.assert_array_equal(_kernel(model), np.zeros((3, 2)))
 
 
@@ -193,23 +193,23 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint_with_a_warning(strate
 
     model = _dense_model(strategy)
     directory = tmp_path / "checkpoints"
-    first = checkpoints.save(directory, model, epoch=0, step=1, steps_per_epoch=10,
-                             extra={"history": []})
+    first = checkpoint_save.save(directory, model, epoch=0, step=1, steps_per_epoch=10,
+                                 extra={"history": []})
     kernel = _kernel(model)
     model.trainable_variables[0].assign(np.ones((3, 2)))
-    newest = checkpoints.save(directory, model, epoch=0, step=2, steps_per_epoch=10,
-                              extra={"history": []})
+    newest = checkpoint_save.save(directory, model, epoch=0, step=2, steps_per_epoch=10,
+                                  extra={"history": []})
     os.truncate(os.path.join(newest, "arrays.npz"), 10)
     labels = np.zeros(4, np.int32)
     with pytest.warns(UserWarning, match="ckpt-00000002 is damaged.*resuming from ckpt-00000001"):
         state = training.restore(model, str(tmp_path), 10, labels)
     assert state["path"] == first and (state["epoch"], state["step"]) == (0, 1)
     np.testing.assert_array_equal(_kernel(model), kernel)
-    with pytest.raises(checkpoints.CheckpointDamaged):  # named on --resume: no fallback
+    with pytest.raises(checkpoint_format.CheckpointDamaged):  # named on --resume: no fallback
         training.restore(model, str(tmp_path), 10, labels, newest)
     # the resumed run writes step 2 again over the damaged folder
-    again = checkpoints.save(directory, model, epoch=0, step=2, steps_per_epoch=10)
-    checkpoints.verify(again)
+    again = checkpoint_save.save(directory, model, epoch=0, step=2, steps_per_epoch=10)
+    checkpoint_format.verify(again)
 
 
 def test_resume_can_name_a_checkpoint(tmp_path):
@@ -227,9 +227,9 @@ def test_meshfit_0_1_checkpoints_are_still_complete_and_readable():
     legacy = os.path.join(os.path.dirname(__file__), "data", "run-0.1.0", "checkpoints")
     found = rundir.list_checkpoints(legacy)
     assert [os.path.basename(p) for p in found] == ["ckpt-00000006", "ckpt-00000008"]
-    checkpoints.verify(found[-1])
-    assert checkpoints.read_state(found[-1])["format"] == 1
-    assert "model/00000" in checkpoints.read_arrays(found[-1])
+    checkpoint_format.verify(found[-1])
+    assert checkpoint_format.read_state(found[-1])["format"] == 1
+    assert "model/00000" in checkpoint_format.read_arrays(found[-1])
 
 
 # ----------------------------------------------------------------------------- loaders and models

@@ -18,16 +18,16 @@ STEPS = N_TRAIN // BATCH
 
 
 def newest_state(run):
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format
 
-    return checkpoints.read_state(checkpoints.latest(os.path.join(run, "checkpoints")))
+    return checkpoint_format.read_state(checkpoint_format.latest(os.path.join(run, "checkpoints")))
 
 
 def final_arrays(run):
     """The arrays of a finished run's last checkpoint (model, optimizer and metrics variables)."""
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format
 
-    return checkpoints.read_arrays(os.path.join(run, "checkpoints", f"ckpt-{2 * STEPS:08d}"))
+    return checkpoint_format.read_arrays(os.path.join(run, "checkpoints", f"ckpt-{2 * STEPS:08d}"))
 
 
 def assert_identical(run_a, run_b):
@@ -177,11 +177,11 @@ def small_model(strategy, recipe="fashion-mnist-cnn"):
 def test_interrupted_write_leaves_the_previous_checkpoint(strategy, tmp_path, monkeypatch):
     import keras
 
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format, checkpoint_restore, checkpoint_save
 
     model = small_model(strategy)
     directory = tmp_path / "checkpoints"
-    first = checkpoints.save(directory, model, epoch=0, step=1, steps_per_epoch=10)
+    first = checkpoint_save.save(directory, model, epoch=0, step=1, steps_per_epoch=10)
     saved_kernel = keras.ops.convert_to_numpy(model.trainable_variables[0])
     model.trainable_variables[0].assign(np.zeros(model.trainable_variables[0].shape))
 
@@ -189,39 +189,39 @@ def test_interrupted_write_leaves_the_previous_checkpoint(strategy, tmp_path, mo
         file.write(b"PK\x03\x04 partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoints.np, "savez", crash)
+    monkeypatch.setattr(checkpoint_save.np, "savez", crash)
     with pytest.raises(KeyboardInterrupt):
-        checkpoints.save(directory, model, epoch=0, step=2, steps_per_epoch=10)
+        checkpoint_save.save(directory, model, epoch=0, step=2, steps_per_epoch=10)
     monkeypatch.undo()
     # A crash that left debris behind: a temporary folder and a folder without a manifest.
     (directory / ".tmp-leftover").mkdir()
     (directory / "ckpt-00000003").mkdir()
-    assert checkpoints.latest(directory) == first
+    assert checkpoint_format.latest(directory) == first
     assert sorted(os.listdir(directory)) == [".tmp-leftover", "ckpt-00000001", "ckpt-00000003"]
-    state = checkpoints.restore(model, first)
+    state = checkpoint_restore.restore(model, first)
     assert (state["epoch"], state["step"]) == (0, 1)
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(model.trainable_variables[0]), saved_kernel)
-    checkpoints.save(directory, model, epoch=0, step=4, steps_per_epoch=10)  # clears the debris
+    checkpoint_save.save(directory, model, epoch=0, step=4, steps_per_epoch=10)  # clears the debris
     assert sorted(os.listdir(directory)) == ["ckpt-00000001", "ckpt-00000004"]
 
 
 def test_keeps_the_newest_checkpoints(strategy, tmp_path):
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_save, rundir
 
     model = small_model(strategy)
     for step in range(1, 6):
-        checkpoints.save(tmp_path, model, epoch=0, step=step, steps_per_epoch=10, keep=2)
-    assert [os.path.basename(p) for p in checkpoints.list_checkpoints(tmp_path)] == \
+        checkpoint_save.save(tmp_path, model, epoch=0, step=step, steps_per_epoch=10, keep=2)
+    assert [os.path.basename(p) for p in rundir.list_checkpoints(tmp_path)] == \
         ["ckpt-00000004", "ckpt-00000005"]
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(strategy, tmp_path):
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_restore, checkpoint_save
 
-    path = checkpoints.save(tmp_path, small_model(strategy, "mnist-mlp-bf16"), epoch=0, step=1,
-                            steps_per_epoch=10)
+    path = checkpoint_save.save(tmp_path, small_model(strategy, "mnist-mlp-bf16"), epoch=0, step=1,
+                                steps_per_epoch=10)
     with pytest.raises(MeshfitError, match="does not fit this model") as info:
-        checkpoints.restore(small_model(strategy), path)
+        checkpoint_restore.restore(small_model(strategy), path)
     assert "\n" not in str(info.value)
 
 
@@ -344,7 +344,7 @@ def test_a_sharded_checkpoint_restores_onto_other_device_counts(strategy, tmp_pa
     import jax
     import keras
 
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format, checkpoint_restore, checkpoint_save
 
     devices = jax.devices()
     try:
@@ -353,14 +353,14 @@ def test_a_sharded_checkpoint_restores_onto_other_device_counts(strategy, tmp_pa
             model = mlp_under(source, "fsdp")
             if source:
                 assert "batch" in model.trainable_variables[0].value.sharding.spec  # really sharded
-            path = checkpoints.save(tmp_path / str(len(source or [0])), model, epoch=0, step=1,
-                                    steps_per_epoch=10)
-            assert checkpoints.read_state(path)["format"] == 3
+            path = checkpoint_save.save(tmp_path / str(len(source or [0])), model, epoch=0, step=1,
+                                        steps_per_epoch=10)
+            assert checkpoint_format.read_state(path)["format"] == 3
             assert os.path.isdir(os.path.join(path, "arrays", "ocdbt.process_0"))
             saved = [keras.ops.convert_to_numpy(v.value) for v in model.variables + model.optimizer.variables]
             for target in targets:
                 other = mlp_under(target, "fsdp", seed=1)
-                checkpoints.restore(other, path)
+                checkpoint_restore.restore(other, path)
                 for v, want in zip(other.variables + other.optimizer.variables, saved, strict=True):
                     np.testing.assert_array_equal(keras.ops.convert_to_numpy(v.value), want, err_msg=v.path)
                 layout = other.trainable_variables[0].value.sharding
@@ -375,14 +375,14 @@ def test_npz_checkpoints_still_resume_on_jax(strategy, tmp_path):
     """Format 2 (every array in arrays.npz, as before orbax; still what TensorFlow writes)."""
     import keras
 
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format, checkpoint_restore, checkpoint_save
 
     model = small_model(strategy, "mnist-mlp-bf16")
-    path = checkpoints.save(tmp_path, model, epoch=0, step=1, steps_per_epoch=10, sharded=False)
-    assert checkpoints.read_state(path)["format"] == 2 and not os.path.exists(os.path.join(path, "arrays"))
+    path = checkpoint_save.save(tmp_path, model, epoch=0, step=1, steps_per_epoch=10, sharded=False)
+    assert checkpoint_format.read_state(path)["format"] == 2 and not os.path.exists(os.path.join(path, "arrays"))
     want = keras.ops.convert_to_numpy(model.trainable_variables[0])
     model.trainable_variables[0].assign(np.zeros(model.trainable_variables[0].shape))
-    checkpoints.restore(model, path)
+    checkpoint_restore.restore(model, path)
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(model.trainable_variables[0]), want)
 
 
@@ -391,16 +391,16 @@ def test_a_background_save_counts_only_once_committed(strategy, tmp_path, monkey
     a checkpoint (latest() is the previous one), and a kill there leaves it to be cleared."""
     import threading
 
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format, checkpoint_save
 
     model = small_model(strategy, "mnist-mlp-bf16")
-    first = checkpoints.save(tmp_path, model, epoch=0, step=1, steps_per_epoch=10)
-    release, commit = threading.Event(), checkpoints._commit
-    monkeypatch.setattr(checkpoints, "_commit", lambda *a: (release.wait(60), commit(*a)))
-    pending = checkpoints.begin_save(tmp_path, model, epoch=0, step=2, steps_per_epoch=10)
-    assert not pending.done() and checkpoints.latest(tmp_path) == first
+    first = checkpoint_save.save(tmp_path, model, epoch=0, step=1, steps_per_epoch=10)
+    release, commit = threading.Event(), checkpoint_save._commit
+    monkeypatch.setattr(checkpoint_save, "_commit", lambda *a: (release.wait(60), commit(*a)))
+    pending = checkpoint_save.begin_save(tmp_path, model, epoch=0, step=2, steps_per_epoch=10)
+    assert not pending.done() and checkpoint_format.latest(tmp_path) == first
     model.trainable_variables[0].assign(np.zeros(model.trainable_variables[0].shape))  # training goes on
     release.set()
-    assert pending.result() == checkpoints.latest(tmp_path) != first
-    saved = checkpoints.read_arrays(pending.result())["model/00000"]
+    assert pending.result() == checkpoint_format.latest(tmp_path) != first
+    saved = checkpoint_format.read_arrays(pending.result())["model/00000"]
     assert np.abs(saved).sum() > 0  # the state at begin_save, not the zeros written after it

@@ -211,7 +211,7 @@ def test_a_save_charges_the_steps_it_waited_for_to_train_not_to_checkpoint(strat
     """Dispatch is asynchronous: a save reads the state of steps the devices may still be
     running. That device time is training (each step here sleeps 0.3 s on the device); only the
     save's own work is checkpoint time."""
-    from meshfit.run import checkpoints, fitting
+    from meshfit.run import checkpoint_format, checkpoints, fitting
 
     model = _slow_on_device_model(strategy, 0.3)
     rng = np.random.default_rng(0)
@@ -224,7 +224,7 @@ def test_a_save_charges_the_steps_it_waited_for_to_train_not_to_checkpoint(strat
     after = goodput.ledger().totals()["seconds"]
     trained = after["train"] - before["train"]
     assert trained >= 0.9 * 8 * 0.3  # all 8 steps' device time; before: half of it in checkpoint
-    assert checkpoints.latest(tmp_path / "checkpoints").endswith("ckpt-00000008")
+    assert checkpoint_format.latest(tmp_path / "checkpoints").endswith("ckpt-00000008")
 
 
 def test_the_command_line_exits_without_collecting_the_whole_heap_again():

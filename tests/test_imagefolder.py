@@ -1,4 +1,5 @@
-"""meshfit.data.folders: folders scanned and split, batches streamed from disk as the in-memory pipeline's."""
+"""meshfit.data.folder_scan, image_files and folders: folders scanned and split, images decoded,
+batches streamed from disk as the in-memory pipeline's."""
 
 import json
 import os
@@ -11,7 +12,7 @@ from PIL import Image
 
 from meshfit.commands.bench import jpeg_folder
 from meshfit.fit import hosts
-from meshfit.data import folders, arrays
+from meshfit.data import arrays, folder_scan, folders, image_files
 from meshfit.errors import MeshfitError
 
 SIZE = (12, 10)  # (height, width) of the generated images
@@ -36,7 +37,7 @@ def folder(tmp_path_factory):
     """A scanned folder of 3 classes (7 + 6 + 8 = 21 images) and its images loaded in memory."""
     root = tmp_path_factory.mktemp("images")
     x, y = write_folder(root, {"cat": 7, "dog": 6, "emu": 8})
-    return folders.scan(root), x, y
+    return folder_scan.scan(root), x, y
 
 
 # ------------------------------------------------------------------------------------ scanning
@@ -49,7 +50,7 @@ def test_scan_sorts_classes_and_files_and_skips_what_it_cannot_read(tmp_path):
     (tmp_path / "b" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
     (tmp_path / "b" / ".DS_Store").write_bytes(b"\0")
     with pytest.warns(UserWarning, match=r"skipped 2 file\(s\) .* \(1 unreadable image\(s\)\); e\.g\. .*broken\.png"):
-        found = folders.scan(tmp_path)
+        found = folder_scan.scan(tmp_path)
     assert found.root == str(tmp_path) and found.class_names == ("a", "b")
     names = [os.path.relpath(f, tmp_path) for f in found.files]
     assert names == ["a/000.png", "a/001.png", "a/002.png", "a/more/deep.jpg", "b/000.png", "b/001.png"]
@@ -75,7 +76,7 @@ def test_bad_folders_are_one_line_errors(tmp_path, make, message):
     root = str(tmp_path / "data")
     make(root)
     with pytest.raises(MeshfitError) as error:
-        folders.scan(root)
+        folder_scan.scan(root)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
@@ -95,7 +96,7 @@ def test_every_mode_and_size_decodes_to_the_asked_shape(tmp_path):
              "anim.gif": grey.convert("P")}
     for name, image in cases.items():
         image.save(f"{path}-{name}")
-    loaded = {name: folders.load_image(f"{path}-{name}", (4, 4), 3) for name in cases}
+    loaded = {name: image_files.load_image(f"{path}-{name}", (4, 4), 3) for name in cases}
     assert all(a.shape == (4, 4, 3) and a.dtype == np.uint8 for a in loaded.values())
     assert (loaded["grey.png"] == 77).all() and abs(int(loaded["grey.jpg"].mean()) - 77) <= 1
     assert loaded["rgba.png"][0, 0].tolist() == [10, 20, 30] and (loaded["rgba.png"][1:] == 255).all()
@@ -104,7 +105,7 @@ def test_every_mode_and_size_decodes_to_the_asked_shape(tmp_path):
     assert (loaded["sixteen.png"] == 128).all()  # 0x8000 >> 8, not clipped to 255
     assert (loaded["cmyk.jpg"][..., 0] > 200).all() and (loaded["cmyk.jpg"][..., 1:] < 60).all()
     assert abs(int(loaded["big.jpg"].mean()) - 77) <= 1
-    one = folders.load_image(f"{path}-rgba.png", (2, 3), 1)
+    one = image_files.load_image(f"{path}-rgba.png", (2, 3), 1)
     assert one.shape == (2, 3, 1)
 
 
@@ -122,10 +123,10 @@ def test_pngs_decode_to_the_same_pixels_as_pillow(tmp_path, monkeypatch):
     files.append(tmp_path / "truncated.png")  # pixels Pillow decodes in part: the same bytes in both
     files[-1].write_bytes(files[0].read_bytes()[:-12])
     shapes = [((9, 13), 1), ((9, 13), 3), ((5, 7), 1), ((5, 7), 3)]
-    fast = {(f, s): folders.load_image(str(f), *s) for f in files for s in shapes}
-    monkeypatch.setattr(folders, "_decode_png", lambda data, out: False)  # Pillow for all
+    fast = {(f, s): image_files.load_image(str(f), *s) for f in files for s in shapes}
+    monkeypatch.setattr(image_files, "_decode_png", lambda data, out: False)  # Pillow for all
     for (f, shape), array in fast.items():
-        assert np.array_equal(array, folders.load_image(str(f), *shape)), (f.name, shape)
+        assert np.array_equal(array, image_files.load_image(str(f), *shape)), (f.name, shape)
 
 
 def test_an_image_of_too_many_pixels_is_refused_before_decoding(tmp_path):
@@ -136,11 +137,11 @@ def test_an_image_of_too_many_pixels_is_refused_before_decoding(tmp_path):
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
     bomb = tmp_path / "bomb.png"  # 40000 x 40000 grey (1.6 GB decoded) in a few hundred bytes
-    bomb.write_bytes(folders.PNG_SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", 40000, 40000, 8, 0, 0, 0, 0))
+    bomb.write_bytes(image_files.PNG_SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", 40000, 40000, 8, 0, 0, 0, 0))
                      + chunk(b"IDAT", zlib.compress(bytes(40001 * 64))) + chunk(b"IEND", b""))
     for channels in (1, 3):
         with pytest.raises(MeshfitError, match="40000x40000 pixels, more than") as error:
-            folders.load_image(str(bomb), (28, 28), channels)
+            image_files.load_image(str(bomb), (28, 28), channels)
         assert str(bomb) in str(error.value) and "\n" not in str(error.value)
 
 
@@ -149,7 +150,7 @@ def test_a_file_that_fails_to_decode_is_a_one_line_error_naming_it(tmp_path):
     bad = tmp_path / "b" / "001.png"
     data = bad.read_bytes()
     bad.write_bytes(data[:len(data) // 2])  # the header reads, the pixels do not
-    found = folders.scan(tmp_path)
+    found = folder_scan.scan(tmp_path)
     assert len(found) == 4
     batches = folders.FolderTrainBatches(found, SIZE, 3, 4)
     with pytest.raises(MeshfitError) as error:
@@ -163,29 +164,29 @@ def test_a_file_that_fails_to_decode_is_a_one_line_error_naming_it(tmp_path):
 def test_layout_uses_train_test_and_val_folders_as_given(tmp_path):
     write_folder(tmp_path / "train", {"a": 5, "b": 5})
     write_folder(tmp_path / "test", {"a": 2, "b": 1}, seed=1)
-    split = folders.layout(tmp_path, 0.2, seed=0)
+    split = folder_scan.layout(tmp_path, 0.2, seed=0)
     assert len(split["test"]) == 3 and split["test"].class_names == ("a", "b")
     assert len(split["train"]) == 8 and len(split["validation"]) == 2  # 0.2 of train/, per class
     write_folder(tmp_path / "val", {"a": 1, "b": 1}, seed=2)
-    split = folders.layout(tmp_path, 0.2, seed=0)
+    split = folder_scan.layout(tmp_path, 0.2, seed=0)
     assert (len(split["train"]), len(split["validation"]), len(split["test"])) == (10, 2, 3)
     write_folder(tmp_path / "val", {"c": 1}, seed=2)
     with pytest.raises(MeshfitError, match="same class sub-folders"):
-        folders.layout(tmp_path, 0.2, seed=0)
+        folder_scan.layout(tmp_path, 0.2, seed=0)
 
 
 def test_layout_splits_one_folder_per_class_by_seed(tmp_path):
     write_folder(tmp_path, {"a": 10, "b": 3, "c": 1})
-    split = folders.layout(tmp_path, 0.25, seed=5)
+    split = folder_scan.layout(tmp_path, 0.25, seed=5)
     train, validation = split["train"], split["validation"]
     assert split["test"] is None
     assert np.bincount(validation.labels, minlength=3).tolist() == [3, 1, 0]  # round half up; c keeps 1
-    assert sorted(train.files + validation.files) == sorted(folders.scan(tmp_path).files)
-    assert folders.layout(tmp_path, 0.25, seed=5)["validation"].files == validation.files
-    assert folders.layout(tmp_path, 0.25, seed=6)["validation"].files != validation.files
-    assert folders.layout(tmp_path, 0.0, seed=5)["validation"] is None
+    assert sorted(train.files + validation.files) == sorted(folder_scan.scan(tmp_path).files)
+    assert folder_scan.layout(tmp_path, 0.25, seed=5)["validation"].files == validation.files
+    assert folder_scan.layout(tmp_path, 0.25, seed=6)["validation"].files != validation.files
+    assert folder_scan.layout(tmp_path, 0.0, seed=5)["validation"] is None
     with pytest.raises(MeshfitError, match="validation_split"):
-        folders.layout(tmp_path, 1.0, seed=5)
+        folder_scan.layout(tmp_path, 1.0, seed=5)
 
 
 # ------------------------------------------------------------------------------------- batches
@@ -350,6 +351,6 @@ def test_write_jpeg_folder_upscales_cifar_images(tmp_path, monkeypatch):
     fake = datasets.Dataset(x, y, x[:0], y[:0], tuple(f"c{i}" for i in range(10)), "cifar10")
     monkeypatch.setattr(datasets, "load", lambda *a, **k: fake)
     assert jpeg_folder.write_jpeg_folder(str(tmp_path / "jpegs"), image_size=(40, 48)) == 12
-    found = folders.scan(tmp_path / "jpegs")
+    found = folder_scan.scan(tmp_path / "jpegs")
     assert len(found) == 12 and found.class_names == fake.class_names
     assert Image.open(found.files[0]).size == (48, 40)

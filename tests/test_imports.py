@@ -275,7 +275,8 @@ def test_few_meshfit_imports_inside_functions_each_with_its_reason():
 # The modules outside fit/ that import Keras (or JAX, TensorFlow) at their top, directly or
 # through a meshfit module they import there: reached only after connect() chose the engine.
 KERAS_SIDE = {"meshfit.watch.report", "meshfit.watch.progress_bar", "meshfit.watch.tensorboard",
-              "meshfit.watch.profiling", "meshfit.run.checkpoints", "meshfit.run.callbacks",
+              "meshfit.watch.profiling", "meshfit.run.checkpoints", "meshfit.run.checkpoint_save",
+              "meshfit.run.checkpoint_restore", "meshfit.run.callbacks",
               "meshfit.run.fitting", "meshfit.run.scores", "meshfit.commands.bench.timing"}
 
 

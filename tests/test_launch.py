@@ -607,11 +607,11 @@ def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_pro
     assert job.returncode != 0
     assert "meshfit: error: process 1 of 2 failed with SIGKILL (exit code -9)" in "".join(output)
 
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format
 
-    newest = checkpoints.latest(os.path.join(run, "checkpoints"))
-    assert newest is not None and checkpoints.read_state(newest)["epoch"] in (1, 2)
-    assert checkpoints.read_arrays(newest)  # the last checkpoint is complete and readable
+    newest = checkpoint_format.latest(os.path.join(run, "checkpoints"))
+    assert newest is not None and checkpoint_format.read_state(newest)["epoch"] in (1, 2)
+    assert checkpoint_format.read_arrays(newest)  # the last checkpoint is complete and readable
 
     # resumed by one process of 8 devices: each array read from the 2 processes' shards
     out = run_meshfit("train", "--resume", run, "--epochs", str(EPOCHS), "--simulate-devices", "8",
@@ -639,10 +639,10 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_run_resumes(data_
     assert sorted(p for p, _ in steps) == ["0", "1"] and steps[0][1] == steps[1][1], text[-3000:]
     assert "all 2 processes stopped together on SIGTERM" in text
 
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format
 
-    newest = checkpoints.latest(os.path.join(run, "checkpoints"))
-    assert checkpoints.read_state(newest)["global_step"] == int(steps[0][1])  # process 0 saved that step
+    newest = checkpoint_format.latest(os.path.join(run, "checkpoints"))
+    assert checkpoint_format.read_state(newest)["global_step"] == int(steps[0][1])  # process 0 saved that step
     # resumed with its kernels sharded over the 8 devices of the 2 processes (fsdp), to the end of
     # the epoch after the stop (epoch 2 unless the stop came late), so the resume always trains
     epochs = int(steps[0][1]) // 4 + 1  # 4 steps an epoch
@@ -652,8 +652,8 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_run_resumes(data_
                                    "--sharding", "fsdp", "--fsdp-min-bytes", "10KB"),
                       timeout=SAFETY_SECONDS)
     assert out.returncode == 0, out.stderr[-3000:]
-    final = checkpoints.latest(os.path.join(run, "checkpoints"))
-    assert final != newest and checkpoints.read_state(final)["config"]["sharding"] == "fsdp"
+    final = checkpoint_format.latest(os.path.join(run, "checkpoints"))
+    assert final != newest and checkpoint_format.read_state(final)["config"]["sharding"] == "fsdp"
     with open(os.path.join(run, "config.json")) as f:  # a later --resume keeps fsdp
         config = json.load(f)
     assert config["sharding"] == "fsdp" and config["resumed"][-1]["sharding"] == "fsdp"
@@ -698,10 +698,10 @@ def test_a_run_of_one_process_resumes_on_two(data_dir, single_process_run, tmp_p
     assert re.search(r"^\[0\] +devices per host +4$", out.stdout, re.M), out.stdout[-3000:]
     assert re.search(r"^\[0\] +replicas +8$", out.stdout, re.M), out.stdout[-3000:]
 
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format
 
-    final = checkpoints.latest(os.path.join(run, "checkpoints"))
-    assert checkpoints.read_state(final)["global_step"] == EPOCHS * 4
+    final = checkpoint_format.latest(os.path.join(run, "checkpoints"))
+    assert checkpoint_format.read_state(final)["global_step"] == EPOCHS * 4
     for process in (0, 1):  # fsdp kept: each process wrote its own shards
         assert os.listdir(os.path.join(final, "arrays", f"ocdbt.process_{process}", "d"))
     # The reference trained data parallel: its all-reduce adds the replicas' gradients in another

@@ -235,7 +235,7 @@ def test_folder_recipe_killed_at_random_resumes_bit_identical(tmp_path):
     """A recipe file reading a folder of PNGs beside it (relative path, flip-crop, validation split),
     SIGKILLed mid-epoch 2 and resumed from its copy after the original moved: the same weights as
     an uninterrupted run."""
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format
 
     write_pets(tmp_path)
     recipe = tmp_path / "pets.py"
@@ -254,8 +254,8 @@ def test_folder_recipe_killed_at_random_resumes_bit_identical(tmp_path):
     metrics = json.loads(out.stdout.strip().splitlines()[-1])
     assert metrics["validation_samples"] == 16 and metrics["evaluated_on"] == "validation"
     assert metrics["dataset"] == str(tmp_path / "pets") and metrics["validation_accuracy"] >= 0.9
-    a = checkpoints.read_arrays(checkpoints.latest(os.path.join(whole, "checkpoints")))
-    b = checkpoints.read_arrays(checkpoints.latest(os.path.join(killed, "checkpoints")))
+    a = checkpoint_format.read_arrays(checkpoint_format.latest(os.path.join(whole, "checkpoints")))
+    b = checkpoint_format.read_arrays(checkpoint_format.latest(os.path.join(killed, "checkpoints")))
     assert sorted(a) == sorted(b)
     assert not [k for k in a if not np.array_equal(a[k], b[k])]
 
@@ -304,7 +304,7 @@ def test_early_stopping_restores_the_same_best_weights_after_a_resume(tmp_path):
 
     import keras
 
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format
     from meshfit.run.checkpoints import TrainingInterrupted
     from meshfit.run.train import train
 
@@ -332,7 +332,7 @@ def test_early_stopping_restores_the_same_best_weights_after_a_resume(tmp_path):
     weights = [keras.saving.load_model(tmp_path / run / rundir.MODEL).get_weights()
                for run in ("whole", "cut")]
     assert all(np.array_equal(a, b) for a, b in zip(*weights))
-    last = [checkpoints.read_arrays(checkpoints.latest(tmp_path / run / rundir.CHECKPOINTS))
+    last = [checkpoint_format.read_arrays(checkpoint_format.latest(tmp_path / run / rundir.CHECKPOINTS))
             for run in ("whole", "cut")]
     assert not [k for k in last[0] if not np.array_equal(last[0][k], last[1][k])]
     assert not np.array_equal(last[0]["model/00000"], weights[0][0])  # the best is not the last

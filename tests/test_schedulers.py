@@ -19,7 +19,7 @@ import pytest
 from helpers import (assert_each_process_wrote_shards, assert_same_weights, environment, model_weights,
                      run_following_progress, run_meshfit, write_idx_dataset)
 
-from meshfit.run import checkpoints, rundir
+from meshfit.run import checkpoint_format, rundir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM_TOOLS = os.path.join(ROOT, "tools", "slurm")
@@ -132,7 +132,7 @@ def test_sbatch_job_joins_stops_on_sigterm_requeues_and_ends_as_one_process(slur
     run, log = str(tmp_path / "run"), str(tmp_path / "job.out")
     job = slurm_command(slurm, "sbatch", "--parsable", "--ntasks=2", f"--output={log}",
                         os.path.join(SLURM_TOOLS, "train.sbatch"), run, *TRAIN, "--data-dir", data_dir, *TWO_TASKS)
-    first = os.path.join(run, rundir.CHECKPOINTS, checkpoints.checkpoint_name(4))  # after epoch 1
+    first = os.path.join(run, rundir.CHECKPOINTS, checkpoint_format.checkpoint_name(4))  # after epoch 1
     wait_for(slurm, job, log, lambda: rundir.checkpoint_complete(first), "its first checkpoint")
     slurm_command(slurm, "scancel", "--signal=TERM", job)
     wait_for(slurm, job, log, lambda: job_fields(slurm, job)["JobState"] == "COMPLETED", "it completed")
@@ -145,12 +145,12 @@ def test_sbatch_job_joins_stops_on_sigterm_requeues_and_ends_as_one_process(slur
     assert stops[1][1] == str(step) and step < EPOCHS * 4, text[-3000:]  # one step, mid-run
     assert "every task stopped on SIGTERM (exit code 143); requeued to resume" in text
     assert_plain_epoch_lines(text, prefix="0: ")
-    assert re.search(rf"^0: resuming {re.escape(run)} from {checkpoints.checkpoint_name(step)}:", text, re.M)
+    assert re.search(rf"^0: resuming {re.escape(run)} from {checkpoint_format.checkpoint_name(step)}:", text, re.M)
     fields = job_fields(slurm, job)
     assert fields["Restarts"] == "1" and fields["ExitCode"] == "0:0", fields
 
-    final = checkpoints.latest(os.path.join(run, rundir.CHECKPOINTS))
-    assert checkpoints.read_state(final)["global_step"] == EPOCHS * 4
+    final = checkpoint_format.latest(os.path.join(run, rundir.CHECKPOINTS))
+    assert checkpoint_format.read_state(final)["global_step"] == EPOCHS * 4
     assert_each_process_wrote_shards(final)
     assert_same_weights(model_weights(os.path.join(run, "model.keras")), model_weights(reference), ROUNDING)
 
@@ -172,7 +172,7 @@ def test_mpirun_joins_two_processes_that_train_as_one(data_dir, reference, tmp_p
     assert code == 0, text[-3000:]
     assert re.search(r"^\s+hosts\s+2 \(this is process 0\)$", text, re.M), text[-3000:]
     assert_plain_epoch_lines(text)  # each rank's stdout is a pty: the bar must not draw there
-    final = checkpoints.latest(os.path.join(run, rundir.CHECKPOINTS))
-    assert checkpoints.read_state(final)["global_step"] == EPOCHS * 4
+    final = checkpoint_format.latest(os.path.join(run, rundir.CHECKPOINTS))
+    assert checkpoint_format.read_state(final)["global_step"] == EPOCHS * 4
     assert_each_process_wrote_shards(final)
     assert_same_weights(model_weights(os.path.join(run, "model.keras")), model_weights(reference), ROUNDING)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import KILL_AT_CALLBACKS, cli_env, run_meshfit
 
-from meshfit.run import checkpoints, rundir
+from meshfit.run import checkpoint_format, rundir
 from meshfit.data import splits as data
 from meshfit import recipes
 from meshfit.errors import MeshfitError
@@ -78,7 +78,7 @@ RECIPE = meshfit.Recipe(name="streamy", dataset=dataset, build_model=build_model
 
 
 def final_arrays(run):
-    return checkpoints.read_arrays(checkpoints.latest(os.path.join(run, rundir.CHECKPOINTS)))
+    return checkpoint_format.read_arrays(checkpoint_format.latest(os.path.join(run, rundir.CHECKPOINTS)))
 
 
 def same_arrays(a, b):

@@ -495,11 +495,11 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
     # ------------------------------------------------------------------------------ kills
 
     def final_state(self, run: str) -> tuple[dict, list]:
-        from meshfit.run import checkpoints
+        from meshfit.run import checkpoint_format
 
-        newest = checkpoints.latest(os.path.join(run, "checkpoints"))
+        newest = checkpoint_format.latest(os.path.join(run, "checkpoints"))
         history = json.load(open(os.path.join(run, "history.json")))
-        return checkpoints.read_arrays(newest), [
+        return checkpoint_format.read_arrays(newest), [
             {k: r.get(k) for k in ("loss", "accuracy", "val_loss", "val_accuracy")} for r in history]
 
     def same(self, run: str, reference) -> str | None:
@@ -553,9 +553,9 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
 
     def step_of(self, run: str) -> int:
         """The global step of the run's newest checkpoint (-1: none)."""
-        from meshfit.run import checkpoints
+        from meshfit.run import checkpoint_format
 
-        newest = checkpoints.latest(os.path.join(run, "checkpoints"))
+        newest = checkpoint_format.latest(os.path.join(run, "checkpoints"))
         return int(os.path.basename(newest)[5:]) if newest else -1
 
     def kills(self, count: int, reference, horizon: float) -> Group:
@@ -688,7 +688,7 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
                                                text=True, env=self.child_env))
             identical(f"resume after {what}", run)
         # A damaged newest checkpoint of a killed run: resumed from the previous one.
-        from meshfit.run import checkpoints, rundir
+        from meshfit.run import checkpoint_format, rundir
 
         for damage in ("truncated arrays", "flipped arrays byte", "flipped state byte",
                        "truncated manifest", "state lacking a field", "deleted arrays"):
@@ -698,7 +698,7 @@ m.save({os.path.join(folder, 'lambda.keras')!r})
                 time.sleep(0.01)
             process.kill()
             process.communicate()
-            newest = checkpoints.latest(os.path.join(run, "checkpoints"))
+            newest = checkpoint_format.latest(os.path.join(run, "checkpoints"))
             arrays, state = os.path.join(newest, "arrays.npz"), os.path.join(newest, "state.json")
             shards = [os.path.join(root, name) for root, _, names in
                       os.walk(os.path.join(newest, "arrays")) for name in names]

@@ -74,11 +74,11 @@ def recorded(run: str, name: str, key: str):
 
 def until_checkpoint_then_kill(command: list[str], run: str) -> None:
     """Start `command`, SIGKILL it once its first checkpoint is committed."""
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format
 
     job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT,
                            start_new_session=True)
-    while checkpoints.latest(os.path.join(run, "checkpoints")) is None and job.poll() is None:
+    while checkpoint_format.latest(os.path.join(run, "checkpoints")) is None and job.poll() is None:
         time.sleep(0.2)
     os.killpg(job.pid, signal.SIGKILL)
     job.wait()
@@ -135,9 +135,9 @@ def main() -> int:
     launched = f"{work}/launched"
     out = meshfit("launch", "--processes", "2", "--devices-per-process", "4", "--", "meshfit", "train",
                   recipe, *EIGHT[2:], *data, "--out", launched, "--checkpoint-every", "epoch")
-    from meshfit.run import checkpoints
+    from meshfit.run import checkpoint_format
 
-    final = checkpoints.latest(os.path.join(launched, "checkpoints")) if out.returncode == 0 else None
+    final = checkpoint_format.latest(os.path.join(launched, "checkpoints")) if out.returncode == 0 else None
     writers = sorted(d for d in os.listdir(os.path.join(final, "arrays")) if d.startswith("ocdbt.process_")) \
         if final else []
     sharding = recorded(launched, "config.json", "sharding")

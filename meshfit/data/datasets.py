@@ -47,7 +47,7 @@ from typing import Iterator
 import numpy as np
 
 from meshfit import env
-from meshfit.data import folders
+from meshfit.data import folder_scan, image_files
 from meshfit.watch import progress
 from meshfit.errors import MeshfitError
 
@@ -210,18 +210,18 @@ def image_folder(path: str | os.PathLike, image_size: tuple[int, int],
     are skipped with a warning, and in every class round(n * validation_split) images chosen with
     `seed` go to x_test/y_test. Both splits are then shuffled with `seed`.
     """
-    size = folders.check_image_size(image_size, channels)
+    size = image_files.check_image_size(image_size, channels)
     if not 0.0 <= validation_split < 1.0:
         raise MeshfitError(f"validation_split must be in [0, 1), got {validation_split}")
-    found = folders.scan(path)
-    train, held = folders.split(found, validation_split, seed)
+    found = folder_scan.scan(path)
+    train, held = folder_scan.split(found, validation_split, seed)
     rng = np.random.default_rng(seed)
 
     def arrays(folder):
         order = rng.permutation(len(folder)) if folder is not None else np.zeros(0, np.int64)
         x = np.empty((len(order), *size, channels), np.uint8)
         for row, i in enumerate(order):
-            folders.load_image(folder.files[i], size, channels, out=x[row])
+            image_files.load_image(folder.files[i], size, channels, out=x[row])
         return x, (folder.labels[order] if folder is not None else np.zeros(0, np.int32))
 
     (x_train, y_train), (x_test, y_test) = arrays(train), arrays(held)

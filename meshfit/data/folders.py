@@ -1,32 +1,6 @@
 """Image folders streamed from disk: batches decoded as they are needed, never the folder whole.
 
-A folder holds one sub-folder per class (sorted names are the classes); images may sit in nested
-folders below a class folder. `scan` lists the files and checks each one's header (Pillow's
-`Image.open`, no pixel decoding); `layout` finds or makes the train / validation / test split.
-
-Bad data, decided once:
-  - a file whose suffix is not in IMAGE_EXTENSIONS, or whose header Pillow cannot read (corrupt,
-    truncated before its size, not an image): skipped at scan and listed in `Folder.skipped`
-    with the reason; hidden files (".name") are ignored;
-  - a file whose header reads but whose pixels do not decode: a one-line MeshfitError naming the
-    file when its batch is decoded (the scan does not decode pixels, to stay cheap);
-  - a missing folder, no class folders, a class folder left with no readable image, or a single
-    class: a one-line MeshfitError saying what to do;
-  - every mode is converted: grey and palette images to RGB (channels=3) or L (channels=1);
-    transparency (RGBA, LA, palette with a transparent colour) composited on white; 16-bit
-    images (I;16, I) scaled to 8 bits (value >> 8), not clipped; CMYK and YCbCr through Pillow;
-    animated GIF / WebP: the first frame. Images are resized to image_size (bilinear, Pillow)
-    unless already that size; a JPEG at least twice as large in both directions is first decoded
-    at a reduced scale (libjpeg's DCT scaling, as Pillow's draft mode; slightly different from a
-    full decode then resize).
-JPEGs are decoded by libjpeg-turbo through simplejpeg, which needs no GIL (the same pixels as
-Pillow for RGB; for channels=1 libjpeg's luma channel, which can differ from Pillow's
-convert("L") of the decoded RGB by a few levels where the colour subsampling blurs, e.g. 6 on
-noise). Small PNGs (at most SMALL_PNG_PIXELS, 8-bit grey or RGB, no transparency) are decoded by
-libspng through pyspng: the same pixels as Pillow for an eighth of the CPU time (9 vs 72 us for a
-28x28 digit, where Pillow's per-call overhead dominates). pyspng holds the GIL while it decodes,
-so larger PNGs go through Pillow, which decodes in parallel threads. Every other file, CMYK JPEGs
-and files these decoders refuse go through Pillow too.
+The folder's files and classes: meshfit.data.folder_scan; one image decoded: meshfit.data.image_files.
 
 Training batches follow arrays.TrainBatches exactly: epoch e visits the files in the
 permutation drawn from (seed, e), `steps_per_epoch` global batches, the last partial one
@@ -46,352 +20,22 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
-import io
-import os
 import time
-import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from meshfit.data import arrays, order
+from meshfit.data.folder_scan import Folder
+from meshfit.data.image_files import check_image_size, default_workers, load_image
 from meshfit.errors import MeshfitError
 from meshfit.parallel import cluster
 from meshfit.data.arrays import CROP_PADDING
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 PREFETCH_BATCHES = 2  # batches decoded ahead of the one being used
 MAX_CHUNK = 32  # images per decoding task at most
 MEASURED_IMAGES = 256  # images decoded on one thread before choosing the number of threads
 CHEAP_IMAGE_SECONDS = 100e-6  # CPU time per image below which decoding stays on one thread
-HEADER_BYTES = 65536  # bytes read at scan to check a JPEG's header
-READ_BYTES = 1 << 20  # a file is read in pieces of this many bytes
-SMALL_PNG_PIXELS = 64 * 64  # larger PNGs go through Pillow (pyspng holds the GIL while it decodes)
-SPLIT_NAMES = {"train": ("train",), "validation": ("val", "validation"), "test": ("test",)}
-
-
-@dataclass(frozen=True, eq=False)
-class Folder:
-    """The images of a folder of class sub-folders.
-
-    root: absolute path scanned; class_names: sorted class folder names; files: absolute paths
-    sorted by (class, path in the class folder); labels: int32 (N,) indices into class_names;
-    skipped: (path, reason) of the files left out at scan (a subset keeps its parent's).
-    """
-
-    root: str
-    class_names: tuple[str, ...]
-    files: tuple[str, ...]
-    labels: np.ndarray
-    skipped: tuple[tuple[str, str], ...] = ()
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def subset(self, indices: Sequence[int]) -> "Folder":
-        """The same classes with only the files at `indices` (in that order)."""
-        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
-        return Folder(self.root, self.class_names, tuple(self.files[i] for i in indices),
-                      self.labels[indices], self.skipped)
-
-
-# ----------------------------------------------------------------------------------- scanning
-
-def check_folder(path: str | os.PathLike) -> str:
-    """`path` made absolute; a MeshfitError where it is not a folder (`--data` is checked so before
-    the devices connect)."""
-    root = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(root):
-        raise MeshfitError(f"image folder {root} does not exist or is not a folder; give a folder "
-                           "with one sub-folder of images per class")
-    return root
-
-
-def scan(path: str | os.PathLike, class_names: tuple[str, ...] | None = None) -> Folder:
-    """The image files of `path`, one sub-folder per class; header-checked (see the module docstring).
-
-    class_names: the classes this folder must have (a test/ or val/ folder next to train/).
-    """
-    root = check_folder(path)
-    classes = tuple(sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith(".")))
-    if not classes:
-        raise MeshfitError(f"{root} has no class sub-folders; put each class's images in "
-                           f"{root}/<class name>/")
-    if class_names is not None and classes != tuple(class_names):
-        raise MeshfitError(f"{root} has the class folders {', '.join(classes)} but the training "
-                           f"folder has {', '.join(class_names)}; use the same class sub-folders")
-    if len(classes) == 1:
-        raise MeshfitError(f"{root} has a single class folder ({classes[0]}); a classifier needs "
-                           f"at least two: put each class's images in its own sub-folder of {root}")
-    files, labels, skipped = [], [], []
-    for label, name in enumerate(classes):
-        found, left_out = _class_files(os.path.join(root, name))
-        if not found:
-            why = f" ({len(left_out)} file(s) skipped: unreadable or not images)" if left_out else ""
-            raise MeshfitError(f"class folder {os.path.join(root, name)} has no readable images{why}; "
-                               f"add {', '.join(IMAGE_EXTENSIONS)} files or remove the folder")
-        files += found
-        labels += [label] * len(found)
-        skipped += left_out
-    if skipped:
-        images = [(p, why) for p, why in skipped if why.startswith("unreadable")]
-        path, why = (images or skipped)[0]
-        warnings.warn(f"skipped {len(skipped)} file(s) of {root} that are not readable images "
-                      f"({len(images)} unreadable image(s)); e.g. {path}: {why}", stacklevel=2)
-    return Folder(root, classes, tuple(files), np.asarray(labels, dtype=np.int32), tuple(skipped))
-
-
-def _class_files(folder: str) -> tuple[list[str], list[tuple[str, str]]]:
-    """(readable image files, skipped (path, reason)) under one class folder, sorted by path."""
-    candidates, skipped = [], []
-    for directory, subdirs, names in os.walk(folder, followlinks=True):
-        subdirs[:] = [d for d in subdirs if not d.startswith(".")]
-        for name in names:
-            path = os.path.join(directory, name)
-            if name.startswith("."):
-                continue
-            if name.lower().endswith(IMAGE_EXTENSIONS):
-                candidates.append(path)
-            else:
-                skipped.append((path, "not an image file (suffix)"))
-    with concurrent.futures.ThreadPoolExecutor(default_workers()) as pool:
-        problems = list(pool.map(_header_problem, candidates, chunksize=64))
-    found = [p for p, problem in zip(candidates, problems) if problem is None]
-    skipped += [(p, problem) for p, problem in zip(candidates, problems) if problem is not None]
-    return sorted(found), sorted(skipped)  # paths under one folder: sorted as their names
-
-
-def _header_problem(path: str) -> str | None:
-    """Why the header of `path` cannot be read as an image, or None when it can."""
-    from PIL import Image
-
-    try:
-        with open(path, "rb") as f:
-            head = f.read(HEADER_BYTES)
-        if head[:3] == b"\xff\xd8\xff" and _jpeg_header_size(head):
-            return None
-        with Image.open(path) as im:
-            if im.width < 1 or im.height < 1:
-                return "empty image (0 pixels)"
-    except Exception as e:  # Pillow raises many kinds (UnidentifiedImageError, OSError, SyntaxError...)
-        return f"unreadable image: {_reason(e)}"
-    return None
-
-
-def _jpeg_header_size(head: bytes) -> tuple[int, int] | None:
-    """(height, width) from the start of a JPEG file via simplejpeg; None if it cannot tell."""
-    try:
-        import simplejpeg
-
-        height, width, _, _ = simplejpeg.decode_jpeg_header(head)
-    except (ImportError, ValueError):
-        return None
-    return (height, width) if height > 0 and width > 0 else None
-
-
-def _reason(error: Exception) -> str:
-    from PIL import UnidentifiedImageError
-
-    if isinstance(error, UnidentifiedImageError):  # its text names an in-memory buffer, not the file
-        return "not an image file: no PNG, JPEG, BMP, GIF, WebP or other format Pillow reads"
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def layout(path: str | os.PathLike, validation_split: float, seed: int) -> dict[str, Folder | None]:
-    """{"train", "validation", "test"}: the folders to train, validate and test on.
-
-    A folder with train/ and test/ and/or val/ (or validation/) sub-folders is used as given;
-    without val/, validation_split then splits train/. Otherwise the folder itself is split: in
-    each class round(n * validation_split) files (half up, at least one left in train), chosen
-    with `seed`, go to validation, and "test" is None. validation_split 0: no validation.
-    """
-    if not 0.0 <= validation_split < 1.0:
-        raise MeshfitError(f"validation_split must be in [0, 1), got {validation_split}")
-    root = os.path.abspath(os.fspath(path))
-    splits = {key: next((os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))), None)
-              for key, names in SPLIT_NAMES.items()}
-    if splits["train"] and (splits["validation"] or splits["test"]):
-        train = scan(splits["train"])
-        test = scan(splits["test"], train.class_names) if splits["test"] else None
-        if splits["validation"]:
-            return {"train": train, "validation": scan(splits["validation"], train.class_names),
-                    "test": test}
-        train, validation = split(train, validation_split, seed)
-        return {"train": train, "validation": validation, "test": test}
-    train, validation = split(scan(root), validation_split, seed)
-    return {"train": train, "validation": validation, "test": None}
-
-
-def split(folder: Folder, fraction: float, seed: int) -> tuple[Folder, Folder | None]:
-    """(train, validation): per class, round(n * fraction) files chosen with `seed` to validation."""
-    if fraction <= 0:
-        return folder, None
-    rng = np.random.default_rng(seed)
-    held = []
-    for label in range(len(folder.class_names)):
-        members = np.flatnonzero(folder.labels == label)
-        count = min(int(len(members) * fraction + 0.5), len(members) - 1)
-        held += list(members[rng.permutation(len(members))[:count]])
-    held = np.sort(np.asarray(held, dtype=np.int64))
-    kept = np.setdiff1d(np.arange(len(folder)), held)
-    return folder.subset(kept), (folder.subset(held) if len(held) else None)
-
-
-# ----------------------------------------------------------------------------------- decoding
-
-def load_image(path: str, image_size: tuple[int, int], channels: int,
-               out: np.ndarray | None = None) -> np.ndarray:
-    """One image as uint8 (height, width, channels), converted and resized as the module says;
-    written into `out` when given (an array of that shape)."""
-    height, width = image_size
-    if out is None:
-        out = np.empty((height, width, channels), np.uint8)
-    try:
-        data = _read(path)
-        if data[:3] == b"\xff\xd8\xff":
-            decoded = _decode_jpeg(data, out)
-        else:
-            decoded = data[:8] == PNG_SIGNATURE and _decode_png(data, out)
-        if not decoded:
-            _decode_with_pillow(data, out)
-    except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, ValueError...)
-        raise MeshfitError(f"cannot read image {path} ({_reason(e)}); fix or remove it") from None
-    return out
-
-
-def _read(path: str) -> bytes:
-    """A file's bytes, with os.read: half the CPU time of open().read() for small files."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        data = os.read(fd, size + 1)
-        if len(data) == size:  # the whole file, the usual case
-            return data
-        chunks = [data]  # a short read, or a file that grew: read on to its end
-        while chunk := os.read(fd, READ_BYTES):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _check_pixels(width: int, height: int) -> None:
-    """A ValueError for an image of more pixels than Pillow's MAX_IMAGE_PIXELS (a decompression
-    bomb: a small file that would decode to gigabytes)."""
-    from PIL import Image
-
-    if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
-        raise ValueError(f"{width}x{height} pixels, more than the {Image.MAX_IMAGE_PIXELS:,} "
-                         "allowed (PIL.Image.MAX_IMAGE_PIXELS)")
-
-
-def _decode_jpeg(data: bytes, out: np.ndarray) -> bool:
-    """Decode a JPEG into `out` with libjpeg-turbo (simplejpeg, without the GIL); False where
-    Pillow must do it (no simplejpeg, CMYK, or data simplejpeg refuses)."""
-    try:
-        import simplejpeg
-    except ImportError:
-        return False
-    height, width, channels = out.shape
-    try:
-        rows, cols, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError:
-        return False  # e.g. a truncated file: Pillow decodes it or names the problem
-    _check_pixels(cols, rows)
-    try:
-        if colorspace not in ("Gray", "YCbCr", "RGB"):
-            return False  # CMYK, YCCK: Pillow converts them
-        space = "RGB" if channels == 3 else "GRAY"
-        if (rows, cols) == (height, width):
-            simplejpeg.decode_jpeg(data, space, buffer=out)
-            return True
-        scaled = rows >= 2 * height and cols >= 2 * width  # DCT scaling, as Pillow's draft mode
-        array = simplejpeg.decode_jpeg(data, space, min_height=height if scaled else 0,
-                                       min_width=width if scaled else 0)
-    except ValueError:
-        return False  # e.g. a truncated file: Pillow decodes it or names the problem
-    _resize(array, out)
-    return True
-
-
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_PNG_GREY, _PNG_RGB = 0, 2  # IHDR colour types pyspng decodes here
-
-
-def _decode_png(data: bytes, out: np.ndarray) -> bool:
-    """Decode an 8-bit grey or RGB PNG without transparency into `out` with libspng (pyspng);
-    False where Pillow must do it (no pyspng, other colour types or depths, transparency, RGB to
-    grey, or data libspng refuses)."""
-    try:
-        import pyspng
-    except ImportError:
-        return False
-    if len(data) < 33 or data[12:16] != b"IHDR" or data[24] != 8 or b"tRNS" in data:
-        return False
-    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
-    _check_pixels(width, height)
-    if width * height > SMALL_PNG_PIXELS:
-        return False  # Pillow: it decodes without the GIL, so in parallel threads
-    colour = data[25]
-    channels = out.shape[2]
-    if colour not in (_PNG_GREY, _PNG_RGB) or (colour == _PNG_RGB and channels == 1):
-        return False  # Pillow's luma for RGB to grey
-    try:
-        array = pyspng.load(data)
-    except (RuntimeError, ValueError):
-        return False  # e.g. a truncated file: Pillow decodes it or names the problem
-    if array.ndim == 2:
-        array = array[..., None]
-    if channels == 3 and array.shape[2] == 1:
-        array = np.repeat(array, 3, axis=2)
-    if array.shape == out.shape:
-        out[...] = array
-    else:
-        _resize(array, out)
-    return True
-
-
-def _decode_with_pillow(data: bytes, out: np.ndarray) -> None:
-    from PIL import Image
-
-    height, width, channels = out.shape
-    with Image.open(io.BytesIO(data)) as im:
-        _check_pixels(im.width, im.height)
-        if im.format == "JPEG" and im.width >= 2 * width and im.height >= 2 * height:
-            im.draft(None, (width, height))
-        im = _convert(im, "RGB" if channels == 3 else "L")
-        if im.size != (width, height):
-            im = im.resize((width, height), Image.Resampling.BILINEAR)
-        out[...] = np.asarray(im, dtype=np.uint8).reshape(out.shape)
-
-
-def _resize(array: np.ndarray, out: np.ndarray) -> None:
-    """`array` (h, w, c) resized bilinearly into `out` (H, W, c) with Pillow."""
-    from PIL import Image
-
-    height, width, channels = out.shape
-    image = Image.fromarray(array[..., 0] if channels == 1 else array)
-    out[...] = np.asarray(image.resize((width, height), Image.Resampling.BILINEAR)).reshape(out.shape)
-
-
-def _convert(im, mode: str):
-    """`im` in `mode` ("RGB" or "L"): 16-bit scaled to 8 bits, transparency composited on white."""
-    from PIL import Image
-
-    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
-        im = Image.fromarray((np.clip(np.asarray(im), 0, 65535) >> 8).astype(np.uint8), "L")
-    elif im.mode == "F":
-        im = Image.fromarray(np.clip(np.asarray(im), 0, 255).astype(np.uint8), "L")
-    if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
-        white = Image.new("RGBA", im.size, (255, 255, 255, 255))
-        im = Image.alpha_composite(white, im.convert("RGBA"))
-    return im if im.mode == mode else im.convert(mode)
-
-
-def default_workers() -> int:
-    """Decoding threads: one per core this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class _Decoder:
@@ -475,16 +119,6 @@ def _prefetched(jobs: Iterator[Callable[[], Any]], depth: int) -> Iterator[Any]:
             job.cancel()
 
 
-def check_image_size(image_size, channels: int) -> tuple[int, int]:
-    """(height, width) as ints; a MeshfitError unless both are positive and channels is 1 or 3."""
-    if channels not in (1, 3):
-        raise MeshfitError(f"channels must be 1 (grey) or 3 (RGB), got {channels}")
-    size = tuple(int(s) for s in image_size)
-    if len(size) != 2 or min(size) < 1:
-        raise MeshfitError(f"image size must be two positive pixel counts (height width), got {image_size}")
-    return size
-
-
 def _this_process() -> tuple[Sequence[Any], int] | None:
     """(devices of the job, this process's index) in a job of several processes, else None."""
     if not cluster.multi_process():
@@ -493,8 +127,6 @@ def _this_process() -> tuple[Sequence[Any], int] | None:
 
     return jax.devices(), jax.process_index()
 
-
-# ----------------------------------------------------------------------------------- batches
 
 class FolderTrainBatches:
     """Training batches of (images uint8 (B, H, W, C), labels int32 (B,)) read from a Folder.

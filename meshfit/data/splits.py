@@ -4,7 +4,7 @@ A recipe's `dataset` is a built-in name (loaded whole into memory by meshfit.dat
 images with one sub-folder per class (streamed from disk by meshfit.data.folders, never loaded
 whole), or a callable `dataset(seed)` returning arrays (kept in memory) or a dict of streamed
 sources (a PyDataset, tf.data, Grain or a generator function per split: see meshfit.data.streams).
-A split is (x, y) arrays, an folders.Folder, or a streams.Source (train) / streams.EvalSource
+A split is (x, y) arrays, a folder_scan.Folder, or a streams.Source (train) / streams.EvalSource
 (validation, test). Arrays and folders follow one rule: batch (epoch, step) is a pure function of
 (seed, epoch, step), so a resumed run sees exactly the batches an uninterrupted one would; so do
 index-based streams (PyDataset, grain.MapDataset), while other streams resume by reading the
@@ -26,11 +26,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from meshfit.data import arrays, datasets, folders, streams
+from meshfit.data import arrays, datasets, folder_scan, folders, streams
 from meshfit.errors import MeshfitError
 
 FOLDER_VALIDATION_SPLIT = 0.2  # share of a folder's images held out when its recipe sets none
-Split = Any  # (x, y) numpy arrays, a meshfit.data.folders.Folder, a streams.Source or EvalSource
+Split = Any  # (x, y) numpy arrays, a meshfit.data.folder_scan.Folder, a streams.Source or EvalSource
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,7 +134,7 @@ def _folder(recipe, path: str, seed: int) -> RunData:
                            "image_size; add image_size=(height, width) to its Recipe")
     if recipe.channels not in (1, 3):
         raise MeshfitError(f"channels must be 1 (grey) or 3 (RGB), got {recipe.channels}")
-    splits = folders.layout(path, recipe.validation_split, seed)
+    splits = folder_scan.layout(path, recipe.validation_split, seed)
     height, width = (int(s) for s in recipe.image_size)
     return RunData(path, splits["train"].class_names, (height, width, recipe.channels),
                    splits["train"], splits["validation"], splits["test"])
@@ -147,15 +147,15 @@ def other_folder(path: str, class_names: tuple[str, ...], input_shape: tuple[int
     if len(input_shape) != 3 or input_shape[2] not in (1, 3):
         raise MeshfitError(f"the run's model takes inputs of shape {tuple(input_shape)}, not images "
                            "(height, width, 1 or 3 channels); score it on its own data instead")
-    found = folders.scan(path)
+    found = folder_scan.scan(path)
     unknown = [name for name in found.class_names if name not in class_names]
     if unknown:
         raise MeshfitError(f"{found.root} has the class folders {', '.join(found.class_names)} but "
                            f"the run's classes are {', '.join(class_names)}; give a folder whose "
                            "class sub-folders are named as the run's classes")
     index = np.asarray([class_names.index(name) for name in found.class_names], np.int32)
-    test = folders.Folder(found.root, tuple(class_names), found.files, index[found.labels],
-                          found.skipped)
+    test = folder_scan.Folder(found.root, tuple(class_names), found.files, index[found.labels],
+                              found.skipped)
     return RunData(found.root, tuple(class_names), tuple(input_shape), test, None, test)
 
 

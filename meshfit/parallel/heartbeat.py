@@ -75,7 +75,8 @@ _COMPILING = ("/jax/_src/compiler.py", "/jax/_src/interpreters/partial_eval.py")
 _KINDS = (
     ("device", ("/jax/_src/", "/jaxlib/", "/keras/src/backend/jax/trainer.py",
                 "/meshfit/fit/jax_loop.py", "/meshfit/fit/hosts.py", "/meshfit/parallel/cluster.py")),
-    ("checkpoint", ("/orbax/", "/meshfit/run/checkpoints.py", "/meshfit/run/sharded_arrays.py")),
+    ("checkpoint", ("/orbax/", "/meshfit/run/checkpoint",  # checkpoints.py and checkpoint_*.py
+                    "/meshfit/run/sharded_arrays.py")),
     ("input", ("/keras/src/trainers/data_adapters/", "/keras/src/trainers/epoch_iterator.py",
                "/tensorflow/python/data/", "/grain/", "/meshfit/data/", "/meshfit/fit/sources.py")),
 )

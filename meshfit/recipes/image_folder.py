@@ -19,7 +19,7 @@ import json
 import os
 
 from meshfit import Recipe
-from meshfit.data.folders import check_folder  # noqa: F401 (--data FOLDER checked before connecting)
+from meshfit.data.folder_scan import check_folder  # noqa: F401 (--data FOLDER checked before connecting)
 from meshfit.errors import MeshfitError
 
 MODELS = ("cnn", "mobilenetv3small", "efficientnetb0")

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 import meshfit
-from meshfit.data import datasets, folders, splits as data
+from meshfit.data import datasets, folder_scan, splits as data
 from meshfit.errors import MeshfitError
 from meshfit.run import models, rundir, spec
 from meshfit.watch import progress
@@ -49,7 +49,7 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | No
                            "(where a built-in dataset is), not both")
     datasets.check_data_dir(data_dir)
     if folder is not None:
-        folders.check_folder(folder)  # before connecting
+        folder_scan.check_folder(folder)  # before connecting
     run, model_path = rundir.locate_run(run_or_model)
     saved, _ = spec.read(run)
 

@@ -29,7 +29,8 @@ from meshfit.data import splits as data
 from meshfit.errors import MeshfitError
 from meshfit.fit import jax_loop, memory_plan, set_random_seed, tf_microbatch
 from meshfit.parallel import cluster, planning, stall
-from meshfit.run import checkpoints, models, rundir, spec
+from meshfit.run import (checkpoint_format, checkpoint_restore, checkpoint_save, checkpoints, models,
+                         rundir, spec)
 from meshfit.run.callbacks import RecipeCallbacks
 from meshfit.run.evaluate import headline, score_line
 from meshfit.run.results import totals, write_metrics, write_results
@@ -255,7 +256,7 @@ def write_recipe(run: str, recipe: recipes.Recipe) -> None:
 
 def restore(model, run: str, steps: int, labels: np.ndarray, checkpoint: str | None = None,
             classes: int | None = None) -> dict[str, Any]:
-    """Load a checkpoint into the model; return its state (see checkpoints.restore).
+    """Load a checkpoint into the model; return its state (see checkpoint_restore.restore).
 
     checkpoint: the one to load (as named on --resume); default the newest intact one: a damaged
     newer one is skipped with a warning (the run then repeats the steps it had saved). A run
@@ -264,19 +265,19 @@ def restore(model, run: str, steps: int, labels: np.ndarray, checkpoint: str | N
     the outputs of a subclassed model, which has no output_shape.
     """
     directory = os.path.join(run, rundir.CHECKPOINTS)
-    candidates = [checkpoint] if checkpoint else checkpoints.list_checkpoints(directory)[::-1]
+    candidates = [checkpoint] if checkpoint else rundir.list_checkpoints(directory)[::-1]
     if not candidates:  # stopped before its first checkpoint: nothing to load, start again
         warnings.warn(f"{run} has no checkpoint yet; training it from the start", stacklevel=2)
         return {"epoch": 0, "step": 0, "history": [], "metrics_values": [],
                 "path": os.path.join(directory, "none")}
     for i, path in enumerate(candidates):
         try:
-            state = checkpoints.restore(model, path)
+            state = checkpoint_restore.restore(model, path)
             if not isinstance(state.get("history"), list):
-                raise checkpoints.CheckpointDamaged(f"checkpoint {path} is damaged (its state.json "
-                                                    "lacks the history)")
+                raise checkpoint_format.CheckpointDamaged(f"checkpoint {path} is damaged (its state.json "
+                                                          "lacks the history)")
             break
-        except checkpoints.CheckpointDamaged as e:
+        except checkpoint_format.CheckpointDamaged as e:
             if i + 1 == len(candidates):
                 if checkpoint:
                     raise
@@ -631,7 +632,7 @@ def score_and_write(asked, model, history: list, dataset, run_spec: RunSpec, chi
     # metrics.json is config.json's specification plus the results (see meshfit.run.spec).
     metrics = {**scores, **totals(history), **run_spec.to_dict(),
                "resumed": asked.saved is not None, "run_dir": run}
-    checkpoints.gather_for_saving(model)  # fsdp on several processes: every process
+    checkpoint_save.gather_for_saving(model)  # fsdp on several processes: every process
     metrics.update({"mfu": run_mfu(history), "peak_flops": (peak or {}).get("flops"),
                     "peak_source": (peak or {}).get("source")})
     with ledger.part("other"):  # the model, history and curves written count as part of the run

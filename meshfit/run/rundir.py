@@ -4,7 +4,7 @@ A run directory (default runs/<recipe>-<YYYYmmdd-HHMMSS>/) holds
   config.json   the run specification (meshfit.run.spec), written first so a killed run can resume
   recipe.py     the recipe file trained (recipe files and --data runs only; its SHA-256 is in
                 config.json), so resume, eval and export work after the original moves
-  checkpoints/  the full training state, one folder per checkpoint, see meshfit.run.checkpoints
+  checkpoints/  the full training state, one folder per checkpoint, see meshfit.run.checkpoint_format
   model.keras   the trained model (raw 0-255 pixels in, class probabilities out)
   model.onnx    its ONNX copy for fast CPU inference (written by predict or export)
   history.json  per-epoch train and test loss/accuracy, time, samples/s, MFU
@@ -34,7 +34,7 @@ MODEL, ONNX, CURVES = "model.keras", "model.onnx", "curves.png"
 CHECKPOINTS, TENSORBOARD, LOCK = "checkpoints", "tensorboard", ".lock"
 RECIPE = "recipe.py"
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8,})$")  # checkpoints/ckpt-<global step>
-CHECKPOINT_STATE = "state.json"  # where training stands (see meshfit.run.checkpoints)
+CHECKPOINT_STATE = "state.json"  # where training stands (see meshfit.run.checkpoint_format)
 CHECKPOINT_ARRAYS = "arrays.npz"  # the variables (meshfit 0.1 called them state.npz)
 CHECKPOINT_MANIFEST = "manifest.json"  # written last, atomically: its checkpoint is complete
 HINT = "pass a run directory written by meshfit train"

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from meshfit.data import folders
+from meshfit.data import image_files
 from meshfit.errors import MeshfitError, troubleshooting
 from meshfit.parallel.engine import installed
 from meshfit.run import models, rundir
@@ -41,14 +41,14 @@ KERAS_BATCH = 256  # images per Keras call in the fallback
 
 def load_image(path: str, input_shape: Sequence[int]) -> np.ndarray:
     """One image file as the model's input: uint8 (H, W, C), decoded, converted and resized exactly
-    as image folders are for training (meshfit.data.folders.load_image)."""
+    as image folders are for training (meshfit.data.image_files.load_image)."""
     height, width, channels = (int(d) for d in input_shape)
     if channels not in (1, 3):
         raise MeshfitError(f"cannot convert {path} to the model's {channels} channels; "
                            "meshfit predict reads images as RGB (3 channels) or grey (1)")
     if not os.path.isfile(path):
         raise MeshfitError(f"image {path} not found or not a file; pass PNG or JPEG files")
-    return folders.load_image(path, (height, width), channels)
+    return image_files.load_image(path, (height, width), channels)
 
 
 def check_model(path: str | os.PathLike) -> None:

@@ -12,7 +12,7 @@ import sys
 import time
 
 from meshfit.commands.bench import table, worker
-from meshfit.data import folders
+from meshfit.data import folder_scan, folders, image_files
 from meshfit.errors import MeshfitError
 from meshfit.parallel import devices as devices_lib
 from meshfit.run import rundir
@@ -32,11 +32,11 @@ def bench_input(folder: str, image_size: tuple[int, int], channels: int = 3,
     epoch); images/s is the median over the rounds. Writes bench.json to `out` (default
     runs/bench-input-<time>/) and returns the results.
     """
-    height, width = folders.check_image_size(image_size, channels)
+    height, width = image_files.check_image_size(image_size, channels)
     if global_batch < 1 or rounds < 1 or (steps is not None and steps < 1):
         raise MeshfitError(f"--global-batches, --rounds and --steps must be at least 1, got "
                            f"{global_batch}, {rounds} and {steps}")
-    found = folders.scan(folder)  # bad folders fail here, in one line
+    found = folder_scan.scan(folder)  # bad folders fail here, in one line
     if len(found) < global_batch:
         raise MeshfitError(f"{folder} has {len(found)} readable images, fewer than the batch of "
                            f"{global_batch}; use a smaller --global-batches")
@@ -87,7 +87,7 @@ def measure(spec: dict) -> None:
                          "python": sys.version.split()[0]})
     setup = time.perf_counter()
     if spec["path"] == "meshfit":
-        folder = folders.scan(spec["input"])
+        folder = folder_scan.scan(spec["input"])
         batches = folders.FolderTrainBatches(folder, (height, width), spec["channels"], batch)
         stream = batches.iterate()
         detail = {"workers": batches.workers, "loader": "thread pool over Pillow"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from meshfit.data import datasets, folders
+from meshfit.data import datasets, image_files
 from meshfit.errors import MeshfitError
 
 JPEG_FOLDER_IMAGES = 30_000  # images in `meshfit bench --make-jpeg-folder`'s folder
@@ -30,7 +30,7 @@ def write_jpeg_folder(dest: str, data_dir: str | None = None, count: int = JPEG_
     count = min(count, len(data.x_train))
     if count < 1:
         raise MeshfitError(f"the JPEG folder needs at least 1 image, got {count}")
-    height, width = folders.check_image_size(image_size, 3)
+    height, width = image_files.check_image_size(image_size, 3)
     for name in data.class_names:
         os.makedirs(os.path.join(dest, name), exist_ok=True)
 
@@ -39,6 +39,6 @@ def write_jpeg_folder(dest: str, data_dir: str | None = None, count: int = JPEG_
         image.save(os.path.join(dest, data.class_names[data.y_train[i]], f"{i:05d}.jpg"),
                    quality=JPEG_QUALITY)
 
-    with concurrent.futures.ThreadPoolExecutor(folders.default_workers()) as pool:
+    with concurrent.futures.ThreadPoolExecutor(image_files.default_workers()) as pool:
         list(pool.map(write, range(count), chunksize=256))
     return count
