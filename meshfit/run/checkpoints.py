@@ -59,7 +59,7 @@ import numpy as np
 from meshfit.errors import MeshfitError
 from meshfit.fit import hosts
 from meshfit.parallel import cluster, heartbeat
-from meshfit.run import rundir, sharded_arrays
+from meshfit.run import rundir, sharded_arrays, spec
 from meshfit.run.rundir import list_checkpoints
 from meshfit.watch import report
 
@@ -206,7 +206,7 @@ class PendingSave:
 
 def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
          extra: dict[str, Any] | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
-         keep: int = 3, sharded: bool | None = None) -> str:
+         keep: int = spec.DEFAULT_KEEP_CHECKPOINTS, sharded: bool | None = None) -> str:
     """Write the full training state after `step` steps of epoch `epoch` (0-based); return its
     folder once committed (see `begin_save` for the arguments)."""
     return begin_save(directory, model, epoch=epoch, step=step, steps_per_epoch=steps_per_epoch,
@@ -216,7 +216,8 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
 
 def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
                extra: dict[str, Any] | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
-               keep: int = 3, sharded: bool | None = None, background: bool | None = None,
+               keep: int = spec.DEFAULT_KEEP_CHECKPOINTS, sharded: bool | None = None,
+               background: bool | None = None,
                commit: bool = True) -> PendingSave:
     """Start writing the full training state after `step` steps of epoch `epoch` (0-based).
 
@@ -567,8 +568,8 @@ class Checkpointer(keras.callbacks.Callback):
 
     def __init__(self, directory: str | os.PathLike, steps_per_epoch: int, *,
                  every_steps: int | None = None, every_seconds: float | None = None,
-                 epoch_end: bool = True, keep: int = 3, extra=None, extra_arrays=None,
-                 resume_state: dict[str, Any] | None = None, write: bool = True,
+                 epoch_end: bool = True, keep: int = spec.DEFAULT_KEEP_CHECKPOINTS, extra=None,
+                 extra_arrays=None, resume_state: dict[str, Any] | None = None, write: bool = True,
                  sharded: bool | None = None, background: bool | None = None):
         super().__init__()
         self.directory = os.fspath(directory)
