@@ -1,8 +1,9 @@
 """The settings of a training run, one frozen TrainOptions: one name, one default, one check each.
 
 `meshfit train` builds it from its flags (each field with a help text is a flag, added by
-add_flags and read back by from_args), Python builds it from train()'s keywords, and the run
-carries it unchanged. None means "not given": the recipe's value, or on --resume the run's.
+add_flags and read back by from_args), `meshfit info` and `plan` from theirs (the same
+declarations: connect()'s settings, CONNECT, and plan's batch and data folder), Python from
+train()'s keywords, and the run carries it unchanged. None means "not given": the recipe's value, or on --resume the run's.
 What was trained is recorded in config.json by meshfit.run.spec.RunSpec.
 
 Adding a training setting: a field here (its help text makes the flag), a RunSpec field of the

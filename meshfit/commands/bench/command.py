@@ -12,6 +12,7 @@ import os
 from meshfit import recipes
 from meshfit.commands.bench import inputs, jpeg_folder, scaling, step, table
 from meshfit.errors import MeshfitError
+from meshfit.parallel import planning
 from meshfit.run import options
 
 
@@ -22,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"recipe whose model is timed (default: {recipes.DEFAULT})")
     parser.add_argument("--engines", help="comma-separated Keras backends (default: every installed "
                         "one that runs on these devices: jax, tensorflow)")
-    parser.add_argument("--precisions", help="comma-separated: auto, float32, bfloat16, float16 "
+    parser.add_argument("--precisions", help=f"comma-separated: {', '.join(planning.PRECISIONS)} "
                         "(default: the recipe's)")
     parser.add_argument("--global-batches", "--batch-sizes", "--batch-size", dest="global_batches",
                         help="comma-separated global batches, samples per step over all replicas "
@@ -57,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(--image-size, default 160 160) in DIR/<class>/, for --input")
     parser.add_argument("--data-dir", help="with --make-jpeg-folder: where CIFAR-10 is")
     options.add_flags(parser, *options.SHARDING)
-    parser.add_argument("--json", action="store_true", help="print the results (not a table) as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print the results (not a table) as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
