@@ -41,7 +41,8 @@ __version__ = "0.1.0"
 __all__ = ["connect", "plan", "Strategy", "EpochReport", "Recipe", "MeshfitError", "__version__"]
 
 
-def connect(require: str | None = None, simulate_devices: int | None = None, precision: str = "auto",
+def connect(require: str | None = None, simulate_devices: int | None = None,
+            precision: str = _planning.DEFAULT_PRECISION,
             engine: str | None = None, verbose: bool = True, sharding: str | None = None,
             fsdp_min_bytes: int | str | None = None, device_memory: int | str | None = None,
             layout_map=None, *, simulate: int | None = None, model_parallel: int | None = None):

@@ -1,7 +1,9 @@
 """The `meshfit` command line: `meshfit COMMAND ...`, also `python -m meshfit`.
 
-Every command has `add_<command>_arguments(parser)` and `run_<command>(args) -> int` here, and
-every flag is defined once; the work itself is done by the library module of its concept. Library
+Every command has `add_<command>_arguments(parser)` and `run_<command>(args) -> int` here (bench's
+hand on to meshfit.commands.bench.command), and every flag is defined once: a run's settings, the
+flags of train, info, plan, eval and bench alike, in meshfit.run.options, the others here; the
+work itself is done by the library module of its concept. Library
 modules never import this one. Every module the command line imports runs before the engine is
 chosen, so none imports Keras, JAX or TensorFlow at its top: each command's module crosses the
 engine line itself, after connect() (see docs/reference/code.md). The modules that load numpy and
@@ -11,24 +13,19 @@ predict`'s cold start, `launch` and `--help` do not pay for the others.
 
 from __future__ import annotations
 
-import _thread
 import argparse
-import contextlib
 import dataclasses
 import difflib
 import gc
-import importlib.machinery
 import json
 import os
 import shlex
-import signal
 import sys
-import time
 import warnings
-from typing import Callable, Iterator
+from typing import Callable
 
 import meshfit
-from meshfit.commands import launch, runs
+from meshfit.commands import ctrl_c, launch, runs
 from meshfit.errors import MeshfitError
 from meshfit.parallel import cluster
 from meshfit.run import options
@@ -51,28 +48,6 @@ COMMANDS = {
 
 # ------------------------------------------------------------------------------- shared flags
 
-def add_simulate_argument(parser: argparse.ArgumentParser) -> None:
-    options.add_flags(parser, "simulate_devices")
-
-
-def add_device_arguments(parser: argparse.ArgumentParser, precision: bool = True) -> None:
-    """The flags of commands that connect to devices (their help: meshfit.run.options)."""
-    options.add_flags(parser, "simulate_devices", *(["precision"] if precision else []),
-                      "engine", "require")
-
-
-def add_sharding_arguments(parser: argparse.ArgumentParser) -> None:
-    """--sharding, --fsdp-min-bytes and --device-memory (see meshfit.parallel.modes and
-    meshfit.fit.memory_plan)."""
-    options.add_flags(parser, "sharding", "fsdp_min_bytes", "device_memory")
-
-
-def sharding_options(args: argparse.Namespace) -> dict:
-    """The connect() keywords of add_sharding_arguments' flags."""
-    return {"sharding": args.sharding, "fsdp_min_bytes": args.fsdp_min_bytes,
-            "device_memory": args.device_memory}
-
-
 def _recipes():
     """meshfit.recipes, for the commands that name recipes."""
     from meshfit import recipes  # start-up: loads numpy and the data modules (see the docstring)
@@ -84,40 +59,18 @@ def add_json_argument(parser: argparse.ArgumentParser, what: str = "the results"
     parser.add_argument("--json", action="store_true", help=f"print {what} as JSON")
 
 
-def comma_names(text: str | None, flag: str) -> list[str] | None:
-    """A comma-separated flag value as lower-case names; None when the flag was not given."""
-    if text is None:
-        return None
-    names = [t.strip().lower() for t in text.split(",") if t.strip()]
-    if not names:
-        raise MeshfitError(f"{flag} needs at least one value, e.g. {flag} a,b")
-    return names
-
-
-def comma_counts(text: str | None, flag: str) -> list[int] | None:
-    """A comma-separated flag value as whole numbers >= 1; None when the flag was not given."""
-    names = comma_names(text, flag)
-    if names is None:
-        return None
-    if not all(n.isdigit() and int(n) >= 1 for n in names):
-        raise MeshfitError(f"{flag} takes whole numbers of at least 1, comma-separated, got {text!r}")
-    return [int(n) for n in names]
-
-
 # --------------------------------------------------------------------------------------- info
 
 def add_info_arguments(parser: argparse.ArgumentParser) -> None:
-    add_device_arguments(parser)
-    add_sharding_arguments(parser)
-    options.add_flags(parser, "model_parallel")
+    """The settings connect() takes (meshfit.run.options.CONNECT) and --json."""
+    options.add_flags(parser, *options.CONNECT)
     add_json_argument(parser, "the report")
 
 
 def run_info(args: argparse.Namespace) -> int:
     """The discovery report."""
-    strategy = meshfit.connect(require=args.require, simulate_devices=args.simulate_devices,
-                       precision=args.precision, engine=args.engine, verbose=not args.json,
-                       model_parallel=args.model_parallel, **sharding_options(args))
+    settings = options.TrainOptions.from_args(args, verbose=not args.json)
+    strategy = meshfit.connect(**settings.connect_settings())
     if args.json:
         print(json.dumps(strategy.describe()))
     return 0
@@ -194,7 +147,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", metavar="DIR",
                         help="where the run's built-in dataset is (default: the run's)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON, last line")
-    add_device_arguments(parser, precision=False)
+    options.add_flags(parser, "simulate_devices", "engine", "require")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -297,118 +250,15 @@ def run_export(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- bench
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    from meshfit.commands.bench import inputs, jpeg_folder, step  # start-up: only for bench
+    from meshfit.commands.bench import command  # start-up: only for bench
 
-    recipes = _recipes()
-    parser.add_argument("recipe", nargs="?", default=recipes.DEFAULT,
-                        help=f"recipe whose model is timed (default: {recipes.DEFAULT})")
-    parser.add_argument("--engines", help="comma-separated Keras backends (default: every installed "
-                        "one that runs on these devices: jax, tensorflow)")
-    parser.add_argument("--precisions", help="comma-separated: auto, float32, bfloat16, float16 "
-                        "(default: the recipe's)")
-    parser.add_argument("--global-batches", "--batch-sizes", "--batch-size", dest="global_batches",
-                        help="comma-separated global batches, samples per step over all replicas "
-                        f"(default: the recipe's; with --input one, default {inputs.DEFAULT_INPUT_BATCH})")
-    parser.add_argument("--steps-per-dispatch", help="comma-separated train steps per dispatch "
-                        "(default: 1 on CPU, 1,8 on accelerators)")
-    add_simulate_argument(parser)
-    parser.add_argument("--repeats", type=int, default=step.DEFAULT_REPEATS,
-                        help="timed epochs per measurement; the median is reported "
-                             f"(default: {step.DEFAULT_REPEATS})")
-    parser.add_argument("--rounds", type=int,
-                        help="run every engine and path this many times, alternating, and report "
-                             "the median (default: 1; with --input 3)")
-    parser.add_argument("--steps", type=int, help=f"train steps per timed epoch (default: "
-                        f"{step.DEFAULT_STEPS}); with --input, timed batches (default: one epoch)")
-    parser.add_argument("--out", help="directory for bench.csv, bench.json, bench.png "
-                        "(default: runs/bench-<time>)")
-    parser.add_argument("--tensorboard", action="store_true",
-                        help="also time the meshfit path with TensorBoard logging on (vs meshfit: its cost)")
-    parser.add_argument("--scaling", nargs="?", const="1,2,4,8", metavar="COUNTS",
-                        help="time the recipe on 1, 2, 4, 8 devices (or the comma-separated "
-                             "COUNTS) at one global batch: samples/s, efficiency vs linear, "
-                             "goodput parts, scaling.png (simulated devices on a CPU)")
-    parser.add_argument("--input", metavar="FOLDER",
-                        help="time the input pipeline alone on this image folder (one sub-folder per "
-                             "class): meshfit's streamed batches vs keras.utils.image_dataset_from_directory")
-    parser.add_argument("--image-size", type=int, nargs=2, metavar=("H", "W"),
-                        help="with --input or --make-jpeg-folder: image height and width in pixels")
-    parser.add_argument("--channels", type=int, default=3, help="with --input: 3 (RGB) or 1 (grey)")
-    parser.add_argument("--make-jpeg-folder", metavar="DIR",
-                        help=f"write {jpeg_folder.JPEG_FOLDER_IMAGES:,} CIFAR-10 training images as JPEGs "
-                             "(--image-size, default 160 160) in DIR/<class>/, for --input")
-    parser.add_argument("--data-dir", help="with --make-jpeg-folder: where CIFAR-10 is")
-    add_sharding_arguments(parser)
-    add_json_argument(parser, "the results (not a table)")
+    command.add_arguments(parser)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Measure, print the table (or JSON) and write the files."""
-    from meshfit.commands.bench import jpeg_folder, scaling, step, table  # start-up: only for bench
+    from meshfit.commands.bench import command  # start-up: only for bench
 
-    if args.make_jpeg_folder:
-        count = jpeg_folder.write_jpeg_folder(args.make_jpeg_folder, args.data_dir,
-                                              image_size=tuple(args.image_size or (160, 160)))
-        print(f"wrote {count:,} JPEGs in {args.make_jpeg_folder}")
-        return 0
-    if args.input:
-        return run_bench_input(args)
-    if args.image_size:
-        raise MeshfitError("--image-size goes with --input FOLDER or --make-jpeg-folder DIR")
-    if args.scaling:
-        return run_bench_scaling(args, scaling)
-    result = step.bench(args.recipe, engines=comma_names(args.engines, "--engines"),
-                        precisions=comma_names(args.precisions, "--precisions"),
-                        global_batches=comma_counts(args.global_batches, "--global-batches"),
-                        steps_per_dispatch=comma_counts(args.steps_per_dispatch, "--steps-per-dispatch"),
-                        simulate_devices=args.simulate_devices, repeats=args.repeats,
-                        steps=step.DEFAULT_STEPS if args.steps is None else args.steps,
-                        rounds=1 if args.rounds is None else args.rounds, out=args.out,
-                        tensorboard=args.tensorboard, **sharding_options(args))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(table.format_table(result))
-        print("wrote " + ", ".join(os.path.join(result["out"], f)
-                                   for f in ("bench.csv", "bench.json", "bench.png")))
-    return 0
-
-
-def run_bench_scaling(args: argparse.Namespace, scaling) -> int:
-    """`meshfit bench --scaling [COUNTS]`: the same global batch on 1, 2, 4, 8 devices
-    (scaling: the module meshfit.commands.bench.scaling, imported by run_bench)."""
-    batches = comma_counts(args.global_batches, "--global-batches") or [None]
-    precisions = comma_names(args.precisions, "--precisions") or [None]
-    if len(batches) > 1 or len(precisions) > 1:
-        raise MeshfitError("--scaling takes one --global-batches and one --precisions")
-    result = scaling.bench_scaling(args.recipe, comma_counts(args.scaling, "--scaling"),
-                                   global_batch=batches[0], precision=precisions[0],
-                                   repeats=args.repeats, out=args.out,
-                                   steps=args.steps)
-    print(json.dumps(result) if args.json else scaling.format_table(result))
-    if not args.json:
-        print(scaling.main_line(result))
-    return 0
-
-
-def run_bench_input(args: argparse.Namespace) -> int:
-    """`meshfit bench --input FOLDER --image-size H W`: the input pipeline alone."""
-    from meshfit.commands.bench import inputs, table  # start-up: only for bench
-
-    if not args.image_size:
-        raise MeshfitError("--input needs --image-size H W (the pixels to decode to)")
-    batches = comma_counts(args.global_batches, "--global-batches") or [inputs.DEFAULT_INPUT_BATCH]
-    if len(batches) > 1:
-        raise MeshfitError("--input takes one --global-batches")
-    result = inputs.bench_input(args.input, tuple(args.image_size), args.channels, batches[0],
-                                rounds=3 if args.rounds is None else args.rounds,
-                                steps=args.steps, out=args.out)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(table.format_input_table(result))
-        print("wrote " + os.path.join(result["out"], "bench.json"))
-    return 0
+    return command.run(args)
 
 
 # --------------------------------------------------------------------------------------- plan
@@ -416,12 +266,7 @@ def run_bench_input(args: argparse.Namespace) -> int:
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", nargs="?", metavar="RECIPE",
                         help=f"a built-in recipe or a recipe file (default: {_recipes().DEFAULT})")
-    options.add_flags(parser, "global_batch")
-    parser.add_argument("--data-dir", metavar="DIR",
-                        help="where the dataset is, for recipes whose data says their shape")
-    add_device_arguments(parser)
-    add_sharding_arguments(parser)
-    options.add_flags(parser, "model_parallel")
+    options.add_flags(parser, "global_batch", "data_dir", *options.CONNECT)
     add_json_argument(parser, "the plan")
 
 
@@ -429,11 +274,8 @@ def run_plan(args: argparse.Namespace) -> int:
     """Compile the recipe's train step per sharding (never run it) and print the bytes per device."""
     from meshfit.commands import plan as plan_command  # start-up: only this command loads it
 
-    result = plan_command.plan_memory(args.recipe, simulate_devices=args.simulate_devices,
-                                      global_batch=args.global_batch, precision=args.precision,
-                                      engine=args.engine, require=args.require,
-                                      data_dir=args.data_dir, verbose=not args.json,
-                                      model_parallel=args.model_parallel, **sharding_options(args))
+    settings = options.TrainOptions.from_args(args, verbose=not args.json)
+    result = plan_command.plan_memory(args.recipe, settings)
     if args.json:  # without --json, plan_memory printed the plan
         print(json.dumps(result.as_dict()))
     return 0
@@ -582,125 +424,12 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"meshfit: warning: {message}\n"
 
 
-_interrupted = False  # a SIGINT came while main() ran (its KeyboardInterrupt may have been dropped)
-
-
-_deferred = False  # a SIGINT waits for a compiled module to be loaded
-_ending = False  # the command ends on a Ctrl-C: a later SIGINT raises nothing (see main)
-
-
-def _on_sigint(signum, frame) -> None:
-    """Ctrl-C: remembered, and raised as KeyboardInterrupt where the main thread is; not while a
-    compiled module is being loaded, where it is delivered again once the module is in
-    sys.modules. Raised there (JAX's import: in the Python code jaxlib._jax's C initialisation
-    calls, or in importlib just after it), jaxlib._jax failed ("ImportError: Encountered an error
-    while initializing the extension") or was dropped, and a later garbage collection crashed
-    the process (SIGSEGV)."""
-    global _interrupted, _deferred
-    _interrupted = True
-    if _ending:
-        return
-    if _in_extension_init(frame or sys._getframe()):
-        if not _deferred:
-            _deferred = True
-            _thread.start_new_thread(_redeliver_after_extension_init, (_thread.get_ident(),))
-        return
-    raise KeyboardInterrupt
-
-
-def _in_extension_init(frame) -> bool:
-    """Whether `frame` runs inside the loading of a compiled module: from its C initialisation
-    until it is in sys.modules (importlib's _load_unlocked), as a module dropped between the two
-    leaves jaxlib's C++ state pointing at freed objects."""
-    while frame is not None:
-        if frame.f_code.co_name in ("_load_unlocked", "module_from_spec", "create_module",
-                                    "exec_module"):
-            local = frame.f_locals
-            loader = getattr(local.get("spec"), "loader", local.get("self"))
-            if isinstance(loader, importlib.machinery.ExtensionFileLoader):
-                return True
-        frame = frame.f_back
-    return False
-
-
-def _redeliver_after_extension_init(main_thread: int) -> None:
-    global _deferred
-    while _in_extension_init(sys._current_frames().get(main_thread)):
-        time.sleep(0.005)
-    _deferred = False
-    _thread.interrupt_main(signal.SIGINT)
-
-
-@contextlib.contextmanager
-def _ctrl_c_stops() -> Iterator[bool]:
-    """Inside, every SIGINT ends the command (see main): none is lost in a callback.
-
-    Python raises a signal's KeyboardInterrupt in whatever Python code the main thread runs next;
-    when that is a gc callback (JAX's _xla_gc_callback), a weakref callback (importlib's module
-    locks) or a __del__, Python prints "Exception ignored ... KeyboardInterrupt" and drops it, and
-    the command went on to the end with exit 0. Such a dropped interrupt reaches
-    sys.unraisablehook: it is delivered again from there, and lands in the code after the callback.
-    Training has its own handler (checkpoints.stop_on_signals: save, then stop) and restores this
-    one after. A SIGINT ignored when meshfit started (a background job of a shell) stays ignored.
-    Yields whether meshfit handles SIGINT (not outside the main thread, nor where it was ignored);
-    once a command has ended on one, SIGINT stays ignored (the process is ending).
-    """
-    global _interrupted, _ending
-    _interrupted = _ending = False
-    try:
-        previous = signal.getsignal(signal.SIGINT)
-        if previous is meshfit._ctrl_c_while_starting:  # the process's start (see meshfit/__init__)
-            previous = signal.default_int_handler  # restored after: the exit is no start-up
-        if previous is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _on_sigint)
-    except ValueError:  # not the main thread: Python delivers signals to the main thread only
-        previous = None
-    if previous is not signal.default_int_handler:
-        yield False
-        return
-    hook = sys.unraisablehook
-
-    def unraisable(info) -> None:
-        if info.exc_type is not None and issubclass(info.exc_type, KeyboardInterrupt):
-            # Delivered again from another thread: the main thread runs the handler at its next
-            # check, past this hook and the callback (called here, it would raise in the hook).
-            _thread.start_new_thread(_thread.interrupt_main, (signal.SIGINT,))
-        else:
-            hook(info)
-
-    sys.unraisablehook = unraisable
-    try:
-        yield True
-    finally:
-        if signal.getsignal(signal.SIGINT) is _on_sigint:  # else ignored after an interrupt (main)
-            signal.signal(signal.SIGINT, previous)
-        sys.unraisablehook = hook
-
-
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a MeshfitError becomes one line on stderr and exit code 2, a Ctrl-C (at
-    any moment) the line "meshfit: interrupted" and exit code 130."""
-    global _ending
+    any moment) the line "meshfit: interrupted" and exit code 130 (meshfit.commands.ctrl_c)."""
     if argv is None:  # the process's own command line (not a caller's): its exit made quick
         goodput.quick_exit()
-    with _ctrl_c_stops() as handled:
-        try:
-            code = _main(argv)
-            if _interrupted and not code:  # its KeyboardInterrupt was swallowed (a library's
-                raise KeyboardInterrupt    # `except BaseException`): the command still stops
-        except KeyboardInterrupt:
-            # First, before any call (where a pending signal's handler runs): from here a second
-            # Ctrl-C or a late redelivery raises nothing. One raised here escaped main, and Python
-            # ended the process by SIGINT (a parent saw -2, not 130).
-            _ending = True
-            if handled:
-                signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process is ending
-            print("meshfit: interrupted", file=sys.stderr, flush=True)
-            code = 130
-            _exit_failed(code, stopped=False)
-    return code
+    return ctrl_c.run(lambda: _main(argv), lambda code: _exit_failed(code, stopped=False))
 
 
 def _main(argv: list[str] | None) -> int:

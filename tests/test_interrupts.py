@@ -3,7 +3,7 @@
 Python raises a signal's KeyboardInterrupt in the Python code the main thread runs next; in a gc
 callback (JAX's _xla_gc_callback) it was printed as "Exception ignored" and dropped, and the
 command went on to exit 0. These tests send SIGINT from inside a gc callback, deterministically,
-at chosen moments of a command (meshfit.cli._ctrl_c_stops).
+at chosen moments of a command (meshfit.commands.ctrl_c.stops).
 """
 
 import json

@@ -96,3 +96,77 @@ def test_the_older_spellings_of_renamed_settings_are_still_accepted(strategy):
     assert EpochReport(batch_size=16).global_batch == 16
     bench = cli._parser("bench").parse_args(["bench", "--batch-sizes", "8,16"])
     assert bench.global_batches == "8,16"
+
+
+def flags_of(command: str) -> dict:
+    """The arguments of `meshfit COMMAND` by destination, as its --help shows them."""
+    parser = cli._parser(command).commands[command]
+    return {a.dest: a for a in parser._actions}
+
+
+@pytest.mark.parametrize("command", ["info", "plan", "eval"])
+def test_commands_take_the_run_settings_flags_as_train_declares_them(command):
+    """One declaration per setting: info, plan and eval take the flags of TrainOptions as train
+    does (name, older spellings, default, type, help; the help without --resume's part)."""
+    from meshfit.run import options
+
+    train, own = flags_of("train"), {"help", "json", "recipe", "model", "data"}
+    shared = {dest: a for dest, a in flags_of(command).items() if dest not in own}
+    if command == "eval":  # eval's --data-dir is the run's: its own flag, with its own default
+        shared.pop("data_dir")
+    assert set(shared) <= set(TrainOptions.__dataclass_fields__), set(shared)
+    assert {"simulate_devices", "engine", "require"} <= set(shared)
+    for dest, action in shared.items():
+        meant = train[dest]
+        assert (action.option_strings, action.default, action.type, action.metavar,
+                action.choices) == (meant.option_strings, meant.default, meant.type, meant.metavar,
+                                    meant.choices), dest
+        assert action.help == meant.help.replace(options.ON_RESUME, ""), dest
+
+
+def test_connect_and_the_options_have_the_same_defaults():
+    """The settings meshfit.connect() takes default as TrainOptions declares them (the engine
+    and precision in the light core, which connect() needs before Keras)."""
+    import inspect
+
+    from meshfit.parallel import engine, planning
+    from meshfit.run import options
+
+    keywords = inspect.signature(meshfit.connect).parameters
+    for name in (*options.CONNECT, "verbose"):
+        assert keywords[name].default == options.default(name), name
+    assert options.default("precision") == planning.DEFAULT_PRECISION
+    assert engine.choose_engine(options.default("engine"), "cpu", 8) == "jax"  # None: auto
+
+
+def test_each_default_is_written_once_and_is_what_its_flag_says():
+    """The seed, the kept checkpoints, the folder validation split, log_every, the engine and the
+    precision: the value each help text names is the one every function applying it defaults to."""
+    import inspect
+
+    from meshfit.data import FOLDER_VALIDATION_SPLIT, arrays, datasets, folders, order, splits
+    from meshfit.parallel import engine, planning
+    from meshfit.run import checkpoint_save, checkpoints, options
+    from meshfit.watch import tensorboard
+
+    def default(function, name):
+        return inspect.signature(function).parameters[name].default
+
+    helps = {dest: action.help for dest, action in flags_of("train").items()}
+    shown = {"seed": order.DEFAULT_SEED, "keep_checkpoints": spec.DEFAULT_KEEP_CHECKPOINTS,
+             "checkpoint_every": spec.DEFAULT_CHECKPOINT_EVERY,
+             "validation_split": FOLDER_VALIDATION_SPLIT, "log_every": options.default("log_every"),
+             "engine": engine.DEFAULT_ENGINE, "precision": planning.DEFAULT_PRECISION}
+    for name, value in shown.items():
+        assert f"(default: {value}" in helps[name], (name, helps[name])
+    assert spec.check_seed(None) == order.DEFAULT_SEED
+    for function in (datasets.image_folder, arrays.TrainBatches, folders.FolderTrainBatches):
+        assert default(function, "seed") == order.DEFAULT_SEED
+    assert default(datasets.image_folder, "validation_split") == FOLDER_VALIDATION_SPLIT
+    assert splits.default_validation_split("my/images") == FOLDER_VALIDATION_SPLIT
+    for function in (checkpoint_save.save, checkpoint_save.begin_save, checkpoints.Checkpointer):
+        assert default(function, "keep") == spec.DEFAULT_KEEP_CHECKPOINTS
+    recorded = spec.RunSpec.__dataclass_fields__["keep_checkpoints"].default  # older config.json
+    assert recorded == spec.DEFAULT_KEEP_CHECKPOINTS
+    assert default(tensorboard.TensorBoardLog, "log_every") is inspect.Parameter.empty  # a run's
+    assert planning.precision_name(None) == planning.DEFAULT_PRECISION

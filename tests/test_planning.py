@@ -117,3 +117,26 @@ def test_memory_plan_is_frozen_and_its_json_has_the_keys_meshfit_plan_wrote():
     # --sharding data where it does not fit: "fits" is that mode's, and no plan was weighed.
     asked = dataclasses.replace(plan, sharding="data").as_dict()
     assert asked["fits"] is False and "model_parallel_plans" not in asked and "recipe" not in asked
+
+
+def test_the_global_batch_takes_one_route_for_train_plan_bench_and_strategy():
+    """train's check before the data (meshfit plan's too), the batch plan after it, bench's
+    default batch and Strategy.global_batch all ask planning.plan_global_batch: one answer."""
+    import types
+
+    from meshfit.commands.bench import timing
+    from meshfit.fit.strategy import Strategy
+    from meshfit.run import train
+    from meshfit.run.options import TrainOptions
+
+    gpus = hardware("gpu", 2, device_kind="NVIDIA H100")
+    for recipe_batch, per_core, asked, expected in ((None, None, None, 256), (96, None, None, 96),
+                                                    (None, 16, None, 32), (96, None, 64, 64)):
+        recipe = types.SimpleNamespace(global_batch=recipe_batch, per_core_batch=per_core)
+        run = types.SimpleNamespace(options=TrainOptions(global_batch=asked), recipe=recipe)
+        planned = planning.plan_batch(gpus, global_batch=asked, recipe_batch=recipe_batch,
+                                      per_core_batch=per_core)
+        assert train.check_batch(run, gpus) == planned.global_batch == expected
+        if asked is None:
+            assert timing.default_batch(recipe, gpus) == expected
+    assert Strategy.global_batch(gpus, 16) == 32

@@ -19,25 +19,20 @@ from meshfit.run import train
 from meshfit.run.options import TrainOptions
 
 
-def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = None,
-                global_batch: int | None = None, sharding: str | None = None,
-                fsdp_min_bytes: int | str | None = None,
-                device_memory: int | str | None = None, precision: str | None = None,
-                engine: str | None = None, require: str | None = None,
-                data_dir: str | None = None, verbose: bool = True,
-                model_parallel: int | None = None) -> Any:
+def plan_memory(recipe: str | None = None, options: TrainOptions | None = None,
+                **settings: Any) -> Any:
     """`meshfit plan`: the memory plan of a recipe's train step on these devices (both modes,
     the largest per-core batch that fits each), without training; printed when `verbose`.
+    options (or `settings`, its fields by name): what `meshfit plan` takes of a run's settings,
+    global_batch, data_dir and those of connect() (TrainOptions.connect_settings); the engine is
+    jax unless given, as the step is compiled with JAX.
     Returns the meshfit.fit.memory_plan.MemoryPlan with its recipe, its sharding (the mode
     `meshfit train` would use with this `sharding`) and `fits` (whether that mode's step fits the
     device memory: False where nothing fits, which `meshfit train` refuses; None where the memory
     is unknown). A plan that finds nothing fitting is still an answer: `meshfit plan` exits 0."""
-    datasets.check_data_dir(data_dir)
-    options = TrainOptions(global_batch=global_batch, simulate_devices=simulate_devices,
-                           precision=precision or "auto", engine=engine or "jax", require=require,
-                           sharding=sharding, fsdp_min_bytes=fsdp_min_bytes,
-                           device_memory=device_memory, data_dir=data_dir, verbose=verbose,
-                           model_parallel=model_parallel)
+    options = dataclasses.replace(options, **settings) if options else TrainOptions(**settings)
+    datasets.check_data_dir(options.data_dir)
+    options = dataclasses.replace(options, engine=options.engine or "jax")
     the_recipe = train.load_recipe(recipe, options)
     asked = train.Asked(the_recipe, train.settle_options(options, the_recipe, None), run="")
     strategy = train.connect_devices(asked)
@@ -45,9 +40,9 @@ def plan_memory(recipe: str | None = None, *, simulate_devices: int | None = Non
         raise MeshfitError("meshfit plan compiles the train step with JAX; use --engine jax")
     planned_batch = train.check_batch(asked, strategy, warn=True)
     memory = devices.memory_bytes(strategy.info, strategy.device_memory)
-    shape = data_shape(the_recipe, data_dir)
+    shape = data_shape(the_recipe, options.data_dir)
     result = train.keras_side().memory_plan_of(the_recipe, shape, strategy, planned_batch,
-                                               largest=memory is not None, verbose=verbose)
+                                               largest=memory is not None, verbose=options.verbose)
     return dataclasses.replace(result, recipe=the_recipe.name)
 
 

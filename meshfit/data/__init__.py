@@ -7,6 +7,8 @@ seed, epoch and step. No module here imports Keras at its top: recipes load data
 
 from meshfit.parallel import engine as _engine
 
+FOLDER_VALIDATION_SPLIT = 0.2  # share of a folder's images held out when its recipe sets none
+
 
 def __getattr__(name: str):  # a module of this package, imported when first named
     return _engine.submodule(__name__, name)

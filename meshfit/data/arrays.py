@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from meshfit.data.order import flip_crop_parameters, permutation
+from meshfit.data.order import DEFAULT_SEED, flip_crop_parameters, permutation
 from meshfit.errors import MeshfitError
 
 AUGMENTATIONS = ("none", "flip-crop")
@@ -148,7 +148,7 @@ class TrainBatches:
     when the data fits.
     """
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, global_batch: int, seed: int = 0,
+    def __init__(self, x: np.ndarray, y: np.ndarray, global_batch: int, seed: int = DEFAULT_SEED,
                  steps_per_epoch: int | None = None, augment: str = "none",
                  on_device: bool | None = None, crop_padding: int = CROP_PADDING,
                  flips: str = "random"):

@@ -47,7 +47,7 @@ from typing import Iterator
 import numpy as np
 
 from meshfit import env
-from meshfit.data import folder_scan, image_files
+from meshfit.data import FOLDER_VALIDATION_SPLIT, folder_scan, image_files, order
 from meshfit.watch import progress
 from meshfit.errors import MeshfitError
 
@@ -201,7 +201,8 @@ def cifar10(data_dir: str | os.PathLike | None = None, download: bool = True) ->
 
 
 def image_folder(path: str | os.PathLike, image_size: tuple[int, int],
-                 validation_split: float = 0.2, seed: int = 0, channels: int = 3) -> Dataset:
+                 validation_split: float = FOLDER_VALIDATION_SPLIT, seed: int = order.DEFAULT_SEED,
+                 channels: int = 3) -> Dataset:
     """A user's images, one sub-folder per class, loaded whole into memory as a `Dataset`.
 
     For folders that fit in memory; `meshfit train --data` and recipes naming a folder stream them

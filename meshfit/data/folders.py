@@ -140,7 +140,7 @@ class FolderTrainBatches:
     """
 
     def __init__(self, folder: Folder, image_size: tuple[int, int], channels: int, global_batch: int,
-                 seed: int = 0, steps_per_epoch: int | None = None, augment: str = "none",
+                 seed: int = order.DEFAULT_SEED, steps_per_epoch: int | None = None, augment: str = "none",
                  crop_padding: int = CROP_PADDING, flips: str = "random", workers: int | None = None):
         self.image_size = check_image_size(image_size, channels)
         self.steps_per_epoch = arrays.check_train_batches(

@@ -13,6 +13,7 @@ iterator can start at any step of any epoch, which is what exact resume needs.
 
 from __future__ import annotations
 
+DEFAULT_SEED = 0  # a run's seed when none is given (weights, order, augmentation, dropout)
 ORDER_STREAM, AUGMENT_STREAM, FLIP_STREAM = 0, 1, 2  # independent random streams from the seed
 
 

@@ -26,10 +26,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from meshfit.data import arrays, datasets, folder_scan, folders, streams
+from meshfit.data import FOLDER_VALIDATION_SPLIT, arrays, datasets, folder_scan, folders, streams
 from meshfit.errors import MeshfitError
 
-FOLDER_VALIDATION_SPLIT = 0.2  # share of a folder's images held out when its recipe sets none
 Split = Any  # (x, y) numpy arrays, a meshfit.data.folder_scan.Folder, a streams.Source or EvalSource
 
 

@@ -304,8 +304,7 @@ class Strategy:
 
     def global_batch(self, per_core: int, rounding: bool = True) -> int:
         """Global batch for `per_core` samples per core, rounded to the hardware multiple."""
-        return planning.plan_global_batch(self.replicas, self.platform, self.device_kind,
-                                          per_core_batch=per_core, rounding=rounding)
+        return planning.plan_global_batch(self, per_core_batch=per_core, rounding=rounding)
 
     def check_batch(self, global_batch: int, rounding: bool = True) -> int:
         """`global_batch` checked to split evenly across the replicas (rounded up if allowed)."""

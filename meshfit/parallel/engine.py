@@ -32,6 +32,7 @@ from meshfit.errors import MeshfitError
 from meshfit.parallel import devices
 
 ENGINES = ("auto", "jax", "tensorflow")
+DEFAULT_ENGINE = "auto"  # an engine not given (nor $MESHFIT_ENGINE): the fastest for the devices
 _MULTI_DEVICE_ENGINES = ("jax",)
 ONEDNN = "TF_ENABLE_ONEDNN_OPTS"  # TensorFlow reads it once, when it is imported
 # Lines TensorFlow's C++ code writes to stderr while it loads, whatever TF_CPP_MIN_LOG_LEVEL says
@@ -105,7 +106,7 @@ def fastest(platform: str, device_count: int) -> str:
 
 def choose_engine(requested: str | None, platform: str, device_count: int) -> str:
     """The engine to run: the requested one, or for 'auto' the fastest for these devices."""
-    requested = (requested or os.environ.get(env.ENGINE) or "auto").lower()
+    requested = (requested or os.environ.get(env.ENGINE) or DEFAULT_ENGINE).lower()
     if requested not in ENGINES:
         raise MeshfitError(f"unknown engine {requested!r}; use one of: {', '.join(ENGINES)}")
     loaded = loaded_backend()

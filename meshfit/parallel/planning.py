@@ -1,6 +1,6 @@
 """Planning from the hardware, one function per question: the batch of a run (`plan_batch`, with
-`plan_global_batch` and `plan_steps_per_dispatch`), the precision (`resolve_precision`, decided
-once, by connect()) and peak FLOP/s. Pure functions of the devices' description: no Keras.
+`plan_global_batch`, the one route to a global batch, and `plan_steps_per_dispatch`), the
+precision (`resolve_precision`, decided once, by connect()) and peak FLOP/s. Pure functions of the devices' description: no Keras.
 
 Peak figures are dense (no sparsity) FLOP/s per JAX device at the compute precision, from the
 vendors' data sheets. On TPU v2/v3 a JAX device is one core (half a chip); from v4 on it is a chip.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from meshfit.errors import MeshfitError, troubleshooting
 
 PRECISIONS = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_PRECISION = "auto"  # not given: the recipe's, else the hardware's (resolve_precision)
 DEFAULT_PER_CORE_BATCH = 128  # the tutorials' per-core batch: one pass of a 128x128 matrix unit
 AUTO_STEPS_PER_DISPATCH = 32  # on accelerators: at most this many train steps per dispatch
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -65,7 +66,9 @@ def precision_name(requested: str | None) -> str:
     """`requested` checked and named canonically: 'auto', 'float32', 'bfloat16' or 'float16'
     (aliases such as 'bf16' and 'mixed_float16' accepted; None is 'auto'). The one check of a
     precision on every route."""
-    name = _ALIASES.get(str(requested).lower(), str(requested).lower()) if requested else "auto"
+    if not requested:
+        return DEFAULT_PRECISION
+    name = _ALIASES.get(str(requested).lower(), str(requested).lower())
     if name not in PRECISIONS:
         raise MeshfitError(
             f"unknown precision {requested!r}; use one of: {', '.join(PRECISIONS)}"
@@ -74,7 +77,7 @@ def precision_name(requested: str | None) -> str:
 
 
 def resolve_precision(requested: str | None, platform: str, compute_capability: str | None = None,
-                      recipe: str | None = "auto") -> str:
+                      recipe: str | None = DEFAULT_PRECISION) -> str:
     """The compute precision: 'float32', 'bfloat16' or 'float16'.
 
     'auto' (the one meaning on every route: train, bench, plan, connect) is the recipe's precision
@@ -94,7 +97,7 @@ def resolve_precision(requested: str | None, platform: str, compute_capability: 
     return "float32"
 
 
-def asked_precision(requested: str | None, recipe: str | None = "auto") -> str:
+def asked_precision(requested: str | None, recipe: str | None = DEFAULT_PRECISION) -> str:
     """What to ask connect() for: `requested`, or 'auto' for the recipe's when it names one (the
     hardware then decides only when neither does; see resolve_precision)."""
     name = precision_name(requested)
@@ -132,22 +135,33 @@ def split_global_batch(global_batch: int, replicas: int, rounding: bool = True) 
     return upper
 
 
-def plan_global_batch(replicas: int, platform: str, device_kind: str, *, global_batch: int | None = None,
-                      per_core_batch: int | None = None, rounding: bool = True) -> int:
-    """The global batch over all replicas: `global_batch` split evenly across them, else
-    `per_core_batch` (default DEFAULT_PER_CORE_BATCH) rounded to the hardware multiple times the
-    replicas. With rounding off, a batch that needs rounding is a MeshfitError."""
-    if global_batch:
-        return split_global_batch(global_batch, replicas, rounding)
+def plan_global_batch(hardware, *, global_batch: int | None = None, recipe_batch: int | None = None,
+                      per_core_batch: int | None = None, samples: int | None = None,
+                      rounding: bool = True) -> int:
+    """The global batch over all replicas of `hardware` (a Strategy: replicas, platform,
+    device_kind): the one route to it, for train, plan, bench and Strategy.global_batch.
+
+    `global_batch` (asked for), else the recipe's `recipe_batch`, split evenly across the
+    replicas; else `per_core_batch` (default DEFAULT_PER_CORE_BATCH) rounded to the hardware
+    multiple times the replicas, lowered to a quarter of the training `samples` at most when
+    neither that nor a per-core batch was given (fit_batch_to_data). With rounding off, a batch
+    that needs rounding is a MeshfitError.
+    """
+    replicas = hardware.replicas
+    asked = global_batch or recipe_batch
+    if asked:
+        return split_global_batch(asked, replicas, rounding)
     per_core = per_core_batch or DEFAULT_PER_CORE_BATCH
-    multiple = batch_multiple(platform, device_kind)
+    multiple = batch_multiple(hardware.platform, hardware.device_kind)
     rounded = round_per_core(per_core, multiple)
     if rounded != per_core:
         if not rounding:
             raise MeshfitError(f"per-core batch {per_core} is not a multiple of {multiple} on "
-                               f"{device_kind}; use {rounded} or allow rounding")
+                               f"{hardware.device_kind}; use {rounded} or allow rounding")
         warnings.warn(f"per-core batch {per_core} rounded to {rounded}, a multiple of {multiple} "
-                      f"on {device_kind}", stacklevel=2)
+                      f"on {hardware.device_kind}", stacklevel=2)
+    if samples is not None and not per_core_batch:
+        return fit_batch_to_data(rounded * replicas, samples, replicas)
     return rounded * replicas
 
 
@@ -215,9 +229,8 @@ def plan_batch(hardware, *, samples: int | None = None, global_batch: int | None
     """The global batch, steps per epoch, steps per dispatch and micro-batches of a run on
     `hardware` (a Strategy: replicas, platform, device_kind, engine).
 
-    global_batch: the one asked for, else the recipe's `recipe_batch`, else `per_core_batch` (or
-    DEFAULT_PER_CORE_BATCH) rounded to the hardware multiple; a planned one (neither given) is
-    lowered to a quarter of the `samples` at most. Steps per epoch: the recipe's `recipe_steps`,
+    global_batch: plan_global_batch's, from the one asked for, the recipe's `recipe_batch`,
+    `per_core_batch` and the `samples`. Steps per epoch: the recipe's `recipe_steps`,
     at most one pass over `samples`. stream: (global batch, steps per epoch) that a streamed
     source sets instead. steps_per_dispatch: asked for (see the function of that name).
     micro_batches: a number above 1 needs the TensorFlow engine; 'auto' is decided per model
@@ -232,12 +245,9 @@ def plan_batch(hardware, *, samples: int | None = None, global_batch: int | None
                                f"on {replicas} replica(s), not --global-batch {global_batch}; "
                                "batch the source itself")
     else:
-        asked = global_batch or recipe_batch
-        planned = plan_global_batch(replicas, hardware.platform, hardware.device_kind,
-                                    global_batch=asked, per_core_batch=per_core_batch,
+        planned = plan_global_batch(hardware, global_batch=global_batch, recipe_batch=recipe_batch,
+                                    per_core_batch=per_core_batch, samples=samples,
                                     rounding=rounding)
-        if samples is not None and not asked and not per_core_batch:
-            planned = fit_batch_to_data(planned, samples, replicas)
         full_steps = (samples or 0) // planned
         steps = min(recipe_steps or full_steps, full_steps) or None
     return BatchPlan(global_batch=planned, steps_per_epoch=steps,

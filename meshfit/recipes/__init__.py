@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel import engine as _engine
+from meshfit.parallel import planning as _planning
 from meshfit.data import datasets, splits
 from meshfit.data.arrays import CROP_PADDING
 
@@ -88,7 +89,7 @@ class Recipe:
     global_batch: int | None = None
     per_core_batch: int | None = None
     steps_per_epoch: int | None = None
-    precision: str = "auto"
+    precision: str = _planning.DEFAULT_PRECISION
     loss: Any = "sparse_categorical_crossentropy"
     augment: str = "none"
     crop_padding: int = CROP_PADDING

@@ -30,7 +30,7 @@ import numpy as np
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel import cluster
-from meshfit.run import rundir, sharded_arrays
+from meshfit.run import rundir, sharded_arrays, spec
 from meshfit.run.checkpoint_format import (EXTRA, FORMAT, MANIFEST, NPZ_FORMAT, STATE_ARRAYS, STATE_JSON,
                                            CheckpointDamaged, checkpoint_name, describe, verify)
 from meshfit.run.rundir import list_checkpoints
@@ -136,7 +136,7 @@ class PendingSave:
 
 def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
          extra: dict[str, Any] | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
-         keep: int = 3, sharded: bool | None = None) -> str:
+         keep: int = spec.DEFAULT_KEEP_CHECKPOINTS, sharded: bool | None = None) -> str:
     """Write the full training state after `step` steps of epoch `epoch` (0-based); return its
     folder once committed (see `begin_save` for the arguments)."""
     return begin_save(directory, model, epoch=epoch, step=step, steps_per_epoch=steps_per_epoch,
@@ -146,8 +146,8 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
 
 def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
                extra: dict[str, Any] | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
-               keep: int = 3, sharded: bool | None = None, background: bool | None = None,
-               commit: bool = True) -> PendingSave:
+               keep: int = spec.DEFAULT_KEEP_CHECKPOINTS, sharded: bool | None = None,
+               background: bool | None = None, commit: bool = True) -> PendingSave:
     """Start writing the full training state after `step` steps of epoch `epoch` (0-based).
 
     extra: JSON-serializable data stored with it (e.g. seed, history, run settings).

@@ -33,7 +33,7 @@ import keras
 from meshfit.errors import MeshfitError
 from meshfit.fit import hosts
 from meshfit.parallel import cluster, heartbeat
-from meshfit.run import sharded_arrays
+from meshfit.run import sharded_arrays, spec
 from meshfit.run.checkpoint_restore import check_fits
 from meshfit.run.checkpoint_save import PendingSave, begin_save, sync_variables
 from meshfit.watch import report
@@ -68,8 +68,8 @@ class Checkpointer(keras.callbacks.Callback):
 
     def __init__(self, directory: str | os.PathLike, steps_per_epoch: int, *,
                  every_steps: int | None = None, every_seconds: float | None = None,
-                 epoch_end: bool = True, keep: int = 3, extra=None, extra_arrays=None,
-                 resume_state: dict[str, Any] | None = None, write: bool = True,
+                 epoch_end: bool = True, keep: int = spec.DEFAULT_KEEP_CHECKPOINTS, extra=None,
+                 extra_arrays=None, resume_state: dict[str, Any] | None = None, write: bool = True,
                  sharded: bool | None = None, background: bool | None = None):
         super().__init__()
         self.directory = os.fspath(directory)

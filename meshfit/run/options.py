@@ -1,8 +1,9 @@
 """The settings of a training run, one frozen TrainOptions: one name, one default, one check each.
 
 `meshfit train` builds it from its flags (each field with a help text is a flag, added by
-add_flags and read back by from_args), Python builds it from train()'s keywords, and the run
-carries it unchanged. None means "not given": the recipe's value, or on --resume the run's.
+add_flags and read back by from_args), `meshfit info` and `plan` from theirs (the same
+declarations: connect()'s settings, CONNECT, and plan's batch and data folder), Python from
+train()'s keywords, and the run carries it unchanged. None means "not given": the recipe's value, or on --resume the run's.
 What was trained is recorded in config.json by meshfit.run.spec.RunSpec.
 
 Adding a training setting: a field here (its help text makes the flag), a RunSpec field of the
@@ -17,20 +18,30 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshfit import data
+from meshfit.data import order
 from meshfit.errors import MeshfitError
+from meshfit.parallel import engine as engine_lib
 from meshfit.parallel import modes, planning, sharding
 from meshfit.parallel.sharding import DEFAULT_FSDP_MIN_BYTES
 from meshfit.run import spec
 
 
 OLD_NAMES = {"batch_size": "global_batch", "fsdp_min_size": "fsdp_min_bytes"}  # meshfit 0.1's
+SHARDING = ("sharding", "fsdp_min_bytes", "device_memory")  # how variables are laid out
+# The settings meshfit.connect() takes, by the same names: the flags of `meshfit info`, and of
+# `plan` and `train` with theirs.
+CONNECT = ("simulate_devices", "precision", "engine", "require", *SHARDING, "model_parallel")
 ON_RESUME = "; on --resume the run's"  # in the help of a default a resumed run keeps: train's only
 
 
 def _setting(default: Any, help: str | None = None, **flag: Any) -> Any:
-    """A field; with `help` it is also a flag of `meshfit train` (argparse keywords in `flag`;
-    `negated=True` makes a True-by-default setting the flag --no-NAME; `aliases` are older
-    spellings of the flag, still accepted)."""
+    """A field; with `help` it is also a flag of `meshfit train` and of the other commands that
+    take it (argparse keywords in `flag`; "{default}" in `help` is `default`, the one place it
+    is written; `negated=True` makes a True-by-default setting the flag --no-NAME; `aliases` are
+    older spellings of the flag, still accepted)."""
+    if help is not None:
+        help = help.replace("{default}", str(default))
     return field(default=default, metadata={"help": help, **flag})
 
 
@@ -44,7 +55,8 @@ class TrainOptions:
 
     validation_split: float | None = _setting(
         None, "hold out this share of the training data for the per-epoch val_* metrics "
-              "(default: 0.2 with --data, else the recipe's)", type=float, metavar="F")
+              f"(default: {data.FOLDER_VALIDATION_SPLIT} with --data, else the recipe's)",
+        type=float, metavar="F")
     epochs: int | None = _setting(None, "epochs (default: the recipe's)", type=int, metavar="N")
     steps_per_epoch: int | None = _setting(
         None, "train steps per epoch (default: the recipe's, or one pass over the data)",
@@ -56,7 +68,8 @@ class TrainOptions:
                                     metavar="DIR")
     out: str | None = _setting(None, "the run directory (default: runs/<recipe>-<time>)",
                                metavar="DIR")
-    seed: int | None = _setting(None, "random seed (default: 0)", type=int, metavar="S")
+    seed: int | None = _setting(None, f"random seed (default: {order.DEFAULT_SEED})", type=int,
+                                metavar="S")
     resume: str | None = _setting(None, "continue a run from its newest checkpoint",
                                   metavar="RUN_DIR")
     checkpoint_every: str | int | None = _setting(
@@ -77,15 +90,19 @@ class TrainOptions:
         True, "fail instead of rounding a batch that does not split across replicas", negated=True)
     tensorboard: bool = _setting(True, "write no TensorBoard logs (default: RUN/tensorboard)",
                                  negated=True)
-    log_every: int = _setting(10, "TensorBoard training scalars every N steps (default: 10)",
+    log_every: int = _setting(10, "TensorBoard training scalars every N steps (default: {default})",
                               type=int, metavar="N")
     profile: str | None = _setting(
         None, "trace train steps START to STOP with the engine's profiler into RUN/tensorboard "
               "(view in TensorBoard's profile tab or Perfetto)", metavar="START:STOP")
     simulate_devices: int | None = _setting(
         None, "run on N JAX CPU devices standing in for accelerator cores", type=int, metavar="N")
-    precision: str = _setting("auto", "auto, float32, bfloat16 or float16 (default: auto)")
-    engine: str | None = _setting(None, "Keras backend: auto, jax or tensorflow (default: auto)")
+    precision: str = _setting(planning.DEFAULT_PRECISION,
+                              f"{', '.join(planning.PRECISIONS[:-1])} or {planning.PRECISIONS[-1]} "
+                              "(default: {default})")
+    engine: str | None = _setting(
+        None, f"Keras backend: {', '.join(engine_lib.ENGINES[:-1])} or {engine_lib.ENGINES[-1]} "
+              f"(default: {engine_lib.DEFAULT_ENGINE})")
     require: str | None = _setting(None, "fail unless this platform is present",
                                    choices=("tpu", "gpu", "cpu"))
     sharding: str | None = _setting(
@@ -133,10 +150,24 @@ class TrainOptions:
                  if f.metadata.get("help") and hasattr(args, f.name)}
         return cls(**{**given, **changes})
 
+    def connect_settings(self) -> dict[str, Any]:
+        """The keywords of meshfit.connect() among these options (CONNECT, and verbose)."""
+        return {**of(self, CONNECT), "verbose": self.verbose}
+
     def given(self) -> dict[str, Any]:
         """The settings that differ from their defaults, by name."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if getattr(self, f.name) != f.default}
+
+
+def default(name: str) -> Any:
+    """The default of setting `name`, as declared above (None: not given, see the module doc)."""
+    return TrainOptions.__dataclass_fields__[name].default
+
+
+def of(settings: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The settings `names` of `settings` (TrainOptions or parsed flags) as keywords."""
+    return {name: getattr(settings, name) for name in names}
 
 
 def current_names(settings: dict[str, Any]) -> dict[str, Any]:

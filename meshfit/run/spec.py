@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from meshfit.data import order
 from meshfit.errors import MeshfitError
 from meshfit.parallel import modes, planning
 from meshfit.run import rundir
@@ -113,8 +114,8 @@ def check_resume(saved: RunSpec, run: str, *, recipe: str | None = None,
 
 
 def check_seed(seed: int | None) -> int:
-    """The seed (default 0), checked to be in 0 .. 2**31-1."""
-    seed = 0 if seed is None else int(seed)
+    """The seed (default: order.DEFAULT_SEED), checked to be in 0 .. 2**31-1."""
+    seed = order.DEFAULT_SEED if seed is None else int(seed)
     if not 0 <= seed < 2 ** 31:
         raise MeshfitError(f"seed {seed} is out of range; use 0 to {2 ** 31 - 1}")
     return seed

@@ -150,11 +150,8 @@ def settle_options(asked: TrainOptions, recipe: recipes.Recipe, saved: RunSpec |
 def connect_devices(asked: Asked):
     """connect() with the run's engine, devices, precision and sharding: the Strategy."""
     o = asked.options
-    return meshfit.connect(require=o.require, simulate_devices=o.simulate_devices, engine=o.engine,
-                           precision=planning.asked_precision(o.precision, asked.recipe.precision),
-                           verbose=o.verbose, sharding=o.sharding,
-                           fsdp_min_bytes=o.fsdp_min_bytes, device_memory=o.device_memory,
-                           model_parallel=o.model_parallel)
+    return meshfit.connect(**{**o.connect_settings(), "precision": planning.asked_precision(
+        o.precision, asked.recipe.precision)})
 
 
 def check_batch(asked: Asked, strategy, warn: bool = False) -> int:
@@ -165,8 +162,8 @@ def check_batch(asked: Asked, strategy, warn: bool = False) -> int:
     with warnings.catch_warnings():
         if not warn:  # plan_batch warns of a rounding once the data is known: once, not twice
             warnings.simplefilter("ignore")
-        return planning.plan_global_batch(strategy.replicas, strategy.platform, strategy.device_kind,
-                                          global_batch=o.global_batch or r.global_batch,
+        return planning.plan_global_batch(strategy, global_batch=o.global_batch,
+                                          recipe_batch=r.global_batch,
                                           per_core_batch=r.per_core_batch, rounding=o.batch_rounding)
 
 
@@ -200,8 +197,9 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
     options: a meshfit.run.options.TrainOptions; `settings` are its fields by name (on top of
       `options` when both are given; the older names batch_size and fsdp_min_size accepted),
       e.g. epochs, global_batch (over all replicas), precision, steps_per_epoch and
-      validation_split override the recipe's; data_dir, out, seed (default 0: weights, data
-      order, augmentation and dropout all follow from it).
+      validation_split override the recipe's; data_dir, out, seed (default
+      meshfit.data.order.DEFAULT_SEED: weights, data order, augmentation and dropout all follow
+      from it).
     resume: a run directory; training continues from its newest checkpoint with its settings
       (recipe, batch, seed, precision, data) and, unless given here, its engine and device count.
       A different replica count is accepted: the data order and random numbers do not depend on
@@ -212,8 +210,8 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
       unless given); 'auto'
       sharding trains fsdp when the device memory is known and the replicated step does not fit
       (meshfit.fit.memory_plan). checkpoint_every: "200" (steps), "60s"/"5m" (time, default
-      60 s), "epoch" or "off"; keep_checkpoints (default 3); steps_per_dispatch, micro_batches,
-      batch_rounding: see meshfit.parallel.planning.plan_batch. callbacks: extra Keras callbacks
+      60 s), "epoch" or "off"; keep_checkpoints (default spec.DEFAULT_KEEP_CHECKPOINTS);
+      steps_per_dispatch, micro_batches, batch_rounding: see meshfit.parallel.planning.plan_batch. callbacks: extra Keras callbacks
       for fit. command: the command line to record. tensorboard, log_every, profile:
       RUN/tensorboard scalars every `log_every` steps, and a trace of global train steps
       "START:STOP".

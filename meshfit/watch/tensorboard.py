@@ -67,14 +67,14 @@ def learning_rate(optimizer) -> float | None:
 class TensorBoardLog(keras.callbacks.Callback):
     """Writes TensorBoard scalars to `logdir` (conventionally RUN/tensorboard).
 
-    log_every: write train/* every so many global steps (with k steps per dispatch, at the
-      dispatch that passes a multiple). report: the EpochReport of the fit (put it earlier in the
-      callback list), for speed/*. global_batch: samples per step, for samples/s when the report
+    log_every: write train/* every so many global steps (a run's: see meshfit.run.options; with
+      k steps per dispatch, at the dispatch that passes a multiple). report: the EpochReport of
+      the fit (put it earlier in the callback list), for speed/*. global_batch: samples per step, for samples/s when the report
       has none. steps_per_epoch: the run's steps per epoch, needed only when a fit resumes the
       end of a cut epoch (meshfit's training does); otherwise Keras' params["steps"].
     """
 
-    def __init__(self, logdir: str, log_every: int = 10, report=None, global_batch: int | None = None,
+    def __init__(self, logdir: str, log_every: int, report=None, global_batch: int | None = None,
                  steps_per_epoch: int | None = None):
         super().__init__()
         self.logdir = os.fspath(logdir)

@@ -28,7 +28,7 @@ from meshfit.fit.strategy import Strategy
 from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
 from meshfit.parallel import modes, planning
-from meshfit.run import fitting
+from meshfit.run import fitting, options
 from meshfit.watch import goodput
 from meshfit.watch.peak import peak_of
 from meshfit.watch.report import EpochReport, train_step_flops, wait_for_device
@@ -70,8 +70,7 @@ def class_count(recipe: recipes.Recipe) -> int:
 
 def default_batch(recipe: recipes.Recipe, strategy) -> int:
     """The recipe's global batch on the strategy's devices, as `meshfit train` would use it."""
-    return planning.plan_global_batch(strategy.replicas, strategy.platform, strategy.device_kind,
-                                      global_batch=recipe.global_batch,
+    return planning.plan_global_batch(strategy, recipe_batch=recipe.global_batch,
                                       per_core_batch=recipe.per_core_batch)
 
 
@@ -150,7 +149,8 @@ def fit_meshfit(spec: dict, strategy: Strategy, model, x, y, timer: EpochTimer, 
     with tempfile.TemporaryDirectory(prefix="meshfit-bench-tb-") as logdir:
         logs = []
         if spec["path"] == TENSORBOARD_PATH:
-            logs = [TensorBoardLog(logdir, report=report, global_batch=fit["batch_size"])]
+            logs = [TensorBoardLog(logdir, options.default("log_every"), report=report,
+                                   global_batch=fit["batch_size"])]
         strategy.fit(model, x, y, callbacks=[timer, report, *logs], **fit)
     return report.flops_per_step, tf_microbatch.installed(model)
 
