@@ -8,7 +8,7 @@ meshfit.parallel.jax_internals; no other module imports `keras.src` (tests/test_
 import statement). docs/reference/internals.md is the list for readers.
 
 Checked on Keras 3.15.1 with JAX 0.10.2 (Python 3.11) and with JAX 0.11.2 (Python 3.12); the
-Keras side of the TensorFlow engine on TensorFlow 2.20 (Python 3.11).
+Keras side of the TensorFlow engine on TensorFlow 2.21 (Python 3.11).
 
 Where Keras offers a public way it is used instead: `keras.tree`, `keras.utils.
 unpack_x_y_sample_weight`, `keras.random.SeedGenerator`, `keras.initializers.Initializer`, and
