@@ -135,13 +135,13 @@ def test_cpp_stdout_writes_nothing_once_off_and_python_still_prints():
     in every process of a job (srun and mpirun have no launcher to filter them)."""
     code = """
 import ctypes, jax
-from meshfit.parallel import cluster
+from meshfit.parallel import jax_internals
 libstdcxx, libc = ctypes.CDLL("libstdc++.so.6"), ctypes.CDLL(None)
 cout = ctypes.addressof(ctypes.c_char.in_dll(libstdcxx, "_ZSt4cout"))
 write = libstdcxx._ZStlsISt11char_traitsIcEERSt13basic_ostreamIcT_ES5_PKc  # std::cout << char*
 write.argtypes, write.restype = [ctypes.c_void_p, ctypes.c_char_p], ctypes.c_void_p
 write(cout, b"[Gloo] before\\n"); libc.fflush(None)
-cluster._cpp_stdout_off()
+jax_internals.cpp_stdout_off()
 write(cout, b"[Gloo] after\\n"); libc.fflush(None)
 print("python", flush=True)
 """

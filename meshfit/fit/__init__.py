@@ -2,8 +2,8 @@
 `Strategy` (devices, distribution, `fit`), the variable layouts it gives Keras (strategy), the
 memory plan of a train step (memory_plan), the multi-host helpers of fit and predict (hosts), the
 hooks on Keras' trainer, placing batches on the devices (sources), the JAX on-device loop, model
-outputs over evaluation batches (predict), and the TensorFlow engine's micro-batches and bias
-gradients.
+outputs over evaluation batches (predict), the TensorFlow engine's micro-batches and bias
+gradients, and the one seam to Keras' private code (keras_internals).
 
 Importing this package imports Keras, which fixes its backend at its first import: everything
 below the engine line (meshfit.parallel, and the modules of data, run, serve and commands that

@@ -28,7 +28,8 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   kernel with verbose left at "auto", meshfit's live bar and Keras' one line per epoch) and, on JAX,
   meshfit's on-device k-step loop (`meshfit.fit.jax_loop`), as `Strategy.fit` has them.
 
-`Strategy.activate` installs the hooks once per process. They do nothing unless a meshfit
+`Strategy.activate` installs the hooks once per process, through the table of patches in
+meshfit.fit.keras_internals (what each changes and why). They do nothing unless a meshfit
 strategy is active (for placement, with its distribution Keras' current one), so Keras behaves as
 usual otherwise. Imports Keras: reached only after connect().
 """
@@ -50,7 +51,7 @@ import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshfit import env
-from meshfit.fit import jax_loop, memory_plan, sources
+from meshfit.fit import jax_loop, keras_internals, memory_plan, sharded_init, sources
 from meshfit.parallel import heartbeat, stall
 from meshfit.watch import goodput, progress_bar
 from meshfit.watch.report import EpochReport
@@ -95,27 +96,19 @@ def _distributed(strategy) -> bool:
 
 @functools.cache
 def _install() -> None:
-    trainer = next(c for c in type.mro(keras.Model) if "fit" in vars(c) and c.__module__.startswith(
-        "keras.src.backend."))  # the backend's trainer: JAXTrainer, TensorFlowTrainer, ...
-    trainer.fit = _fit_hook(trainer.fit)
-    if keras.backend.backend() == "tensorflow" and accounting():
-        trainer.make_train_function = _tensorflow_timed(trainer.make_train_function)
-    if keras.backend.backend() != "jax":
-        return
-    if accounting():
+    """Wrap Keras' trainer and its JAX placement and variables (keras_internals.PATCHES)."""
+    if keras.backend.backend() == "jax" and accounting():
         jax.monitoring.register_event_time_span_listener(_on_compile_span)
-    from keras.src.backend.jax import distribution_lib  # Keras places every batch through it
-
-    from meshfit.fit import sharded_init  # imports Keras' JAX variables: this engine only
-
-    distribution_lib.distribute_data_input = _placement_hook(distribution_lib.distribute_data_input)
-    distribution_lib.distribute_tensor = sources.divisible_placement(distribution_lib.distribute_tensor,
-                                                                     active)
-    sharded_init.install(lambda: _distributed(_active), sources.divisible_sharding)
-    for name in _FUNCTIONS:
-        setattr(trainer, f"make_{name}", _make_function_hook(getattr(trainer, f"make_{name}"), name))
-    for name in ("fit", "evaluate", "predict"):  # fit around its report hook: all of it guarded
-        setattr(trainer, name, _guarded(getattr(trainer, name)))
+    keras_internals.apply_patches({
+        "fit: report and loop": _fit_hook,
+        "make_train_function: timed (TensorFlow)": _tensorflow_timed if accounting() else None,
+        "distribute_data_input": _placement_hook,
+        "distribute_tensor": functools.partial(sources.divisible_placement, active=active),
+        "JaxVariable._initialize_with_initializer": sharded_init.initializer_hook(
+            lambda: _distributed(_active), sources.divisible_sharding),
+        **{f"make_{name}": functools.partial(_make_function_hook, attribute=name) for name in _FUNCTIONS},
+        **{f"{name}: stall guard": _guarded for name in ("fit", "evaluate", "predict")},
+    })
 
 
 def _guarded(method: Callable) -> Callable:

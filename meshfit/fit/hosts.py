@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshfit.errors import MeshfitError
-from meshfit.fit import set_random_seed
+from meshfit.fit import keras_internals, set_random_seed
 from meshfit.fit.sources import SplitBatches
 from meshfit.parallel import cluster, heartbeat
 
@@ -71,9 +71,7 @@ def agree_on_seed() -> int:
 
     Keeps a seed already set on process 0; otherwise process 0 draws one. Call after `join()`.
     """
-    from keras.src.utils import rng_utils  # Keras has no public getter for the global seed
-
-    seed = rng_utils.get_random_seed()
+    seed = keras_internals.get_random_seed()  # Keras has no public getter for the global seed
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**31 - 1))
     seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))

@@ -2,7 +2,7 @@
 program straight into its shards, so no device (and not the host) ever holds it whole.
 
 Keras (keras.src.backend.jax.core) does this only for a variable whose bytes x devices reach
-256 MiB (`should_shard_at_init`); a smaller one is drawn whole on one device and then split. A
+250 MiB (`should_shard_at_init`); a smaller one is drawn whole on one device and then split. A
 compile for every variable made building 28 to 57x slower (BENCHMARKS.md 2c): Keras' random
 initializers bake their integer seed into the program. Here the seed is an argument instead, so
 one compiled draw serves every variable of the same initializer, settings, shape, dtype and
@@ -20,7 +20,9 @@ One exception is in the maths: Orthogonal's QR decomposition needs the whole mat
 device then computes while drawing. The Keras side: docs/reference/keras-sharded-init.md.
 
 Active only while a meshfit strategy runs JAX on several devices (`active()` true); otherwise,
-and for initializers that take a `layout` themselves, Keras' own path runs. Imports Keras.
+and for initializers that take a `layout` themselves (Keras 3.15's public way, which its own
+initializers do not take), Keras' own path runs. The patch of Keras' variables, and every private
+name used here, is in meshfit.fit.keras_internals. Imports Keras.
 """
 
 from __future__ import annotations
@@ -32,35 +34,27 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
-from keras.src.backend.jax import core
-from keras.src.initializers import Initializer
-from keras.src.random.seed_generator import SeedGenerator, draw_seed
+from keras.initializers import Initializer
+from keras.random import SeedGenerator
+
+from meshfit.fit import keras_internals
 
 
-def install(active: Callable[[], bool], placed: Callable[[tuple, Any], Any]) -> None:
-    """Make Keras' JAX variables draw split layouts in their shards while `active()`.
-    `placed(shape, layout)` is the NamedSharding the variable's layout gives its shape (meshfit
-    holds a dimension its axes do not divide whole: meshfit.fit.sources.divisible_sharding)."""
-    keras_init = core.JaxVariable._initialize_with_initializer
-    if getattr(keras_init, "_meshfit", False):
-        return
+def initializer_hook(active: Callable[[], bool], placed: Callable[[tuple, Any], Any]) -> Callable:
+    """The wrapper of Keras' JAX variable initialization (keras_internals.PATCHES) that draws split
+    layouts in their shards while `active()`. `placed(shape, layout)` is the NamedSharding the
+    variable's layout gives its shape (meshfit holds a dimension its axes do not divide whole:
+    meshfit.fit.sources.divisible_sharding)."""
 
-    @functools.wraps(keras_init)
-    def initialize(variable, initializer):
-        variable._initialize_layout()
-        layout = getattr(variable._layout, "backend_layout", variable._layout)
+    def draw_variable(initializer, shape: tuple, dtype: str, layout) -> jax.Array | None:
         if (active() and isinstance(layout, NamedSharding) and not layout.is_fully_replicated
                 and "layout" not in _parameters(initializer)):
-            sharding = placed(tuple(variable._shape), layout)
+            sharding = placed(shape, layout)
             if not sharding.is_fully_replicated:
-                value = draw(initializer, tuple(variable._shape), variable._dtype, sharding)
-                if value is not None:
-                    variable._value = value
-                    return
-        keras_init(variable, initializer)
+                return draw(initializer, shape, dtype, sharding)
+        return None  # Keras' own way
 
-    initialize._meshfit = True
-    core.JaxVariable._initialize_with_initializer = initialize
+    return keras_internals.variables_drawn_by(draw_variable)
 
 
 def draw(initializer, shape: tuple, dtype: str, sharding: NamedSharding) -> jax.Array | None:
@@ -70,7 +64,7 @@ def draw(initializer, shape: tuple, dtype: str, sharding: NamedSharding) -> jax.
         return _draw_other(initializer, shape, dtype, sharding)
     seed = getattr(initializer, "seed", None)
     # On the host: a key array held on one device is not on the mesh of a job of several hosts.
-    key = np.asarray(draw_seed(seed)) if isinstance(seed, (int, SeedGenerator)) else None
+    key = np.asarray(keras_internals.draw_seed(seed)) if isinstance(seed, (int, SeedGenerator)) else None
     settings = tuple(sorted((k, v) for k, v in initializer.get_config().items() if k != "seed"))
     compile_draw = _compiled
     if not all(isinstance(v, (bool, int, float, str, type(None))) for _, v in settings):

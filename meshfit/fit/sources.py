@@ -31,10 +31,10 @@ from typing import Any, Callable, Sequence
 
 import keras  # this module is imported by Strategy.fit, after meshfit.connect() chose the backend
 from jax.sharding import NamedSharding, PartitionSpec
-from keras.src.trainers import data_adapters  # Keras' data adapters have no public API
 
 from meshfit.data.rows import first_rows, leading_rows, splittable_rows
 from meshfit.errors import MeshfitError
+from meshfit.fit import keras_internals  # Keras' data adapters have no public API
 from meshfit.parallel import sharding
 
 KERAS_BATCH = 32  # the batch Keras cuts arrays into when given no batch size
@@ -60,7 +60,7 @@ def trim_last_batch(arrays: Sequence[Any], global_batch: int, replicas: int,
 
 def is_arrays(x: Any, y: Any = None, sample_weight: Any = None) -> bool:
     """True when Keras reads (x, y, sample_weight) as arrays sliced into batches by batch_size."""
-    return data_adapters.array_data_adapter.can_convert_arrays((x, y, sample_weight))
+    return keras_internals.can_convert_arrays((x, y, sample_weight))
 
 
 def is_one_shot(source: Any) -> bool:
@@ -69,7 +69,7 @@ def is_one_shot(source: Any) -> bool:
                                                        and iter(source) is source)
 
 
-class SplitBatches(data_adapters.data_adapter.DataAdapter):
+class SplitBatches(keras_internals.DataAdapter):
     """Keras' adapter for `source`, every batch it yields cut to split across `replicas`.
 
     micro_batches: slices per batch (TensorFlow engine); a batch needs at least that many rows.
@@ -83,8 +83,8 @@ class SplitBatches(data_adapters.data_adapter.DataAdapter):
         if is_one_shot(source) and not isinstance(source, types.GeneratorType):
             source = (batch for batch in source)  # Keras takes generators, not other iterators
         try:
-            self.inner = data_adapters.get_data_adapter(source, shuffle=shuffle, class_weight=class_weight,
-                                                        steps_per_epoch=steps_per_epoch)
+            self.inner = keras_internals.get_data_adapter(source, shuffle=shuffle, class_weight=class_weight,
+                                                          steps_per_epoch=steps_per_epoch)
         except ValueError as e:
             message = " ".join(str(e).split())
             if message.startswith("Unrecognized data type"):
@@ -161,9 +161,7 @@ def prepare(x: Any, y: Any, global_batch: int | None, replicas: int, micro_batch
     if kwargs.get("validation_split") and kwargs.get("validation_data") is None and is_arrays(
             x, y, kwargs.get("sample_weight")):
         # Split first, as Keras' fit does, so that only the training part is cut.
-        from keras.src.trainers.data_adapters import array_slicing
-
-        (x, y, weights), kwargs["validation_data"] = array_slicing.train_validation_split(
+        (x, y, weights), kwargs["validation_data"] = keras_internals.train_validation_split(
             (x, y, kwargs.get("sample_weight")), validation_split=kwargs.pop("validation_split"))
         if weights is not None:
             kwargs["sample_weight"] = weights

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import math
 
+import keras
 import numpy as np
 
 from meshfit.errors import MeshfitError
+from meshfit.fit import keras_internals
 from meshfit.parallel import planning
 
 ACTIVATION_BUDGET_BYTES = 16 * 2**20  # largest activation of one slice; measured, see cache_sized()
@@ -126,12 +128,9 @@ def _sliced_train_step(model, data, slices: int):
     faster but compiled in 5-9 s instead of ~1.3 s.
     """
     import tensorflow as tf
-    from keras.src import tree
-    from keras.src.losses import loss as loss_module
-    from keras.src.trainers.data_adapters import data_adapter_utils
 
-    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-    batch = tf.shape(next(t for t in tree.flatten(x) if t is not None))[0]
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    batch = tf.shape(next(t for t in keras.tree.flatten(x) if t is not None))[0]
     tf.debugging.assert_greater_equal(batch, slices, message=(
         f"a batch has fewer samples than its {slices} micro-batches; use micro_batches=1 or "
         "drop the short last batch"))
@@ -140,12 +139,12 @@ def _sliced_train_step(model, data, slices: int):
 
     def body(i, total):
         start, stop = i * batch // slices, (i + 1) * batch // slices
-        xs, ys, ws = (tree.map_structure(lambda t: None if t is None else t[start:stop], part)
+        xs, ys, ws = (keras.tree.map_structure(lambda t: None if t is None else t[start:stop], part)
                       for part in (x, y, sample_weight))
         with tf.GradientTape() as tape:
             y_pred = model(xs, training=True) if model._call_has_training_arg else model(xs)
             loss = model._compute_loss(x=xs, y=ys, y_pred=y_pred, sample_weight=ws, training=True)
-            model._loss_tracker.update_state(loss_module.unscale_loss_for_distribution(loss),
+            model._loss_tracker.update_state(keras_internals.unscale_loss_for_distribution(loss),
                                              sample_weight=stop - start)
             # Weighted by its share of the batch, so the slices' gradients sum to the whole batch's.
             share = tf.cast(stop - start, loss.dtype) / tf.cast(batch, loss.dtype)
@@ -166,7 +165,7 @@ def _sliced_train_step(model, data, slices: int):
 def _default_train_step(model) -> bool:
     """True when the model trains with its Keras backend's own train_step."""
     owner = next(c for c in type(model).__mro__ if "train_step" in c.__dict__)
-    return owner.__module__.startswith("keras.src.backend.")
+    return keras_internals.is_backend_class(owner)
 
 
 def _layers(model) -> list:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from meshfit import env
-from meshfit.parallel import heartbeat
+from meshfit.parallel import heartbeat, jax_internals
 from meshfit.errors import MeshfitError
 
 SHUTDOWN_TIMEOUT_SECONDS = 300  # how long finished processes wait at exit for the slowest one
@@ -108,13 +108,7 @@ def detected_cluster() -> Job | None:
     Uses the detectors `jax.distributed.initialize()` uses (Cloud TPU, SLURM, Open MPI,
     Kubernetes), skipping opt-in ones (mpi4py). Importing JAX starts no backend.
     """
-    try:
-        from jax._src import clusters  # the detectors behind jax.distributed.initialize()
-    except ImportError:
-        return None
-    for kind in clusters.ClusterEnv._cluster_types:
-        if kind.opt_in_only_method:
-            continue
+    for kind in jax_internals.cluster_detectors():
         try:
             with warnings.catch_warnings():  # e.g. "Kubernetes detected but `kubernetes` missing"
                 warnings.simplefilter("ignore")
@@ -139,11 +133,7 @@ def describe_job(environ=os.environ) -> Job | None:
 
 def jax_started() -> bool:
     """True once JAX has created its backends (device count and platform are then fixed)."""
-    if "jax" not in sys.modules:
-        return False
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
+    return jax_internals.backends_started()
 
 
 def join(environ=os.environ) -> Job | None:
@@ -166,11 +156,11 @@ def join(environ=os.environ) -> Job | None:
             f"{job.process_id} of {job.num_processes}); start process 0 with the same "
             f"{env.COORDINATOR}, check the address and firewall, or raise {env.INIT_TIMEOUT}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between CPU hosts
-    _cpp_stdout_off()
+    jax_internals.cpp_stdout_off()  # gloo's "[Gloo] Rank i is connected..." lines: see there
     explicit = job.coordinator is not None  # else JAX reads the detected cluster's settings
     bind = bind_address(job.coordinator, environ)
     if job.coordinator and is_loopback(job.coordinator):
-        _gloo_on_loopback()
+        jax_internals.gloo_on_loopback()  # gloo's collectives on the loopback too
     if explicit:  # JAX still asks its detectors for local device ids: in a Kubernetes pod without
         # jax[k8s] it would warn that joining needs that package, which this job does not
         warnings.filterwarnings("ignore", message="Kubernetes environment detected")
@@ -216,48 +206,6 @@ def bind_address(coordinator: str | None, environ=os.environ) -> str | None:
                                "address process 0 listens on, e.g. 10.0.0.1:1234")
         return bind
     return coordinator if coordinator and is_loopback(coordinator) else None
-
-
-def _gloo_on_loopback() -> None:
-    """Make gloo's collectives listen on 127.0.0.1 rather than on this host name's address.
-
-    JAX creates them without a host name (jax._src.xla_bridge); this wraps that one call.
-    """
-    from jax._src.lib import _jax
-
-    make = getattr(_jax, "make_gloo_tcp_collectives", None)
-    if make is None or isinstance(make, functools.partial):
-        return
-    _jax.make_gloo_tcp_collectives = functools.partial(make, hostname="127.0.0.1")
-
-
-def _cpp_stdout_off() -> None:
-    """Make C++'s std::cout write nothing in this process (Python's own output is untouched).
-
-    Gloo writes "[Gloo] Rank i is connected to n peer ranks..." to std::cout, unconditionally, each
-    time a set of devices first runs a collective: 24-45 lines a training run under srun or mpirun
-    (gloo/transport/tcp/context.cc, printConnectivityInfo), and srun or mpirun, unlike meshfit
-    launch, filter nothing. Nothing meshfit shows is written there: sys.stdout writes to file
-    descriptor 1 itself, C++ logs go to stderr. Setting std::cout's badbit (Itanium C++ ABI,
-    libstdc++: Linux) makes its writes no-ops; elsewhere the lines stay.
-    """
-    try:
-        import ctypes
-
-        libstdcxx = ctypes.CDLL("libstdc++.so.6")  # the one jaxlib loaded: same soname
-        cout = ctypes.addressof(ctypes.c_char.in_dll(libstdcxx, "_ZSt4cout"))
-        clear = libstdcxx._ZNSt9basic_iosIcSt11char_traitsIcEE5clearESt12_Ios_Iostate
-    except (OSError, AttributeError, ValueError):
-        return
-    vtable = ctypes.c_void_p.from_address(cout).value  # None until some library's iostream init ran
-    if not vtable:
-        return
-    # std::ostream's virtual base std::basic_ios: its offset is the word 3 before the vtable's start
-    offset = ctypes.c_ssize_t.from_address(vtable - 3 * ctypes.sizeof(ctypes.c_void_p)).value
-    if not 0 < offset <= 64:
-        return
-    clear.argtypes, clear.restype = [ctypes.c_void_p, ctypes.c_int], None
-    clear(cout + offset, 1)  # std::ios_base::badbit
 
 
 def _reachable(address: str, timeout: float) -> bool:

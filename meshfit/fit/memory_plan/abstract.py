@@ -1,7 +1,6 @@
 """Abstract models: a compiled model built with variables that have a shape, dtype and layout
 but no value (nor its optimizer's), so that planning allocates none of it (`abstract_model`).
-
-This module holds the memory plan's imports of private Keras code (keep them here, together).
+The private Keras code this needs is reached through the seam, meshfit.fit.keras_internals.
 """
 
 from __future__ import annotations
@@ -11,10 +10,9 @@ from typing import Any, Callable
 
 import keras
 
-from keras.src.backend.common import global_state  # Keras' list of variables awaiting values
-from keras.src.optimizers import base_optimizer  # has no public name
-
 from meshfit.errors import MeshfitError
+from meshfit.fit import keras_internals
+from meshfit.fit.keras_internals import global_state  # Keras' list of variables awaiting values
 from meshfit.fit.memory_plan.lowering import state_groups
 
 
@@ -23,24 +21,10 @@ def _abstract_variables():
     """Variables created inside get a shape, dtype and layout but no value: Keras'
     StatelessScope, left without initializing them. Keras' optimizer makes its step counter and
     learning rate from values (scalars), which that scope refuses, so an optimizer's __init__
-    runs outside it."""
-    base = base_optimizer.BaseOptimizer
-    init = base.__init__
-
-    def concrete_init(self, *args, **kwargs):
-        scope = global_state.get_global_attribute("stateless_scope")
-        global_state.set_global_attribute("stateless_scope", None)
-        try:
-            init(self, *args, **kwargs)
-        finally:
-            global_state.set_global_attribute("stateless_scope", scope)
-
-    base.__init__ = concrete_init
-    try:
-        with keras.StatelessScope(initialize_variables=False):  # leaving it gives no values
-            yield
-    finally:
-        base.__init__ = init
+    runs outside it (keras_internals)."""
+    with (keras_internals.optimizers_made_outside_stateless_scope(),
+          keras.StatelessScope(initialize_variables=False)):  # leaving it gives no values
+        yield
 
 
 def abstract_model(strategy, make_model: Callable[[], Any], fallback: bool = False):

@@ -1,0 +1,296 @@
+"""The one place meshfit reaches into Keras' private code: every patch of a Keras function or
+method (the table PATCHES, applied once by `apply_patches`, and one patch held for a block:
+`optimizers_made_outside_stateless_scope`) and every name read from `keras.src`. For each: what
+it changes or gives, why Keras' public API does not do it, and what happens on a Keras that lacks
+it: a one-line MeshfitError naming the version and the supported pins (never a silent wrong
+result). JAX's private code and native libraries have the light core's seam,
+meshfit.parallel.jax_internals; no other module imports `keras.src` (tests/test_seam.py reads every
+import statement). docs/reference/internals.md is the list for readers.
+
+Checked on Keras 3.15.1 with JAX 0.10.2 (Python 3.11) and with JAX 0.11.2 (Python 3.12); the
+Keras side of the TensorFlow engine on TensorFlow 2.21 (Python 3.11).
+
+Where Keras offers a public way it is used instead: `keras.tree`, `keras.utils.
+unpack_x_y_sample_weight`, `keras.random.SeedGenerator`, `keras.initializers.Initializer`, and
+initializers that take `layout=` (Keras 3.15, keras-team/keras#22680: such an initializer, a
+user's, is left to Keras' own sharded path). Keras' built-in initializers do not take `layout`,
+and nothing public lets meshfit give every variable a layout-aware initializer, so the variables'
+own initialization stays patched (PATCHES, "JaxVariable._initialize_with_initializer").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import keras
+
+from meshfit.errors import MeshfitError
+from meshfit.parallel import jax_internals
+
+CHECKED_ON = "Keras 3.15.1 with JAX 0.10.2 and 0.11.2"
+_BACKEND_MODULES = "keras.src.backend."  # where each backend's trainer and variables live
+
+
+def lacking(what: str) -> MeshfitError:
+    """The one-line error for a Keras without `what` (a private name meshfit relies on)."""
+    return jax_internals.lacking("Keras", keras.__version__, what, CHECKED_ON)
+
+
+def private(module: str, name: str | None = None) -> Any:
+    """Keras' private module `module` (e.g. "keras.src.utils.rng_utils"), or its attribute
+    `name`; a one-line MeshfitError where this Keras lacks it."""
+    try:
+        found = importlib.import_module(module)
+        return found if name is None else getattr(found, name)
+    except (ImportError, AttributeError):
+        raise lacking(module if name is None else f"{module}.{name}") from None
+
+
+# ------------------------------------------------------------------ names read from keras.src
+
+# Each private name meshfit reads, by the key its accessor below uses; `check()` reads them all.
+_NAMES = {
+    "get_random_seed": ("keras.src.utils.rng_utils", "get_random_seed"),
+    "train_validation_split": ("keras.src.trainers.data_adapters.array_slicing", "train_validation_split"),
+    "can_convert_arrays": ("keras.src.trainers.data_adapters.array_data_adapter", "can_convert_arrays"),
+    "get_data_adapter": ("keras.src.trainers.data_adapters", "get_data_adapter"),
+    "DataAdapter": ("keras.src.trainers.data_adapters.data_adapter", "DataAdapter"),
+    "global_state": ("keras.src.backend.common.global_state", None),
+    "BaseOptimizer": ("keras.src.optimizers.base_optimizer", "BaseOptimizer"),
+    "unscale_loss_for_distribution": ("keras.src.losses.loss", "unscale_loss_for_distribution"),
+    "draw_seed": ("keras.src.random.seed_generator", "draw_seed"),
+}
+_JAX_NAMES = {  # the JAX backend's, read only on that engine
+    "distribution_lib": ("keras.src.backend.jax.distribution_lib", None),
+    "JaxVariable": ("keras.src.backend.jax.core", "JaxVariable"),
+}
+
+
+def _name(key: str) -> Any:
+    return private(*{**_NAMES, **_JAX_NAMES}[key])
+
+
+def get_random_seed() -> int | None:
+    """Keras' global seed (keras.utils.set_random_seed's), None when unset: Keras has a public
+    setter but no public getter. meshfit.fit.hosts gives every process process 0's seed."""
+    return _name("get_random_seed")()
+
+
+def train_validation_split(arrays: tuple, validation_split: float) -> tuple:
+    """Keras' own split of fit's arrays by `validation_split` (its last rows for validation), so
+    that Strategy.fit cuts only the training part exactly as Keras' fit would split it."""
+    return _name("train_validation_split")(arrays, validation_split=validation_split)
+
+
+def can_convert_arrays(arrays: tuple) -> bool:
+    """True when Keras reads (x, y, sample_weight) as arrays it slices into batches itself."""
+    return _name("can_convert_arrays")(arrays)
+
+
+def get_data_adapter(source: Any, **kwargs) -> Any:
+    """Keras' data adapter for `source` (what its fit reads a dataset, generator, ... through):
+    meshfit.fit.sources cuts the batches it yields. Keras' data adapters have no public API."""
+    return _name("get_data_adapter")(source, **kwargs)
+
+
+# The base class of Keras' data adapters, which meshfit.fit.sources.SplitBatches extends: read
+# when this module is imported (a class needs its base), so a Keras without it fails at connect().
+DataAdapter = _name("DataAdapter")
+
+# Keras' global state (the variables awaiting values, the active StatelessScope): read by
+# meshfit.fit.memory_plan's abstract models, which Keras offers no public way to build.
+global_state = _name("global_state")
+
+
+def unscale_loss_for_distribution(loss: Any) -> Any:
+    """A loss as Keras' loss tracker records it (the inverse of the scaling Keras applies for a
+    distribution), for meshfit.fit.tf_microbatch's sliced train step, which repeats Keras'."""
+    return _name("unscale_loss_for_distribution")(loss)
+
+
+def draw_seed(seed: Any) -> Any:
+    """The key Keras' random functions draw with for `seed` (an int: [seed, 0]; a SeedGenerator:
+    its next state, advanced as Keras would): meshfit.fit.sharded_init passes it to a compiled
+    draw, so the values are Keras' own."""
+    return _name("draw_seed")(seed)
+
+
+def is_backend_class(cls: type) -> bool:
+    """True for a class of one of Keras' backends (JAXTrainer, TensorFlowTrainer, ...), i.e. not
+    a user's subclass: the layout of keras.src, which has no public name for these classes."""
+    return cls.__module__.startswith(_BACKEND_MODULES)
+
+
+def backend_trainer() -> type:
+    """The trainer class of Keras' backend that keras.Model takes `fit` from (JAXTrainer, ...)."""
+    found = next((c for c in type.mro(keras.Model) if "fit" in vars(c) and is_backend_class(c)), None)
+    if found is None:
+        raise lacking(f"backend trainer with fit in {_BACKEND_MODULES}* among keras.Model's bases")
+    return found
+
+
+def _jax_distribution_lib():
+    return _name("distribution_lib")
+
+
+def _jax_variable() -> type:
+    return _name("JaxVariable")
+
+
+def variables_drawn_by(draw: Callable[[Any, tuple, str, Any], Any]) -> Callable[[Callable], Callable]:
+    """The wrapper of `JaxVariable._initialize_with_initializer` (PATCHES): a variable's value is
+    `draw(initializer, shape, dtype, layout)` (layout: the variable's JAX layout, e.g. a
+    NamedSharding, or None), and Keras' own initialization where that returns None. Every use
+    of the variable's private attributes is here: its layout is resolved as Keras does first."""
+
+    def wrap(keras_init: Callable) -> Callable:
+        @functools.wraps(keras_init)
+        def initialize(variable, initializer):
+            variable._initialize_layout()
+            layout = getattr(variable._layout, "backend_layout", variable._layout)
+            value = draw(initializer, tuple(variable._shape), variable._dtype, layout)
+            if value is None:
+                keras_init(variable, initializer)
+            else:
+                variable._value = value
+
+        return initialize
+
+    return wrap
+
+
+@contextlib.contextmanager
+def optimizers_made_outside_stateless_scope():
+    """Inside the block, an optimizer's __init__ runs outside any StatelessScope.
+
+    Patches `BaseOptimizer.__init__` for the block only (restored after it). Keras' optimizer
+    makes its step counter and learning rate from values, which a StatelessScope refuses;
+    meshfit.fit.memory_plan builds abstract models (variables without values) in one, optimizer
+    included. No public option makes the optimizer's own variables concrete."""
+    base = _name("BaseOptimizer")
+    init = base.__init__
+
+    def concrete_init(self, *args, **kwargs):
+        scope = global_state.get_global_attribute("stateless_scope")
+        global_state.set_global_attribute("stateless_scope", None)
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            global_state.set_global_attribute("stateless_scope", scope)
+
+    base.__init__ = concrete_init
+    try:
+        yield
+    finally:
+        base.__init__ = init
+
+
+# ------------------------------------------------------------------ the patches of Keras
+
+@dataclass(frozen=True)
+class Patch:
+    """One Keras function or method meshfit replaces by a wrapper of it (see apply_patches)."""
+
+    name: str  # the key its wrapper is given under
+    owner: Callable[[], Any]  # the class or module holding it (resolved when patches are applied)
+    attribute: str
+    backend: str | None  # the Keras backend it applies on; None: every backend
+    parameters: tuple[str, ...]  # its leading parameters, as the wrapper calls it
+    changes: str  # what meshfit's wrapper does
+    why: str  # why no public way does it
+
+
+_TRAINER_METHOD = ("self", "force")
+PATCHES = (
+    Patch("fit: report and loop", backend_trainer, "fit", None,
+          ("self", "x", "y", "batch_size", "epochs", "verbose", "callbacks"),
+          "adds the per-epoch report (or the notebook bar), the memory plan of sharding='auto', "
+          "the on-device k-step loop (JAX) and goodput while a meshfit Strategy is active",
+          "users call plain model.fit; a callback cannot change fit's arguments or its train function"),
+    Patch("make_train_function: timed (TensorFlow)", backend_trainer, "make_train_function",
+          "tensorflow", _TRAINER_METHOD,
+          "reads each batch in Python so that input wait can be timed (goodput)",
+          "Keras' TensorFlow train function reads tf.data iterators in-graph, where no wait shows"),
+    Patch("distribute_data_input", _jax_distribution_lib, "distribute_data_input", "jax",
+          ("per_process_batch", "layout", "batch_dim_name"),
+          "a batch whose rows do not split across the devices is placed whole on every device",
+          "Keras' placement raises JAX's IndivisibleError for an epoch's short last batch"),
+    Patch("distribute_tensor", _jax_distribution_lib, "distribute_tensor", "jax", ("tensor", "layout"),
+          "every dimension the layout's mesh axes do not divide is held whole",
+          "keras-hub's generate and user code place tensors through it: IndivisibleError otherwise"),
+    Patch("JaxVariable._initialize_with_initializer", _jax_variable, "_initialize_with_initializer",
+          "jax", ("self", "initializer"),
+          "a variable whose layout splits it is drawn by one compiled program into its shards",
+          "Keras draws variables under 250 MiB x devices whole on one device, compiling per variable; "
+          "its public layout= path needs initializers that take layout, which its own do not"),
+    Patch("make_train_function", backend_trainer, "make_train_function", "jax", _TRAINER_METHOD,
+          "each dispatch is counted for the heartbeat and timed for goodput",
+          "the train function is made inside fit, where no callback sees each dispatch"),
+    Patch("make_test_function", backend_trainer, "make_test_function", "jax", _TRAINER_METHOD,
+          "each dispatch is counted for the heartbeat", "as make_train_function"),
+    Patch("make_predict_function", backend_trainer, "make_predict_function", "jax", _TRAINER_METHOD,
+          "each dispatch is counted for the heartbeat", "as make_train_function"),
+    Patch("fit: stall guard", backend_trainer, "fit", "jax", ("self",),
+          "fit runs under the stall guard and returns once its last step has run",
+          "a collective that never finishes otherwise hangs, or XLA aborts the process"),
+    Patch("evaluate: stall guard", backend_trainer, "evaluate", "jax", ("self",),
+          "evaluate runs under the stall guard, its time charged to goodput's eval", "as fit"),
+    Patch("predict: stall guard", backend_trainer, "predict", "jax", ("self",),
+          "predict runs under the stall guard", "as fit"),
+)
+_applied: set[str] = set()  # names of the patches applied in this process
+
+
+def _target(patch: Patch) -> tuple[Any, Callable]:
+    """(owner, the function now there) of `patch`; a one-line MeshfitError where this Keras lacks
+    it or it takes other parameters than the wrapper calls it with."""
+    owner = patch.owner()
+    where = f"{owner.__module__}.{owner.__qualname__}" if inspect.isclass(owner) else owner.__name__
+    where += f".{patch.attribute}"
+    # A class's own attribute: one inherited from a base is not the backend's to wrap.
+    present = patch.attribute in vars(owner) if inspect.isclass(owner) else hasattr(owner, patch.attribute)
+    if not present:
+        raise lacking(where)
+    function = getattr(owner, patch.attribute)
+    try:
+        names = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        names = ()
+    if names[:len(patch.parameters)] != patch.parameters:
+        raise lacking(f"{where}({', '.join(patch.parameters)}, ...) (it takes ({', '.join(names)}))")
+    return owner, function
+
+
+def check() -> None:
+    """Read every private name and patch target meshfit uses on Keras' backend: the one-line
+    MeshfitError of the first one this Keras lacks or has changed, else nothing."""
+    backend = keras.backend.backend()
+    for key in list(_NAMES) + (list(_JAX_NAMES) if backend == "jax" else []):
+        _name(key)
+    for patch in PATCHES:
+        if patch.backend in (None, backend):
+            _target(patch)
+
+
+def apply_patches(wrappers: Mapping[str, Callable[[Callable], Callable] | None]) -> None:
+    """Replace each function of PATCHES that applies to Keras' backend by `wrappers[name](it)`, in
+    the table's order (a later patch of the same method wraps the earlier one), once per process.
+    A wrapper that is None leaves its function as Keras has it. Every target is checked before
+    any is replaced: a Keras that lacks one gets a one-line MeshfitError and no patch at all."""
+    unknown = set(wrappers) - {p.name for p in PATCHES}
+    if unknown:
+        raise ValueError(f"no such patch: {sorted(unknown)}")
+    backend = keras.backend.backend()
+    chosen = [p for p in PATCHES if p.backend in (None, backend) and wrappers.get(p.name)
+              and p.name not in _applied]
+    for patch in chosen:
+        _target(patch)
+    for patch in chosen:
+        owner, function = _target(patch)  # again: an earlier patch may have wrapped it
+        setattr(owner, patch.attribute, wrappers[patch.name](function))
+        _applied.add(patch.name)
