@@ -90,7 +90,7 @@ def write_idx_dataset(folder, n_train=N_TRAIN, n_test=N_TEST, seed=0):
     The images' brightness depends on their class, so a trained model does better than chance.
     Returns the arrays written: x_train, y_train, x_test, y_test (uint8, images 28x28).
     """
-    from meshfit.data import datasets
+    from meshfit.data import datasets, file_formats
 
     rng = np.random.default_rng(seed)
     os.makedirs(folder, exist_ok=True)
@@ -99,7 +99,7 @@ def write_idx_dataset(folder, n_train=N_TRAIN, n_test=N_TEST, seed=0):
               for y in labels]
     arrays = (images[0], labels[0], images[1], labels[1])
     for name, array in zip(datasets.IDX_FILES, arrays):
-        datasets.write_idx(os.path.join(folder, name), array)
+        file_formats.write_idx(os.path.join(folder, name), array)
     return arrays
 
 

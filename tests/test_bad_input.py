@@ -9,7 +9,7 @@ import pytest
 from helpers import cli_env, drop_state_field, run_meshfit, write_idx_dataset
 
 from meshfit.run import checkpoint_format, checkpoint_restore, checkpoint_save, rundir
-from meshfit.data import datasets
+from meshfit.data import datasets, file_formats
 from meshfit.errors import MeshfitError
 
 
@@ -108,7 +108,7 @@ def test_idx_images_that_are_not_28x28_are_refused(tmp_path):
     root = tmp_path / "data" / "fashion-mnist"
     write_idx_dataset(root)
     x = np.zeros((128, 14, 56), np.uint8)
-    datasets.write_idx(str(root / datasets.IDX_FILES[0]), x)
+    file_formats.write_idx(str(root / datasets.IDX_FILES[0]), x)
     with pytest.raises(MeshfitError, match="14x56, not 28x28"):
         datasets.load("fashion_mnist", str(tmp_path / "data"), download=False)
 
@@ -239,7 +239,7 @@ def test_a_cifar_label_too_large_for_64_bits_is_one_line(tmp_path):
     folder.mkdir(parents=True)
     x = np.zeros((10, 32, 32, 3), np.uint8)
     for name in datasets.CIFAR_FILES:
-        datasets.write_cifar_batch(folder / name, x, [2 ** 70] * 10 if name == "test_batch" else range(10))
+        file_formats.write_cifar_batch(folder / name, x, [2 ** 70] * 10 if name == "test_batch" else range(10))
     with pytest.raises(MeshfitError, match="test_batch.*not a list of integers"):
         datasets.load("cifar10", str(tmp_path), download=False)
 

@@ -14,7 +14,8 @@ from helpers import write_idx_dataset
 from PIL import Image
 
 from meshfit.data import datasets
-from meshfit.data.datasets import IDX_FILES, load, image_folder, write_cifar_batch, write_idx
+from meshfit.data.datasets import IDX_FILES, load, image_folder
+from meshfit.data.file_formats import write_cifar_batch, write_idx
 from meshfit.errors import MeshfitError
 
 REAL_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -36,21 +36,21 @@ def test_notebooks_are_committed_without_outputs():
 def notebook_data(tmp_path_factory):
     """Tiny Fashion-MNIST and MNIST (easy banded images: a few steps learn them) and CIFAR-10, in
     their canonical files."""
-    from meshfit.data import datasets
+    from meshfit.data import datasets, file_formats
 
     root = tmp_path_factory.mktemp("notebook-data")
     for name, seed in (("fashion-mnist", 0), ("mnist", 1)):
         os.makedirs(root / name)
         arrays = banded_images(512, seed) + banded_images(64, seed + 10)
         for file, array in zip(datasets.IDX_FILES, arrays):
-            datasets.write_idx(root / name / file, array)
+            file_formats.write_idx(root / name / file, array)
     folder = root / "cifar10" / datasets.CIFAR_DIR
     folder.mkdir(parents=True)
     rng = np.random.default_rng(2)
     for i, name in enumerate(datasets.CIFAR_FILES):
         y = rng.integers(0, 10, 16)
         x = np.clip(rng.normal(20 * y[:, None, None, None], 30, (16, 32, 32, 3)), 0, 255)
-        datasets.write_cifar_batch(folder / name, x, y, datasets.CLASS_NAMES["cifar10"] if i == 0 else None)
+        file_formats.write_cifar_batch(folder / name, x, y, datasets.CLASS_NAMES["cifar10"] if i == 0 else None)
     return str(root)
 
 

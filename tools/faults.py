@@ -53,7 +53,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from helpers import drop_state_field, write_idx_dataset  # noqa: E402
 
-from meshfit.data import datasets  # noqa: E402
+from meshfit.data import datasets, file_formats  # noqa: E402
 from meshfit.errors import MeshfitError  # noqa: E402
 
 NOISE = ("WARNING: All log messages before absl", "I0000", "W0000", "E0000")
@@ -254,7 +254,7 @@ class Harness:
         os.makedirs(good)
         rng = np.random.default_rng(0)
         for name in datasets.CIFAR_FILES:
-            datasets.write_cifar_batch(os.path.join(good, name), rng.integers(0, 256, (20, 32, 32, 3)),
+            file_formats.write_cifar_batch(os.path.join(good, name), rng.integers(0, 256, (20, 32, 32, 3)),
                                        rng.integers(0, 10, 20), datasets.CLASS_NAMES["cifar10"])
         canary = self.canary
 

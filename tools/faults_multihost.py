@@ -67,7 +67,7 @@ os.execv(sys.executable, [sys.executable, '-m', 'meshfit', *sys.argv[1:]])
 
 def write_data(folder: str) -> None:
     """A small Fashion-MNIST look-alike (class-dependent brightness) in the canonical IDX files."""
-    from meshfit.data import datasets
+    from meshfit.data import datasets, file_formats
 
     rng = np.random.default_rng(0)
     os.makedirs(folder, exist_ok=True)
@@ -77,7 +77,7 @@ def write_data(folder: str) -> None:
         images = np.clip(rng.normal(20 * labels[:, None, None], 40, (n, 28, 28)), 0, 255)
         arrays += [images.astype(np.uint8), labels]
     for name, array in zip(datasets.IDX_FILES, arrays):
-        datasets.write_idx(os.path.join(folder, name), array)
+        file_formats.write_idx(os.path.join(folder, name), array)
 
 
 def environment(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -28,26 +28,21 @@ source is read (and checked) again. On disk: MNIST and Fashion-MNIST 52 MB each,
 from __future__ import annotations
 
 import contextlib
-import gzip
 import hashlib
 import http.client
-import math
 import os
-import pickle
 import shutil
-import struct
 import sys
 import tarfile
 import tempfile
 import urllib.request
-import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
 from meshfit import env
-from meshfit.data import FOLDER_VALIDATION_SPLIT, folder_scan, image_files, order
+from meshfit.data import FOLDER_VALIDATION_SPLIT, file_formats, folder_scan, image_files, order
 from meshfit.watch import progress
 from meshfit.errors import MeshfitError
 
@@ -94,7 +89,6 @@ PUBLISHED = {
     ("fashion_mnist", IDX_FILES[3]): ("bb300cfdad3c16e7a12a480ee83cd310", 5148),
 }
 
-MAX_IDX_BYTES = 1 << 30  # an IDX file larger than this (20x MNIST's 47 MB) is refused, unpacked or not
 
 
 @dataclass(frozen=True, eq=False)
@@ -230,33 +224,6 @@ def image_folder(path: str | os.PathLike, image_size: tuple[int, int],
                    os.path.basename(found.root))
 
 
-def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
-    """Write a uint8 array as an IDX file (gzip-compressed when path ends in .gz)."""
-    array = np.ascontiguousarray(array, dtype=np.uint8)
-    data = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
-    data += array.tobytes()
-    with open(path, "wb") as f:
-        f.write(gzip.compress(data) if os.fspath(path).endswith(".gz") else data)
-
-
-def write_cifar_batch(path: str | os.PathLike, x: np.ndarray, y, label_names=None) -> None:
-    """Write images x (N, 32, 32, 3) uint8 and labels y as a CIFAR-10 Python batch pickle.
-
-    With label_names, also write batches.meta in the same folder.
-    """
-    x = np.asarray(x, dtype=np.uint8)
-    batch = {b"batch_label": b"generated batch", b"labels": [int(v) for v in y],
-             b"data": x.transpose(0, 3, 1, 2).reshape(len(x), -1),
-             b"filenames": [f"{i}.png".encode() for i in range(len(x))]}
-    with open(path, "wb") as f:
-        pickle.dump(batch, f, protocol=2)
-    if label_names is not None:
-        meta = {b"label_names": [n.encode() for n in label_names],
-                b"num_cases_per_batch": len(x), b"num_vis": 3072}
-        with open(os.path.join(os.path.dirname(os.fspath(path)), "batches.meta"), "wb") as f:
-            pickle.dump(meta, f, protocol=2)
-
-
 # ----------------------------------------------------------------------------------- finding
 
 def _search_roots(data_dir) -> list[tuple[str, str]]:
@@ -297,11 +264,6 @@ def _find(key: str, root: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------------- reading
-
-def _corrupt(path: str, what: str) -> MeshfitError:
-    return MeshfitError(f"{path} is corrupt or truncated: {what}; delete it so that it is "
-                        "downloaded again (or copy a good one there)")
-
 
 def _not_empty(dataset: Dataset, found: str) -> Dataset:
     """`dataset`, unless its training or test split has no images."""
@@ -370,66 +332,17 @@ def _read(key: str, found: str, verify: bool) -> Dataset:
         return _read_cifar(found)
     paths = [os.path.join(found, f) for f in IDX_FILES]
     x_train, y_train, x_test, y_test = (
-        _read_idx(p, 3 if "images" in os.path.basename(p) else 1, key, verify) for p in paths)
+        file_formats.read_idx(p, 3 if "images" in os.path.basename(p) else 1,
+                               PUBLISHED.get((key, os.path.basename(p))), verify) for p in paths)
     for x, y, xp, yp in ((x_train, y_train, paths[0], paths[1]),
                          (x_test, y_test, paths[2], paths[3])):
         if len(x) != len(y):
             raise MeshfitError(f"{xp} has {len(x)} images but {yp} has {len(y)} labels; "
                                "delete both and download them again")
         if y.size and y.max() >= 10:
-            raise _corrupt(yp, f"label {y.max()} is not a class index 0..9")
+            raise file_formats.corrupt(yp, f"label {y.max()} is not a class index 0..9")
     return Dataset(x_train[..., None], y_train.astype(np.int32), x_test[..., None],
                    y_test.astype(np.int32), CLASS_NAMES[key], key)
-
-
-def _read_idx(path: str, ndim: int, key: str, verify: bool) -> np.ndarray:
-    """Read a gzipped IDX file of uint8 values with ndim dimensions, checking its structure."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_IDX_BYTES + 1)
-    except OSError as e:
-        raise MeshfitError(f"cannot read {path} ({e.strerror}); make it readable or use "
-                           "--data-dir with a copy you can read") from None
-    if len(raw) > MAX_IDX_BYTES:
-        raise _corrupt(path, f"larger than {MAX_IDX_BYTES >> 20} MB")
-    md5, size = PUBLISHED[(key, os.path.basename(path))]
-    if verify and len(raw) == size and hashlib.md5(raw).hexdigest() != md5:
-        raise _corrupt(path, f"MD5 {hashlib.md5(raw).hexdigest()} is not the published {md5}")
-    data = _gunzip_idx(path, raw, ndim)
-    offset = 4 + 4 * ndim
-    dims = struct.unpack(f">{ndim}I", data[4:offset])
-    if ndim == 3 and dims[1:] != (28, 28):
-        raise _corrupt(path, f"images are {dims[1]}x{dims[2]}, not 28x28")
-    return np.frombuffer(data, np.uint8, offset=offset).reshape(dims).copy()
-
-
-def _gunzip_idx(path: str, raw: bytes, ndim: int) -> bytes:
-    """The IDX bytes of a gzip file, unpacked no further than its header's dimensions say (so a
-    small file that unpacks to gigabytes is refused early); the magic number and size checked."""
-    unpack = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-    offset = 4 + 4 * ndim
-    try:
-        header = unpack.decompress(raw, offset)
-        magic = bytes([0, 0, 0x08, ndim])
-        if header[:4] != magic:
-            raise _corrupt(path, f"wrong magic number {header[:4].hex()} (expected {magic.hex()})")
-        if len(header) < offset:
-            raise _corrupt(path, "header is cut short")
-        size = math.prod(struct.unpack(f">{ndim}I", header[4:offset]))  # Python ints: no overflow
-        if size > MAX_IDX_BYTES:
-            raise _corrupt(path, f"its header claims {size:,} bytes of data, more than "
-                                 f"{MAX_IDX_BYTES >> 20} MB")
-        body = unpack.decompress(unpack.unconsumed_tail, size + 1)
-        body += unpack.decompress(unpack.unconsumed_tail, 1) if len(body) <= size else b""
-    except zlib.error as e:
-        raise _corrupt(path, f"not a complete gzip file ({e})") from None
-    dims = struct.unpack(f">{ndim}I", header[4:offset])
-    if len(body) != size:
-        got = "more than" if len(body) > size else f"{len(body)}, not"
-        raise _corrupt(path, f"{got} {size} data bytes for dimensions {dims}")
-    if not unpack.eof or unpack.unused_data.strip(b"\0"):
-        raise _corrupt(path, "not a complete gzip file (its end is missing or followed by data)")
-    return header + body
 
 
 def _read_npz(path: str) -> Dataset:
@@ -438,78 +351,37 @@ def _read_npz(path: str) -> Dataset:
         with np.load(path, allow_pickle=False) as z:
             arrays = [z[k] for k in ("x_train", "y_train", "x_test", "y_test")]
     except Exception as e:  # zipfile, numpy and OS errors of many kinds
-        raise _corrupt(path, f"cannot read it as mnist.npz ({e})") from e
+        raise file_formats.corrupt(path, f"cannot read it as mnist.npz ({e})") from e
     x_train, y_train, x_test, y_test = arrays
     for x, y in ((x_train, y_train), (x_test, y_test)):
         if x.dtype != np.uint8 or x.ndim != 3 or y.shape != x.shape[:1] or y.min(initial=0) < 0 \
                 or y.max(initial=0) >= 10:
-            raise _corrupt(path, f"unexpected arrays x {x.dtype}{x.shape}, y {y.dtype}{y.shape}")
+            raise file_formats.corrupt(path, f"unexpected arrays x {x.dtype}{x.shape}, y {y.dtype}{y.shape}")
     return Dataset(x_train[..., None], y_train.astype(np.int32), x_test[..., None],
                    y_test.astype(np.int32), CLASS_NAMES["mnist"], "mnist")
-
-
-class _NumpyOnlyUnpickler(pickle.Unpickler):
-    """Unpickler that builds numpy arrays but refuses any other object (no code execution)."""
-
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"),
-               ("numpy._core.multiarray", "_reconstruct"),
-               ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
-               ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
-
-    def find_class(self, module, name):
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-        return super().find_class(module, name)
-
-
-def _load_pickle(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            d = _NumpyOnlyUnpickler(f, encoding="bytes").load()
-    except Exception as e:  # pickle raises many kinds (UnpicklingError, EOFError, ValueError...)
-        raise _corrupt(path, f"cannot unpickle it ({type(e).__name__}: {e})") from e
-    if not isinstance(d, dict):
-        raise _corrupt(path, "the pickle is not a dict")
-    return d
-
-
-def _read_cifar_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
-    d = _load_pickle(path)
-    data, labels = d.get(b"data"), d.get(b"labels")
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 \
-            or data.shape[1] != 3072:
-        what = f"{data.dtype}{data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
-        raise _corrupt(path, f"b'data' is {what}, expected uint8 (N, 3072)")
-    try:
-        y = np.asarray(labels, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise _corrupt(path, "b'labels' is not a list of integers of 64 bits") from e
-    if y.shape != (len(data),):
-        raise _corrupt(path, f"{len(data)} images but b'labels' has shape {y.shape}")
-    return data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), y
 
 
 def _read_cifar(folder: str) -> Dataset:
     class_names = CLASS_NAMES["cifar10"]
     meta = os.path.join(folder, "batches.meta")
     if os.path.isfile(meta):
-        names = _load_pickle(meta).get(b"label_names")
+        names = file_formats.load_pickle(meta).get(b"label_names")
         if not isinstance(names, list) or not names or \
                 not all(isinstance(n, bytes) for n in names):
-            raise _corrupt(meta, "b'label_names' is not a list of names")
+            raise file_formats.corrupt(meta, "b'label_names' is not a list of names")
         class_names = tuple(n.decode("utf-8", "replace") for n in names)
-    train = [_read_cifar_batch(os.path.join(folder, f)) for f in CIFAR_TRAIN]
+    train = [file_formats.read_cifar_batch(os.path.join(folder, f)) for f in CIFAR_TRAIN]
     x_train = np.concatenate([x for x, _ in train])
     y_train = np.concatenate([y for _, y in train])
-    x_test, y_test = _read_cifar_batch(os.path.join(folder, "test_batch"))
+    x_test, y_test = file_formats.read_cifar_batch(os.path.join(folder, "test_batch"))
     k = len(class_names)
     for y, full, what in ((y_train, 50000, "data_batch_1..5"), (y_test, 10000, "test_batch")):
         if y.size and (y.min() < 0 or y.max() >= k):
-            raise _corrupt(os.path.join(folder, what),
+            raise file_formats.corrupt(os.path.join(folder, what),
                            f"labels outside 0..{k - 1} ({k} class names)")
         counts = np.bincount(y, minlength=k)
         if len(y) == full and not (counts == full // k).all():
-            raise _corrupt(os.path.join(folder, what),
+            raise file_formats.corrupt(os.path.join(folder, what),
                            f"class counts {counts.tolist()}, expected {full // k} each")
     return Dataset(np.ascontiguousarray(x_train), y_train.astype(np.int32),
                    np.ascontiguousarray(x_test), y_test.astype(np.int32), class_names, "cifar10")
