@@ -211,13 +211,13 @@ def test_a_save_charges_the_steps_it_waited_for_to_train_not_to_checkpoint(strat
     """Dispatch is asynchronous: a save reads the state of steps the devices may still be
     running. That device time is training (each step here sleeps 0.3 s on the device); only the
     save's own work is checkpoint time."""
-    from meshfit.run import checkpoint_format, checkpoints, fitting
+    from meshfit.run import checkpoint_format, checkpoints, fit_and_score
 
     model = _slow_on_device_model(strategy, 0.3)
     rng = np.random.default_rng(0)
     x, y = rng.random((64, 16), dtype="float32"), rng.integers(0, 4, 64)
     model.fit(x[:8], y[:8], batch_size=8, verbose=0)  # compiled before the timed fit
-    checkpointer = fitting.charged_to_checkpoint(
+    checkpointer = fit_and_score.charged_to_checkpoint(
         checkpoints.Checkpointer(tmp_path / "checkpoints", 8, every_steps=4))
     before = goodput.ledger().totals()["seconds"]
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[checkpointer])

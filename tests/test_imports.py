@@ -277,7 +277,7 @@ def test_few_meshfit_imports_inside_functions_each_with_its_reason():
 KERAS_SIDE = {"meshfit.watch.report", "meshfit.watch.progress_bar", "meshfit.watch.tensorboard",
               "meshfit.watch.profiling", "meshfit.run.checkpoints", "meshfit.run.checkpoint_save",
               "meshfit.run.checkpoint_restore", "meshfit.run.callbacks",
-              "meshfit.run.fitting", "meshfit.run.scores", "meshfit.commands.bench.timing"}
+              "meshfit.run.fitting", "meshfit.run.fit_and_score", "meshfit.run.scores", "meshfit.commands.bench.timing"}
 
 
 def test_the_engine_line_runs_where_the_code_map_draws_it():

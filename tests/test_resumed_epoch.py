@@ -22,7 +22,7 @@ class Batches:
 
 
 class NoCheckpoints:
-    """What fitting.fit's stop_on_signals needs of a checkpointer, saving nothing."""
+    """What fit_and_score.fit's stop_on_signals needs of a checkpointer, saving nothing."""
 
     stop_signal, saving, interrupted = None, False, False
 
@@ -38,7 +38,7 @@ def test_a_cut_epochs_callbacks_see_the_runs_epochs(strategy):
     the cut epoch is a fit of its own, of one epoch)."""
     import keras
 
-    from meshfit.run import fitting
+    from meshfit.run import fit_and_score
 
     seen = []
 
@@ -49,7 +49,7 @@ def test_a_cut_epochs_callbacks_see_the_runs_epochs(strategy):
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
-    fitting.fit(strategy, model, Batches(), [Seen()], NoCheckpoints(), (0, 2), 3)
+    fit_and_score.fit(strategy, model, Batches(), [Seen()], NoCheckpoints(), (0, 2), 3)
     assert seen == [(1, 3), (2, 3), (3, 3)]
 
 

@@ -119,7 +119,7 @@ class Checkpointer(keras.callbacks.Callback):
     def wait_for_device(self) -> None:
         """Wait for the training steps already dispatched, whose results a save copies. A method
         of its own so that the goodput ledger charges this wait to training, not to the save
-        (meshfit.run.fitting.charged_to_checkpoint): dispatch is asynchronous, so on JAX the
+        (meshfit.run.fit_and_score.charged_to_checkpoint): dispatch is asynchronous, so on JAX the
         first save of a run could otherwise hold many steps' device time."""
         report.wait_for_device(self.model)
 
