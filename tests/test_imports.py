@@ -297,3 +297,20 @@ def test_the_engine_line_runs_where_the_code_map_draws_it():
                 changed = True
     expected = {m for m in trees if m.startswith("meshfit.fit")} | KERAS_SIDE
     assert heavy == expected, (sorted(heavy - expected), sorted(expected - heavy))
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_is_over_500_lines():
+    """One module per concept, small enough to read in one sitting: a module past 500 lines
+    holds more than one concept and is split (docs/reference/code.md)."""
+    long = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                lines = sum(1 for _ in open(path))
+                if lines > MAX_MODULE_LINES:
+                    long[os.path.relpath(path, PACKAGE)] = lines
+    assert not long, long
