@@ -29,6 +29,7 @@ same command on every host instead (see README).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import contextlib
 import ctypes
 import os
@@ -223,7 +224,48 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
     process that never joins or a job that stops progressing (MESHFIT_STALL_TIMEOUT).
     """
     _check_arguments(processes, devices_per_process, timeout, show)
-    argv = command_line(command)
+    job = run_job(command_line(command), processes, devices_per_process, port, show, timeout, grace)
+    return job.report(show)
+
+
+@dataclasses.dataclass
+class Ended:
+    """How one job of `run_job` ended.
+
+    verdict: 124 when the launcher itself stopped it (past --timeout, `timed_out`, or its
+    watchdog: a hung process, `behind` the ones furthest behind; processes that never joined,
+    `missing`), its line printed; else None. codes: each process's exit code. failure: (index,
+    code) of the first process that failed, or None. steps: the training steps each process
+    started. seconds: from the first start to the last exit.
+    """
+
+    started: list
+    verdict: int | None
+    codes: dict[int, int]
+    failure: tuple[int, int] | None
+    missing: list[int]
+    positions: str
+    init_timeout: float
+    behind: list[int]
+    steps: dict[int, int]
+    seconds: float
+    timed_out: bool = False
+
+    def report(self, show: str) -> int:
+        """Print the line naming what failed (if anything did); the launch's exit code."""
+        if self.verdict is not None:
+            return self.verdict
+        _finish(self.started)
+        if self.failure is None:
+            return 0
+        return _report_failure(self.started, self.codes, self.failure, show, self.missing,
+                               self.positions, self.init_timeout)
+
+
+def run_job(argv: list[str], processes: int, devices_per_process: int, port: int | None,
+            show: str, timeout: float | None, grace: float) -> Ended:
+    """Start `processes` copies of `argv` as one job and wait until every one has ended (see
+    `launch`); nothing is left running when it returns or raises."""
     port = port or free_port()
     init_timeout, stall_timeout = _timeouts()
     _catch_stop_signals()
@@ -231,19 +273,19 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
     started: list[_Process] = []
     status = tempfile.mkdtemp(prefix="meshfit-launch-")
     watch = _Watch(status, processes, init_timeout, stall_timeout)
+    began = time.monotonic()
     try:
         _start_processes(started, argv, processes, devices_per_process, port, status, show, exits)
         verdict, codes, failure = _wait_for_exits(started, exits, watch, processes, timeout, grace)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
         missing, positions = watch.missing(), watch.positions()
+        steps = {i: counts[0] for i, counts in heartbeat.progress(status).items()}
         shutil.rmtree(status, ignore_errors=True)
-    if verdict is not None:
-        return verdict
-    _finish(started)
-    if failure is None:
-        return 0
-    return _report_failure(started, codes, failure, show, missing, positions, watch.init_timeout)
+    return Ended(started, verdict, codes, failure, missing, positions, watch.init_timeout,
+                 watch.behind, steps, time.monotonic() - began,
+                 timed_out=verdict is not None and timeout is not None and
+                 time.monotonic() - began >= timeout)
 
 
 def _check_arguments(processes: int, devices_per_process: int, timeout: float | None,
@@ -385,6 +427,7 @@ class _Watch:
         self.first_joined: float | None = None  # when the first process began joining
         self.progress: dict[int, tuple[int, int]] = {}  # (steps started, reports) of each process
         self.last_progress: float | None = None  # when any process last progressed, once armed
+        self.behind: list[int] = []  # once the job hung: the processes furthest behind
 
     def missing(self) -> list[int]:
         """The processes that never began joining while others did (else [])."""
@@ -425,7 +468,7 @@ class _Watch:
         """Which process hung: the one furthest behind (fewest steps, then fewest reports)."""
         counts = {i: self.progress.get(i, (0, 0)) for i in range(self.processes)}
         lowest = min(counts.values())
-        behind = [i for i, c in counts.items() if c == lowest]
+        behind = self.behind = [i for i, c in counts.items() if c == lowest]
         still = (f"no process made progress for {self.stall_timeout:g} s ({env.STALL_TIMEOUT}; "
                  f"{self.positions()})")
         if self.processes == 1:
@@ -451,12 +494,8 @@ def diagnosis(lines: Sequence[str]) -> str:
         if line.startswith(stall.LINE):  # its own stall guard's line (meshfit.parallel.stall)
             return ": " + line[len(stall.LINE) - len("stalled for "):].removesuffix(troubleshooting("a-job-hangs"))
         if "stopped sending heartbeats" in line:
-            silent = []
-            for after in lines[i + 1:]:
-                if not after.strip().isdigit():
-                    break
-                silent.append(after.strip())
-            who = f"process(es) {', '.join(silent)}" if silent else "a process"
+            silent = silent_processes(lines)
+            who = f"process(es) {', '.join(map(str, silent))}" if silent else "a process"
             seconds = os.environ.get(env.HEARTBEAT_TIMEOUT, "60")
             return (f" because {who} sent no heartbeat for {seconds} s ({env.HEARTBEAT_TIMEOUT}; "
                     "stopped, hung or on a lost host)")
@@ -464,6 +503,21 @@ def diagnosis(lines: Sequence[str]) -> str:
             seconds = os.environ.get(env.INIT_TIMEOUT, str(INIT_TIMEOUT_SECONDS))
             return f" because not every process joined within {seconds} s ({env.INIT_TIMEOUT})"
     return ""
+
+
+def silent_processes(lines: Sequence[str]) -> list[int]:
+    """The processes JAX's fatal message in `lines` lists as having stopped sending heartbeats
+    (one a line after it); [] when there is no such message."""
+    lines = list(lines)
+    for i, line in enumerate(lines):
+        if "stopped sending heartbeats" in line:
+            silent = []
+            for after in lines[i + 1:]:
+                if not after.strip().isdigit():
+                    break
+                silent.append(int(after.strip()))
+            return silent
+    return []
 
 
 def _interrupt(signum, frame) -> None:
