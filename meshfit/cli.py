@@ -466,6 +466,9 @@ def run_launch(args: argparse.Namespace) -> int:
     if args.elastic:
         from meshfit.commands import elastic  # start-up: only --elastic reads run directories
 
+        if args.port:
+            raise MeshfitError("--port goes without --elastic: each generation of an elastic job "
+                               "takes a free port")
         return elastic.elastic_launch(args.job_command, args.processes, args.devices_per_process,
                                       min_processes=args.min_processes,
                                       max_restarts=args.max_restarts, show=args.show,

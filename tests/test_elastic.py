@@ -78,7 +78,10 @@ def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_path):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_path, how):
+    """SIGKILL: process 1 dies; SIGSTOP: it freezes, and JAX's heartbeat check (10 s here) names
+    it when it ends process 0."""
     data = tmp_path / "data"
     write_idx_dataset(data / "fashion-mnist", n_train=256, n_test=64)  # 4 steps of 64 an epoch
     run, epochs = str(tmp_path / "run"), 6
@@ -88,7 +91,8 @@ def test_a_killed_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_p
                "--seed", "0", "--epochs", str(epochs), "--data-dir", str(data), "--out", run,
                "--checkpoint-every", "epoch"]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, env.STALL_TIMEOUT: str(STALL_SECONDS)})
+                           env={**os.environ, env.STALL_TIMEOUT: str(STALL_SECONDS),
+                                env.HEARTBEAT_TIMEOUT: "10"})
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(job.stdout), daemon=True)
     reader.start()
@@ -98,21 +102,23 @@ def test_a_killed_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_p
                 time.monotonic() < deadline:
             time.sleep(0.1)
         pids = re.search(r"pids (\d+) (\d+)", "".join(output)).groups()
-        os.kill(int(pids[1]), signal.SIGKILL)  # process 1 is lost mid-run
+        os.kill(int(pids[1]), getattr(signal, how))  # process 1 is lost mid-run
         assert job.wait(timeout=SAFETY_SECONDS) == 0, "".join(output)[-4000:]
     finally:
         if job.poll() is None:
             job.kill()
     reader.join(timeout=10)
     text = "".join(output)
-    assert "process 1 of 2 failed with SIGKILL" in text
+    why = ("process 1 of 2 failed with SIGKILL" if how == "SIGKILL" else
+           "process 0 of 2 failed with SIGABRT (exit code -6) because process(es) 1 stopped sending heartbeats")
+    assert why in text, text[-4000:]
     assert "generation 2: 1 process(es) x 2 device(s) (was 2 x 2)" in text, text[-4000:]
     with open(os.path.join(run, "metrics.json")) as f:
         metrics = json.load(f)
     meshes = [(g["processes"], g["devices"]) for g in metrics["generations"]]
     assert meshes == [(2, 4), (1, 2)]
     first, second = metrics["generations"]
-    assert first["ended"].startswith("process 1 of 2 failed with SIGKILL") and first["lost_processes"] == [1]
+    assert first["ended"].startswith(why) and first["lost_processes"] == [1]
     assert second["ended"] == "finished" and second["first_step"] >= 4
     assert first["lost_steps"] == first["last_step"] - second["first_step"] >= 0
     with open(os.path.join(run, "history.json")) as f:

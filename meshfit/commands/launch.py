@@ -24,13 +24,16 @@ Nothing outlives the launcher: SIGTERM, SIGHUP or Ctrl-C stop the processes as a
 Ctrl-C kills them at once, and on Linux each process gets SIGKILL when the launcher dies (even by
 SIGKILL). The coordinator and gloo listen on 127.0.0.1 only. On a real multi-host job run the
 same command on every host instead (see README).
+
+`run_job` runs one such job and says how it ended (`Ended`); `launch --elastic`
+(meshfit.commands.elastic) runs one after another, each on the processes that survived the last.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import contextlib
+import dataclasses
 import ctypes
 import os
 import queue
@@ -283,9 +286,7 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
         steps = {i: counts[0] for i, counts in heartbeat.progress(status).items()}
         shutil.rmtree(status, ignore_errors=True)
     return Ended(started, verdict, codes, failure, missing, positions, watch.init_timeout,
-                 watch.behind, steps, time.monotonic() - began,
-                 timed_out=verdict is not None and timeout is not None and
-                 time.monotonic() - began >= timeout)
+                 watch.behind, steps, time.monotonic() - began, watch.timed_out)
 
 
 def _check_arguments(processes: int, devices_per_process: int, timeout: float | None,
@@ -358,6 +359,7 @@ def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "_Watch"
             verdict = None
             if deadline is not None and now >= deadline:
                 verdict = f"the job ran past --timeout {timeout:g} s ({watch.positions()})"
+                watch.timed_out = True
                 stopped = _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
             elif failure is None:
                 verdict = watch.poll(now)
@@ -428,6 +430,7 @@ class _Watch:
         self.progress: dict[int, tuple[int, int]] = {}  # (steps started, reports) of each process
         self.last_progress: float | None = None  # when any process last progressed, once armed
         self.behind: list[int] = []  # once the job hung: the processes furthest behind
+        self.timed_out = False  # the job ran past launch's --timeout
 
     def missing(self) -> list[int]:
         """The processes that never began joining while others did (else [])."""
