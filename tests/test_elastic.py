@@ -46,6 +46,18 @@ def test_elastic_needs_meshfit_train_and_sane_limits():
         elastic.elastic_launch(["meshfit", "train"], 2, min_processes=3)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--min-processes", "2"], "--min-processes and --max-restarts go with --elastic"),
+    (["--elastic", "--port", "1234"], "--port goes without --elastic"),
+    (["--elastic", "--max-restarts", "-1"], "--max-restarts must be at least 0"),
+])
+def test_elastic_flags_are_checked_in_one_line(flags, message, capsys):
+    from meshfit import cli
+
+    assert cli.main(["launch", "--processes", "2", *flags, "--", "meshfit", "train"]) == 2
+    assert message in capsys.readouterr().err
+
+
 def ended(failure=None, verdict=None, tail=(), behind=(), missing=(), count=2, timed_out=False):
     started = [SimpleNamespace(tail=list(tail) if failure and i == failure[0] else []) for i in range(count)]
     return launch.Ended(started, verdict, {}, failure, list(missing), "", 15, list(behind), {}, 1.0,
