@@ -55,7 +55,7 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
                    timeout: float | None = None, grace: float = launch.GRACE_SECONDS) -> int:
     """Run `command` (a `meshfit train`) as a job of `processes` processes that restarts with the
     survivors after losing some (see the module); return the launch's exit code."""
-    launch._check_arguments(processes, devices_per_process, timeout, show)
+    launch.check_arguments(processes, devices_per_process, timeout, show)
     if not 1 <= min_processes <= processes:
         raise MeshfitError(f"--min-processes must be between 1 and --processes ({processes}), "
                            f"got {min_processes}")
@@ -102,7 +102,7 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
                 print(f"meshfit: error: elastic launch stopped after generation {len(generations)} "
                       f"({why}): {stop}; continue with --resume {run}", file=sys.stderr, flush=True)
             return code or 1
-        launch._finish(ended.started)
+        launch.finish(ended.started)
         print(f"meshfit launch: elastic: {why}; generation {len(generations) + 1}: "
               f"{survivors} process(es) x {devices_per_process} device(s) (was {count} x "
               f"{devices_per_process}), {batch_line(run, survivors * devices_per_process)}, resuming "

@@ -226,7 +226,7 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
     seconds (None: no limit). A process dying stops the others within `grace` seconds; so does a
     process that never joins or a job that stops progressing (MESHFIT_STALL_TIMEOUT).
     """
-    _check_arguments(processes, devices_per_process, timeout, show)
+    check_arguments(processes, devices_per_process, timeout, show)
     job = run_job(command_line(command), processes, devices_per_process, port, show, timeout, grace)
     return job.report(show)
 
@@ -258,7 +258,7 @@ class Ended:
         """Print the line naming what failed (if anything did); the launch's exit code."""
         if self.verdict is not None:
             return self.verdict
-        _finish(self.started)
+        finish(self.started)
         if self.failure is None:
             return 0
         return _report_failure(self.started, self.codes, self.failure, show, self.missing,
@@ -289,7 +289,7 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
                  watch.behind, steps, time.monotonic() - began, watch.timed_out)
 
 
-def _check_arguments(processes: int, devices_per_process: int, timeout: float | None,
+def check_arguments(processes: int, devices_per_process: int, timeout: float | None,
                      show: str) -> None:
     """A one-line MeshfitError for a count below 1, a timeout not above 0 or an unknown --show."""
     if processes < 1:
@@ -366,7 +366,7 @@ def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "_Watch"
                 stopped = verdict is not None and _stop_to_resume(started, grace)
             if verdict is None:
                 continue
-            _finish(started)
+            finish(started)
             after = (f"all {processes} processes stopped together after saving; continue with "
                      "--resume" if stopped else f"stopped all {processes} processes")
             see = "" if deadline is not None and now >= deadline else troubleshooting("a-job-hangs")
@@ -541,7 +541,7 @@ def _interrupts_ignored() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def _finish(processes: list[_Process]) -> None:
+def finish(processes: list[_Process]) -> None:
     """Wait (briefly) until every output line of the processes is printed."""
     for p in processes:
         for pump in p.pumps:
