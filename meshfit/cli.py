@@ -294,11 +294,30 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                              "and a failed process's last lines (default: all)")
     parser.add_argument("--timeout", type=float, metavar="SECONDS",
                         help="stop the job after this many seconds (default: no limit)")
+    parser.add_argument("--elastic", action="store_true",
+                        help="when a process dies or hangs, restart `meshfit train` on the survivors "
+                             "from its newest checkpoint (same global batch), until it finishes")
+    parser.add_argument("--min-processes", type=int, default=1, metavar="N",
+                        help="with --elastic: stop instead when fewer would be left (default: 1)")
+    parser.add_argument("--max-restarts", type=int, default=3, metavar="K",
+                        help="with --elastic: restart at most K times (default: 3)")
     parser.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the command each process runs; a leading `meshfit` runs this meshfit")
 
 
 def run_launch(args: argparse.Namespace) -> int:
+    if args.elastic:
+        from meshfit.commands import elastic  # start-up: only --elastic reads run directories
+
+        if args.port:
+            raise MeshfitError("--port goes without --elastic: each generation of an elastic job "
+                               "takes a free port")
+        return elastic.elastic_launch(args.job_command, args.processes, args.devices_per_process,
+                                      min_processes=args.min_processes,
+                                      max_restarts=args.max_restarts, show=args.show,
+                                      timeout=args.timeout)
+    if args.min_processes != 1 or args.max_restarts != 3:
+        raise MeshfitError("--min-processes and --max-restarts go with --elastic")
     return launch.launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
                   show=args.show, timeout=args.timeout)
 

@@ -23,7 +23,7 @@ from helpers import assert_same_weights, model_weights, run_meshfit, write_idx_d
 from meshfit import env
 from meshfit.fit import hosts
 from meshfit.parallel import cluster
-from meshfit.commands import launch
+from meshfit.commands import launch, launch_watch
 from meshfit.run import rundir
 from meshfit.errors import MeshfitError
 
@@ -280,9 +280,9 @@ def test_vote_gives_every_call_the_maximum_of_the_call_before(strategy):
 def test_jax_fatal_messages_name_the_silent_process():
     tail = ["E1123 coordination_service.cc] ... The following tasks are unhealthy (stopped sending heartbeats):",
             "1", "The tasks have crashed.", "*** Check failure stack trace: ***"]
-    assert launch.diagnosis(tail).startswith(" because process(es) 1 sent no heartbeat for")
-    assert "not every process joined" in launch.diagnosis(["RPC: /xla.coordination.CoordinationService/RegisterTask"])
-    assert launch.diagnosis(["Traceback", "ValueError"]) == ""
+    assert launch_watch.diagnosis(tail).startswith(" because process(es) 1 sent no heartbeat for")
+    assert "not every process joined" in launch_watch.diagnosis(["RPC: /xla.coordination.CoordinationService/RegisterTask"])
+    assert launch_watch.diagnosis(["Traceback", "ValueError"]) == ""
 
 
 def alive(pid):
@@ -356,7 +356,7 @@ def test_second_ctrl_c_kills_the_processes_instead_of_abandoning_them(sigint_ign
 # ------------------------------------------------------------- processes that never join or hang
 
 def test_watch_names_the_process_furthest_behind_once_none_progresses(tmp_path):
-    watch = launch._Watch(str(tmp_path), 3, init_timeout=5, stall_timeout=30)
+    watch = launch_watch.Watch(str(tmp_path), 3, init_timeout=5, stall_timeout=30)
     for i in range(3):  # in the first dispatch (compiling) for a long time: not armed yet
         (tmp_path / f"progress-{i}").write_text("1 2 1 compiling\n")  # steps, reports, dispatches, doing
     assert watch.poll(0.0) is None and watch.poll(1000.0) is None
@@ -379,7 +379,7 @@ def test_watch_names_the_process_furthest_behind_once_none_progresses(tmp_path):
 
 
 def test_watch_names_processes_that_never_joined(tmp_path):
-    watch = launch._Watch(str(tmp_path), 3, init_timeout=5, stall_timeout=0)
+    watch = launch_watch.Watch(str(tmp_path), 3, init_timeout=5, stall_timeout=0)
     assert watch.poll(0.0) is None and watch.missing() == []  # none has begun joining yet
     (tmp_path / "joining-0").touch()
     assert watch.poll(1.0) is None and watch.missing() == [1, 2]

@@ -24,12 +24,16 @@ Nothing outlives the launcher: SIGTERM, SIGHUP or Ctrl-C stop the processes as a
 Ctrl-C kills them at once, and on Linux each process gets SIGKILL when the launcher dies (even by
 SIGKILL). The coordinator and gloo listen on 127.0.0.1 only. On a real multi-host job run the
 same command on every host instead (see README).
+
+`run_job` runs one such job and says how it ended (`Ended`); `launch --elastic`
+(meshfit.commands.elastic) runs one after another, each on the processes that survived the last.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import ctypes
 import os
 import queue
@@ -46,19 +50,15 @@ from typing import IO, Iterator, Sequence
 
 from meshfit import env
 from meshfit.parallel import heartbeat, stall
+from meshfit.commands.launch_watch import GRACE_SECONDS, INIT_TIMEOUT_SECONDS, Watch, diagnosis, never_joined
 from meshfit.errors import MeshfitError, troubleshooting
 
-GRACE_SECONDS = 10.0  # between SIGTERM and SIGKILL when stopping the other processes
 TAIL_LINES = 20  # lines of a failed process's output shown when only process 0 is shown
 KEPT_LINES = 200  # lines of each process's output kept to find why it failed
-INIT_TIMEOUT_SECONDS = 120  # local processes start together, so joining should be quick
 STALL_TIMEOUT_SECONDS = 600  # no training progress in any process for this long: the job hung
 POLL_SECONDS = 1.0  # how often the launcher reads its processes' status files
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a process that stopped after saving
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-WHERE = {"device": "in a device computation", "input": "waiting for input", "checkpoint":
-         "on a checkpoint", "compiling": "compiling", "thread": "waiting for another thread",
-         "python": "in Python"}  # heartbeat.where()'s kinds
 STOP_PATIENCE_SECONDS = 60  # --timeout: how long the processes get to stop at an agreed step and save
 # gloo prints such a line as devices first run a collective: noise, kept out of the output of
 # commands that join a job without meshfit (meshfit's join() turns C++'s std::cout off)
@@ -222,31 +222,70 @@ def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
     seconds (None: no limit). A process dying stops the others within `grace` seconds; so does a
     process that never joins or a job that stops progressing (MESHFIT_STALL_TIMEOUT).
     """
-    _check_arguments(processes, devices_per_process, timeout, show)
-    argv = command_line(command)
+    check_arguments(processes, devices_per_process, timeout, show)
+    job = run_job(command_line(command), processes, devices_per_process, port, show, timeout, grace)
+    return job.report(show)
+
+
+@dataclasses.dataclass
+class Ended:
+    """How one job of `run_job` ended.
+
+    verdict: 124 when the launcher itself stopped it (past --timeout, `timed_out`, or its
+    watchdog: a hung process, `behind` the ones furthest behind; processes that never joined,
+    `missing`), its line printed; else None. codes: each process's exit code. failure: (index,
+    code) of the first process that failed, or None. steps: the training steps each process
+    started. seconds: from the first start to the last exit.
+    """
+
+    started: list
+    verdict: int | None
+    codes: dict[int, int]
+    failure: tuple[int, int] | None
+    missing: list[int]
+    positions: str
+    init_timeout: float
+    behind: list[int]
+    steps: dict[int, int]
+    seconds: float
+    timed_out: bool = False
+
+    def report(self, show: str) -> int:
+        """Print the line naming what failed (if anything did); the launch's exit code."""
+        if self.verdict is not None:
+            return self.verdict
+        finish(self.started)
+        if self.failure is None:
+            return 0
+        return _report_failure(self.started, self.codes, self.failure, show, self.missing,
+                               self.positions, self.init_timeout)
+
+
+def run_job(argv: list[str], processes: int, devices_per_process: int, port: int | None,
+            show: str, timeout: float | None, grace: float) -> Ended:
+    """Start `processes` copies of `argv` as one job and wait until every one has ended (see
+    `launch`); nothing is left running when it returns or raises."""
     port = port or free_port()
     init_timeout, stall_timeout = _timeouts()
     _catch_stop_signals()
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     started: list[_Process] = []
     status = tempfile.mkdtemp(prefix="meshfit-launch-")
-    watch = _Watch(status, processes, init_timeout, stall_timeout)
+    watch = Watch(status, processes, init_timeout, stall_timeout)
+    began = time.monotonic()
     try:
         _start_processes(started, argv, processes, devices_per_process, port, status, show, exits)
         verdict, codes, failure = _wait_for_exits(started, exits, watch, processes, timeout, grace)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
         missing, positions = watch.missing(), watch.positions()
+        steps = {i: counts[0] for i, counts in heartbeat.progress(status).items()}
         shutil.rmtree(status, ignore_errors=True)
-    if verdict is not None:
-        return verdict
-    _finish(started)
-    if failure is None:
-        return 0
-    return _report_failure(started, codes, failure, show, missing, positions, watch.init_timeout)
+    return Ended(started, verdict, codes, failure, missing, positions, watch.init_timeout,
+                 watch.behind, steps, time.monotonic() - began, watch.timed_out)
 
 
-def _check_arguments(processes: int, devices_per_process: int, timeout: float | None,
+def check_arguments(processes: int, devices_per_process: int, timeout: float | None,
                      show: str) -> None:
     """A one-line MeshfitError for a count below 1, a timeout not above 0 or an unknown --show."""
     if processes < 1:
@@ -299,7 +338,7 @@ def _start_processes(started: list[_Process], argv: list[str], processes: int,
           file=sys.stderr, flush=True)
 
 
-def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "_Watch", processes: int,
+def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "Watch", processes: int,
                     timeout: float | None, grace: float):
     """(verdict, exit codes, first failure): wait until every process has exited, stopping the
     others at the first failure. verdict: 124 once the job was stopped for running past
@@ -316,13 +355,14 @@ def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "_Watch"
             verdict = None
             if deadline is not None and now >= deadline:
                 verdict = f"the job ran past --timeout {timeout:g} s ({watch.positions()})"
+                watch.timed_out = True
                 stopped = _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
             elif failure is None:
                 verdict = watch.poll(now)
                 stopped = verdict is not None and _stop_to_resume(started, grace)
             if verdict is None:
                 continue
-            _finish(started)
+            finish(started)
             after = (f"all {processes} processes stopped together after saving; continue with "
                      "--resume" if stopped else f"stopped all {processes} processes")
             see = "" if deadline is not None and now >= deadline else troubleshooting("a-job-hangs")
@@ -362,110 +402,6 @@ def _report_failure(started: list[_Process], codes: dict[int, int], failure: tup
     return code if code > 0 else 128 - code
 
 
-def never_joined(missing: Sequence[int], processes: int, init_timeout: float) -> str:
-    """'process 1 of 2 never joined the job (...)': the processes without a join marker."""
-    who = (f"process {missing[0]} of {processes}" if len(missing) == 1 else
-           f"processes {', '.join(map(str, missing))} of {processes}")
-    they = "it" if len(missing) == 1 else "they"
-    return (f"{who} never joined the job ({they} did not reach meshfit.connect within "
-            f"{init_timeout:g} s; {env.INIT_TIMEOUT})")
-
-
-class _Watch:
-    """The launcher's view of its processes' status files (meshfit.parallel.heartbeat).
-
-    `poll()` says why the job must be stopped: processes that never joined (INIT_TIMEOUT plus
-    GRACE_SECONDS after the first began joining, should their peers not give up by themselves),
-    or a job without progress for `stall_timeout` seconds (0: never) since the first step.
-    """
-
-    def __init__(self, directory: str, processes: int, init_timeout: float, stall_timeout: float):
-        self.directory, self.processes = directory, processes
-        self.init_timeout, self.stall_timeout = init_timeout, stall_timeout
-        self.first_joined: float | None = None  # when the first process began joining
-        self.progress: dict[int, tuple[int, int]] = {}  # (steps started, reports) of each process
-        self.last_progress: float | None = None  # when any process last progressed, once armed
-
-    def missing(self) -> list[int]:
-        """The processes that never began joining while others did (else [])."""
-        joined = heartbeat.joined(self.directory)
-        return sorted(set(range(self.processes)) - joined) if joined else []
-
-    def poll(self, now: float) -> str | None:
-        """A reason to stop the job now, or None."""
-        missing = self.missing()
-        if missing and self.first_joined is None:
-            self.first_joined = now
-        if missing and now - self.first_joined > self.init_timeout + GRACE_SECONDS:
-            return never_joined(missing, self.processes, self.init_timeout)
-        found = heartbeat.progress(self.directory)
-        progress = {i: counts[:2] for i, counts in found.items()}
-        armed = self.last_progress is not None or any(c[2] > 1 for c in found.values())
-        if armed and progress != self.progress:  # from a second dispatch: the first compiled
-            self.last_progress = now
-        self.progress = progress
-        if self.stall_timeout and self.last_progress is not None and \
-                now - self.last_progress > self.stall_timeout:
-            return self.hung()
-        return None
-
-    def positions(self) -> str:
-        """Where each process is: 'process 0 at step 12 in a device computation, process 1 ...'."""
-        found = heartbeat.progress(self.directory)
-        where = []
-        for i in range(self.processes):
-            if i not in found:
-                where.append(f"process {i} before its first step")
-                continue
-            steps, _, _, doing = found[i]
-            where.append(f"process {i} at step {steps} {WHERE.get(doing, doing)}")
-        return ", ".join(where)
-
-    def hung(self) -> str:
-        """Which process hung: the one furthest behind (fewest steps, then fewest reports)."""
-        counts = {i: self.progress.get(i, (0, 0)) for i in range(self.processes)}
-        lowest = min(counts.values())
-        behind = [i for i, c in counts.items() if c == lowest]
-        still = (f"no process made progress for {self.stall_timeout:g} s ({env.STALL_TIMEOUT}; "
-                 f"{self.positions()})")
-        if self.processes == 1:
-            return f"process 0 of 1 hung after starting {lowest[0]} training steps: {still}"
-        if len(behind) > 1:
-            return (f"the job hung: {still}, and processes {', '.join(map(str, behind))} stopped at "
-                    f"the same point (after starting {lowest[0]} training steps), so which one hung "
-                    "is not known")
-        most = max(c[0] for i, c in counts.items() if i != behind[0])
-        others = f"the others started {most}" if most > lowest[0] else "the others as many, but got further"
-        return (f"process {behind[0]} of {self.processes} hung after starting {lowest[0]} training "
-                f"steps ({others}): {still}")
-
-
-def diagnosis(lines: Sequence[str]) -> str:
-    """What JAX's fatal messages in a process's last lines say went wrong ("" when none do).
-
-    JAX ends every process with SIGABRT when its coordinator finds a silent process (heartbeats
-    stopped) or when not all processes join in time; the silent ones are listed one a line.
-    """
-    lines = list(lines)
-    for i, line in enumerate(lines):
-        if line.startswith(stall.LINE):  # its own stall guard's line (meshfit.parallel.stall)
-            return ": " + line[len(stall.LINE) - len("stalled for "):].removesuffix(troubleshooting("a-job-hangs"))
-        if "stopped sending heartbeats" in line:
-            silent = []
-            for after in lines[i + 1:]:
-                if not after.strip().isdigit():
-                    break
-                silent.append(after.strip())
-            who = f"process(es) {', '.join(silent)}" if silent else "a process"
-            seconds = os.environ.get(env.HEARTBEAT_TIMEOUT, "60")
-            return (f" because {who} sent no heartbeat for {seconds} s ({env.HEARTBEAT_TIMEOUT}; "
-                    "stopped, hung or on a lost host)")
-        if "RegisterTask" in line:
-            seconds = os.environ.get(env.INIT_TIMEOUT, str(INIT_TIMEOUT_SECONDS))
-            return f" because not every process joined within {seconds} s ({env.INIT_TIMEOUT})"
-    return ""
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -484,7 +420,7 @@ def _interrupts_ignored() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def _finish(processes: list[_Process]) -> None:
+def finish(processes: list[_Process]) -> None:
     """Wait (briefly) until every output line of the processes is printed."""
     for p in processes:
         for pump in p.pumps:

@@ -345,4 +345,4 @@ def job_goodput(mine: dict[str, Any]) -> dict[str, Any]:
     row = np.array([mine["seconds"][p] for p in goodput.PARTS] + [mine["wall_seconds"]], "float64")
     rows = np.asarray(multihost_utils.process_allgather(row))
     return goodput.slowest([goodput.summary(dict(zip(goodput.PARTS, r[:-1])), float(r[-1]),
-                                            mine["sessions"]) for r in rows])
+                                            mine["sessions"], mine["lost_steps"]) for r in rows])

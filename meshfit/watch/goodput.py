@@ -10,8 +10,9 @@ moment the operating system started it, into parts:
   input_wait  time the devices had no step to run because the next batch was not ready;
   eval        evaluation (validation each epoch, the test set at the end);
   checkpoint  checkpoint writes and restores that blocked training;
-  lost        time lost to interruptions: steps run again after a resume, and the gap between
-              the last sign of life of a stopped run and its restart;
+  lost        time lost to interruptions: steps run again after a resume (their count is
+              "lost_steps"), and the gap between the last sign of life of a stopped run and its
+              restart (a `meshfit launch --elastic` mesh change is such a resume);
   other       everything else (callbacks' own work outside the loop, writing the results, the
               user's own code between fits).
 
@@ -77,6 +78,7 @@ class Ledger:
         self.steps = 0  # training steps dispatched in this process
         self.earlier_steps = 0  # training steps of the earlier sessions (a resumed run's)
         self.first_step = 0  # the run's global step this process started from (a resume's)
+        self.lost_steps = 0  # steps run again after the resumes of this run (earlier sessions')
         self.persist_to: str | None = None
         self.owner: str | None = None  # "run" while meshfit train's run owns the ledger
         self.finished = False  # the run wrote its results: a later --resume extends it
@@ -134,7 +136,7 @@ class Ledger:
             self._charge(now)
             seconds = {p: self.seconds[p] + self.earlier[p] for p in PARTS}
             wall = (now - self.start) + self.earlier_wall
-        return summary(seconds, wall, self.sessions)
+        return summary(seconds, wall, self.sessions, self.lost_steps)
 
     # -------------------------------------------------------------- a run's file, resumes
     def tick(self) -> None:
@@ -171,6 +173,7 @@ class Ledger:
             seconds = {p: float(saved["seconds"].get(p, 0.0)) for p in PARTS}
             wall, written = float(saved["wall_seconds"]), float(saved["written_at"])
             steps_done, train_steps = int(saved["steps_done"]), int(saved.get("train_steps", 0))
+            lost_before = int(saved.get("lost_steps", 0))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         # A finished run extended with --epochs lost nothing: the time between is no one's.
@@ -187,16 +190,19 @@ class Ledger:
             self.earlier_steps = max(train_steps - redone, 0)
             self.sessions = int(saved.get("sessions", 1)) + 1
             self.first_step = checkpoint_step
+            self.lost_steps = lost_before + redone
         return {"gap_seconds": gap, "recomputed_steps": redone, "recomputed_seconds": recomputed}
 
 
-def summary(seconds: dict[str, float], wall: float, sessions: int = 1) -> dict[str, Any]:
-    """The goodput block of metrics.json from the parts' seconds and the wall time."""
+def summary(seconds: dict[str, float], wall: float, sessions: int = 1,
+            lost_steps: int = 0) -> dict[str, Any]:
+    """The goodput block of metrics.json from the parts' seconds and the wall time (lost_steps:
+    the training steps run again after resumes, whose time is in the "lost" part)."""
     seconds = {p: float(seconds.get(p, 0.0)) for p in PARTS}  # plain floats: numpy's are not JSON
     wall = float(wall)
     return {"fraction": seconds["train"] / wall if wall > 0 else None,
             "seconds": {p: round(v, 4) for p, v in seconds.items()},
-            "wall_seconds": round(wall, 4), "sessions": int(sessions)}
+            "wall_seconds": round(wall, 4), "sessions": int(sessions), "lost_steps": int(lost_steps)}
 
 
 _ledger: Ledger | None = None

@@ -1,0 +1,251 @@
+"""`meshfit launch --elastic`: a training job that outlives a lost process, by restarting it smaller.
+
+    meshfit launch --processes 2 --devices-per-process 4 --elastic -- meshfit train fashion-mnist-cnn
+
+runs the job as `meshfit launch` does (one generation). When a process of it dies (killed by a
+signal: SIGKILL, an abort, a crash) or hangs (JAX's heartbeat check names it, or the launcher's
+stall watchdog finds it furthest behind, meshfit.commands.launch), the launcher stops the other
+processes within its grace period (10 s), and starts a new generation with the survivors' count,
+which resumes the run from its newest committed checkpoint (`meshfit train --resume RUN`: exact,
+resharded to the devices there are now, meshfit.run.checkpoints), with one line naming the
+change, and so on until the run finishes (exit 0), fewer than --min-processes would be left, or
+--max-restarts restarts were made. A process that exits with an error code of its own (a bad
+flag, a bug, a stop on SIGTERM after saving) ends the job as without --elastic: every process
+would fail the same way again.
+
+Why restart instead of shrinking in place: JAX fixes the job's processes and devices when
+`jax.distributed.initialize` runs (its coordination service registers every task once, and the
+compiled programs' collectives span every device), and offers no way to leave a process out of a
+running world: `jax.distributed` can only be shut down and started again, by every process, and
+XLA's backends cannot be started twice in one process. So a smaller mesh needs new processes.
+
+What a mesh change costs: the steps since the newest checkpoint, run again (`--elastic` makes the
+run save every ELASTIC_CHECKPOINT_EVERY unless the command gives --checkpoint-every), plus the
+restart (imports, joining, compiling). Both are in the run's goodput ("lost" seconds and steps,
+meshfit.watch.goodput), and every generation (its processes, devices, global batch, first and last
+step, why it ended) is in RUN/generations.json, and in metrics.json as "generations".
+
+The new generation keeps the run's global batch (the data order, hence exact resume, depends on
+it): each of the fewer devices takes a larger share of every batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from meshfit.commands import launch, launch_watch
+from meshfit.errors import MeshfitError
+from meshfit.parallel import stall
+from meshfit.run import rundir
+
+# A lost process costs the steps since the last checkpoint: the run saves this often unless the
+# command says otherwise. A save blocks training only while the arrays are copied off the devices
+# (the files are written in a background thread, meshfit.run.checkpoints).
+ELASTIC_CHECKPOINT_EVERY = "20s"
+MAX_RESTARTS = 3
+GENERATIONS = "generations.json"  # in the run directory
+
+
+def elastic_launch(command: Sequence[str], processes: int, devices_per_process: int = 1, *,
+                   min_processes: int = 1, max_restarts: int = MAX_RESTARTS, show: str = "all",
+                   timeout: float | None = None, grace: float = launch_watch.GRACE_SECONDS) -> int:
+    """Run `command` (a `meshfit train`) as a job of `processes` processes that restarts with the
+    survivors after losing some (see the module); return the launch's exit code."""
+    launch.check_arguments(processes, devices_per_process, timeout, show)
+    if not 1 <= min_processes <= processes:
+        raise MeshfitError(f"--min-processes must be between 1 and --processes ({processes}), "
+                           f"got {min_processes}")
+    if max_restarts < 0:
+        raise MeshfitError(f"--max-restarts must be at least 0, got {max_restarts}")
+    argv, run = train_command(launch.command_line(command))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    generations: list[dict[str, Any]] = []
+    count = processes
+    while True:
+        resumed_before = len(_config(run).get("resumed", []))
+        resume = ["--resume", run] if os.path.isfile(os.path.join(run, rundir.CONFIG)) else []
+        left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
+        ended = launch.run_job(argv + resume, count, devices_per_process, None, show, left, grace)
+        record = generation_record(len(generations) + 1, count, devices_per_process, run,
+                                   resumed_before, ended)
+        if generations:
+            generations[-1]["lost_steps"] = max(generations[-1]["last_step"] - record["first_step"], 0)
+        generations.append(record)
+        restart, lost = lost_processes(ended, count)
+        if ended.verdict is None and ended.failure is None:
+            record["ended"] = "finished"
+            _write_generations(run, generations, finished=True)
+            if len(generations) > 1:
+                print(f"meshfit launch: elastic run finished after {len(generations)} generations "
+                      f"({' -> '.join(_mesh(g) for g in generations)} devices), "
+                      f"{sum(g.get('lost_steps', 0) for g in generations)} steps run again",
+                      file=sys.stderr, flush=True)
+            return 0
+        why = what_ended(ended, lost)
+        record["ended"], record["lost_processes"] = why, lost
+        _write_generations(run, generations)
+        survivors = count - len(lost)
+        stop = None
+        if not restart:
+            stop = "not a lost process"
+        elif survivors < min_processes:
+            stop = f"{survivors} process(es) left, fewer than --min-processes {min_processes}"
+        elif len(generations) > max_restarts:
+            stop = f"--max-restarts {max_restarts} reached"
+        if stop is not None:
+            code = ended.report(show)
+            if restart:
+                print(f"meshfit: error: elastic launch stopped after generation {len(generations)} "
+                      f"({why}): {stop}; continue with --resume {run}", file=sys.stderr, flush=True)
+            return code or 1
+        launch.finish(ended.started)
+        print(f"meshfit launch: elastic: {why}; generation {len(generations) + 1}: "
+              f"{survivors} process(es) x {devices_per_process} device(s) (was {count} x "
+              f"{devices_per_process}), {batch_line(run, survivors * devices_per_process)}, resuming "
+              f"{run} from its newest checkpoint", file=sys.stderr, flush=True)
+        count = survivors
+
+
+def train_command(argv: list[str]) -> tuple[list[str], str]:
+    """(the command every generation runs, its run directory): `meshfit train` with --out (added
+    when missing: a new runs/elastic-<time>) and --checkpoint-every (ELASTIC_CHECKPOINT_EVERY when
+    missing); a resumed run's own directory when the command has --resume."""
+    if argv[1:3] != ["-m", "meshfit"] or len(argv) < 4 or argv[3] != "train":
+        raise MeshfitError("--elastic restarts a `meshfit train` run from its checkpoints; give "
+                           "one after --, e.g. meshfit launch --elastic --processes 2 -- meshfit "
+                           "train fashion-mnist-cnn")
+    argv = list(argv)
+    run = _flag_value(argv, "--resume") or _flag_value(argv, "--out")
+    if run is None:
+        run = rundir.timestamped("elastic")
+        argv += ["--out", run]
+    if _flag_value(argv, "--resume"):
+        argv = _without_flag(argv, "--resume")  # each generation adds it itself
+    if _flag_value(argv, "--checkpoint-every") is None:
+        argv += ["--checkpoint-every", ELASTIC_CHECKPOINT_EVERY]
+    return argv, run
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1:]
+    return None
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
+def lost_processes(ended: launch.Ended, count: int) -> tuple[bool, list[int]]:
+    """(whether a restart can outlive this end, the processes lost) of a generation that did not
+    finish: a process killed by a signal (or the ones JAX names as silent: stopped, frozen), a
+    hung one (the launcher's watchdog or the process's own stall guard: the ones furthest
+    behind), ones that never joined. Lost processes are left out of the next generation; where
+    they cannot be told apart from the others (all equally behind), the next one has as many."""
+    if ended.timed_out:  # --timeout: the user's limit, no fault
+        return False, []
+    if ended.verdict is not None:  # the launcher's watchdog: hung, or never joined
+        lost = ended.missing or ended.behind
+        return True, lost if len(lost) < count else []
+    if ended.failure is None:
+        return False, []
+    index, code = ended.failure
+    if code >= 0 and code != stall.EXIT_CODE:  # an error of its own, or a stop after saving
+        return False, []
+    silent = [i for i in launch_watch.silent_processes(ended.started[index].tail) if i < count]
+    if silent:
+        return True, silent
+    if code == stall.EXIT_CODE:  # its own guard: it waited for a peer that hung
+        return True, ended.behind if 0 < len(ended.behind) < count else []
+    return True, [index]
+
+
+def what_ended(ended: launch.Ended, lost: list[int]) -> str:
+    """One phrase on why a generation ended, e.g. 'process 1 of 2 failed with SIGKILL (exit code -9)'."""
+    count = len(ended.started)
+    if ended.verdict is not None:
+        how = "never joined" if ended.missing else "hung"
+        who = ", ".join(map(str, lost)) or "?"
+        return f"process(es) {who} of {count} {how}"
+    index, code = ended.failure
+    text = f"process {index} of {count} failed with {launch.describe_exit(code)}"
+    silent = launch_watch.silent_processes(ended.started[index].tail)
+    if silent:
+        text += f" because process(es) {', '.join(map(str, silent))} stopped sending heartbeats"
+    return text
+
+
+def generation_record(number: int, processes: int, devices_per_process: int, run: str,
+                      resumed_before: int, ended: launch.Ended) -> dict[str, Any]:
+    """What RUN/generations.json keeps of one generation: its mesh, global batch, the global step
+    it started from (its checkpoint's) and about the last it started (its progress reports are
+    written once a second), and its wall seconds."""
+    config = _config(run)
+    resumed = config.get("resumed", [])
+    first = 0
+    if len(resumed) > resumed_before:  # this generation's resumption, config.json's record of it
+        first = _checkpoint_step(resumed[resumed_before].get("checkpoint", ""))
+    elif number > 1 or resumed_before:  # it ended before restoring: it started nothing new
+        first = None
+    started = max(ended.steps.values(), default=0)
+    first_step = first if first is not None else 0
+    return {"generation": number, "processes": processes, "devices_per_process": devices_per_process,
+            "devices": processes * devices_per_process, "global_batch": config.get("global_batch"),
+            "first_step": first_step, "last_step": first_step + started,
+            "seconds": round(ended.seconds, 1), "ended": None}
+
+
+def _checkpoint_step(name: str) -> int:
+    digits = name.rpartition("-")[2]
+    return int(digits) if digits.isdigit() else 0  # "none": a run resumed before its first save
+
+
+def batch_line(run: str, devices: int) -> str:
+    """'global batch kept at 1000 (250 per device)' (the run's global batch from config.json)."""
+    batch = _config(run).get("global_batch")
+    if not batch:
+        return "global batch kept"
+    share = f"{batch // devices} per device" if batch % devices == 0 else f"{batch / devices:g} per device"
+    return f"global batch kept at {batch} ({share})"
+
+
+def _config(run: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(run, rundir.CONFIG)) as f:
+            config = json.load(f)
+        return config if isinstance(config, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _mesh(generation: dict[str, Any]) -> str:
+    return f"{generation['processes']}x{generation['devices_per_process']}"
+
+
+def _write_generations(run: str, generations: list[dict[str, Any]], finished: bool = False) -> None:
+    """RUN/generations.json; once the run finished, also metrics.json's "generations" (process 0
+    of the last generation wrote metrics.json)."""
+    if not os.path.isdir(run):
+        return
+    rundir.write_json(os.path.join(run, GENERATIONS), generations)
+    metrics_path = os.path.join(run, rundir.METRICS)
+    if finished and os.path.isfile(metrics_path):
+        metrics = rundir.read_json(metrics_path)
+        metrics["generations"] = generations
+        rundir.write_json(metrics_path, metrics)
+

@@ -1,0 +1,136 @@
+"""What `meshfit launch` reads of its processes to tell why a job must stop: their status files
+(meshfit.parallel.heartbeat: who never joined, who hangs and where, `Watch`) and the last lines of
+a failed one (JAX's fatal messages: `diagnosis`, `silent_processes`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from meshfit import env
+from meshfit.errors import troubleshooting
+from meshfit.parallel import heartbeat, stall
+
+GRACE_SECONDS = 10.0  # between SIGTERM and SIGKILL when stopping the other processes
+INIT_TIMEOUT_SECONDS = 120  # local processes start together, so joining should be quick
+WHERE = {"device": "in a device computation", "input": "waiting for input", "checkpoint":
+         "on a checkpoint", "compiling": "compiling", "thread": "waiting for another thread",
+         "python": "in Python"}  # heartbeat.where()'s kinds
+
+
+def never_joined(missing: Sequence[int], processes: int, init_timeout: float) -> str:
+    """'process 1 of 2 never joined the job (...)': the processes without a join marker."""
+    who = (f"process {missing[0]} of {processes}" if len(missing) == 1 else
+           f"processes {', '.join(map(str, missing))} of {processes}")
+    they = "it" if len(missing) == 1 else "they"
+    return (f"{who} never joined the job ({they} did not reach meshfit.connect within "
+            f"{init_timeout:g} s; {env.INIT_TIMEOUT})")
+
+
+class Watch:
+    """The launcher's view of its processes' status files (meshfit.parallel.heartbeat).
+
+    `poll()` says why the job must be stopped: processes that never joined (INIT_TIMEOUT plus
+    GRACE_SECONDS after the first began joining, should their peers not give up by themselves),
+    or a job without progress for `stall_timeout` seconds (0: never) since the first step.
+    """
+
+    def __init__(self, directory: str, processes: int, init_timeout: float, stall_timeout: float):
+        self.directory, self.processes = directory, processes
+        self.init_timeout, self.stall_timeout = init_timeout, stall_timeout
+        self.first_joined: float | None = None  # when the first process began joining
+        self.progress: dict[int, tuple[int, int]] = {}  # (steps started, reports) of each process
+        self.last_progress: float | None = None  # when any process last progressed, once armed
+        self.behind: list[int] = []  # once the job hung: the processes furthest behind
+        self.timed_out = False  # the job ran past launch's --timeout
+
+    def missing(self) -> list[int]:
+        """The processes that never began joining while others did (else [])."""
+        joined = heartbeat.joined(self.directory)
+        return sorted(set(range(self.processes)) - joined) if joined else []
+
+    def poll(self, now: float) -> str | None:
+        """A reason to stop the job now, or None."""
+        missing = self.missing()
+        if missing and self.first_joined is None:
+            self.first_joined = now
+        if missing and now - self.first_joined > self.init_timeout + GRACE_SECONDS:
+            return never_joined(missing, self.processes, self.init_timeout)
+        found = heartbeat.progress(self.directory)
+        progress = {i: counts[:2] for i, counts in found.items()}
+        armed = self.last_progress is not None or any(c[2] > 1 for c in found.values())
+        if armed and progress != self.progress:  # from a second dispatch: the first compiled
+            self.last_progress = now
+        self.progress = progress
+        if self.stall_timeout and self.last_progress is not None and \
+                now - self.last_progress > self.stall_timeout:
+            return self.hung()
+        return None
+
+    def positions(self) -> str:
+        """Where each process is: 'process 0 at step 12 in a device computation, process 1 ...'."""
+        found = heartbeat.progress(self.directory)
+        where = []
+        for i in range(self.processes):
+            if i not in found:
+                where.append(f"process {i} before its first step")
+                continue
+            steps, _, _, doing = found[i]
+            where.append(f"process {i} at step {steps} {WHERE.get(doing, doing)}")
+        return ", ".join(where)
+
+    def hung(self) -> str:
+        """Which process hung: the one furthest behind (fewest steps, then fewest reports)."""
+        counts = {i: self.progress.get(i, (0, 0)) for i in range(self.processes)}
+        lowest = min(counts.values())
+        behind = self.behind = [i for i, c in counts.items() if c == lowest]
+        still = (f"no process made progress for {self.stall_timeout:g} s ({env.STALL_TIMEOUT}; "
+                 f"{self.positions()})")
+        if self.processes == 1:
+            return f"process 0 of 1 hung after starting {lowest[0]} training steps: {still}"
+        if len(behind) > 1:
+            return (f"the job hung: {still}, and processes {', '.join(map(str, behind))} stopped at "
+                    f"the same point (after starting {lowest[0]} training steps), so which one hung "
+                    "is not known")
+        most = max(c[0] for i, c in counts.items() if i != behind[0])
+        others = f"the others started {most}" if most > lowest[0] else "the others as many, but got further"
+        return (f"process {behind[0]} of {self.processes} hung after starting {lowest[0]} training "
+                f"steps ({others}): {still}")
+
+
+def diagnosis(lines: Sequence[str]) -> str:
+    """What JAX's fatal messages in a process's last lines say went wrong ("" when none do).
+
+    JAX ends every process with SIGABRT when its coordinator finds a silent process (heartbeats
+    stopped) or when not all processes join in time; the silent ones are listed one a line.
+    """
+    lines = list(lines)
+    for i, line in enumerate(lines):
+        if line.startswith(stall.LINE):  # its own stall guard's line (meshfit.parallel.stall)
+            return ": " + line[len(stall.LINE) - len("stalled for "):].removesuffix(troubleshooting("a-job-hangs"))
+        if "stopped sending heartbeats" in line:
+            silent = silent_processes(lines)
+            who = f"process(es) {', '.join(map(str, silent))}" if silent else "a process"
+            seconds = os.environ.get(env.HEARTBEAT_TIMEOUT, "60")
+            return (f" because {who} sent no heartbeat for {seconds} s ({env.HEARTBEAT_TIMEOUT}; "
+                    "stopped, hung or on a lost host)")
+        if "RegisterTask" in line:
+            seconds = os.environ.get(env.INIT_TIMEOUT, str(INIT_TIMEOUT_SECONDS))
+            return f" because not every process joined within {seconds} s ({env.INIT_TIMEOUT})"
+    return ""
+
+
+def silent_processes(lines: Sequence[str]) -> list[int]:
+    """The processes JAX's fatal message in `lines` lists as having stopped sending heartbeats
+    (one a line after it); [] when there is no such message."""
+    lines = list(lines)
+    for i, line in enumerate(lines):
+        if "stopped sending heartbeats" in line:
+            silent = []
+            for after in lines[i + 1:]:
+                if not after.strip().isdigit():
+                    break
+                silent.append(int(after.strip()))
+            return silent
+    return []
