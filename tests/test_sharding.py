@@ -380,3 +380,21 @@ def test_fsdp_steps_as_data_parallel_at_xlas_default_optimization():
                          env=environment({"XLA_FLAGS": "", "MESHFIT_SIMULATE_DEVICES": None}))
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-6
+
+
+def test_plan_of_a_built_in_recipe_needs_no_data(strategy, tmp_path, monkeypatch, capsys):
+    """`meshfit plan fashion-mnist-cnn` with no dataset anywhere: the model is built from the
+    dataset's known shape and classes (its metric chosen from the class names), not its files."""
+    from meshfit import cli
+
+    monkeypatch.setenv("MESHFIT_OFFLINE", "1")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("MESHFIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MESHFIT_DATA", raising=False)
+    try:
+        assert cli.main(["plan", "fashion-mnist-cnn", "--simulate-devices", "8", "--json",
+                         "--device-memory", "1GB"]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["recipe"] == "fashion-mnist-cnn" and result["modes"]["data"]["fits"] is True
+    finally:
+        connect_eight_devices()

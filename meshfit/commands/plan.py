@@ -49,7 +49,8 @@ def plan_memory(recipe: str | None = None, options: TrainOptions | None = None,
 def data_shape(recipe: recipes.Recipe, data_dir: str | None):
     """What building the model needs of the data (input_shape, num_classes): a built-in dataset's
     without loading it; else the recipe's own data (or data its prepare needs) loaded."""
-    classes = len(recipes.dataset_class_names(recipe.dataset))
-    if classes and recipe.prepare is None:
-        return types.SimpleNamespace(input_shape=recipes.input_shape(recipe), num_classes=classes)
+    names = recipes.dataset_class_names(recipe.dataset)
+    if names and recipe.prepare is None:  # what fitting.build reads of a loaded dataset
+        return types.SimpleNamespace(input_shape=recipes.input_shape(recipe), num_classes=len(names),
+                                     class_names=names)
     return data.load(recipe, data_dir, 0)
