@@ -2,6 +2,15 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA ?= ../shared/data
+# The second version set of `make test`: Python 3.12 with the newest JAX and Keras that the ranges
+# of pyproject.toml admit (docs/installation.md, "Compatibility"). The interpreter: pyenv's 3.12,
+# else python3.12 on the PATH, else the one named: `make test PYTHON_NEWEST=/path/to/python3.12`.
+NEWEST_VENV ?= .venv-newest
+PYTHON_NEWEST ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.12*/bin/python) $(shell command -v python3.12))
+# The core of the suite that the second set runs, its tests not marked slow (81 tests: 6.3 min in
+# one process on a nearly quiet 2-core machine; its install about 2-4 min).
+CORE_TESTS := tests/test_devices.py tests/test_conformance.py tests/test_sharding.py \
+	tests/test_keras_hooks.py tests/test_checkpoints.py tests/test_launch.py tests/test_compatibility.py
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -9,12 +18,27 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[cpu,onnx,test,docs]'
 	touch $@
 
-.PHONY: install train test
+# No TensorFlow-free shortcut: the core tests run meshfit on TensorFlow too (its one-CPU engine).
+$(NEWEST_VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON_NEWEST)" || { echo "make test: the second version set needs Python 3.12: none in $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions or on the PATH; install one (pyenv install 3.12) or name it: make test PYTHON_NEWEST=/path/to/python3.12"; exit 1; }
+	$(PYTHON_NEWEST) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade -e '.[cpu,test-core]'
+	touch $@
+
+.PHONY: install train test test-current test-newest
 install: $(VENV)/.installed
 
 # The datasets of $(DATA) where that folder exists; else meshfit downloads them on first use.
 train: $(VENV)/.installed
 	$(VENV)/bin/meshfit train fashion-mnist-cnn $(if $(wildcard $(DATA)),--data-dir $(DATA))
 
-test: $(VENV)/.installed
+# Both version sets, one after the other (CI runs this).
+test: test-current test-newest
+
+test-current: $(VENV)/.installed
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=30  # a test file per CPU core
+
+test-newest: $(NEWEST_VENV)/.installed
+	$(NEWEST_VENV)/bin/python -m meshfit --version  # the set's versions, for the log
+	$(NEWEST_VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=10 -m "not slow" $(CORE_TESTS)
