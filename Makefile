@@ -10,7 +10,8 @@ PYTHON_NEWEST ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versi
 # The core of the suite that the second set runs, its tests not marked slow (81 tests: 6.3 min in
 # one process on a nearly quiet 2-core machine; its install about 2-4 min).
 CORE_TESTS := tests/test_devices.py tests/test_conformance.py tests/test_sharding.py \
-	tests/test_keras_hooks.py tests/test_checkpoints.py tests/test_launch.py tests/test_compatibility.py
+	tests/test_keras_hooks.py tests/test_checkpoints.py tests/test_launch.py tests/test_compatibility.py \
+	tests/test_seam.py
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
