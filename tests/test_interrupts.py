@@ -8,6 +8,7 @@ at chosen moments of a command (meshfit.commands.ctrl_c.stops).
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -99,11 +100,18 @@ sys.exit(code)
 """
 
 
+def terminal_sigint() -> None:
+    """In the child: Ctrl-C as a terminal's foreground process gets it (default handling), even
+    where this suite runs with SIGINT ignored (started in the background, `make test &`, whose
+    children inherit the ignored SIGINT and rightly keep ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupted(script: str, moment: list[str], *args: str, env=None
                 ) -> subprocess.CompletedProcess:
     """`meshfit ARGS...` run by `script` (one of the above), told the `moment` of its SIGINT."""
     out = subprocess.run([sys.executable, "-c", script, *moment, *args], capture_output=True,
-                         text=True, timeout=300, env=environment(env))
+                         text=True, timeout=300, env=environment(env), preexec_fn=terminal_sigint)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines[-1:] == ["sent"], out.stderr  # the moment was reached
     assert out.returncode == 130, out.stderr
@@ -168,5 +176,5 @@ from meshfit.cli import main
 sys.exit(main(["info", "--json"]))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300, env=environment(cli_env(tmp_path)))
+                         timeout=300, env=environment(cli_env(tmp_path)), preexec_fn=terminal_sigint)
     assert (out.returncode, out.stderr) == (130, "meshfit: interrupted\n")

@@ -31,6 +31,7 @@ def test_train_step_flops_come_from_xla(strategy):
 def test_the_flop_count_is_kept_per_model_and_batch(strategy, tmp_path, monkeypatch):
     from meshfit.watch import report
 
+    import tensorflow  # noqa: F401 (the key is made where TensorFlow is loaded: flops_key)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = compiled_cnn(strategy)
     counted = report.train_step_flops(model, 64)
