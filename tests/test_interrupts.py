@@ -8,7 +8,6 @@ at chosen moments of a command (meshfit.commands.ctrl_c.stops).
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -100,18 +99,18 @@ sys.exit(code)
 """
 
 
-def terminal_sigint() -> None:
-    """In the child: Ctrl-C as a terminal's foreground process gets it (default handling), even
-    where this suite runs with SIGINT ignored (started in the background, `make test &`, whose
-    children inherit the ignored SIGINT and rightly keep ignoring it)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# Run first in each child: Ctrl-C handled as in a terminal's foreground process (Python's own
+# handler), also where this suite runs with SIGINT ignored (started in the background, `make test
+# &`), which children inherit and rightly keep. Not a preexec_fn: forking a process that runs
+# JAX's threads and then running Python in the child can deadlock.
+TERMINAL_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
 
 
 def interrupted(script: str, moment: list[str], *args: str, env=None
                 ) -> subprocess.CompletedProcess:
     """`meshfit ARGS...` run by `script` (one of the above), told the `moment` of its SIGINT."""
-    out = subprocess.run([sys.executable, "-c", script, *moment, *args], capture_output=True,
-                         text=True, timeout=300, env=environment(env), preexec_fn=terminal_sigint)
+    out = subprocess.run([sys.executable, "-c", TERMINAL_SIGINT + script, *moment, *args],
+                         capture_output=True, text=True, timeout=300, env=environment(env))
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines[-1:] == ["sent"], out.stderr  # the moment was reached
     assert out.returncode == 130, out.stderr
@@ -175,6 +174,6 @@ sys.meta_path.insert(0, SigintOnImport())
 from meshfit.cli import main
 sys.exit(main(["info", "--json"]))
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300, env=environment(cli_env(tmp_path)), preexec_fn=terminal_sigint)
+    out = subprocess.run([sys.executable, "-c", TERMINAL_SIGINT + script], capture_output=True,
+                         text=True, timeout=300, env=environment(cli_env(tmp_path)))
     assert (out.returncode, out.stderr) == (130, "meshfit: interrupted\n")
