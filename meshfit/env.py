@@ -51,6 +51,13 @@ LAUNCH_STATUS = "MESHFIT_LAUNCH_STATUS"
 GOODPUT = "MESHFIT_GOODPUT"
 
 
+def cache_home() -> str:
+    """Where meshfit keeps what it measured or compiled between runs: $XDG_CACHE_HOME/meshfit
+    (default ~/.cache/meshfit): JAX's compile cache (jax/), peak.json, flops.json."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "meshfit")
+
+
 def read_int(name: str, environ: Mapping[str, str] = os.environ, example: int = 2) -> int | None:
     """The whole number in $name, None when unset or empty; anything else is a MeshfitError."""
     value = environ.get(name, "").strip()

@@ -295,8 +295,8 @@ def _read_through_cache(key: str, found: str, verify: bool) -> Dataset:
     of a job on one host) never see half an entry; an entry that cannot be read is read again
     from the sources. No writable cache: the sources are read each time."""
     try:
-        stamp = [(os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns)
-                 for p in _sources(key, found)]
+        stats = {path: os.stat(path) for path in _sources(key, found)}
+        stamp = [(os.path.abspath(path), st.st_size, st.st_mtime_ns) for path, st in stats.items()]
     except OSError:  # vanished between _find and here: _read gives the clear error
         return _read(key, found, verify)
     checks = sorted((k, v) for k, v in PUBLISHED.items() if k[0] == key) if verify else []

@@ -195,8 +195,7 @@ def use_compile_cache() -> None:
     cache), so the folder grows by each new program's few KB to MB: delete it to free it."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(root, "meshfit", "jax")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(env.cache_home(), "jax")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 

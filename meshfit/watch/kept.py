@@ -12,11 +12,12 @@ import json
 import os
 from typing import Any
 
+from meshfit import env
+
 
 def path(name: str) -> str:
     """$XDG_CACHE_HOME/meshfit/NAME.json (default ~/.cache/meshfit/NAME.json)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "meshfit", f"{name}.json")
+    return os.path.join(env.cache_home(), f"{name}.json")
 
 
 def read(name: str) -> dict[str, Any]:
