@@ -41,7 +41,7 @@ def main() -> None:
     import keras
     import numpy as np
 
-    from meshfit.run import checkpoint_save
+    from meshfit.run.keras_side import checkpoint_save
 
     with strategy.scope():
         keras.utils.set_random_seed(0)

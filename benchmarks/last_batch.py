@@ -33,7 +33,7 @@ def main() -> None:
     import keras
     from keras.src.trainers import data_adapters
 
-    from meshfit.watch import report
+    from meshfit.watch.keras_side import report
     from meshfit.fit import sources
     from meshfit.recipes import fashion_mnist_cnn
 

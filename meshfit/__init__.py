@@ -31,14 +31,15 @@ def _stop_on_ctrl_c_while_starting() -> None:
 if _os.path.basename(_sys.argv[0] if _sys.argv else "") in ("meshfit", "meshfit.exe"):
     _stop_on_ctrl_c_while_starting()  # first thing: the console script imports meshfit.cli (0.15 s)
 
-from meshfit.errors import MeshfitError  # noqa: E402
+from meshfit.errors import MeshfitError, TrainingInterrupted  # noqa: E402
 from meshfit.parallel import engine as _engine
 from meshfit.parallel import modes as _modes
 from meshfit.parallel import planning as _planning
 from meshfit.parallel import sharding as _sharding
 
 __version__ = "0.1.0"
-__all__ = ["connect", "plan", "Strategy", "EpochReport", "Recipe", "MeshfitError", "__version__"]
+__all__ = ["connect", "plan", "Strategy", "EpochReport", "Recipe", "MeshfitError", "TrainingInterrupted",
+           "__version__"]
 
 
 def connect(require: str | None = None, simulate_devices: int | None = None,
@@ -101,7 +102,7 @@ def __getattr__(name: str):
 
         return Strategy if name == "Strategy" else plan
     if name == "EpochReport":
-        from meshfit.watch.report import EpochReport  # imports Keras: use after connect()
+        from meshfit.watch.keras_side.report import EpochReport  # imports Keras: use after connect()
 
         return EpochReport
     if name == "Recipe":

@@ -1,4 +1,6 @@
-"""The one exception meshfit raises for user-facing problems; the CLI prints it as one line.
+"""The exceptions meshfit raises for user-facing problems: MeshfitError (the CLI prints it as one
+line), and TrainingInterrupted, the MeshfitError of a run stopped on a signal after saving (here,
+without Keras: a caller catches it around train(), imported before the engine is chosen).
 
 A problem with an entry in the troubleshooting page (docs/troubleshooting.md, "Troubleshooting" on
 the site) names it: `MeshfitError(message, see="anchor")` ends the line with
@@ -21,3 +23,13 @@ class MeshfitError(Exception):
 
     def __init__(self, message: str = "", see: str | None = None):
         super().__init__(message + (troubleshooting(see) if see else ""))
+
+
+class TrainingInterrupted(MeshfitError):
+    """Training stopped on a signal after saving a checkpoint; `exit_code` is 128 + the signal."""
+
+    def __init__(self, message: str, signum: int, checkpoint: str | None):
+        super().__init__(message)
+        self.signum = signum
+        self.checkpoint = checkpoint
+        self.exit_code = 128 + signum

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from helpers import cli_env, drop_state_field, run_meshfit, write_idx_dataset
 
-from meshfit.run import checkpoint_format, checkpoint_restore, checkpoint_save, rundir
+from meshfit.run import checkpoint_format, rundir
+from meshfit.run.keras_side import checkpoint_restore, checkpoint_save
 from meshfit.data import datasets, file_formats
 from meshfit.errors import MeshfitError
 
@@ -189,7 +190,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_variable_changes(strategy, t
 
 
 def test_resume_falls_back_to_the_newest_intact_checkpoint_with_a_warning(strategy, tmp_path):
-    from meshfit.run import fitting as training
+    from meshfit.run.keras_side import fitting as training
 
     model = _dense_model(strategy)
     directory = tmp_path / "checkpoints"

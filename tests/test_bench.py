@@ -115,7 +115,7 @@ def test_ratios_compare_with_plain_and_with_the_fastest_plain_engine():
 
 
 def test_random_labels_have_the_classes_the_model_is_built_with():
-    from meshfit.commands.bench import timing
+    from meshfit.commands.bench.keras_side import timing
 
     assert timing.class_count(recipes.load("fashion-mnist-cnn")) == 10
     assert timing.class_count(recipes.load("resnet50-synthetic")) == 1000  # build_model's default head

@@ -104,7 +104,7 @@ def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(sharding, d
                                                                      request):
     import keras
 
-    from meshfit.run.checkpoints import TrainingInterrupted
+    from meshfit import TrainingInterrupted
     from meshfit.run.train import train
 
     class SigtermAt(keras.callbacks.Callback):
@@ -177,7 +177,8 @@ def small_model(strategy, recipe="fashion-mnist-cnn"):
 def test_interrupted_write_leaves_the_previous_checkpoint(strategy, tmp_path, monkeypatch):
     import keras
 
-    from meshfit.run import checkpoint_format, checkpoint_restore, checkpoint_save
+    from meshfit.run import checkpoint_format
+    from meshfit.run.keras_side import checkpoint_restore, checkpoint_save
 
     model = small_model(strategy)
     directory = tmp_path / "checkpoints"
@@ -206,7 +207,8 @@ def test_interrupted_write_leaves_the_previous_checkpoint(strategy, tmp_path, mo
 
 
 def test_keeps_the_newest_checkpoints(strategy, tmp_path):
-    from meshfit.run import checkpoint_save, rundir
+    from meshfit.run import rundir
+    from meshfit.run.keras_side import checkpoint_save
 
     model = small_model(strategy)
     for step in range(1, 6):
@@ -216,7 +218,7 @@ def test_keeps_the_newest_checkpoints(strategy, tmp_path):
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(strategy, tmp_path):
-    from meshfit.run import checkpoint_restore, checkpoint_save
+    from meshfit.run.keras_side import checkpoint_restore, checkpoint_save
 
     path = checkpoint_save.save(tmp_path, small_model(strategy, "mnist-mlp-bf16"), epoch=0, step=1,
                                 steps_per_epoch=10)
@@ -344,7 +346,8 @@ def test_a_sharded_checkpoint_restores_onto_other_device_counts(strategy, tmp_pa
     import jax
     import keras
 
-    from meshfit.run import checkpoint_format, checkpoint_restore, checkpoint_save
+    from meshfit.run import checkpoint_format
+    from meshfit.run.keras_side import checkpoint_restore, checkpoint_save
 
     devices = jax.devices()
     try:
@@ -375,7 +378,8 @@ def test_npz_checkpoints_still_resume_on_jax(strategy, tmp_path):
     """Format 2 (every array in arrays.npz, as before orbax; still what TensorFlow writes)."""
     import keras
 
-    from meshfit.run import checkpoint_format, checkpoint_restore, checkpoint_save
+    from meshfit.run import checkpoint_format
+    from meshfit.run.keras_side import checkpoint_restore, checkpoint_save
 
     model = small_model(strategy, "mnist-mlp-bf16")
     path = checkpoint_save.save(tmp_path, model, epoch=0, step=1, steps_per_epoch=10, sharded=False)
@@ -391,7 +395,8 @@ def test_a_background_save_counts_only_once_committed(strategy, tmp_path, monkey
     a checkpoint (latest() is the previous one), and a kill there leaves it to be cleared."""
     import threading
 
-    from meshfit.run import checkpoint_format, checkpoint_save
+    from meshfit.run import checkpoint_format
+    from meshfit.run.keras_side import checkpoint_save
 
     model = small_model(strategy, "mnist-mlp-bf16")
     first = checkpoint_save.save(tmp_path, model, epoch=0, step=1, steps_per_epoch=10)

@@ -266,7 +266,7 @@ def missing(names):
     return wrong
 
 names = json.loads(sys.argv[1])
-keras_side = [n for n in names if n.startswith("meshfit.fit.")]
+keras_side = [n for n in names if n.startswith("meshfit.fit.") or ".keras_side." in n]
 before = missing([n for n in names if n not in keras_side])
 meshfit.connect(verbose=False)
 print(json.dumps(before + missing(keras_side)))

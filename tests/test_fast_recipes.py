@@ -165,7 +165,7 @@ def test_cifar10_fast_learns_a_small_task_and_saves(strategy, images, tmp_path):
 
 
 def test_train_step_flops_for_full_cifar10_fast_in_bfloat16(strategy):
-    from meshfit.watch.report import train_step_flops
+    from meshfit.watch.keras_side.report import train_step_flops
 
     mixed = Strategy(strategy.info, "jax", "bfloat16")
     try:
@@ -184,7 +184,7 @@ def test_train_step_flops_for_full_cifar10_fast_in_bfloat16(strategy):
 
 @pytest.mark.slow
 def test_resnet50_small_input_counts_flops_and_trains_one_step(strategy):
-    from meshfit.watch.report import train_step_flops
+    from meshfit.watch.keras_side.report import train_step_flops
 
     # One device: the step needs no data parallelism (test_distribution covers it) and compiles faster.
     one = Strategy(dataclasses.replace(strategy.info, devices=strategy.info.devices[:1], devices_per_host=1),

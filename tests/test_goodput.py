@@ -279,7 +279,8 @@ def test_a_save_charges_the_steps_it_waited_for_to_train_not_to_checkpoint(strat
     """Dispatch is asynchronous: a save reads the state of steps the devices may still be
     running. That device time is training (each step here sleeps 0.3 s on the device); only the
     save's own work is checkpoint time."""
-    from meshfit.run import checkpoint_format, checkpoints, fit_and_score
+    from meshfit.run import checkpoint_format
+    from meshfit.run.keras_side import checkpoints, fit_and_score
 
     model = _slow_on_device_model(strategy, 0.3)
     rng = np.random.default_rng(0)

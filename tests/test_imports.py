@@ -272,16 +272,17 @@ def test_few_meshfit_imports_inside_functions_each_with_its_reason():
     assert not unexplained, unexplained
 
 
-# The modules outside fit/ that import Keras (or JAX, TensorFlow) at their top, directly or
-# through a meshfit module they import there: reached only after connect() chose the engine.
-KERAS_SIDE = {"meshfit.watch.report", "meshfit.watch.progress_bar", "meshfit.watch.tensorboard",
-              "meshfit.watch.profiling", "meshfit.run.checkpoints", "meshfit.run.checkpoint_save",
-              "meshfit.run.checkpoint_restore", "meshfit.run.callbacks",
-              "meshfit.run.fitting", "meshfit.run.fit_and_score", "meshfit.run.scores", "meshfit.commands.bench.timing"}
+def on_the_keras_side(module: str) -> bool:
+    """The path decides: the modules of meshfit/fit/ (its __init__.py imports Keras) and of every
+    keras_side/ folder (watch/, run/, commands/bench/: its __init__.py only says so) are the Keras
+    side, reached only after connect() chose the engine."""
+    parts = module.split(".")
+    return parts[1:2] == ["fit"] or "keras_side" in parts[:-1]
 
 
 def test_the_engine_line_runs_where_the_code_map_draws_it():
-    """Every module of fit/ and the KERAS_SIDE modules import Keras when imported; no other does."""
+    """Every module on the Keras side by its path imports Keras (or JAX, TensorFlow) when imported,
+    directly or through a meshfit module it imports there; no other module does."""
     trees = _sources()
     packages = {m: [m.rsplit(".", i)[0] for i in range(1, m.count("."))] for m in trees}
     direct = {m: [n for _, names in _imports(tree, inside_functions=False) for n in names]
@@ -295,8 +296,20 @@ def test_the_engine_line_runs_where_the_code_map_draws_it():
                                            for n in names):
                 heavy.add(module)
                 changed = True
-    expected = {m for m in trees if m.startswith("meshfit.fit")} | KERAS_SIDE
+    expected = {m for m in trees if on_the_keras_side(m)}
+    assert {"meshfit.fit", "meshfit.run.keras_side.fitting", "meshfit.watch.keras_side.report",
+            "meshfit.commands.bench.keras_side.timing"} <= expected
     assert heavy == expected, (sorted(heavy - expected), sorted(expected - heavy))
+
+
+def test_each_keras_side_folder_says_so_in_its_docstring():
+    """A keras_side/ package's __init__.py says that it is the Keras side, imported after connect()."""
+    folders = [folder for folder, _, files in os.walk(PACKAGE)
+               if os.path.basename(folder) == "keras_side" and "__init__.py" in files]
+    assert len(folders) >= 3, folders
+    for folder in folders:
+        doc = ast.get_docstring(ast.parse(open(os.path.join(folder, "__init__.py")).read()))
+        assert doc.startswith("The Keras side of ") and "engine" in doc, folder
 
 
 MAX_MODULE_LINES = 500

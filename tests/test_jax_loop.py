@@ -59,7 +59,7 @@ def test_k_steps_in_one_dispatch_equal_k_keras_steps(strategy):
 
 
 def test_installed_loop_trains_like_keras_fit_and_the_report_counts_steps(strategy):
-    from meshfit.watch.report import EpochReport
+    from meshfit.watch.keras_side.report import EpochReport
 
     x, y = data(6 * 16)  # 6 steps per epoch with 4 per dispatch: one dispatch of 4, then 2 single steps
     plain = small_model(strategy)

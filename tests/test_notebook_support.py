@@ -53,7 +53,7 @@ def test_a_notebook_is_told_apart_from_a_terminal_and_a_pipe(kernel, monkeypatch
 
 
 def test_the_bar_is_one_output_redrawn_then_emptied_for_the_epoch_line(kernel, strategy, capsys):
-    from meshfit.watch.progress_bar import ProgressBar
+    from meshfit.watch.keras_side.progress_bar import ProgressBar
 
     import keras
 

@@ -83,7 +83,7 @@ def test_the_older_spellings_of_renamed_settings_are_still_accepted(strategy):
     keywords batch_size and fsdp_min_size (train), simulate (connect) and batch_size (EpochReport)
     still work and mean the same."""
     from meshfit.run.options import current_names
-    from meshfit.watch.report import EpochReport
+    from meshfit.watch.keras_side.report import EpochReport
 
     old = TrainOptions.from_args(parsed("--batch-size", "64", "--fsdp-min-size", "2MiB"))
     new = TrainOptions.from_args(parsed("--global-batch", "64", "--fsdp-min-bytes", "2MiB"))
@@ -146,8 +146,9 @@ def test_each_default_is_written_once_and_is_what_its_flag_says():
 
     from meshfit.data import FOLDER_VALIDATION_SPLIT, arrays, datasets, folders, order, splits
     from meshfit.parallel import engine, planning
-    from meshfit.run import checkpoint_save, checkpoints, options
-    from meshfit.watch import tensorboard
+    from meshfit.run import options
+    from meshfit.run.keras_side import checkpoint_save, checkpoints
+    from meshfit.watch.keras_side import tensorboard
 
     def default(function, name):
         return inspect.signature(function).parameters[name].default

@@ -124,7 +124,7 @@ def test_the_global_batch_takes_one_route_for_train_plan_bench_and_strategy():
     default batch and Strategy.global_batch all ask planning.plan_global_batch: one answer."""
     import types
 
-    from meshfit.commands.bench import timing
+    from meshfit.commands.bench.keras_side import timing
     from meshfit.fit.strategy import Strategy
     from meshfit.run import train
     from meshfit.run.options import TrainOptions

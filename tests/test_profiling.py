@@ -1,4 +1,4 @@
-"""`--profile START:STOP` (meshfit.watch.profiling): parsing, and trace files on JAX and TensorFlow."""
+"""`--profile START:STOP` (meshfit.watch.keras_side.profiling): parsing, and trace files on JAX and TensorFlow."""
 
 import glob
 import os
@@ -16,7 +16,7 @@ FIT_8_STEPS = """
 import sys
 import numpy as np
 import keras
-from meshfit.watch.profiling import Profile
+from meshfit.watch.keras_side.profiling import Profile
 
 x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
 y = np.arange(64) % 3
@@ -53,7 +53,7 @@ def _trace_files(logdir) -> list[str]:
 def test_jax_trace_of_steps_2_to_4(strategy, tmp_path):
     import keras
 
-    from meshfit.watch.profiling import Profile
+    from meshfit.watch.keras_side.profiling import Profile
 
     x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
     with strategy.scope():
@@ -78,7 +78,7 @@ def test_tensorflow_trace_of_steps_2_to_4(tmp_path):
 def test_warns_when_training_ends_before_start(strategy, tmp_path):
     import keras
 
-    from meshfit.watch.profiling import Profile
+    from meshfit.watch.keras_side.profiling import Profile
 
     x = np.zeros((16, 4), "float32")
     with strategy.scope():

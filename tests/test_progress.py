@@ -65,7 +65,7 @@ def _fit(strategy, bar):
 def test_no_bar_off_a_terminal(strategy, capsys):
     from rich.console import Console
 
-    from meshfit.watch.progress_bar import ProgressBar
+    from meshfit.watch.keras_side.progress_bar import ProgressBar
 
     out = io.StringIO()
     _fit(strategy, ProgressBar(global_batch=8, console=Console(file=out)))
@@ -76,7 +76,7 @@ def test_no_bar_off_a_terminal(strategy, capsys):
 def test_bar_on_a_terminal_shows_steps_and_speed(strategy):
     from rich.console import Console
 
-    from meshfit.watch.progress_bar import ProgressBar
+    from meshfit.watch.keras_side.progress_bar import ProgressBar
 
     out = io.StringIO()
     bar = ProgressBar(global_batch=8, console=Console(file=out, force_terminal=True, width=120))

@@ -305,7 +305,7 @@ def test_early_stopping_restores_the_same_best_weights_after_a_resume(tmp_path):
     import keras
 
     from meshfit.run import checkpoint_format
-    from meshfit.run.checkpoints import TrainingInterrupted
+    from meshfit import TrainingInterrupted
     from meshfit.run.train import train
 
     recipe = write_recipe(tmp_path, epochs=3, callbacks=True)

@@ -1,4 +1,4 @@
-"""The epoch report (meshfit.watch.report): throughput, compile time and the XLA FLOP count."""
+"""The epoch report (meshfit.watch.keras_side.report): throughput, compile time and the XLA FLOP count."""
 
 import re
 
@@ -20,7 +20,7 @@ def test_epoch_line_reports_throughput_and_compile_apart(strategy, capsys):
 
 
 def test_train_step_flops_come_from_xla(strategy):
-    from meshfit.watch.report import train_step_flops
+    from meshfit.watch.keras_side.report import train_step_flops
 
     flops = train_step_flops(compiled_cnn(strategy), 64)
     # Conv 26*26*64*9*2 FLOPs forward per image; backward roughly doubles it twice.
@@ -29,7 +29,7 @@ def test_train_step_flops_come_from_xla(strategy):
 
 
 def test_the_flop_count_is_kept_per_model_and_batch(strategy, tmp_path, monkeypatch):
-    from meshfit.watch import report
+    from meshfit.watch.keras_side import report
 
     import tensorflow  # noqa: F401 (the key is made where TensorFlow is loaded: flops_key)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -38,7 +38,7 @@ def test_a_cut_epochs_callbacks_see_the_runs_epochs(strategy):
     the cut epoch is a fit of its own, of one epoch)."""
     import keras
 
-    from meshfit.run import fit_and_score
+    from meshfit.run.keras_side import fit_and_score
 
     seen = []
 

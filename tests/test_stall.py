@@ -111,7 +111,7 @@ def test_every_checkpoint_module_counts_as_checkpoint_work():
     writes or reads a checkpoint, for the stall guard's line and the goodput ledger."""
     import glob
 
-    files = sorted(glob.glob(os.path.join(ROOT, "meshfit", "run", "checkpoint*.py")))
+    files = sorted(glob.glob(os.path.join(ROOT, "meshfit", "run", "**", "checkpoint*.py"), recursive=True))
     assert len(files) >= 4, files
     for path in files:
         scope = {}

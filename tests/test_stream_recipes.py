@@ -173,7 +173,7 @@ def test_tf_data_recipe_trains_and_resumes_mid_epoch(tmp_path):
     with one warning; the same weights as the uninterrupted run (the source is deterministic)."""
     import keras
 
-    from meshfit.run.checkpoints import TrainingInterrupted
+    from meshfit import TrainingInterrupted
     from meshfit.run.train import train
 
     pytest.importorskip("tensorflow")

@@ -1,4 +1,4 @@
-"""TensorBoard scalars (meshfit.watch.tensorboard), read back from the event files."""
+"""TensorBoard scalars (meshfit.watch.keras_side.tensorboard), read back from the event files."""
 
 import os
 
@@ -9,8 +9,8 @@ from helpers import read_scalars
 def _fit(strategy, logdir, dispatch=1, epochs=2):
     import keras
 
-    from meshfit.watch.report import EpochReport
-    from meshfit.watch.tensorboard import TensorBoardLog
+    from meshfit.watch.keras_side.report import EpochReport
+    from meshfit.watch.keras_side.tensorboard import TensorBoardLog
 
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(96, 4)).astype("float32"), rng.integers(0, 3, 96)
@@ -51,7 +51,7 @@ def test_steps_per_dispatch_logs_at_the_dispatch_passing_a_multiple(strategy, tm
 
 
 def test_global_step_of_a_resumed_cut_epoch():
-    from meshfit.watch.tensorboard import global_step
+    from meshfit.watch.keras_side.tensorboard import global_step
 
     assert global_step(0, 0, 6, None) == 1
     assert global_step(2, 5, 6, 6) == 18

@@ -87,7 +87,7 @@ def test_train_writes_tensorboard_scalars_and_a_profile(cli_run):
 
 
 def test_monitoring_is_on_process_0_only_and_tensorboard_can_be_off(tmp_path):
-    from meshfit.run.fit_and_score import monitoring
+    from meshfit.run.keras_side.fit_and_score import monitoring
 
     on = monitoring(str(tmp_path), True, False, None, 32, 4, True, 10, (2, 3))
     assert [type(c).__name__ for c in on.before + on.after] == ["Profile", "TensorBoardLog"]

@@ -8,7 +8,7 @@ each output line with "[i] " (or shows only process 0's output, and the others' 
 and waits. When a process exits non-zero or is killed, the others get SIGTERM and, after
 `GRACE_SECONDS`, SIGKILL; the launch then exits non-zero with one line naming that process. A
 process that exits 130 or 143 (stopped on SIGINT/SIGTERM after an agreed save, see
-meshfit.run.checkpoints) first gets its peers `GRACE_SECONDS` to stop the same way.
+meshfit.run.keras_side.checkpoints) first gets its peers `GRACE_SECONDS` to stop the same way.
 
 Two faults leave every process alive, so the launcher watches the status files its processes
 write into a folder of their own (MESHFIT_LAUNCH_STATUS, see meshfit.parallel.heartbeat):
@@ -187,8 +187,8 @@ def _wait_all(processes: list[_Process], seconds: float) -> None:
 
 def _stop_to_resume(processes: list[_Process], grace: float) -> bool:
     """SIGTERM every process (meshfit train stops all of them at one agreed step and saves, see
-    meshfit.run.checkpoints), SIGKILL what is left after `grace` seconds; True when every process
-    stopped that way (exit 143)."""
+    meshfit.run.keras_side.checkpoints), SIGKILL what is left after `grace` seconds; True when
+    every process stopped that way (exit 143)."""
     _stop(processes, grace)
     return all(p.popen.returncode == 128 + signal.SIGTERM for p in processes)
 

@@ -1,8 +1,8 @@
 """`meshfit plan`: the memory plan of a recipe's train step, compiled but not run.
 
 It takes the run's own steps (meshfit.run.train: the recipe, its options, connect, the global
-batch; meshfit.run.fitting: the model and the memory plan, 'auto' decided where a run decides
-it), without loading the data where the recipe's dataset says its shape, and without training.
+batch; meshfit.run.keras_side.fitting: the model and the memory plan, 'auto' decided where a run
+decides it), without loading the data where the recipe's dataset says its shape, and without training.
 """
 
 from __future__ import annotations

@@ -53,8 +53,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from meshfit import env
 from meshfit.fit import jax_loop, keras_internals, memory_plan, sharded_init, sources
 from meshfit.parallel import heartbeat, stall
-from meshfit.watch import goodput, progress_bar
-from meshfit.watch.report import EpochReport
+from meshfit.watch import goodput
+from meshfit.watch.keras_side import progress_bar
+from meshfit.watch.keras_side.report import EpochReport
 
 _active = None  # the Strategy activated last, or None
 _report_off = contextvars.ContextVar("meshfit_report_off", default=False)

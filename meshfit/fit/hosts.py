@@ -34,7 +34,8 @@ class Vote:
     each call starts a max-reduction of the values over all processes on the devices and returns,
     without waiting, the result of the call `lag` calls before (0 for the first ones), which is
     the same on every process. `settle()` waits for the reductions under way. Used to stop every
-    process of a job at the same step when only one was signalled (meshfit.run.checkpoints).
+    process of a job at the same step when only one was signalled
+    (meshfit.run.keras_side.checkpoints).
     """
 
     def __init__(self, lag: int = 1):

@@ -24,7 +24,7 @@ from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
 from meshfit.parallel import modes, planning
 from meshfit.parallel import sharding as sharding_lib
-from meshfit.watch.report import EpochReport, discovery_text
+from meshfit.watch.keras_side.report import EpochReport, discovery_text
 
 
 class MeshLayout(keras.distribution.TensorLayout):
@@ -334,7 +334,7 @@ class Strategy:
         }
 
     def report(self) -> str:
-        """The discovery report as text (see meshfit.watch.report.discovery_text)."""
+        """The discovery report as text (see meshfit.watch.keras_side.report.discovery_text)."""
         return discovery_text(self.describe())
 
     def fit(self, model, x=None, y=None, *, batch_size: int | None = None, epochs: int = 1,

@@ -17,10 +17,11 @@ real cluster, a plain run) everything here does nothing. In the folder, for proc
 Progress is reported with `advance()` just before each point where a process may wait for the
 others (on CPUs a collective's dispatch blocks until every process has reached it): every training
 dispatch (meshfit.fit.jax_loop, with its number of steps), every stop vote at a dispatch boundary or
-epoch end (meshfit.run.checkpoints) and every multi-host predict batch. So a process that hangs between
-two such points stays behind the others, which wait at the next one. `advance` adds two integers
-on the calling thread; no file I/O there and no device sync. The counts are kept in every process:
-meshfit.parallel.stall reads them to tell a stalled process from a slow one.
+epoch end (meshfit.run.keras_side.checkpoints) and every multi-host predict batch. So a process
+that hangs between two such points stays behind the others, which wait at the next one. `advance`
+adds two integers on the calling thread; no file I/O there and no device sync. The counts are
+kept in every process: meshfit.parallel.stall reads them to tell a stalled process from a slow
+one.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ _COMPILING = ("/jax/_src/compiler.py", "/jax/_src/interpreters/partial_eval.py")
 _KINDS = (
     ("device", ("/jax/_src/", "/jaxlib/", "/keras/src/backend/jax/trainer.py",
                 "/meshfit/fit/jax_loop.py", "/meshfit/fit/hosts.py", "/meshfit/parallel/cluster.py")),
-    ("checkpoint", ("/orbax/", "/meshfit/run/checkpoint",  # checkpoints.py and checkpoint_*.py
-                    "/meshfit/run/sharded_arrays.py")),
+    ("checkpoint", ("/orbax/", "/meshfit/run/checkpoint_format.py", "/meshfit/run/sharded_arrays.py",
+                    "/meshfit/run/keras_side/checkpoint")),  # checkpoints.py and checkpoint_*.py
     ("input", ("/keras/src/trainers/data_adapters/", "/keras/src/trainers/epoch_iterator.py",
                "/tensorflow/python/data/", "/grain/", "/meshfit/data/", "/meshfit/fit/sources.py")),
 )

@@ -16,7 +16,7 @@ checkpoint, another thread), e.g.
 
 and exits with code 124. Next to no CPU used means a deadlock; much means work that never ended.
 A checkpoint being written then is left uncommitted and ignored on resume, so the last committed
-one is what `--resume` continues from (meshfit.run.checkpoints).
+one is what `--resume` continues from (meshfit.run.keras_side.checkpoints).
 
 XLA:CPU ends a process itself (SIGABRT, nothing saved) when a collective waits 40 s; with
 simulated devices meshfit moves that limit behind the guard's (`xla_collective_timeouts`, set by

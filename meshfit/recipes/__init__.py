@@ -55,7 +55,7 @@ class Recipe:
     dataset.train is the (x, y) training arrays).
     compile(model, optimizer): optional, compiles the model instead of meshfit's
     `model.compile(optimizer, loss=loss, metrics=["accuracy"])` (["mae"] for a model that is no
-    classifier: see meshfit.run.scores.is_classifier), for a model with its own
+    classifier: see meshfit.run.keras_side.scores.is_classifier), for a model with its own
     compile signature (a subclassed Distiller); optimizer is optimizer()'s result.
     Custom layers and subclassed models (keras.ops code, train_step/compute_loss) train as any
     model; eval, predict and export rebuild them from the run's copy of the recipe file and load

@@ -1,10 +1,12 @@
 """One training run, from settings to results: its settings (options), the run before the engine
-is chosen (train) and after it (fitting: build, restore, fit, score, write), its durable record in
-config.json (spec), the run directory (rundir), checkpoints and exact resume (checkpoints, the
-callback; a checkpoint's files: checkpoint_format; written: checkpoint_save; loaded into a model:
-checkpoint_restore; device arrays sharded through orbax-checkpoint in sharded_arrays), meshfit's
-callbacks, scores (scores) and `meshfit eval` (evaluate), the files of a finished run (results),
-and loading models, rebuilt from a run's recipe where they need it (models).
+is chosen (train), its durable record in config.json (spec), the run directory (rundir), a
+checkpoint's files, read back without Keras (checkpoint_format), its device arrays sharded through
+orbax-checkpoint (sharded_arrays), `meshfit eval` (evaluate), the files of a finished run
+(results), and loading models, rebuilt from a run's recipe where they need it (models).
+
+The run after the engine is chosen lives in keras_side/, imported after connect(): the model
+built, restored, fit, scored and written (fitting, fit_and_score, scores), meshfit's callbacks,
+and checkpoints and exact resume (checkpoints, the callback; checkpoint_save; checkpoint_restore).
 """
 
 from meshfit.parallel import engine as _engine

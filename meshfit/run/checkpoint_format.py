@@ -19,8 +19,8 @@ A folder without a manifest is a save cut short (a kill mid-write): it is ignore
 the next save. A checkpoint whose files do not match its manifest is damaged (`verify`):
 `--resume` falls back to the newest one that is intact, with a warning. Folders of format 2 and
 of meshfit 0.1 (state.npz + state.json, committed by renaming the folder, no manifest) are
-still read. Writing one: meshfit.run.checkpoint_save; loading one into a model:
-meshfit.run.checkpoint_restore.
+still read. Writing one: meshfit.run.keras_side.checkpoint_save; loading one into a model:
+meshfit.run.keras_side.checkpoint_restore.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`meshfit eval`: a run's model on its test set, its validation split, or another folder; and
-the headline score of a run. The scoring itself is meshfit.run.scores (Keras side), reached
-after connect()."""
+the headline score of a run. The scoring itself is meshfit.run.keras_side.scores (Keras side),
+reached after connect()."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | No
                                verbose=verbose)
     recipe = models.recipe_of_run(run, saved)  # a recipe file runs after Keras has its engine
     recipe = dataclasses.replace(recipe, validation_split=saved.validation_split)  # as trained
-    from meshfit.run import scores  # the engine line: Keras is imported (connect ran)
+    from meshfit.run.keras_side import scores  # the engine line: Keras is imported (connect ran)
 
     if folder is not None:
         dataset = data.other_folder(folder, saved.class_names, saved.input_shape)

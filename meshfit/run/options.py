@@ -7,7 +7,8 @@ train()'s keywords, and the run carries it unchanged. None means "not given": th
 What was trained is recorded in config.json by meshfit.run.spec.RunSpec.
 
 Adding a training setting: a field here (its help text makes the flag), a RunSpec field of the
-same name when config.json records it, and its use in meshfit.run.train or meshfit.run.fitting.
+same name when config.json records it, and its use in meshfit.run.train or
+meshfit.run.keras_side.fitting.
 A setting renamed since a release keeps its old flag (`aliases`) and Python keyword (OLD_NAMES).
 """
 

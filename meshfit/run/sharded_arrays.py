@@ -5,9 +5,9 @@ CHECKPOINT/arrays/ (OCDBT: one `ocdbt.process_N/` folder per process). `write` r
 arrays are copied off the devices; the files are written in orbax's background threads. orbax
 marks its folder complete with a commit file, never a folder rename (object-store mounts do not
 rename folders atomically); meshfit's own commit is the checkpoint's manifest.json, written after
-`PendingWrite.wait` (see meshfit.run.checkpoint_save). `read` lays every array out as its target
-says: the shardings of the variables of the model built on the devices there are now, whatever
-device count wrote it; or numpy arrays (gathered).
+`PendingWrite.wait` (see meshfit.run.keras_side.checkpoint_save). `read` lays every array out as
+its target says: the shardings of the variables of the model built on the devices there are
+now, whatever device count wrote it; or numpy arrays (gathered).
 
 orbax (and with it JAX) is imported on first use, not with this module.
 """

@@ -1,14 +1,15 @@
 """Training a recipe: the life of a run, one named step after another.
 
 train() = specify (TrainOptions settled) -> connect -> load the data -> plan the batch
-(planning.plan_batch) -> then, on the Keras side (meshfit.run.fitting): choose the sharding (the
-memory plan) -> build the model -> open the run directory (config.json) -> restore the newest
-checkpoint (when resuming) -> fit -> score on the test set -> write the results. The run
-directory's files are described in meshfit.run.rundir, the specification in meshfit.run.spec.
+(planning.plan_batch) -> then, on the Keras side (meshfit.run.keras_side.fitting): choose the
+sharding (the memory plan) -> build the model -> open the run directory (config.json) -> restore
+the newest checkpoint (when resuming) -> fit -> score on the test set -> write the results. The
+run directory's files are described in meshfit.run.rundir, the specification in meshfit.run.spec.
 Only process 0 prints and writes.
 
 This module runs before the engine is chosen (`meshfit train` imports it first), so it imports
-no Keras: the steps after connect() live in meshfit.run.fitting, imported once connect() ran.
+no Keras: the steps after connect() live in meshfit.run.keras_side.fitting, imported once
+connect() ran.
 
 Training is deterministic for a given seed: weights start from `keras.utils.set_random_seed`, the
 data order and augmentation are functions of (seed, epoch, step) (meshfit.data.arrays), Dropout's
@@ -215,7 +216,7 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
       for fit. command: the command line to record. tensorboard, log_every, profile:
       RUN/tensorboard scalars every `log_every` steps, and a trace of global train steps
       "START:STOP".
-    Raises TrainingInterrupted (a MeshfitError; exit_code 143 or 130) after SIGTERM/SIGINT,
+    Raises meshfit.TrainingInterrupted (a MeshfitError; exit_code 143 or 130) after SIGTERM/SIGINT,
     once the state is saved.
     """
     settings = current_names(settings)
@@ -231,8 +232,9 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
 
 
 def keras_side():
-    """meshfit.run.fitting, the run's steps after connect(): call this only once connect() ran."""
-    from meshfit.run import fitting  # the engine line: Keras is imported by connect() by now
+    """meshfit.run.keras_side.fitting, the run's steps after connect(): call this only once
+    connect() ran."""
+    from meshfit.run.keras_side import fitting  # the engine line: Keras imported by connect()
 
     return fitting
 

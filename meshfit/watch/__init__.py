@@ -1,7 +1,8 @@
-"""What a run shows while and after it trains: the per-epoch report (throughput, MFU), progress
-bars, TensorBoard logs, profiles, and pictures for notebooks (figures). progress and figures run
-before the engine is chosen; report, progress_bar, tensorboard and profiling are Keras callbacks
-and import Keras at their top.
+"""What a run shows while and after it trains: progress bars for long work (progress), pictures
+for notebooks (figures), the ledger of where wall time goes (goodput), the peak FLOP/s behind MFU
+(peak) and the figures kept between runs (kept), all before the engine is chosen; and in
+keras_side/, the Keras callbacks, imported after connect(): the per-epoch report (throughput,
+MFU), the bar of fit, TensorBoard logs and profiles.
 """
 
 from meshfit.parallel import engine as _engine

@@ -5,7 +5,7 @@
   live()            either: whether stdout shows live bars;
   track(...)        wraps any long loop in a bar;
   task(...)         a bar advanced by hand (evaluation batches, export stages, downloaded bytes);
-The bar of each epoch of fit is meshfit.watch.progress_bar.ProgressBar (a Keras callback).
+The bar of each epoch of fit is meshfit.watch.keras_side.progress_bar.ProgressBar (a Keras callback).
 
 In a Jupyter kernel (meshfit.env.notebook) a bar is one output redrawn in place. This module
 imports neither Keras nor rich at the top: data downloads use it before the engine is chosen.

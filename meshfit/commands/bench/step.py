@@ -23,9 +23,9 @@ run one after the other, so a change in the machine's load between them moves th
 `--rounds R` runs every engine and path R times, alternating (plain, meshfit, plain, ...), and
 reports for each row the median samples/s over the rounds (`rounds_samples_per_s` lists them).
 
-Both paths build the model as `meshfit train` does (meshfit.run.fitting.build: the recipe's
-build_model, prepare and compile) on random data of the recipe's shape, and read the replicas and
-peak FLOP/s from meshfit's `Strategy`; only the meshfit path activates it.
+Both paths build the model as `meshfit train` does (meshfit.run.keras_side.fitting.build: the
+recipe's build_model, prepare and compile) on random data of the recipe's shape, and read the
+replicas and peak FLOP/s from meshfit's `Strategy`; only the meshfit path activates it.
 """
 
 from __future__ import annotations
@@ -188,7 +188,8 @@ def measure(spec: dict) -> None:
         engine_lib.choose_engine(engine, info.platform, info.device_count)  # the same rules as meshfit
         os.environ["KERAS_BACKEND"] = engine
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from meshfit.commands.bench import timing  # the engine line: Keras on the engine just chosen
+    # the engine line: Keras on the engine just chosen
+    from meshfit.commands.bench.keras_side import timing
 
     timing.measure(spec, info)
 

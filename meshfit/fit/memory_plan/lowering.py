@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from meshfit.errors import MeshfitError
 from meshfit.parallel import sharding
-from meshfit.watch import report
+from meshfit.watch.keras_side import report
 
 
 def step_arguments(model, global_batch: int, mesh=None, specs: dict | None = None,

@@ -18,8 +18,8 @@ from meshfit.parallel.modes import FSDP, ShardingMode
 
 
 class ModelBuilder(Protocol):
-    """What choose_sharding needs of its caller (meshfit.run.fitting, meshfit bench): a fresh
-    Keras session for a strategy, and the run's model."""
+    """What choose_sharding needs of its caller (meshfit.run.keras_side.fitting, meshfit bench):
+    a fresh Keras session for a strategy, and the run's model."""
 
     def fresh_session(self, strategy) -> None:
         """Start a fresh Keras session with `strategy` active."""

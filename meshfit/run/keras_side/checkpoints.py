@@ -2,8 +2,8 @@
 fit and stops training on a signal.
 
 The parts: meshfit.run.checkpoint_format (a checkpoint's folder and files, read back without
-Keras), meshfit.run.checkpoint_save (writing and committing one, keeping the newest `keep`),
-meshfit.run.checkpoint_restore (loading one into a model).
+Keras), meshfit.run.keras_side.checkpoint_save (writing and committing one, keeping the newest
+`keep`), meshfit.run.keras_side.checkpoint_restore (loading one into a model).
 
 `Checkpointer` (a Keras callback) saves every N steps or seconds and at every epoch end, and after
 a SIGTERM/SIGINT (see `stop_on_signals`) saves at the next step boundary and stops training by
@@ -30,23 +30,13 @@ from typing import Any, Iterator
 
 import keras
 
-from meshfit.errors import MeshfitError
+from meshfit.errors import TrainingInterrupted
 from meshfit.fit import hosts
 from meshfit.parallel import cluster, heartbeat
 from meshfit.run import sharded_arrays, spec
-from meshfit.run.checkpoint_restore import check_fits
-from meshfit.run.checkpoint_save import PendingSave, begin_save, sync_variables
-from meshfit.watch import report
-
-
-class TrainingInterrupted(MeshfitError):
-    """Training stopped on a signal after saving a checkpoint; `exit_code` is 128 + the signal."""
-
-    def __init__(self, message: str, signum: int, checkpoint: str | None):
-        super().__init__(message)
-        self.signum = signum
-        self.checkpoint = checkpoint
-        self.exit_code = 128 + signum
+from meshfit.run.keras_side.checkpoint_restore import check_fits
+from meshfit.run.keras_side.checkpoint_save import PendingSave, begin_save, sync_variables
+from meshfit.watch.keras_side import report
 
 
 class Checkpointer(keras.callbacks.Callback):
@@ -119,8 +109,8 @@ class Checkpointer(keras.callbacks.Callback):
     def wait_for_device(self) -> None:
         """Wait for the training steps already dispatched, whose results a save copies. A method
         of its own so that the goodput ledger charges this wait to training, not to the save
-        (meshfit.run.fit_and_score.charged_to_checkpoint): dispatch is asynchronous, so on JAX the
-        first save of a run could otherwise hold many steps' device time."""
+        (meshfit.run.keras_side.fit_and_score.charged_to_checkpoint): dispatch is asynchronous,
+        so on JAX the first save of a run could otherwise hold many steps' device time."""
         report.wait_for_device(self.model)
 
     def wait(self) -> str | None:

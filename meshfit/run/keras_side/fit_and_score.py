@@ -1,8 +1,8 @@
-"""A run's fit and its end, after meshfit.run.fitting built and restored it: the callbacks around
-Keras' fit (each epoch's evaluation, the history, the checkpointer, the bar, TensorBoard and the
-profiler), the fit itself (`fit_run`), then the score on the test set and the files written
-(`score_and_write`) with the run's MFU and goodput. This module imports Keras at its top: only
-meshfit.run.fitting imports it.
+"""A run's fit and its end, after meshfit.run.keras_side.fitting built and restored it: the
+callbacks around Keras' fit (each epoch's evaluation, the history, the checkpointer, the bar,
+TensorBoard and the profiler), the fit itself (`fit_run`), then the score on the test set and the
+files written (`score_and_write`) with the run's MFU and goodput. This module imports Keras at its
+top: only meshfit.run.keras_side.fitting imports it.
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ from meshfit.data import splits as data
 from meshfit.errors import MeshfitError
 from meshfit.fit import jax_loop
 from meshfit.parallel import planning
-from meshfit.run import checkpoint_save, checkpoints, rundir, spec
-from meshfit.run.callbacks import RecipeCallbacks
+from meshfit.run import rundir, spec
 from meshfit.run.evaluate import headline, score_line
+from meshfit.run.keras_side import checkpoint_save, checkpoints
+from meshfit.run.keras_side.callbacks import RecipeCallbacks
+from meshfit.run.keras_side.scores import evaluate_model, score
 from meshfit.run.results import totals, write_metrics, write_results
-from meshfit.run.scores import evaluate_model, score
 from meshfit.run.spec import RunSpec, profiling_steps
-from meshfit.watch import goodput, profiling, progress, progress_bar
-from meshfit.watch.report import EpochReport
-from meshfit.watch.tensorboard import TensorBoardLog
+from meshfit.watch import goodput, progress
+from meshfit.watch.keras_side import profiling, progress_bar
+from meshfit.watch.keras_side.report import EpochReport
+from meshfit.watch.keras_side.tensorboard import TensorBoardLog
 
 
 class _EpochEnd:

@@ -1,8 +1,8 @@
 """A model's scores: accuracy (a classifier's; a model that is no classifier: mean absolute
 error) and mean loss over a split, and the end-of-run scores of a run.
 
-This module imports Keras at its top: it runs after connect() (meshfit.run.fitting during
-training, meshfit.run.evaluate for `meshfit eval`).
+This module imports Keras at its top: it runs after connect() (meshfit.run.keras_side.fitting
+during training, meshfit.run.evaluate for `meshfit eval`).
 """
 
 from __future__ import annotations

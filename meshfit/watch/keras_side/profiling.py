@@ -19,8 +19,8 @@ import warnings
 import keras
 
 from meshfit.errors import MeshfitError
-from meshfit.watch.report import wait_for_device
-from meshfit.watch.tensorboard import global_step
+from meshfit.watch.keras_side.report import wait_for_device
+from meshfit.watch.keras_side.tensorboard import global_step
 
 
 def _start(logdir: str) -> None:

@@ -1,7 +1,7 @@
 """Restoring a checkpoint into a compiled model: every file checked before any variable changes,
 the model's and optimizer's arrays laid out for the devices there are now (another device count,
 one process or several, fsdp or data-parallel). Which checkpoint a `--resume` takes, and the
-fallback past a damaged one: meshfit.run.fitting.
+fallback past a damaged one: meshfit.run.keras_side.fitting.
 
 This module imports Keras at the top: import it after `meshfit.connect()`.
 """
@@ -18,7 +18,7 @@ from meshfit.errors import MeshfitError
 from meshfit.run import sharded_arrays
 from meshfit.run.checkpoint_format import (EXTRA, FORMAT, GROUPS, STATE_JSON, damaged, read_npz,
                                            read_sharded, read_state, verify)
-from meshfit.run.checkpoint_save import variable_groups
+from meshfit.run.keras_side.checkpoint_save import variable_groups
 
 
 def check_fits(path: str, group: str, saved: list, variables: list) -> None:

@@ -278,7 +278,8 @@ class EpochReport(keras.callbacks.Callback):
     def so_far(self) -> tuple[int, float]:
         """The epoch in progress: its steps trained so far in this fit and their training seconds
         (as its epoch end would count them); (0, 0.0) before the first call has been timed and
-        once the epoch's training has ended. A checkpoint in mid-epoch keeps them (meshfit.run.fitting)."""
+        once the epoch's training has ended. A checkpoint in mid-epoch keeps them
+        (meshfit.run.keras_side.fitting)."""
         if self._first_step_seconds is None or not self._steps or self._train_end is not None:
             return 0, 0.0
         wait_for_device(self.model)

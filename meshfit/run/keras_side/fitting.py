@@ -26,9 +26,10 @@ from meshfit.data import splits as data
 from meshfit.errors import MeshfitError
 from meshfit.fit import memory_plan, set_random_seed, tf_microbatch
 from meshfit.parallel import cluster, planning, stall
-from meshfit.run import checkpoint_format, checkpoint_restore, models, rundir, spec
-from meshfit.run.fit_and_score import fit_run, score_and_write
-from meshfit.run.scores import is_classifier
+from meshfit.run import checkpoint_format, models, rundir, spec
+from meshfit.run.keras_side import checkpoint_restore
+from meshfit.run.keras_side.fit_and_score import fit_run, score_and_write
+from meshfit.run.keras_side.scores import is_classifier
 from meshfit.run.spec import RunSpec
 from meshfit.watch import goodput
 

@@ -28,21 +28,22 @@ from meshfit.fit.strategy import Strategy
 from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
 from meshfit.parallel import modes, planning
-from meshfit.run import fitting, options
+from meshfit.run import options
+from meshfit.run.keras_side import fitting
 from meshfit.watch import goodput
 from meshfit.watch.peak import peak_of
-from meshfit.watch.report import EpochReport, train_step_flops, wait_for_device
-from meshfit.watch.tensorboard import TensorBoardLog
+from meshfit.watch.keras_side.report import EpochReport, train_step_flops, wait_for_device
+from meshfit.watch.keras_side.tensorboard import TensorBoardLog
 
 PLAIN, TENSORBOARD_PATH = "plain", "meshfit+tensorboard"
 
 
 @dataclass(frozen=True)
 class RandomData:
-    """The bench's random images and labels, as meshfit.run.fitting.build reads a run's data:
-    input_shape (height, width, channels), num_classes, class_names (the labels are classes:
-    the model is compiled with accuracy, as `meshfit train` compiles it), and train = (x, y) for a
-    recipe's prepare."""
+    """The bench's random images and labels, as meshfit.run.keras_side.fitting.build reads a
+    run's data: input_shape (height, width, channels), num_classes, class_names (the labels are
+    classes: the model is compiled with accuracy, as `meshfit train` compiles it), and train =
+    (x, y) for a recipe's prepare."""
 
     input_shape: tuple[int, ...]
     num_classes: int
