@@ -7,14 +7,15 @@ decisions (limits, growing back) start processes that take milliseconds instead 
 `launch` runs meshfit's CLI with the elastic launcher taking this script for `meshfit train`.
 `train` is one process of a run, doing what the launcher relies on of `meshfit train`, one
 "step" at a time with no clock involved:
-- every process reports its steps to the launcher (MESHFIT_LAUNCH_STATUS);
+- the processes start together (as JAX's joining makes them) and report their steps to the
+  launcher (MESHFIT_LAUNCH_STATUS);
 - process 0 writes RUN/config.json (global batch, epochs: 1, and "resumed" with the checkpoint
   of each --resume), commits a checkpoint after every step (state.json, then manifest.json) and,
   once all steps ran, metrics.json; exit 0;
 - --resume RUN: start from its newest committed checkpoint;
 - --kill P@S: process P SIGKILLs itself after global step S (--kill last: the highest process,
-  after the first step of every job of more than one process); the others then wait, as on a
-  collective with a lost peer;
+  after the first step of every job of more than one process), once process 0 committed that
+  step; the others then wait, as on a collective with a lost peer;
 - --hold-below N: a job of fewer than N processes waits after its first checkpoint (for the
   launcher's SIGTERM that grows the mesh back); every wait ends after SAFETY_SECONDS with exit 3;
 - SIGTERM: process 0 commits the current step (the agreed save), every process exits 143.
@@ -74,19 +75,22 @@ def train(argv: list[str]) -> int:
             _write(os.path.join(path, "manifest.json"), {"global_step": at})
 
     signal.signal(signal.SIGTERM, lambda *_: (commit(step), os._exit(143)))
+    status = os.environ["MESHFIT_LAUNCH_STATUS"]  # a folder of this job's own
+    _write(os.path.join(status, f"ready-{index}"), "")  # all start from the same step, as on joining
+    for i in range(count):
+        _wait(until=os.path.join(status, f"ready-{i}"))
     first = step
     who, _, when = (args.kill or "none@0").partition("@")
     victim, when = (count - 1, first + 1) if who == "last" else (int(who), int(when)) \
         if who.isdigit() else (None, 0)
-    status = os.environ.get("MESHFIT_LAUNCH_STATUS")
     while step < args.steps:
         step += 1
-        if status:  # the progress report the launcher reads (meshfit.parallel.heartbeat's format)
-            done = step - first
-            _write(os.path.join(status, f"progress-{index}"), f"{done} {done} {done} python", raw=True)
+        done = step - first  # the progress report the launcher reads (meshfit.parallel.heartbeat)
+        _write(os.path.join(status, f"progress-{index}"), f"{done} {done} {done} python", raw=True)
         commit(step)
         if count > 1 and victim is not None and victim < count and step == when:
-            if index == victim:
+            if index == victim:  # once step S is committed, as a collective would have waited
+                _wait(until=os.path.join(folder, f"ckpt-{step:08d}", "manifest.json"))
                 os.kill(os.getpid(), signal.SIGKILL)
             _wait()
         if count < args.hold_below and step == first + 1:
@@ -96,8 +100,12 @@ def train(argv: list[str]) -> int:
     return 0
 
 
-def _wait() -> None:
-    time.sleep(SAFETY_SECONDS)
+def _wait(until: str | None = None) -> None:
+    """Wait for SIGTERM (or until the file `until` exists); exit 3 after SAFETY_SECONDS."""
+    for _ in range(SAFETY_SECONDS * 100):
+        if until and os.path.isfile(until):
+            return
+        time.sleep(0.01)
     os._exit(3)
 
 

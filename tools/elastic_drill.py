@@ -50,6 +50,8 @@ def main() -> int:
     def read() -> None:
         for line in job.stdout:
             output.append(line)
+            if line.startswith("meshfit"):  # the launcher's and train's own lines: when they came
+                line = f"[{time.monotonic() - began:6.1f} s] {line}"
             sys.stdout.write(line)
             sys.stdout.flush()
 
