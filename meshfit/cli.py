@@ -301,6 +301,8 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --elastic: stop instead when fewer would be left (default: 1)")
     parser.add_argument("--max-restarts", type=int, default=3, metavar="K",
                         help="with --elastic: restart at most K times (default: 3)")
+    parser.add_argument("--no-grow", action="store_true", help="with --elastic: stay on the survivors "
+                        "(default: lost processes start again at the next checkpoint)")
     parser.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the command each process runs; a leading `meshfit` runs this meshfit")
 
@@ -314,10 +316,10 @@ def run_launch(args: argparse.Namespace) -> int:
                                "takes a free port")
         return elastic.elastic_launch(args.job_command, args.processes, args.devices_per_process,
                                       min_processes=args.min_processes,
-                                      max_restarts=args.max_restarts, show=args.show,
-                                      timeout=args.timeout)
-    if args.min_processes != 1 or args.max_restarts != 3:
-        raise MeshfitError("--min-processes and --max-restarts go with --elastic")
+                                      max_restarts=args.max_restarts, grow=not args.no_grow,
+                                      show=args.show, timeout=args.timeout)
+    if args.min_processes != 1 or args.max_restarts != 3 or args.no_grow:
+        raise MeshfitError("--min-processes, --max-restarts and --no-grow go with --elastic")
     return launch.launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
                   show=args.show, timeout=args.timeout)
 

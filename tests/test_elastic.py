@@ -1,8 +1,10 @@
 """`meshfit launch --elastic`: a job that loses a process goes on, on the survivors.
 
-The slow test runs a real 2-process x 2-device training job on small generated Fashion-MNIST
-files, kills process 1 once the epoch-1 checkpoint is committed, and checks that the launcher
-finished the run on 1 process, recording both meshes.
+The slow tests run a real 2-process x 2-device training job on small generated Fashion-MNIST
+files, kill process 1 once the epoch-1 checkpoint is committed, and check that the launcher
+finished the run (on 1 process, or back on 2 from the next checkpoint), recording the meshes.
+The fast ones drive the launcher with a stand-in for `meshfit train` (tests/elastic_stand_in.py):
+its limits, the one line they end with, resuming after them, and growing back.
 """
 
 import json
@@ -47,7 +49,7 @@ def test_elastic_needs_meshfit_train_and_sane_limits():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--min-processes", "2"], "--min-processes and --max-restarts go with --elastic"),
+    (["--min-processes", "2"], "--min-processes, --max-restarts and --no-grow go with --elastic"),
     (["--elastic", "--port", "1234"], "--port goes without --elastic"),
     (["--elastic", "--max-restarts", "-1"], "--max-restarts must be at least 0"),
 ])
@@ -89,17 +91,95 @@ def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
     assert elastic.batch_line(str(tmp_path), 2) == "global batch kept at 64 (32 per device)"
 
 
+STAND_IN = os.path.join(os.path.dirname(__file__), "elastic_stand_in.py")
+
+
+def stand_in_launch(launch_flags: list[str], train_flags: list[str]) -> subprocess.CompletedProcess:
+    """`meshfit launch --elastic LAUNCH FLAGS -- <stand-in trainer> TRAIN FLAGS` (tests/elastic_stand_in.py:
+    processes that take milliseconds, so that no test of the launcher's decisions trains)."""
+    command = [sys.executable, STAND_IN, "launch", "--elastic", "--show", "first", *launch_flags,
+               "--", sys.executable, STAND_IN, "train", *train_flags]
+    return subprocess.run(command, capture_output=True, text=True, timeout=SAFETY_SECONDS,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def meshes(run: str) -> list[tuple]:
+    with open(os.path.join(run, elastic.GENERATIONS)) as f:
+        return [(g["processes"], g["first_step"], g["last_step"]) for g in json.load(f)]
+
+
+@pytest.mark.parametrize("flags, kill, stop, checkpoint", [
+    (["--processes", "3", "--max-restarts", "1", "--no-grow"], "last", "--max-restarts 1 reached",
+     "ckpt-00000002"),  # 3 -> 2 processes, then a second loss: no restart left
+    (["--processes", "2", "--min-processes", "2"], "1@2", "1 process(es) left, fewer than "
+     "--min-processes 2", "ckpt-00000002"),
+])
+def test_a_limit_ends_the_job_in_one_line_and_the_run_resumes(tmp_path, flags, kill, stop, checkpoint):
+    run = str(tmp_path / "run")
+    job = stand_in_launch(flags, ["--out", run, "--kill", kill])
+    errors = [line for line in job.stderr.splitlines() if "error" in line]
+    assert job.returncode == 128 + signal.SIGKILL and len(errors) == 1, job.stderr
+    assert errors[0].startswith("meshfit: error: elastic launch stopped after generation") and \
+        f": {stop}; continue from {checkpoint} with --resume {run}" in errors[0], errors[0]
+    newest = rundir.list_checkpoints(os.path.join(run, rundir.CHECKPOINTS))[-1]
+    assert os.path.basename(newest) == checkpoint  # committed, and nothing newer half-written
+    before = meshes(run)
+    again = stand_in_launch(["--processes", "1"], ["--resume", run])
+    assert again.returncode == 0, again.stderr
+    with open(os.path.join(run, rundir.CONFIG)) as f:
+        assert json.load(f)["resumed"][-1]["checkpoint"] == checkpoint
+    assert meshes(run) == before + [(1, 2, 6)]  # the run's history of meshes goes on
+
+
+def test_a_lost_process_comes_back_at_the_next_checkpoint(tmp_path):
+    """2 processes, process 1 lost after step 2: step 3 runs on 1 process, whose checkpoint is the
+    boundary where the launcher stops it (an agreed save) and the mesh grows back to 2."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "2"], ["--out", run, "--kill", "1@2", "--hold-below", "2"])
+    assert job.returncode == 0, job.stderr
+    assert ("meshfit launch: elastic: ckpt-00000003 committed on 1 process(es); generation 3: 2 "
+            "process(es) x 1 device(s) again (was 1 x 1)") in job.stderr, job.stderr
+    with open(os.path.join(run, rundir.METRICS)) as f:
+        generations = json.load(f)["generations"]
+    assert meshes(run) == [(2, 0, 2), (1, 2, 3), (2, 3, 6)]  # which steps ran on which mesh
+    assert [(g["generation"], g["ended"]) for g in generations] == [
+        (1, "process 1 of 2 failed with SIGKILL (exit code -9)"),
+        (2, "stopped after ckpt-00000003 to grow back to 2 process(es)"), (3, "finished")]
+    assert generations[1]["lost_steps"] == 0  # the stop saved where it stopped
+
+
+def test_the_mesh_grows_at_a_new_checkpoint_but_not_the_run_s_last(tmp_path):
+    run = str(tmp_path)
+    rundir.write_json(os.path.join(run, rundir.CONFIG), {"epochs": 2})
+
+    def commit(step: int) -> None:
+        path = os.path.join(run, rundir.CHECKPOINTS, f"ckpt-{step:08d}")
+        os.makedirs(path)
+        rundir.write_json(os.path.join(path, "state.json"), {"global_step": step, "steps_per_epoch": 4})
+        rundir.write_json(os.path.join(path, rundir.CHECKPOINT_MANIFEST), {})
+
+    commit(4)
+    boundary = elastic.NextCheckpoint(run)
+    assert not boundary()  # the checkpoint the generation resumed from
+    os.makedirs(os.path.join(run, rundir.CHECKPOINTS, "ckpt-00000006"))  # being written
+    assert not boundary()
+    commit(8)
+    assert not boundary()  # the run's last step: it is about to finish
+    commit(7)
+    assert boundary() and boundary.found == "ckpt-00000007"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_path, how):
-    """SIGKILL: process 1 dies; SIGSTOP: it freezes, and JAX's heartbeat check (10 s here) names
-    it when it ends process 0."""
+    """SIGKILL: process 1 dies, and comes back at the next (epoch-2) checkpoint; SIGSTOP (with
+    --no-grow): it freezes, and JAX's heartbeat check (10 s here) names it when it ends process 0."""
     data = tmp_path / "data"
     write_idx_dataset(data / "fashion-mnist", n_train=256, n_test=64)  # 4 steps of 64 an epoch
     run, epochs = str(tmp_path / "run"), 6
     first_checkpoint = os.path.join(run, "checkpoints", "ckpt-00000004")
     command = [*PYTHON_MESHFIT, "launch", "--processes", "2", "--devices-per-process", "2",
-               "--elastic", "--", "meshfit", "train", "fashion-mnist-cnn", "--global-batch", "64",
+               "--elastic", *(["--no-grow"] if how == "SIGSTOP" else []), "--", "meshfit", "train", "fashion-mnist-cnn", "--global-batch", "64",
                "--seed", "0", "--epochs", str(epochs), "--data-dir", str(data), "--out", run,
                "--checkpoint-every", "epoch"]
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -128,14 +208,21 @@ def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_pat
     with open(os.path.join(run, "metrics.json")) as f:
         metrics = json.load(f)
     meshes = [(g["processes"], g["devices"]) for g in metrics["generations"]]
-    assert meshes == [(2, 4), (1, 2)]
-    first, second = metrics["generations"]
+    first, second = metrics["generations"][:2]
     assert first["ended"].startswith(why) and first["lost_processes"] == [1]
-    assert second["ended"] == "finished" and second["first_step"] >= 4
+    assert second["first_step"] >= 4
     assert first["lost_steps"] == first["last_step"] - second["first_step"] >= 0
+    if how == "SIGSTOP":
+        assert meshes == [(2, 4), (1, 2)] and second["ended"] == "finished"
+    else:  # the agreed stop after the next (epoch-end) checkpoint saved where it stopped
+        third = metrics["generations"][2]
+        assert meshes == [(2, 4), (1, 2), (2, 4)], metrics["generations"]
+        assert re.fullmatch(r"stopped after ckpt-\d+ to grow back to 2 process\(es\)", second["ended"])
+        assert third["ended"] == "finished" and third["first_step"] >= 8
+        assert second["lost_steps"] == max(second["last_step"] - third["first_step"], 0)
     with open(os.path.join(run, "history.json")) as f:
         assert [r["epoch"] for r in json.load(f)] == list(range(1, epochs + 1))  # every epoch trained
-    assert metrics["goodput"]["sessions"] == 2 and metrics["goodput"]["seconds"]["lost"] > 0
+    assert metrics["goodput"]["sessions"] == len(meshes) and metrics["goodput"]["seconds"]["lost"] > 0
 
 
 def test_goodput_counts_the_steps_each_restart_ran_again(tmp_path):

@@ -1,11 +1,14 @@
-"""Kill one process of an elastic job after its first checkpoint and report how the job ended.
+"""Kill one process of an elastic job after (or during) a checkpoint and report how the job ended.
 
-    python tools/elastic_drill.py --data-dir ../shared/data [--kill 1] [--signal KILL] [--] [TRAIN ARGS]
+    python tools/elastic_drill.py --data-dir ../shared/data [--kill 1] [--signal KILL]
+        [--when after-checkpoint|during-checkpoint] [--] [TRAIN ARGS]
 
 runs `meshfit launch --processes 2 --devices-per-process 4 --elastic -- meshfit train
 fashion-mnist-cnn --data-dir DIR --out RUN [TRAIN ARGS]`, sends SIGNAL to process KILL once the
-run's first checkpoint is committed, waits for the launch to end, and prints its exit code, the
-wall seconds, the test accuracy and the generations metrics.json records (BENCHMARKS.md section 6).
+run's first checkpoint is committed (during-checkpoint: as soon as the folder of the save after
+that one appears, before its manifest commits it), waits for the launch to end, and prints its
+exit code, the wall seconds, the test accuracy, the generations metrics.json records and the
+checkpoints each generation resumed from (BENCHMARKS.md section 6).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def main() -> int:
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--kill", type=int, default=1, help="the process to kill (default: 1)")
     parser.add_argument("--signal", default="KILL", help="KILL or STOP (default: KILL)")
+    parser.add_argument("--when", choices=("after-checkpoint", "during-checkpoint"),
+                        default="after-checkpoint")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--devices-per-process", type=int, default=4)
     parser.add_argument("train", nargs=argparse.REMAINDER)
@@ -45,23 +50,28 @@ def main() -> int:
     def read() -> None:
         for line in job.stdout:
             output.append(line)
+            if line.startswith("meshfit"):  # the launcher's and train's own lines: when they came
+                line = f"[{time.monotonic() - began:6.1f} s] {line}"
             sys.stdout.write(line)
             sys.stdout.flush()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     checkpoints = os.path.join(run, "checkpoints")
-    while job.poll() is None:
-        done = [n for n in os.listdir(checkpoints)] if os.path.isdir(checkpoints) else []
-        if any(os.path.isfile(os.path.join(checkpoints, n, "manifest.json")) for n in done):
-            break
+    committed: list[str] = []
+    while job.poll() is None and not committed:
+        committed = _folders(checkpoints, manifest=True)
         time.sleep(0.1)
+    writing: list[str] = []
+    while args.when == "during-checkpoint" and job.poll() is None and not writing:
+        writing = [n for n in _folders(checkpoints, manifest=False) if n > committed[-1]]
+        time.sleep(0.005)  # a save of this model's files takes a fraction of a second
     pids = re.search(r"pids ([\d ]+)", "".join(output))
     if job.poll() is None and pids:
         pid = int(pids.group(1).split()[args.kill])
-        first = sorted(done)[0]
         os.kill(pid, getattr(signal, "SIG" + args.signal))
-        print(f"DRILL: SIG{args.signal} to process {args.kill} (pid {pid}) after {first}, "
+        when = f"while {writing[0]} was written" if writing else f"after {committed[0]}"
+        print(f"DRILL: SIG{args.signal} to process {args.kill} (pid {pid}) {when}, "
               f"{time.monotonic() - began:.1f} s into the launch", flush=True)
     code = job.wait()
     reader.join(timeout=10)
@@ -76,8 +86,23 @@ def main() -> int:
           f"goodput {goodput.get('fraction')}, lost {goodput.get('seconds', {}).get('lost')} s "
           f"and {goodput.get('lost_steps')} steps, sessions {goodput.get('sessions')}", flush=True)
     print("DRILL: generations " + json.dumps(metrics.get("generations")), flush=True)
+    try:
+        with open(os.path.join(run, "config.json")) as f:
+            resumed = [r.get("checkpoint") for r in json.load(f).get("resumed", [])]
+    except OSError:
+        resumed = []
+    print(f"DRILL: generations resumed from {resumed}; committed now "
+          f"{_folders(checkpoints, manifest=True)}, uncommitted {_folders(checkpoints, manifest=False)}",
+          flush=True)
     print(f"DRILL: run directory {run}", flush=True)
     return code
+
+
+def _folders(checkpoints: str, manifest: bool) -> list[str]:
+    """The checkpoint folders with (or without) a manifest, oldest first."""
+    names = sorted(os.listdir(checkpoints)) if os.path.isdir(checkpoints) else []
+    return [n for n in names if n.startswith("ckpt-") and
+            os.path.isfile(os.path.join(checkpoints, n, "manifest.json")) == manifest]
 
 
 if __name__ == "__main__":

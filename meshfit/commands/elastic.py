@@ -7,17 +7,25 @@ signal: SIGKILL, an abort, a crash) or hangs (JAX's heartbeat check names it, or
 stall watchdog finds it furthest behind, meshfit.commands.launch), the launcher stops the other
 processes within its grace period (10 s), and starts a new generation with the survivors' count,
 which resumes the run from its newest committed checkpoint (`meshfit train --resume RUN`: exact,
-resharded to the devices there are now, meshfit.run.checkpoints), with one line naming the
+resharded to the devices there are now, meshfit.run.keras_side.checkpoints), with one line naming the
 change, and so on until the run finishes (exit 0), fewer than --min-processes would be left, or
---max-restarts restarts were made. A process that exits with an error code of its own (a bad
+--max-restarts restarts were made (then one error line names why and the checkpoint the run
+continues from with --resume). A process that exits with an error code of its own (a bad
 flag, a bug, a stop on SIGTERM after saving) ends the job as without --elastic: every process
 would fail the same way again.
+
+The mesh grows back (unless --no-grow): on one machine the launcher owns every process, so the
+slot of a lost one is free again at once. Once the smaller generation committed a checkpoint (the
+next boundary; not the run's last), the launcher sends it SIGTERM (its processes agree on a step
+and save there, meshfit.run.keras_side.checkpoints, so no step runs again) and starts a generation with all
+--processes from that save. Growing is no restart of --max-restarts: each loss counts once.
 
 Why restart instead of shrinking in place: JAX fixes the job's processes and devices when
 `jax.distributed.initialize` runs (its coordination service registers every task once, and the
 compiled programs' collectives span every device), and offers no way to leave a process out of a
 running world: `jax.distributed` can only be shut down and started again, by every process, and
-XLA's backends cannot be started twice in one process. So a smaller mesh needs new processes.
+XLA's backends cannot be started twice in one process. So a smaller mesh needs new processes,
+and so does a larger one (a new process cannot join a running coordination service either).
 
 What a mesh change costs: the steps since the newest checkpoint, run again (`--elastic` makes the
 run save every ELASTIC_CHECKPOINT_EVERY unless the command gives --checkpoint-every), plus the
@@ -44,17 +52,19 @@ from meshfit.run import rundir
 
 # A lost process costs the steps since the last checkpoint: the run saves this often unless the
 # command says otherwise. A save blocks training only while the arrays are copied off the devices
-# (the files are written in a background thread, meshfit.run.checkpoints).
+# (the files are written in a background thread, meshfit.run.keras_side.checkpoints).
 ELASTIC_CHECKPOINT_EVERY = "20s"
 MAX_RESTARTS = 3
 GENERATIONS = "generations.json"  # in the run directory
 
 
 def elastic_launch(command: Sequence[str], processes: int, devices_per_process: int = 1, *,
-                   min_processes: int = 1, max_restarts: int = MAX_RESTARTS, show: str = "all",
-                   timeout: float | None = None, grace: float = launch_watch.GRACE_SECONDS) -> int:
+                   min_processes: int = 1, max_restarts: int = MAX_RESTARTS, grow: bool = True,
+                   show: str = "all", timeout: float | None = None,
+                   grace: float = launch_watch.GRACE_SECONDS) -> int:
     """Run `command` (a `meshfit train`) as a job of `processes` processes that restarts with the
-    survivors after losing some (see the module); return the launch's exit code."""
+    survivors after losing some, and grows back to `processes` at the smaller generation's next
+    checkpoint unless not `grow` (see the module); return the launch's exit code."""
     launch.check_arguments(processes, devices_per_process, timeout, show)
     if not 1 <= min_processes <= processes:
         raise MeshfitError(f"--min-processes must be between 1 and --processes ({processes}), "
@@ -63,18 +73,31 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
         raise MeshfitError(f"--max-restarts must be at least 0, got {max_restarts}")
     argv, run = train_command(launch.command_line(command))
     deadline = None if timeout is None else time.monotonic() + timeout
-    generations: list[dict[str, Any]] = []
-    count = processes
+    generations = _earlier_generations(run)  # a resumed run's history goes on
+    count, restarts = processes, 0
     while True:
         resumed_before = len(_config(run).get("resumed", []))
         resume = ["--resume", run] if os.path.isfile(os.path.join(run, rundir.CONFIG)) else []
         left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
-        ended = launch.run_job(argv + resume, count, devices_per_process, None, show, left, grace)
+        boundary = NextCheckpoint(run) if grow and count < processes else None
+        ended = launch.run_job(argv + resume, count, devices_per_process, None, show, left, grace,
+                               boundary)
         record = generation_record(len(generations) + 1, count, devices_per_process, run,
                                    resumed_before, ended)
         if generations:
             generations[-1]["lost_steps"] = max(generations[-1]["last_step"] - record["first_step"], 0)
         generations.append(record)
+        if ended.at_boundary:
+            record["ended"] = f"stopped after {boundary.found} to grow back to {processes} process(es)"
+            _write_generations(run, generations)
+            launch.finish(ended.started)
+            print(f"meshfit launch: elastic: {boundary.found} committed on {count} process(es); "
+                  f"generation {len(generations) + 1}: {processes} process(es) x "
+                  f"{devices_per_process} device(s) again (was {count} x {devices_per_process}), "
+                  f"{batch_line(run, processes * devices_per_process)}, resuming {run} from its "
+                  "stop", file=sys.stderr, flush=True)
+            count = processes
+            continue
         restart, lost = lost_processes(ended, count)
         if ended.verdict is None and ended.failure is None:
             record["ended"] = "finished"
@@ -94,20 +117,66 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
             stop = "not a lost process"
         elif survivors < min_processes:
             stop = f"{survivors} process(es) left, fewer than --min-processes {min_processes}"
-        elif len(generations) > max_restarts:
+        elif restarts >= max_restarts:
             stop = f"--max-restarts {max_restarts} reached"
         if stop is not None:
-            code = ended.report(show)
-            if restart:
-                print(f"meshfit: error: elastic launch stopped after generation {len(generations)} "
-                      f"({why}): {stop}; continue with --resume {run}", file=sys.stderr, flush=True)
-            return code or 1
+            if not restart:
+                return ended.report(show) or 1
+            return _stopped(ended, show, len(generations), why, stop, run)
+        restarts += 1
         launch.finish(ended.started)
         print(f"meshfit launch: elastic: {why}; generation {len(generations) + 1}: "
               f"{survivors} process(es) x {devices_per_process} device(s) (was {count} x "
               f"{devices_per_process}), {batch_line(run, survivors * devices_per_process)}, resuming "
               f"{run} from its newest checkpoint", file=sys.stderr, flush=True)
         count = survivors
+
+
+def _stopped(ended: launch.Ended, show: str, generation: int, why: str, stop: str, run: str) -> int:
+    """Print the one error line of a job that lost a process it may not restart without (the
+    failed process's last lines first, as launch does); return the launch's exit code."""
+    if ended.verdict is not None:
+        code = ended.verdict
+    else:
+        launch.finish(ended.started)
+        index, code = ended.failure
+        if show == "first" and index != 0:
+            for line in list(ended.started[index].tail)[-launch.TAIL_LINES:]:
+                print(f"[{index}] {line}", file=sys.stderr)
+        code = code if code > 0 else 128 - code
+    newest = rundir.list_checkpoints(os.path.join(run, rundir.CHECKPOINTS))
+    since = os.path.basename(newest[-1]) if newest else "its start (no checkpoint yet)"
+    print(f"meshfit: error: elastic launch stopped after generation {generation} ({why}): {stop}; "
+          f"continue from {since} with --resume {run}", file=sys.stderr, flush=True)
+    return code
+
+
+class NextCheckpoint:
+    """run_job's boundary for growing the mesh again: true once a checkpoint newer than those
+    there are now is committed in `run` (by the smaller generation), unless it is the run's last
+    (the run is about to finish: a restart would only cost). `found`: its name."""
+
+    def __init__(self, run: str):
+        self.folder = os.path.join(run, rundir.CHECKPOINTS)
+        self.run, self.before, self.found = run, set(rundir.list_checkpoints(self.folder)), None
+
+    def __call__(self) -> bool:
+        for path in reversed(rundir.list_checkpoints(self.folder)):
+            if path in self.before:
+                return False
+            if not _last_of_run(self.run, path):
+                self.found = os.path.basename(path)
+                return True
+        return False
+
+
+def _last_of_run(run: str, checkpoint: str) -> bool:
+    """Whether `checkpoint` holds the run's last step (config.json's epochs x its steps per epoch)."""
+    try:
+        state = rundir.read_json(os.path.join(checkpoint, rundir.CHECKPOINT_STATE))
+        return state["global_step"] >= int(_config(run)["epochs"]) * state["steps_per_epoch"]
+    except (MeshfitError, KeyError, TypeError, ValueError):
+        return False
 
 
 def train_command(argv: list[str]) -> tuple[list[str], str]:
@@ -235,6 +304,15 @@ def _config(run: str) -> dict[str, Any]:
 
 def _mesh(generation: dict[str, Any]) -> str:
     return f"{generation['processes']}x{generation['devices_per_process']}"
+
+
+def _earlier_generations(run: str) -> list[dict[str, Any]]:
+    """RUN/generations.json of a run resumed with --resume (an earlier elastic launch), else []."""
+    try:
+        found = rundir.read_json(os.path.join(run, GENERATIONS))
+    except MeshfitError:
+        return []
+    return found if isinstance(found, list) and os.path.isfile(os.path.join(run, rundir.CONFIG)) else []
 
 
 def _write_generations(run: str, generations: list[dict[str, Any]], finished: bool = False) -> None:

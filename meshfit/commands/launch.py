@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, Iterator, Sequence
+from typing import IO, Callable, Iterator, Sequence
 
 from meshfit import env
 from meshfit.parallel import heartbeat, stall
@@ -235,7 +235,8 @@ class Ended:
     watchdog: a hung process, `behind` the ones furthest behind; processes that never joined,
     `missing`), its line printed; else None. codes: each process's exit code. failure: (index,
     code) of the first process that failed, or None. steps: the training steps each process
-    started. seconds: from the first start to the last exit.
+    started. seconds: from the first start to the last exit. at_boundary: run_job's `boundary`
+    came and the processes were stopped there (after saving, see `_stop_to_resume`).
     """
 
     started: list
@@ -249,6 +250,7 @@ class Ended:
     steps: dict[int, int]
     seconds: float
     timed_out: bool = False
+    at_boundary: bool = False
 
     def report(self, show: str) -> int:
         """Print the line naming what failed (if anything did); the launch's exit code."""
@@ -262,9 +264,12 @@ class Ended:
 
 
 def run_job(argv: list[str], processes: int, devices_per_process: int, port: int | None,
-            show: str, timeout: float | None, grace: float) -> Ended:
+            show: str, timeout: float | None, grace: float,
+            boundary: Callable[[], bool] | None = None) -> Ended:
     """Start `processes` copies of `argv` as one job and wait until every one has ended (see
-    `launch`); nothing is left running when it returns or raises."""
+    `launch`); nothing is left running when it returns or raises. boundary: asked once a
+    POLL_SECONDS while all run; once it says True the job is stopped to resume (SIGTERM: an agreed
+    save) and ends `at_boundary` (meshfit.commands.elastic grows the mesh there)."""
     port = port or free_port()
     init_timeout, stall_timeout = _timeouts()
     _catch_stop_signals()
@@ -275,14 +280,15 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
     began = time.monotonic()
     try:
         _start_processes(started, argv, processes, devices_per_process, port, status, show, exits)
-        verdict, codes, failure = _wait_for_exits(started, exits, watch, processes, timeout, grace)
+        verdict, codes, failure, at_boundary = _wait_for_exits(started, exits, watch, processes,
+                                                               timeout, grace, boundary)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
         missing, positions = watch.missing(), watch.positions()
         steps = {i: counts[0] for i, counts in heartbeat.progress(status).items()}
         shutil.rmtree(status, ignore_errors=True)
     return Ended(started, verdict, codes, failure, missing, positions, watch.init_timeout,
-                 watch.behind, steps, time.monotonic() - began, watch.timed_out)
+                 watch.behind, steps, time.monotonic() - began, watch.timed_out, at_boundary)
 
 
 def check_arguments(processes: int, devices_per_process: int, timeout: float | None,
@@ -339,10 +345,11 @@ def _start_processes(started: list[_Process], argv: list[str], processes: int,
 
 
 def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "Watch", processes: int,
-                    timeout: float | None, grace: float):
-    """(verdict, exit codes, first failure): wait until every process has exited, stopping the
-    others at the first failure. verdict: 124 once the job was stopped for running past
-    `timeout` or by the watchdog (its line printed), else None. failure: (index, code) or None."""
+                    timeout: float | None, grace: float, boundary: Callable[[], bool] | None):
+    """(verdict, exit codes, first failure, at boundary): wait until every process has exited,
+    stopping the others at the first failure. verdict: 124 once the job was stopped for running
+    past `timeout` or by the watchdog (its line printed), else None. failure: (index, code) or
+    None. at boundary: `boundary()` said True and the job was stopped to resume."""
     codes: dict[int, int] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     failure = None
@@ -360,6 +367,11 @@ def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "Watch",
             elif failure is None:
                 verdict = watch.poll(now)
                 stopped = verdict is not None and _stop_to_resume(started, grace)
+                if verdict is None and boundary is not None and boundary():
+                    # SIGTERM: the processes agree on a step and save there (exit 143), so the
+                    # next job resumes without running any step again
+                    _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
+                    return None, codes, None, True
             if verdict is None:
                 continue
             finish(started)
@@ -367,12 +379,12 @@ def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "Watch",
                      "--resume" if stopped else f"stopped all {processes} processes")
             see = "" if deadline is not None and now >= deadline else troubleshooting("a-job-hangs")
             print(f"meshfit: error: {verdict}; {after}{see}", file=sys.stderr, flush=True)
-            return 124, codes, failure
+            return 124, codes, failure, False
         codes[index] = code
         if code != 0 and failure is None:
             failure = (index, code)
             _stop(started, grace, patience=grace if code in STOP_CODES else 0.0)
-    return None, codes, failure
+    return None, codes, failure, False
 
 
 def _report_failure(started: list[_Process], codes: dict[int, int], failure: tuple[int, int],

@@ -1,0 +1,119 @@
+"""A stand-in for `meshfit train` under `meshfit launch --elastic`: tests of the launcher's
+decisions (limits, growing back) start processes that take milliseconds instead of training.
+
+    python tests/elastic_stand_in.py launch LAUNCH FLAGS -- train --out RUN [--steps 6]
+        [--kill P@S | --kill last] [--hold-below N]
+
+`launch` runs meshfit's CLI with the elastic launcher taking this script for `meshfit train`.
+`train` is one process of a run, doing what the launcher relies on of `meshfit train`, one
+"step" at a time with no clock involved:
+- the processes start together (as JAX's joining makes them) and report their steps to the
+  launcher (MESHFIT_LAUNCH_STATUS);
+- process 0 writes RUN/config.json (global batch, epochs: 1, and "resumed" with the checkpoint
+  of each --resume), commits a checkpoint after every step (state.json, then manifest.json) and,
+  once all steps ran, metrics.json; exit 0;
+- --resume RUN: start from its newest committed checkpoint;
+- --kill P@S: process P SIGKILLs itself after global step S (--kill last: the highest process,
+  after the first step of every job of more than one process), once process 0 committed that
+  step; the others then wait, as on a collective with a lost peer;
+- --hold-below N: a job of fewer than N processes waits after its first checkpoint (for the
+  launcher's SIGTERM that grows the mesh back); every wait ends after SAFETY_SECONDS with exit 3;
+- SIGTERM: process 0 commits the current step (the agreed save), every process exits 143.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+SAFETY_SECONDS = 300  # a wait the launcher never ended: fail instead of hanging the test
+
+
+def launch(argv: list[str]) -> int:
+    from meshfit import cli
+    from meshfit.commands import elastic
+
+    def train_command(command: list[str]) -> tuple[list[str], str]:
+        run = elastic._flag_value(command, "--resume") or elastic._flag_value(command, "--out")
+        return elastic._without_flag(command, "--resume"), run
+
+    elastic.train_command = train_command
+    return cli.main(["launch", *argv])
+
+
+def train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    parser.add_argument("--resume")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--kill")
+    parser.add_argument("--hold-below", type=int, default=0)
+    args = parser.parse_args(argv)
+    run = args.resume or args.out
+    index, count = int(os.environ["MESHFIT_PROCESS_ID"]), int(os.environ["MESHFIT_NUM_PROCESSES"])
+    folder = os.path.join(run, "checkpoints")
+    names = sorted(os.listdir(folder)) if args.resume and os.path.isdir(folder) else []
+    names = [n for n in names if os.path.isfile(os.path.join(folder, n, "manifest.json"))]
+    step = int(names[-1].rpartition("-")[2]) if names else 0
+    if index == 0:
+        config_path = os.path.join(run, "config.json")
+        config = {"recipe": "stand-in", "global_batch": 8, "epochs": 1}
+        if args.resume:
+            with open(config_path) as f:
+                config = json.load(f)
+            config.setdefault("resumed", []).append({"checkpoint": names[-1] if names else "none"})
+        os.makedirs(folder, exist_ok=True)
+        _write(config_path, config)
+
+    def commit(at: int) -> None:
+        path = os.path.join(folder, f"ckpt-{at:08d}")
+        if index == 0 and at > 0 and not os.path.isfile(os.path.join(path, "manifest.json")):
+            os.makedirs(path, exist_ok=True)
+            _write(os.path.join(path, "state.json"), {"global_step": at, "steps_per_epoch": args.steps})
+            _write(os.path.join(path, "manifest.json"), {"global_step": at})
+
+    signal.signal(signal.SIGTERM, lambda *_: (commit(step), os._exit(143)))
+    status = os.environ["MESHFIT_LAUNCH_STATUS"]  # a folder of this job's own
+    _write(os.path.join(status, f"ready-{index}"), "")  # all start from the same step, as on joining
+    for i in range(count):
+        _wait(until=os.path.join(status, f"ready-{i}"))
+    first = step
+    who, _, when = (args.kill or "none@0").partition("@")
+    victim, when = (count - 1, first + 1) if who == "last" else (int(who), int(when)) \
+        if who.isdigit() else (None, 0)
+    while step < args.steps:
+        step += 1
+        done = step - first  # the progress report the launcher reads (meshfit.parallel.heartbeat)
+        _write(os.path.join(status, f"progress-{index}"), f"{done} {done} {done} python", raw=True)
+        commit(step)
+        if count > 1 and victim is not None and victim < count and step == when:
+            if index == victim:  # once step S is committed, as a collective would have waited
+                _wait(until=os.path.join(folder, f"ckpt-{step:08d}", "manifest.json"))
+                os.kill(os.getpid(), signal.SIGKILL)
+            _wait()
+        if count < args.hold_below and step == first + 1:
+            _wait()
+    if index == 0:
+        _write(os.path.join(run, "metrics.json"), {"test_accuracy": 1.0})
+    return 0
+
+
+def _wait(until: str | None = None) -> None:
+    """Wait for SIGTERM (or until the file `until` exists); exit 3 after SAFETY_SECONDS."""
+    for _ in range(SAFETY_SECONDS * 100):
+        if until and os.path.isfile(until):
+            return
+        time.sleep(0.01)
+    os._exit(3)
+
+
+def _write(path: str, data, raw: bool = False) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(data if raw else json.dumps(data))
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    sys.exit(launch(sys.argv[2:]) if sys.argv[1] == "launch" else train(sys.argv[2:]))
