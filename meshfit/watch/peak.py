@@ -34,8 +34,8 @@ PROBE_SIZE = 1024
 PROBE_SECONDS = 0.15  # each round repeats products for at least this long
 PROBE_ROUNDS = 5
 # Other processes' share of the probe's cores above which the probe counts as taken under load.
-# Measured on the 2-core VM (2026-11-27): QUIET_READING quiet; 0.66-0.75 beside two test runs
-# (load average 12), where the probe fell from 99 to 40-79 GFLOP/s.
+# Measured on the 2-core VM (2026-11-27): 0.005-0.017 quiet (probes of 99-135 GFLOP/s); 0.66-0.75
+# beside two test runs (load average 12), where the probe fell to 40-79 GFLOP/s.
 LOADED_SHARE = 0.2
 # A figure probed under load is probed again by the first run this long after it (not by every
 # run: on a machine that is always busy, such as a test suite's, each process would pay the ~1 s).
