@@ -52,8 +52,10 @@ from meshfit.run import rundir
 
 # A lost process costs the steps since the last checkpoint: the run saves this often unless the
 # command says otherwise. A save blocks training only while the arrays are copied off the devices
-# (the files are written in a background thread, meshfit.run.keras_side.checkpoints).
-ELASTIC_CHECKPOINT_EVERY = "20s"
+# and orbax starts the write (the files are written in a background thread,
+# meshfit.run.keras_side.checkpoints): 0.2-0.3 s a save in a 2-process job of the Fashion-MNIST
+# CNN on a loaded 2-core VM, 2-3% of the wall time at 5 s (BENCHMARKS.md section 6), so 10 s.
+ELASTIC_CHECKPOINT_EVERY = "10s"
 MAX_RESTARTS = 3
 GENERATIONS = "generations.json"  # in the run directory
 

@@ -104,6 +104,12 @@ class Ledger:
     def base(self) -> str:
         return self._base
 
+    @property
+    def current(self) -> str:
+        """The part time is charged to now."""
+        with self._lock:
+            return self._stack[-1] if self._stack else self._base
+
     @contextlib.contextmanager
     def part(self, name: str) -> Iterator[None]:
         """Charge the time inside the block to `name` (nested blocks: to the innermost)."""

@@ -140,12 +140,24 @@ class Checkpointer(keras.callbacks.Callback):
         heartbeat.advance()  # progress for meshfit launch's watchdog, before the vote may wait
         if self._vote is None:
             return self.stop_signal
-        signum = self._vote.cast(self.stop_signal or 0)
-        if settle:
-            signum = max(signum, self._vote.settle())
+        signum = self.vote(self.stop_signal or 0, settle)
         if signum:
             self.stop_signal = signum
         return signum or None
+
+    def vote(self, signum: int, settle: bool = False) -> int:
+        """Cast this process's `signum` in the job's stop vote; the result of the previous cast
+        (with settle, the largest of every cast until now). A method of its own so that the
+        goodput ledger charges it to train, not to checkpoint
+        (meshfit.run.keras_side.fit_and_score.charged_to_checkpoint): reading the previous
+        cast's result waits for the training steps dispatched before it (the devices run in
+        order), at every step. Charged to checkpoint, that wait made the saves of a 2-process
+        job look like 35-44% of its wall time (BENCHMARKS.md section 6); the saves' own work
+        was about 0.2 s each."""
+        signum = self._vote.cast(signum)
+        if settle:
+            signum = max(signum, self._vote.settle())
+        return signum
 
     def on_train_begin(self, logs=None):
         self._last_time = time.monotonic()

@@ -208,10 +208,11 @@ _CHECKPOINT_HOOKS = ("on_train_begin", "on_epoch_begin", "on_train_batch_begin",
 
 
 def charged_to_checkpoint(checkpointer: checkpoints.Checkpointer) -> checkpoints.Checkpointer:
-    """The checkpointer, its hooks' time (saves, waits for a background save, the stop vote)
-    charged to the goodput ledger's checkpoint part, but a save's wait for the steps already
-    dispatched charged to train: that is the devices' training work, which the save only
-    waited for (the instance's methods wrapped: Keras and stop_on_signals keep the same object)."""
+    """The checkpointer, its hooks' time (saves, waits for a background save) charged to the
+    goodput ledger's checkpoint part, but a save's wait for the steps already dispatched and
+    the stop vote's (Checkpointer.vote) charged to train: that is the devices' training work,
+    which the save or the vote only waited for (the instance's methods wrapped: Keras and
+    stop_on_signals keep the same object)."""
     ledger = goodput.ledger()
 
     def charged(method, part):
@@ -223,6 +224,7 @@ def charged_to_checkpoint(checkpointer: checkpoints.Checkpointer) -> checkpoints
     for name in _CHECKPOINT_HOOKS:
         setattr(checkpointer, name, charged(getattr(checkpointer, name), "checkpoint"))
     checkpointer.wait_for_device = charged(checkpointer.wait_for_device, "train")
+    checkpointer.vote = charged(checkpointer.vote, "train")  # waits for the steps dispatched
     return checkpointer
 
 
