@@ -28,7 +28,8 @@ import time
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--kill", type=int, default=1, help="the process to kill (default: 1)")
+    parser.add_argument("--kill", default="1",
+                        help="the process(es) to kill, e.g. 1 or 1,3 (default: 1)")
     parser.add_argument("--signal", default="KILL", help="KILL or STOP (default: KILL)")
     parser.add_argument("--when", choices=("after-checkpoint", "during-checkpoint"),
                         default="after-checkpoint")
@@ -68,10 +69,12 @@ def main() -> int:
         time.sleep(0.005)  # a save of this model's files takes a fraction of a second
     pids = re.search(r"pids ([\d ]+)", "".join(output))
     if job.poll() is None and pids:
-        pid = int(pids.group(1).split()[args.kill])
-        os.kill(pid, getattr(signal, "SIG" + args.signal))
+        victims = [int(i) for i in args.kill.split(",")]
+        chosen = [int(pids.group(1).split()[i]) for i in victims]
+        for pid in chosen:
+            os.kill(pid, getattr(signal, "SIG" + args.signal))
         when = f"while {writing[0]} was written" if writing else f"after {committed[0]}"
-        print(f"DRILL: SIG{args.signal} to process {args.kill} (pid {pid}) {when}, "
+        print(f"DRILL: SIG{args.signal} to process(es) {args.kill} (pids {chosen}) {when}, "
               f"{time.monotonic() - began:.1f} s into the launch", flush=True)
     code = job.wait()
     reader.join(timeout=10)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any, Sequence
@@ -111,12 +112,14 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
         why = what_ended(ended, lost)
         record["ended"], record["lost_processes"] = why, lost
         _write_generations(run, generations)
-        survivors = count - len(lost)
+        survivors = fitting_processes(run, count - len(lost), devices_per_process)
         stop = None
         if not restart:
             stop = "not a lost process"
         elif survivors < min_processes:
             stop = f"{survivors} process(es) left, fewer than --min-processes {min_processes}"
+            if survivors < count - len(lost):
+                stop += " (the global batch splits evenly over no more)"
         elif restarts >= max_restarts:
             stop = f"--max-restarts {max_restarts} reached"
         if stop is not None:
@@ -125,20 +128,22 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
             return _stopped(ended, show, len(generations), why, stop, run)
         restarts += 1
         launch.finish(ended.started)
+        idle = (f"; {count - len(lost) - survivors} survivor(s) idle: the global batch splits "
+                "evenly over no more devices" if survivors < count - len(lost) else "")
         print(f"meshfit launch: elastic: {why}; generation {len(generations) + 1}: "
               f"{survivors} process(es) x {devices_per_process} device(s) (was {count} x "
-              f"{devices_per_process}), {batch_line(run, survivors * devices_per_process)}, resuming "
-              f"{run} from its newest checkpoint", file=sys.stderr, flush=True)
+              f"{devices_per_process}{idle}), {batch_line(run, survivors * devices_per_process)}, "
+              f"resuming {run} from its newest checkpoint", file=sys.stderr, flush=True)
         count = survivors
 
 
 def _stopped(ended: launch.Ended, show: str, generation: int, why: str, stop: str, run: str) -> int:
     """Print the one error line of a job that lost a process it may not restart without (the
     failed process's last lines first, as launch does); return the launch's exit code."""
-    if ended.verdict is not None:
+    launch.finish(ended.started)
+    if ended.verdict is not None:  # its line is not printed: this one names it (`why`)
         code = ended.verdict
     else:
-        launch.finish(ended.started)
         index, code = ended.failure
         if show == "first" and index != 0:
             for line in list(ended.started[index].tail)[-launch.TAIL_LINES:]:
@@ -241,18 +246,31 @@ def lost_processes(ended: launch.Ended, count: int) -> tuple[bool, list[int]]:
         return True, silent
     if code == stall.EXIT_CODE:  # its own guard: it waited for a peer that hung
         return True, ended.behind if 0 < len(ended.behind) < count else []
-    return True, [index]
+    return True, sorted({index, *_killed_too(ended, index)})
+
+
+def _killed_too(ended: launch.Ended, index: int) -> list[int]:
+    """The processes other than `index` that were SIGKILLed before the launcher stopped them (two
+    of a job killed at once: both are lost). Only SIGKILL: the survivors of a lost peer may end
+    by themselves too, with an abort (JAX's heartbeat check) or an error, and are no loss."""
+    return [i for i, code in ended.codes.items() if i != index and code == -signal.SIGKILL
+            and not getattr(ended.started[i], "signalled", True)]
 
 
 def what_ended(ended: launch.Ended, lost: list[int]) -> str:
     """One phrase on why a generation ended, e.g. 'process 1 of 2 failed with SIGKILL (exit code -9)'."""
     count = len(ended.started)
-    if ended.verdict is not None:
+    if ended.verdict is not None:  # the watchdog's own words, the only line naming it
+        if ended.verdict_text:
+            return ended.verdict_text
         how = "never joined" if ended.missing else "hung"
         who = ", ".join(map(str, lost)) or "?"
         return f"process(es) {who} of {count} {how}"
     index, code = ended.failure
     text = f"process {index} of {count} failed with {launch.describe_exit(code)}"
+    also = _killed_too(ended, index) if code == -signal.SIGKILL else []
+    if also:
+        text += f", and so did process(es) {', '.join(map(str, also))}"
     silent = launch_watch.silent_processes(ended.started[index].tail)
     if silent:
         text += f" because process(es) {', '.join(map(str, silent))} stopped sending heartbeats"
@@ -282,6 +300,18 @@ def generation_record(number: int, processes: int, devices_per_process: int, run
 def _checkpoint_step(name: str) -> int:
     digits = name.rpartition("-")[2]
     return int(digits) if digits.isdigit() else 0  # "none": a run resumed before its first save
+
+
+def fitting_processes(run: str, survivors: int, devices_per_process: int) -> int:
+    """The most processes, at most `survivors`, whose devices split the run's global batch evenly
+    (config.json): the batch is kept (exact resume depends on it) and `meshfit train` refuses a
+    batch that does not split, e.g. 1000 over 3 x 2 devices (then 2 x 2). `survivors` when the
+    batch is unknown or none fits (train's own error then says why)."""
+    batch = _config(run).get("global_batch")
+    if not isinstance(batch, int) or batch < 1:
+        return survivors
+    fits = [n for n in range(survivors, 0, -1) if batch % (n * devices_per_process) == 0]
+    return fits[0] if fits else survivors
 
 
 def batch_line(run: str, devices: int) -> str:
