@@ -84,7 +84,7 @@ def test_processes_killed_together_are_all_lost_but_not_the_ones_the_launcher_st
     job = ended((1, -signal.SIGKILL), count=4)
     job.codes = {1: -9, 2: -9, 0: -9, 3: 143}
     for i, process in enumerate(job.started):
-        process.signalled = i in (0, 3)  # the launcher stopped 0 (SIGKILL after its grace) and 3
+        process.killed = i == 0  # by the launcher, after its grace period (3 stopped on SIGTERM)
     assert elastic.lost_processes(job, 4) == (True, [1, 2])
     assert elastic.what_ended(job, [1, 2]) == ("process 1 of 4 failed with SIGKILL (exit code -9), "
                                                 "and so did process(es) 2")

@@ -250,11 +250,12 @@ def lost_processes(ended: launch.Ended, count: int) -> tuple[bool, list[int]]:
 
 
 def _killed_too(ended: launch.Ended, index: int) -> list[int]:
-    """The processes other than `index` that were SIGKILLed before the launcher stopped them (two
-    of a job killed at once: both are lost). Only SIGKILL: the survivors of a lost peer may end
-    by themselves too, with an abort (JAX's heartbeat check) or an error, and are no loss."""
+    """The processes other than `index` that were SIGKILLed, but not by the launcher (two of a
+    job killed at once: both are lost; the launcher's SIGTERM may reach a process that is already
+    being killed). Only SIGKILL: the survivors of a lost peer may end by themselves too, with an
+    abort (JAX's heartbeat check) or an error, and are no loss."""
     return [i for i, code in ended.codes.items() if i != index and code == -signal.SIGKILL
-            and not getattr(ended.started[i], "signalled", True)]
+            and not getattr(ended.started[i], "killed", True)]
 
 
 def what_ended(ended: launch.Ended, lost: list[int]) -> str:

@@ -145,7 +145,7 @@ class _Process:
     def __init__(self, index: int, argv: list[str], env: dict[str, str], show: bool, prefix: str,
                  lock: threading.Lock):
         self.index = index
-        self.signalled = False  # the launcher signalled it while it ran (its end is no fault of its own)
+        self.killed = False  # the launcher SIGKILLed it while it ran (after the grace period)
         self.tail: collections.deque[str] = collections.deque(maxlen=KEPT_LINES)
         self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, start_new_session=True,
@@ -170,8 +170,9 @@ class _Process:
 
     def signal(self, signum: int) -> None:
         """Send `signum` to the process and everything it started."""
-        if self.popen.poll() is None:
-            self.signalled = True
+        # returncode, not poll(): poll() says None while the exit thread waits for the process
+        if signum == signal.SIGKILL and self.popen.returncode is None:
+            self.killed = True
         try:
             os.killpg(self.popen.pid, signum)
         except (ProcessLookupError, PermissionError):
