@@ -108,6 +108,13 @@ def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
     assert (record["processes"], record["devices"], record["global_batch"]) == (1, 2, 64)
     assert (record["first_step"], record["last_step"]) == (4, 7)
     assert elastic.batch_line(str(tmp_path), 2) == "global batch kept at 64 (32 per device)"
+    # a generation lost before it restored (killed while joining): from the newest checkpoint
+    path = tmp_path / rundir.CHECKPOINTS / "ckpt-00000009"
+    path.mkdir(parents=True)
+    rundir.write_json(str(path / rundir.CHECKPOINT_MANIFEST), {})
+    job.steps = {}
+    record = elastic.generation_record(3, 2, 2, str(tmp_path), 1, job)
+    assert (record["first_step"], record["last_step"]) == (9, 9)
 
 
 STAND_IN = os.path.join(os.path.dirname(__file__), "elastic_stand_in.py")

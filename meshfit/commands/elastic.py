@@ -34,7 +34,11 @@ meshfit.watch.goodput), and every generation (its processes, devices, global bat
 step, why it ended) is in RUN/generations.json, and in metrics.json as "generations".
 
 The new generation keeps the run's global batch (the data order, hence exact resume, depends on
-it): each of the fewer devices takes a larger share of every batch.
+it): each of the fewer devices takes a larger share of every batch. It has as many of the
+survivors as split that batch evenly (`meshfit train` refuses a batch that does not: 1000 over
+3 x 2 devices): the other slots stay free until the mesh grows back. Processes SIGKILLed together (2
+of 4) are all left out; a hung one that the stall watchdog names is named by the elastic line
+alone (the launcher's own error line is printed only when the job stops).
 """
 
 from __future__ import annotations
@@ -288,10 +292,13 @@ def generation_record(number: int, processes: int, devices_per_process: int, run
     first = 0
     if len(resumed) > resumed_before:  # this generation's resumption, config.json's record of it
         first = _checkpoint_step(resumed[resumed_before].get("checkpoint", ""))
-    elif number > 1 or resumed_before:  # it ended before restoring: it started nothing new
-        first = None
+    elif number > 1 or resumed_before:  # it ended before restoring (killed while joining): it
+        # started nothing new, from the checkpoint it would have resumed (not step 0, which
+        # would count every step of the generation before as run again)
+        newest = rundir.list_checkpoints(os.path.join(run, rundir.CHECKPOINTS))
+        first = _checkpoint_step(os.path.basename(newest[-1])) if newest else 0
     started = max(ended.steps.values(), default=0)
-    first_step = first if first is not None else 0
+    first_step = first
     return {"generation": number, "processes": processes, "devices_per_process": devices_per_process,
             "devices": processes * devices_per_process, "global_batch": config.get("global_batch"),
             "first_step": first_step, "last_step": first_step + started,
