@@ -78,6 +78,9 @@ class Checkpointer(keras.callbacks.Callback):
         self._epoch, self._offset, self._global_step = 0, 0, 0
         self._last_time = time.monotonic()
         self._vote: hosts.Vote | None = None
+        self._saves = 0  # saves begun so far
+        self._saves_at_cast = 0  # ... when the vote now under way was cast
+        self._due = False  # the agreed answer: every_seconds have passed (see agreed_stop)
 
     def request_stop(self, signum: int) -> None:
         """Ask training to save and stop at the next step boundary (called by signal handlers)."""
@@ -90,6 +93,7 @@ class Checkpointer(keras.callbacks.Callback):
         self.wait()
         sync_variables(self.model)
         self._last_time = time.monotonic()
+        self._saves += 1
         self.saving = True  # a Ctrl-C now waits until the write is handed to its threads
         try:
             self._pending = begin_save(self.directory, self.model, epoch=epoch, step=step,
@@ -130,19 +134,27 @@ class Checkpointer(keras.callbacks.Callback):
                 self.last_saved = path
         return self.last_saved
 
-    def agreed_stop(self, settle: bool = False) -> int | None:
+    def agreed_stop(self, settle: bool = False, due: bool = False) -> int | None:
         """The signal to stop on now, the same on every process of a job; None: go on.
 
         One process alone: its own stop_signal. Several: the largest signal any process had at
         the previous call (or, with settle, at any call until now); every process calls this at
-        the same points of training.
+        the same points of training. due: whether every_seconds have passed on this process's
+        clock; `_due` becomes the agreed answer (one process alone: its own; several: any
+        process's at the previous call, unless a save began since). A save is a collective: a
+        process saving by its own clock while another, whose clock had not yet passed, went on
+        to the next step left the job hanging (issue 42's drill, 2 processes on a loaded machine).
         """
         heartbeat.advance()  # progress for meshfit launch's watchdog, before the vote may wait
         if self._vote is None:
+            self._due = due
             return self.stop_signal
-        signum = self._vote.cast(self.stop_signal or 0)
+        packed = self._vote.cast((self.stop_signal or 0) * 2 + int(due))  # signal, due: one max
         if settle:
-            signum = max(signum, self._vote.settle())
+            packed = max(packed, self._vote.settle())
+        saves_then, self._saves_at_cast = self._saves_at_cast, self._saves
+        self._due = bool(packed & 1) and saves_then == self._saves
+        signum = packed >> 1
         if signum:
             self.stop_signal = signum
         return signum or None
@@ -166,7 +178,8 @@ class Checkpointer(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         step = self._offset + batch
-        if self.agreed_stop() is not None:
+        due = bool(self.every_seconds) and time.monotonic() - self._last_time >= self.every_seconds
+        if self.agreed_stop(due=due) is not None:
             self._stop(self.save(self._epoch, step, wait=True),
                        self._epoch * self.steps_per_epoch + step)
         global_step = self._epoch * self.steps_per_epoch + step
@@ -175,7 +188,7 @@ class Checkpointer(keras.callbacks.Callback):
             return
         # With k steps per dispatch the step advances by k: save when it passes a multiple.
         if (self.every_steps and global_step // self.every_steps > previous // self.every_steps) or \
-                (self.every_seconds and time.monotonic() - self._last_time >= self.every_seconds):
+                self._due:
             self.save(self._epoch, step)
 
     def on_epoch_end(self, epoch, logs=None):
