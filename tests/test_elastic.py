@@ -88,6 +88,12 @@ def test_processes_killed_together_are_all_lost_but_not_the_ones_the_launcher_st
     assert elastic.lost_processes(job, 4) == (True, [1, 2])
     assert elastic.what_ended(job, [1, 2]) == ("process 1 of 4 failed with SIGKILL (exit code -9), "
                                                 "and so did process(es) 2")
+    # a survivor's error (its collective's peer gone) reached the launcher before the kill did
+    job = ended((0, 1), count=2)
+    job.codes = {0: 1, 1: -9}
+    job.started[0].killed = job.started[1].killed = False
+    assert elastic.lost_processes(job, 2) == (True, [1])
+    assert elastic.what_ended(job, [1]) == "process 0 of 2 failed with exit code 1, process(es) 1 SIGKILLed"
 
 
 def test_the_next_mesh_keeps_the_global_batch_splitting_evenly(tmp_path):

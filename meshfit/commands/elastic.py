@@ -243,6 +243,9 @@ def lost_processes(ended: launch.Ended, count: int) -> tuple[bool, list[int]]:
     if ended.failure is None:
         return False, []
     index, code = ended.failure
+    killed = _killed_too(ended, index)
+    if code > 0 and code != stall.EXIT_CODE and killed:  # its error came first: a collective
+        return True, killed  # failed because a peer was killed ("Connection reset by peer")
     if code >= 0 and code != stall.EXIT_CODE:  # an error of its own, or a stop after saving
         return False, []
     silent = [i for i in launch_watch.silent_processes(ended.started[index].tail) if i < count]
@@ -273,9 +276,10 @@ def what_ended(ended: launch.Ended, lost: list[int]) -> str:
         return f"process(es) {who} of {count} {how}"
     index, code = ended.failure
     text = f"process {index} of {count} failed with {launch.describe_exit(code)}"
-    also = _killed_too(ended, index) if code == -signal.SIGKILL else []
+    also = ", ".join(map(str, _killed_too(ended, index)))
     if also:
-        text += f", and so did process(es) {', '.join(map(str, also))}"
+        text += (f", and so did process(es) {also}" if code == -signal.SIGKILL else
+                 f", process(es) {also} SIGKILLed")
     silent = launch_watch.silent_processes(ended.started[index].tail)
     if silent:
         text += f" because process(es) {', '.join(map(str, silent))} stopped sending heartbeats"
