@@ -2,7 +2,7 @@
 decisions (limits, growing back) start processes that take milliseconds instead of training.
 
     python tests/elastic_stand_in.py launch LAUNCH FLAGS -- train --out RUN [--steps 6]
-        [--kill P@S | --kill last] [--hold-below N]
+        [--kill P@S | --kill last] [--hang P@S] [--hold-below N]
 
 `launch` runs meshfit's CLI with the elastic launcher taking this script for `meshfit train`.
 `train` is one process of a run, doing what the launcher relies on of `meshfit train`, one
@@ -16,6 +16,9 @@ decisions (limits, growing back) start processes that take milliseconds instead 
 - --kill P@S: process P SIGKILLs itself after global step S (--kill last: the highest process,
   after the first step of every job of more than one process), once process 0 committed that
   step; the others then wait, as on a collective with a lost peer;
+- --hang P@S: process P stops reporting progress after global step S (alive: a hung process for
+  the launcher's stall watchdog, MESHFIT_STALL_TIMEOUT), once process 0 committed that step;
+  the others report once more (as before a collective) and wait;
 - --hold-below N: a job of fewer than N processes waits after its first checkpoint (for the
   launcher's SIGTERM that grows the mesh back); every wait ends after SAFETY_SECONDS with exit 3;
 - SIGTERM: process 0 commits the current step (the agreed save), every process exits 143.
@@ -49,6 +52,7 @@ def train(argv: list[str]) -> int:
     parser.add_argument("--resume")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--kill")
+    parser.add_argument("--hang")
     parser.add_argument("--hold-below", type=int, default=0)
     args = parser.parse_args(argv)
     run = args.resume or args.out
@@ -92,6 +96,12 @@ def train(argv: list[str]) -> int:
             if index == victim:  # once step S is committed, as a collective would have waited
                 _wait(until=os.path.join(folder, f"ckpt-{step:08d}", "manifest.json"))
                 os.kill(os.getpid(), signal.SIGKILL)
+            _wait()
+        if count > 1 and args.hang and step == int(args.hang.partition("@")[2]):
+            _wait(until=os.path.join(folder, f"ckpt-{step:08d}", "manifest.json"))
+            if index != int(args.hang.partition("@")[0]):  # one report ahead of the hung one
+                _write(os.path.join(status, f"progress-{index}"), f"{done} {done + 1} {done} python",
+                       raw=True)
             _wait()
         if count < args.hold_below and step == first + 1:
             _wait()

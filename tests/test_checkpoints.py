@@ -409,3 +409,34 @@ def test_a_background_save_counts_only_once_committed(strategy, tmp_path, monkey
     assert pending.result() == checkpoint_format.latest(tmp_path) != first
     saved = checkpoint_format.read_arrays(pending.result())["model/00000"]
     assert np.abs(saved).sum() > 0  # the state at begin_save, not the zeros written after it
+
+
+def test_processes_save_by_time_at_the_same_step_whatever_their_clocks(tmp_path):
+    """--checkpoint-every 20s in a job of 2 processes: a save is a collective, so the processes
+    agree (with the stop vote, one dispatch later) on when 20 s have passed; each deciding by its
+    own clock hung the job when the clocks crossed 20 s at different steps (elastic drill)."""
+    from meshfit.run.keras_side.checkpoints import Checkpointer
+
+    casts: list[list[int]] = [[], []]
+
+    class Vote:  # hosts.Vote of 2 processes, called in turn at each point: the max one call later
+        def __init__(self, index):
+            self.index = index
+
+        def cast(self, value):
+            casts[self.index].append(value)
+            k = len(casts[self.index]) - 1
+            return max(c[k - 1] for c in casts) if k else 0
+
+    processes = [Checkpointer(str(tmp_path), 10, every_seconds=20) for _ in range(2)]
+    for index, checkpointer in enumerate(processes):
+        checkpointer._vote = Vote(index)
+    due_from = [2, 3]  # the call at which each process's own clock passes 20 s
+    saved: list[list[int]] = [[], []]
+    for call in range(8):
+        for index, checkpointer in enumerate(processes):
+            checkpointer.agreed_stop(due=call >= due_from[index] and not saved[index])
+            if checkpointer._due:
+                checkpointer._saves += 1  # what save() counts
+                saved[index].append(call)
+    assert saved == [[3], [3]]  # together, once: the casts before the save are not a second one

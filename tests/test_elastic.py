@@ -80,6 +80,31 @@ def test_which_ends_a_restart_outlives_and_who_is_left_out():
     assert elastic.lost_processes(ended(verdict=124, timed_out=True), 2) == (False, [])
 
 
+def test_processes_killed_together_are_all_lost_but_not_the_ones_the_launcher_stopped():
+    job = ended((1, -signal.SIGKILL), count=4)
+    job.codes = {1: -9, 2: -9, 0: -9, 3: 143}
+    for i, process in enumerate(job.started):
+        process.killed = i == 0  # by the launcher, after its grace period (3 stopped on SIGTERM)
+    assert elastic.lost_processes(job, 4) == (True, [1, 2])
+    assert elastic.what_ended(job, [1, 2]) == ("process 1 of 4 failed with SIGKILL (exit code -9), "
+                                                "and so did process(es) 2")
+    # a survivor's error (its collective's peer gone) reached the launcher before the kill did
+    job = ended((0, 1), count=2)
+    job.codes = {0: 1, 1: -9}
+    job.started[0].killed = job.started[1].killed = False
+    assert elastic.lost_processes(job, 2) == (True, [1])
+    assert elastic.what_ended(job, [1]) == "process 0 of 2 failed with exit code 1, process(es) 1 SIGKILLed"
+
+
+def test_the_next_mesh_keeps_the_global_batch_splitting_evenly(tmp_path):
+    rundir.write_json(str(tmp_path / "config.json"), {"global_batch": 1000})
+    assert elastic.fitting_processes(str(tmp_path), 3, 2) == 2  # 1000 over 6 devices: no
+    assert elastic.fitting_processes(str(tmp_path), 3, 1) == 2
+    assert elastic.fitting_processes(str(tmp_path), 2, 4) == 2
+    rundir.write_json(str(tmp_path / "config.json"), {"global_batch": 63})
+    assert elastic.fitting_processes(str(tmp_path), 3, 2) == 3  # none fits: train's error says so
+
+
 def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
     rundir.write_json(str(tmp_path / "config.json"), {"global_batch": 64, "resumed": [
         {"checkpoint": "ckpt-00000004"}]})
@@ -89,6 +114,13 @@ def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
     assert (record["processes"], record["devices"], record["global_batch"]) == (1, 2, 64)
     assert (record["first_step"], record["last_step"]) == (4, 7)
     assert elastic.batch_line(str(tmp_path), 2) == "global batch kept at 64 (32 per device)"
+    # a generation lost before it restored (killed while joining): from the newest checkpoint
+    path = tmp_path / rundir.CHECKPOINTS / "ckpt-00000009"
+    path.mkdir(parents=True)
+    rundir.write_json(str(path / rundir.CHECKPOINT_MANIFEST), {})
+    job.steps = {}
+    record = elastic.generation_record(3, 2, 2, str(tmp_path), 1, job)
+    assert (record["first_step"], record["last_step"]) == (9, 9)
 
 
 STAND_IN = os.path.join(os.path.dirname(__file__), "elastic_stand_in.py")
@@ -129,6 +161,25 @@ def test_a_limit_ends_the_job_in_one_line_and_the_run_resumes(tmp_path, flags, k
     with open(os.path.join(run, rundir.CONFIG)) as f:
         assert json.load(f)["resumed"][-1]["checkpoint"] == checkpoint
     assert meshes(run) == before + [(1, 2, 6)]  # the run's history of meshes goes on
+
+
+@pytest.mark.parametrize("flags", [["--no-grow"], ["--max-restarts", "0"]])
+def test_a_hung_process_is_named_in_one_line(tmp_path, monkeypatch, flags):
+    """The stall watchdog names hung process 1: a job that goes on prints only the elastic line,
+    a stopped one exactly one error line (not the watchdog's line as well)."""
+    monkeypatch.setenv("MESHFIT_STALL_TIMEOUT", "1")
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "2", *flags], ["--out", run, "--hang", "1@2"])
+    errors = [line for line in job.stderr.splitlines() if "error" in line]
+    hung = "process 1 of 2 hung after starting 2 training steps (the others as many, but got further)"
+    if flags == ["--no-grow"]:
+        assert job.returncode == 0 and errors == [], job.stderr
+        assert f"meshfit launch: elastic: {hung}: no process made progress for 1 s" in job.stderr
+        assert meshes(run) == [(2, 0, 2), (1, 2, 6)]
+    else:
+        assert job.returncode == 124 and len(errors) == 1, job.stderr
+        assert errors[0].startswith(f"meshfit: error: elastic launch stopped after generation 1 "
+                                    f"({hung}") and "--max-restarts 0 reached" in errors[0], errors[0]
 
 
 def test_a_lost_process_comes_back_at_the_next_checkpoint(tmp_path):

@@ -1,14 +1,21 @@
-"""Kill one process of an elastic job after (or during) a checkpoint and report how the job ended.
+"""Kill processes of an elastic job at a chosen moment and report how the job ended.
 
-    python tools/elastic_drill.py --data-dir ../shared/data [--kill 1] [--signal KILL]
-        [--when after-checkpoint|during-checkpoint] [--] [TRAIN ARGS]
+    python tools/elastic_drill.py --data-dir ../shared/data [--kill 1[,2...]] [--signal KILL]
+        [--when after-checkpoint|during-checkpoint|during-eval|during-growth]
+        [--processes 2] [--devices-per-process 4] [--] [TRAIN ARGS]
 
 runs `meshfit launch --processes 2 --devices-per-process 4 --elastic -- meshfit train
-fashion-mnist-cnn --data-dir DIR --out RUN [TRAIN ARGS]`, sends SIGNAL to process KILL once the
-run's first checkpoint is committed (during-checkpoint: as soon as the folder of the save after
-that one appears, before its manifest commits it), waits for the launch to end, and prints its
-exit code, the wall seconds, the test accuracy, the generations metrics.json records and the
-checkpoints each generation resumed from (BENCHMARKS.md section 6).
+fashion-mnist-cnn --data-dir DIR --out RUN [TRAIN ARGS]` and sends SIGNAL to the processes KILL:
+- after-checkpoint: once the run's first checkpoint is committed;
+- during-checkpoint: as soon as the folder of the save after that one appears, before its
+  manifest commits it;
+- during-eval: (after the first checkpoint) while the first of them evaluates at an epoch end,
+  as its progress file shows (meshfit.parallel.heartbeat);
+- during-growth: after the first checkpoint, and again (the first of KILL) as soon as it joins the
+  third generation, the one that grows the mesh back (a loss during the mesh change).
+It waits for the launch to end, and prints its exit code, the wall seconds, the test accuracy,
+the generations metrics.json records and the checkpoints each generation resumed from
+(BENCHMARKS.md section 6).
 """
 
 from __future__ import annotations
@@ -28,10 +35,11 @@ import time
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", required=True)
-    parser.add_argument("--kill", type=int, default=1, help="the process to kill (default: 1)")
+    parser.add_argument("--kill", default="1",
+                        help="the process(es) to kill, e.g. 1 or 1,3 (default: 1)")
     parser.add_argument("--signal", default="KILL", help="KILL or STOP (default: KILL)")
-    parser.add_argument("--when", choices=("after-checkpoint", "during-checkpoint"),
-                        default="after-checkpoint")
+    parser.add_argument("--when", choices=("after-checkpoint", "during-checkpoint", "during-eval",
+                                           "during-growth"), default="after-checkpoint")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--devices-per-process", type=int, default=4)
     parser.add_argument("train", nargs=argparse.REMAINDER)
@@ -44,7 +52,11 @@ def main() -> int:
                args.data_dir, "--out", run, *extra]
     print("$", " ".join(command), flush=True)
     began = time.monotonic()
-    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the launcher makes each generation's status folder (MESHFIT_LAUNCH_STATUS) in TMPDIR: the
+    # drill's own, so that it reads its job's progress files (meshfit.parallel.heartbeat)
+    status = tempfile.mkdtemp(prefix="elastic-drill-tmp-")
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "TMPDIR": status})
     output: list[str] = []
 
     def read() -> None:
@@ -66,13 +78,19 @@ def main() -> int:
     while args.when == "during-checkpoint" and job.poll() is None and not writing:
         writing = [n for n in _folders(checkpoints, manifest=False) if n > committed[-1]]
         time.sleep(0.005)  # a save of this model's files takes a fraction of a second
-    pids = re.search(r"pids ([\d ]+)", "".join(output))
-    if job.poll() is None and pids:
-        pid = int(pids.group(1).split()[args.kill])
-        os.kill(pid, getattr(signal, "SIG" + args.signal))
-        when = f"while {writing[0]} was written" if writing else f"after {committed[0]}"
-        print(f"DRILL: SIG{args.signal} to process {args.kill} (pid {pid}) {when}, "
-              f"{time.monotonic() - began:.1f} s into the launch", flush=True)
+    victims = [int(i) for i in args.kill.split(",")]
+    when = f"while {writing[0]} was written" if writing else f"after {committed[0]}"
+    if args.when == "during-eval":
+        when = _eval_started(job, status, victims[0], checkpoints, committed)
+    if args.when == "during-growth":  # first a loss, then the next generation of all processes
+        _kill(job, output, victims, args.signal, when, began)
+        while job.poll() is None and len(re.findall(r"pids ([\d ]+)", "".join(output))) < 3:
+            time.sleep(0.05)
+        while job.poll() is None and not any(
+                os.path.isfile(os.path.join(folder, f"joining-{victims[0]}")) for folder in _status(status)):
+            time.sleep(0.005)
+        when = "while generation 3 joined (its joining marker written)"
+    _kill(job, output, victims, args.signal, when, began)
     code = job.wait()
     reader.join(timeout=10)
     wall = time.monotonic() - began
@@ -96,6 +114,50 @@ def main() -> int:
           flush=True)
     print(f"DRILL: run directory {run}", flush=True)
     return code
+
+
+def _kill(job, output: list[str], victims: list[int], signame: str, when: str, began: float) -> None:
+    """Send SIG<signame> to the processes `victims` of the newest generation (its pids line)."""
+    pids = re.findall(r"pids ([\d ]+)", "".join(output))
+    if job.poll() is not None or not pids:
+        return
+    chosen = [int(pids[-1].split()[i]) for i in victims]
+    for pid in chosen:
+        os.kill(pid, getattr(signal, "SIG" + signame))
+    print(f"DRILL: SIG{signame} to process(es) {','.join(map(str, victims))} (pids {chosen}) "
+          f"{when}, {time.monotonic() - began:.1f} s into the launch", flush=True)
+
+
+def _status(tmp: str) -> list[str]:
+    """The status folders of the job's generations (one at a time: the launcher removes each)."""
+    names = os.listdir(tmp) if os.path.isdir(tmp) else []
+    return [os.path.join(tmp, n) for n in names if n.startswith("meshfit-launch-")]
+
+
+def _eval_started(job, tmp: str, victim: int, checkpoints: str, committed: list[str]) -> str:
+    """Wait until process `victim` evaluates at an epoch end: its progress file (rewritten at most
+    once a second) shows it at a multiple of the epoch's steps, in a device computation, with at
+    least 2 more progress reports than when first seen there (each multi-host predict batch of
+    the evaluation reports once, meshfit.fit.hosts; training reports 3 times a dispatch, the
+    epoch end's stop vote once); return the phrase saying so."""
+    with open(os.path.join(checkpoints, committed[0], "state.json")) as f:
+        per_epoch = json.load(f)["steps_per_epoch"]
+    first_seen: dict[int, int] = {}  # steps: beats when first seen at that many steps
+    while job.poll() is None:
+        for folder in _status(tmp):
+            try:
+                with open(os.path.join(folder, f"progress-{victim}")) as f:
+                    steps, beats, _, doing = f.read().split()
+            except (OSError, ValueError):
+                continue
+            steps, beats = int(steps), int(beats)
+            if steps and steps % per_epoch == 0:
+                seen = first_seen.setdefault(steps, beats)
+                if beats >= seen + 2 and doing == "device":
+                    return (f"during the evaluation after step {steps} (its progress: {beats} "
+                            f"reports, {beats - seen} since first seen at step {steps}, {doing})")
+        time.sleep(0.05)
+    return "never (the job ended first)"
 
 
 def _folders(checkpoints: str, manifest: bool) -> list[str]:

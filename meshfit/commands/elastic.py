@@ -34,13 +34,18 @@ meshfit.watch.goodput), and every generation (its processes, devices, global bat
 step, why it ended) is in RUN/generations.json, and in metrics.json as "generations".
 
 The new generation keeps the run's global batch (the data order, hence exact resume, depends on
-it): each of the fewer devices takes a larger share of every batch.
+it): each of the fewer devices takes a larger share of every batch. It has as many of the
+survivors as split that batch evenly (`meshfit train` refuses a batch that does not: 1000 over
+3 x 2 devices): the other slots stay free until the mesh grows back. Processes SIGKILLed together (2
+of 4) are all left out; a hung one that the stall watchdog names is named by the elastic line
+alone (the launcher's own error line is printed only when the job stops).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any, Sequence
@@ -113,12 +118,14 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
         why = what_ended(ended, lost)
         record["ended"], record["lost_processes"] = why, lost
         _write_generations(run, generations)
-        survivors = count - len(lost)
+        survivors = fitting_processes(run, count - len(lost), devices_per_process)
         stop = None
         if not restart:
             stop = "not a lost process"
         elif survivors < min_processes:
             stop = f"{survivors} process(es) left, fewer than --min-processes {min_processes}"
+            if survivors < count - len(lost):
+                stop += " (the global batch splits evenly over no more)"
         elif restarts >= max_restarts:
             stop = f"--max-restarts {max_restarts} reached"
         if stop is not None:
@@ -127,20 +134,22 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
             return _stopped(ended, show, len(generations), why, stop, run)
         restarts += 1
         launch.finish(ended.started)
+        idle = (f"; {count - len(lost) - survivors} survivor(s) idle: the global batch splits "
+                "evenly over no more devices" if survivors < count - len(lost) else "")
         print(f"meshfit launch: elastic: {why}; generation {len(generations) + 1}: "
               f"{survivors} process(es) x {devices_per_process} device(s) (was {count} x "
-              f"{devices_per_process}), {batch_line(run, survivors * devices_per_process)}, resuming "
-              f"{run} from its newest checkpoint", file=sys.stderr, flush=True)
+              f"{devices_per_process}{idle}), {batch_line(run, survivors * devices_per_process)}, "
+              f"resuming {run} from its newest checkpoint", file=sys.stderr, flush=True)
         count = survivors
 
 
 def _stopped(ended: launch.Ended, show: str, generation: int, why: str, stop: str, run: str) -> int:
     """Print the one error line of a job that lost a process it may not restart without (the
     failed process's last lines first, as launch does); return the launch's exit code."""
-    if ended.verdict is not None:
+    launch.finish(ended.started)
+    if ended.verdict is not None:  # its line is not printed: this one names it (`why`)
         code = ended.verdict
     else:
-        launch.finish(ended.started)
         index, code = ended.failure
         if show == "first" and index != 0:
             for line in list(ended.started[index].tail)[-launch.TAIL_LINES:]:
@@ -236,6 +245,9 @@ def lost_processes(ended: launch.Ended, count: int) -> tuple[bool, list[int]]:
     if ended.failure is None:
         return False, []
     index, code = ended.failure
+    killed = _killed_too(ended, index)
+    if code > 0 and code != stall.EXIT_CODE and killed:  # its error came first: a collective
+        return True, killed  # failed because a peer was killed ("Connection reset by peer")
     if code >= 0 and code != stall.EXIT_CODE:  # an error of its own, or a stop after saving
         return False, []
     silent = [i for i in launch_watch.silent_processes(ended.started[index].tail) if i < count]
@@ -243,18 +255,33 @@ def lost_processes(ended: launch.Ended, count: int) -> tuple[bool, list[int]]:
         return True, silent
     if code == stall.EXIT_CODE:  # its own guard: it waited for a peer that hung
         return True, ended.behind if 0 < len(ended.behind) < count else []
-    return True, [index]
+    return True, sorted({index, *_killed_too(ended, index)})
+
+
+def _killed_too(ended: launch.Ended, index: int) -> list[int]:
+    """The processes other than `index` that were SIGKILLed, but not by the launcher (two of a
+    job killed at once: both are lost; the launcher's SIGTERM may reach a process that is already
+    being killed). Only SIGKILL: the survivors of a lost peer may end by themselves too, with an
+    abort (JAX's heartbeat check) or an error, and are no loss."""
+    return [i for i, code in ended.codes.items() if i != index and code == -signal.SIGKILL
+            and not getattr(ended.started[i], "killed", True)]
 
 
 def what_ended(ended: launch.Ended, lost: list[int]) -> str:
     """One phrase on why a generation ended, e.g. 'process 1 of 2 failed with SIGKILL (exit code -9)'."""
     count = len(ended.started)
-    if ended.verdict is not None:
+    if ended.verdict is not None:  # the watchdog's own words, the only line naming it
+        if ended.verdict_text:
+            return ended.verdict_text
         how = "never joined" if ended.missing else "hung"
         who = ", ".join(map(str, lost)) or "?"
         return f"process(es) {who} of {count} {how}"
     index, code = ended.failure
     text = f"process {index} of {count} failed with {launch.describe_exit(code)}"
+    also = ", ".join(map(str, _killed_too(ended, index)))
+    if also:
+        text += (f", and so did process(es) {also}" if code == -signal.SIGKILL else
+                 f", process(es) {also} SIGKILLed")
     silent = launch_watch.silent_processes(ended.started[index].tail)
     if silent:
         text += f" because process(es) {', '.join(map(str, silent))} stopped sending heartbeats"
@@ -271,10 +298,13 @@ def generation_record(number: int, processes: int, devices_per_process: int, run
     first = 0
     if len(resumed) > resumed_before:  # this generation's resumption, config.json's record of it
         first = _checkpoint_step(resumed[resumed_before].get("checkpoint", ""))
-    elif number > 1 or resumed_before:  # it ended before restoring: it started nothing new
-        first = None
+    elif number > 1 or resumed_before:  # it ended before restoring (killed while joining): it
+        # started nothing new, from the checkpoint it would have resumed (not step 0, which
+        # would count every step of the generation before as run again)
+        newest = rundir.list_checkpoints(os.path.join(run, rundir.CHECKPOINTS))
+        first = _checkpoint_step(os.path.basename(newest[-1])) if newest else 0
     started = max(ended.steps.values(), default=0)
-    first_step = first if first is not None else 0
+    first_step = first
     return {"generation": number, "processes": processes, "devices_per_process": devices_per_process,
             "devices": processes * devices_per_process, "global_batch": config.get("global_batch"),
             "first_step": first_step, "last_step": first_step + started,
@@ -284,6 +314,18 @@ def generation_record(number: int, processes: int, devices_per_process: int, run
 def _checkpoint_step(name: str) -> int:
     digits = name.rpartition("-")[2]
     return int(digits) if digits.isdigit() else 0  # "none": a run resumed before its first save
+
+
+def fitting_processes(run: str, survivors: int, devices_per_process: int) -> int:
+    """The most processes, at most `survivors`, whose devices split the run's global batch evenly
+    (config.json): the batch is kept (exact resume depends on it) and `meshfit train` refuses a
+    batch that does not split, e.g. 1000 over 3 x 2 devices (then 2 x 2). `survivors` when the
+    batch is unknown or none fits (train's own error then says why)."""
+    batch = _config(run).get("global_batch")
+    if not isinstance(batch, int) or batch < 1:
+        return survivors
+    fits = [n for n in range(survivors, 0, -1) if batch % (n * devices_per_process) == 0]
+    return fits[0] if fits else survivors
 
 
 def batch_line(run: str, devices: int) -> str:

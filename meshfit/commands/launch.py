@@ -145,6 +145,7 @@ class _Process:
     def __init__(self, index: int, argv: list[str], env: dict[str, str], show: bool, prefix: str,
                  lock: threading.Lock):
         self.index = index
+        self.killed = False  # the launcher SIGKILLed it while it ran (after the grace period)
         self.tail: collections.deque[str] = collections.deque(maxlen=KEPT_LINES)
         self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, start_new_session=True,
@@ -169,6 +170,9 @@ class _Process:
 
     def signal(self, signum: int) -> None:
         """Send `signum` to the process and everything it started."""
+        # returncode, not poll(): poll() says None while the exit thread waits for the process
+        if signum == signal.SIGKILL and self.popen.returncode is None:
+            self.killed = True
         try:
             os.killpg(self.popen.pid, signum)
         except (ProcessLookupError, PermissionError):
@@ -236,7 +240,10 @@ class Ended:
     `missing`), its line printed; else None. codes: each process's exit code. failure: (index,
     code) of the first process that failed, or None. steps: the training steps each process
     started. seconds: from the first start to the last exit. at_boundary: run_job's `boundary`
-    came and the processes were stopped there (after saving, see `_stop_to_resume`).
+    came and the processes were stopped there (after saving, see `_stop_to_resume`). verdict_text:
+    the verdict's reason (e.g. "process 1 of 2 hung after ..."); verdict_line: its error line,
+    printed by `report`, not by run_job (an elastic launch that goes on prints its own line
+    instead, and one that stops prints one error line, not two).
     """
 
     started: list
@@ -251,12 +258,15 @@ class Ended:
     seconds: float
     timed_out: bool = False
     at_boundary: bool = False
+    verdict_text: str = ""
+    verdict_line: str = ""
 
     def report(self, show: str) -> int:
         """Print the line naming what failed (if anything did); the launch's exit code."""
-        if self.verdict is not None:
-            return self.verdict
         finish(self.started)
+        if self.verdict is not None:
+            print(self.verdict_line, file=sys.stderr, flush=True)
+            return self.verdict
         if self.failure is None:
             return 0
         return _report_failure(self.started, self.codes, self.failure, show, self.missing,
@@ -280,15 +290,16 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
     began = time.monotonic()
     try:
         _start_processes(started, argv, processes, devices_per_process, port, status, show, exits)
-        verdict, codes, failure, at_boundary = _wait_for_exits(started, exits, watch, processes,
-                                                               timeout, grace, boundary)
+        verdict, codes, failure, at_boundary, text, line = _wait_for_exits(
+            started, exits, watch, processes, timeout, grace, boundary)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
         missing, positions = watch.missing(), watch.positions()
         steps = {i: counts[0] for i, counts in heartbeat.progress(status).items()}
         shutil.rmtree(status, ignore_errors=True)
     return Ended(started, verdict, codes, failure, missing, positions, watch.init_timeout,
-                 watch.behind, steps, time.monotonic() - began, watch.timed_out, at_boundary)
+                 watch.behind, steps, time.monotonic() - began, watch.timed_out, at_boundary,
+                 text, line)
 
 
 def check_arguments(processes: int, devices_per_process: int, timeout: float | None,
@@ -346,10 +357,11 @@ def _start_processes(started: list[_Process], argv: list[str], processes: int,
 
 def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "Watch", processes: int,
                     timeout: float | None, grace: float, boundary: Callable[[], bool] | None):
-    """(verdict, exit codes, first failure, at boundary): wait until every process has exited,
-    stopping the others at the first failure. verdict: 124 once the job was stopped for running
-    past `timeout` or by the watchdog (its line printed), else None. failure: (index, code) or
-    None. at boundary: `boundary()` said True and the job was stopped to resume."""
+    """(verdict, exit codes, first failure, at boundary, verdict text, verdict line): wait until
+    every process has exited, stopping the others at the first failure. verdict: 124 once the job
+    was stopped for running past `timeout` or by the watchdog (its line not yet printed: see
+    Ended), else None. failure: (index, code) or None. at boundary: `boundary()` said True and the
+    job was stopped to resume."""
     codes: dict[int, int] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     failure = None
@@ -371,20 +383,18 @@ def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "Watch",
                     # SIGTERM: the processes agree on a step and save there (exit 143), so the
                     # next job resumes without running any step again
                     _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
-                    return None, codes, None, True
+                    return None, codes, None, True, "", ""
             if verdict is None:
                 continue
-            finish(started)
             after = (f"all {processes} processes stopped together after saving; continue with "
                      "--resume" if stopped else f"stopped all {processes} processes")
             see = "" if deadline is not None and now >= deadline else troubleshooting("a-job-hangs")
-            print(f"meshfit: error: {verdict}; {after}{see}", file=sys.stderr, flush=True)
-            return 124, codes, failure, False
+            return 124, codes, failure, False, verdict, f"meshfit: error: {verdict}; {after}{see}"
         codes[index] = code
         if code != 0 and failure is None:
             failure = (index, code)
             _stop(started, grace, patience=grace if code in STOP_CODES else 0.0)
-    return None, codes, failure, False
+    return None, codes, failure, False, "", ""
 
 
 def _report_failure(started: list[_Process], codes: dict[int, int], failure: tuple[int, int],

@@ -78,6 +78,9 @@ class Checkpointer(keras.callbacks.Callback):
         self._epoch, self._offset, self._global_step = 0, 0, 0
         self._last_time = time.monotonic()
         self._vote: hosts.Vote | None = None
+        self._saves = 0  # saves begun so far
+        self._saves_at_cast = 0  # ... when the vote now under way was cast
+        self._due = False  # the agreed answer: every_seconds have passed (see agreed_stop)
 
     def request_stop(self, signum: int) -> None:
         """Ask training to save and stop at the next step boundary (called by signal handlers)."""
@@ -90,6 +93,7 @@ class Checkpointer(keras.callbacks.Callback):
         self.wait()
         sync_variables(self.model)
         self._last_time = time.monotonic()
+        self._saves += 1
         self.saving = True  # a Ctrl-C now waits until the write is handed to its threads
         try:
             self._pending = begin_save(self.directory, self.model, epoch=epoch, step=step,
@@ -130,23 +134,31 @@ class Checkpointer(keras.callbacks.Callback):
                 self.last_saved = path
         return self.last_saved
 
-    def agreed_stop(self, settle: bool = False) -> int | None:
+    def agreed_stop(self, settle: bool = False, due: bool = False) -> int | None:
         """The signal to stop on now, the same on every process of a job; None: go on.
 
         One process alone: its own stop_signal. Several: the largest signal any process had at
         the previous call (or, with settle, at any call until now); every process calls this at
-        the same points of training.
+        the same points of training. due: whether every_seconds have passed on this process's
+        clock; `_due` becomes the agreed answer (one process alone: its own; several: any
+        process's at the previous call, unless a save began since). A save is a collective: a
+        process saving by its own clock while another, whose clock had not yet passed, went on
+        to the next step left the job hanging (issue 42's drill, 2 processes on a loaded machine).
         """
         heartbeat.advance()  # progress for meshfit launch's watchdog, before the vote may wait
         if self._vote is None:
+            self._due = due
             return self.stop_signal
-        signum = self.vote(self.stop_signal or 0, settle)
+        packed = self.vote((self.stop_signal or 0) * 2 + int(due), settle)  # signal, due: one max
+        saves_then, self._saves_at_cast = self._saves_at_cast, self._saves
+        self._due = bool(packed & 1) and saves_then == self._saves
+        signum = packed >> 1
         if signum:
             self.stop_signal = signum
         return signum or None
 
-    def vote(self, signum: int, settle: bool = False) -> int:
-        """Cast this process's `signum` in the job's stop vote; the result of the previous cast
+    def vote(self, value: int, settle: bool = False) -> int:
+        """Cast this process's `value` in the job's stop vote; the result of the previous cast
         (with settle, the largest of every cast until now). A method of its own so that the
         goodput ledger charges it to train, not to checkpoint
         (meshfit.run.keras_side.fit_and_score.charged_to_checkpoint): reading the previous
@@ -154,10 +166,10 @@ class Checkpointer(keras.callbacks.Callback):
         order), at every step. Charged to checkpoint, that wait made the saves of a 2-process
         job look like 35-44% of its wall time (BENCHMARKS.md section 6); the saves' own work
         was about 0.2 s each."""
-        signum = self._vote.cast(signum)
+        value = self._vote.cast(value)
         if settle:
-            signum = max(signum, self._vote.settle())
-        return signum
+            value = max(value, self._vote.settle())
+        return value
 
     def on_train_begin(self, logs=None):
         self._last_time = time.monotonic()
@@ -178,7 +190,8 @@ class Checkpointer(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         step = self._offset + batch
-        if self.agreed_stop() is not None:
+        due = bool(self.every_seconds) and time.monotonic() - self._last_time >= self.every_seconds
+        if self.agreed_stop(due=due) is not None:
             self._stop(self.save(self._epoch, step, wait=True),
                        self._epoch * self.steps_per_epoch + step)
         global_step = self._epoch * self.steps_per_epoch + step
@@ -187,7 +200,7 @@ class Checkpointer(keras.callbacks.Callback):
             return
         # With k steps per dispatch the step advances by k: save when it passes a multiple.
         if (self.every_steps and global_step // self.every_steps > previous // self.every_steps) or \
-                (self.every_seconds and time.monotonic() - self._last_time >= self.every_seconds):
+                self._due:
             self.save(self._epoch, step)
 
     def on_epoch_end(self, epoch, logs=None):
