@@ -3,12 +3,12 @@
 Builds the recipe's model as meshfit trains it on the TensorFlow engine (its split conv bias
 gradient and cache-sized micro-batches), trains a warm-up epoch on random data, then records
 `--steps` steps with TensorFlow's profiler and sums the time of each kind of op over every thread
-(XPlane events of the host plane), per step. With `--flops` each conv and matmul kind also gets its
-FLOP count and rate, to set against the CPU's matmul peak (meshfit.watch.peak).
+(XPlane events of the host plane), per step. BENCHMARKS.md section 1 sets the conv and matmul
+kinds' time against the step's FLOP count and the CPU's probed matmul peak (meshfit.watch.peak).
 
     python benchmarks/step_profile.py [--recipe fashion-mnist-cnn] [--steps 10] [--top 15]
 
-Results: BENCHMARKS.md section 1 (the MFU row).
+Results: BENCHMARKS.md section 1 (the profile row).
 """
 
 import argparse
@@ -19,11 +19,9 @@ import re
 import tempfile
 import time
 
-import numpy as np
-
 import meshfit
-from meshfit import recipes
 from meshfit.data import arrays
+from train_step_ab import random_data  # this folder's: the same random data as the A/B
 
 
 def op_seconds(logdir: str) -> tuple[dict[str, float], float]:
@@ -73,12 +71,7 @@ def main() -> None:
 
     from meshfit.fit import tf_microbatch  # imports Keras: after connect()
 
-    recipe = recipes.get(args.recipe)
-    batch = recipe.global_batch or recipe.per_core_batch
-    shape = recipes.input_shape(recipe)
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 256, (args.steps * batch, *shape), dtype=np.uint8)
-    y = rng.integers(0, 10, args.steps * batch).astype(np.int32)
+    recipe, batch, shape, x, y = random_data(args.recipe, args.steps)
     with strategy.scope():
         model = recipe.build_model(shape, 10)
         model.compile(optimizer=recipe.optimizer(args.steps, 2), loss=recipe.make_loss(),

@@ -28,6 +28,18 @@ from meshfit.data import arrays
 from meshfit import recipes
 
 
+def random_data(name: str, steps: int):
+    """(recipe, global batch, input shape, images, labels): `steps` batches of random uint8
+    images and 10-class labels shaped for the recipe."""
+    recipe = recipes.get(name)
+    batch = recipe.global_batch or recipe.per_core_batch
+    shape = recipes.input_shape(recipe)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (steps * batch, *shape), dtype=np.uint8)
+    y = rng.integers(0, 10, steps * batch).astype(np.int32)
+    return recipe, batch, shape, x, y
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", choices=("bias-gradient", "micro-batches"), default="bias-gradient")
@@ -43,12 +55,7 @@ def main() -> None:
 
     from meshfit.fit import tf_bias_gradient, tf_microbatch  # imports Keras: after connect()
 
-    recipe = recipes.get(args.recipe)
-    batch = recipe.global_batch or recipe.per_core_batch
-    shape = recipes.input_shape(recipe)
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 256, (args.steps * batch, *shape), dtype=np.uint8)
-    y = rng.integers(0, 10, args.steps * batch).astype(np.int32)
+    recipe, batch, shape, x, y = random_data(args.recipe, args.steps)
     entry = ops._gradient_registry._registry["BiasAdd"]
     if args.compare == "bias-gradient":  # (gradient, slices) of A and B
         variants = {"tensorflow gradient": (tf_bias_gradient.tensorflow_bias_gradient, 1),
