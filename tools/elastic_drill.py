@@ -31,6 +31,8 @@ import tempfile
 import threading
 import time
 
+from meshfit.parallel import heartbeat
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -145,12 +147,9 @@ def _eval_started(job, tmp: str, victim: int, checkpoints: str, committed: list[
     first_seen: dict[int, int] = {}  # steps: beats when first seen at that many steps
     while job.poll() is None:
         for folder in _status(tmp):
-            try:
-                with open(os.path.join(folder, f"progress-{victim}")) as f:
-                    steps, beats, _, doing = f.read().split()
-            except (OSError, ValueError):
+            if victim not in (found := heartbeat.progress(folder)):
                 continue
-            steps, beats = int(steps), int(beats)
+            steps, beats, _, doing = found[victim]
             if steps and steps % per_epoch == 0:
                 seen = first_seen.setdefault(steps, beats)
                 if beats >= seen + 2 and doing == "device":

@@ -314,7 +314,7 @@ class EpochReport(keras.callbacks.Callback):
         if compile_seconds and keras.backend.backend() != "jax":  # JAX reports its own compile events
             ledger.move(compile_seconds, "compile")
         waited = ledger.seconds["input_wait"] - self._waited
-        with ledger.part("setup"):  # once per fit; a CPU's peak once per machine, then cached
+        with ledger.part("setup"):  # once per fit; a CPU's peak kept per machine (meshfit.watch.peak)
             if self.flops_per_step is None and self.global_batch:
                 self.flops_per_step = train_step_flops(self.model, self.global_batch) or 0.0
             if self.peak is None and self.strategy is not None:
