@@ -1,8 +1,8 @@
 """Kill processes of an elastic job at a chosen moment and report how the job ended.
 
     python tools/elastic_drill.py --data-dir ../shared/data [--kill 1[,2...]] [--signal KILL]
-        [--when after-checkpoint|during-checkpoint|during-eval|during-growth]
-        [--processes 2] [--devices-per-process 4] [--] [TRAIN ARGS]
+        [--when after-checkpoint|during-checkpoint|during-eval|during-growth|random-step]
+        [--seed S] [--processes 2] [--devices-per-process 4] [--] [TRAIN ARGS]
 
 runs `meshfit launch --processes 2 --devices-per-process 4 --elastic -- meshfit train
 fashion-mnist-cnn --data-dir DIR --out RUN [TRAIN ARGS]` and sends SIGNAL to the processes KILL:
@@ -12,7 +12,10 @@ fashion-mnist-cnn --data-dir DIR --out RUN [TRAIN ARGS]` and sends SIGNAL to the
 - during-eval: (after the first checkpoint) while the first of them evaluates at an epoch end,
   as its progress file shows (meshfit.parallel.heartbeat);
 - during-growth: after the first checkpoint, and again (the first of KILL) as soon as it joins the
-  third generation, the one that grows the mesh back (a loss during the mesh change).
+  third generation, the one that grows the mesh back (a loss during the mesh change);
+- random-step: as the first of them starts a training step drawn at random (from --seed, printed)
+  between the first and the last of the run (config.json's epochs x steps per epoch), wherever
+  that falls: before the first checkpoint, between two, while one is written or evaluated.
 It waits for the launch to end, and prints its exit code, the wall seconds, the test accuracy,
 the generations metrics.json records and the checkpoints each generation resumed from
 (BENCHMARKS.md section 6).
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -41,7 +45,10 @@ def main() -> int:
                         help="the process(es) to kill, e.g. 1 or 1,3 (default: 1)")
     parser.add_argument("--signal", default="KILL", help="KILL or STOP (default: KILL)")
     parser.add_argument("--when", choices=("after-checkpoint", "during-checkpoint", "during-eval",
-                                           "during-growth"), default="after-checkpoint")
+                                           "during-growth", "random-step"),
+                        default="after-checkpoint")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="random-step: the seed of the step drawn (default: from the clock)")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--devices-per-process", type=int, default=4)
     parser.add_argument("train", nargs=argparse.REMAINDER)
@@ -72,6 +79,11 @@ def main() -> int:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     checkpoints = os.path.join(run, "checkpoints")
+    victims = [int(i) for i in args.kill.split(",")]
+    if args.when == "random-step":
+        _kill(job, output, victims, args.signal, _random_step(job, status, run, victims[0], args.seed),
+              began)
+        return _report(job, reader, run, checkpoints, began)
     committed: list[str] = []
     while job.poll() is None and not committed:
         committed = _folders(checkpoints, manifest=True)
@@ -80,7 +92,6 @@ def main() -> int:
     while args.when == "during-checkpoint" and job.poll() is None and not writing:
         writing = [n for n in _folders(checkpoints, manifest=False) if n > committed[-1]]
         time.sleep(0.005)  # a save of this model's files takes a fraction of a second
-    victims = [int(i) for i in args.kill.split(",")]
     when = f"while {writing[0]} was written" if writing else f"after {committed[0]}"
     if args.when == "during-eval":
         when = _eval_started(job, status, victims[0], checkpoints, committed)
@@ -93,6 +104,11 @@ def main() -> int:
             time.sleep(0.005)
         when = "while generation 3 joined (its joining marker written)"
     _kill(job, output, victims, args.signal, when, began)
+    return _report(job, reader, run, checkpoints, began)
+
+
+def _report(job, reader: threading.Thread, run: str, checkpoints: str, began: float) -> int:
+    """Wait for the launch to end and print what it did; its exit code."""
     code = job.wait()
     reader.join(timeout=10)
     wall = time.monotonic() - began
@@ -128,6 +144,27 @@ def _kill(job, output: list[str], victims: list[int], signame: str, when: str, b
         os.kill(pid, getattr(signal, "SIG" + signame))
     print(f"DRILL: SIG{signame} to process(es) {','.join(map(str, victims))} (pids {chosen}) "
           f"{when}, {time.monotonic() - began:.1f} s into the launch", flush=True)
+
+
+def _random_step(job, tmp: str, run: str, victim: int, seed: int | None) -> str:
+    """Wait until process `victim` of the first generation starts a global step drawn at random
+    from 1 .. the run's last (config.json, written before training starts); the phrase saying so."""
+    seed = int(time.time()) if seed is None else seed
+    config = os.path.join(run, "config.json")
+    while job.poll() is None and not os.path.isfile(config):
+        time.sleep(0.05)
+    try:
+        with open(config) as f:
+            settings = json.load(f)
+    except (OSError, ValueError):
+        return "never (the job ended first)"
+    step = random.Random(seed).randint(1, settings["epochs"] * settings["steps_per_epoch"] - 1)
+    print(f"DRILL: --seed {seed}: the kill comes as process {victim} starts step {step}", flush=True)
+    while job.poll() is None:  # one generation's status folder at a time: the first's until it ends
+        if any(heartbeat.progress(folder).get(victim, (0,))[0] >= step for folder in _status(tmp)):
+            return f"as it started step {step} (drawn with --seed {seed})"
+        time.sleep(0.005)
+    return "never (the job ended first)"
 
 
 def _status(tmp: str) -> list[str]:
