@@ -303,6 +303,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --elastic: restart at most K times (default: 3)")
     parser.add_argument("--no-grow", action="store_true", help="with --elastic: stay on the survivors "
                         "(default: lost processes start again at the next checkpoint)")
+    parser.add_argument("--keep-batch", choices=("global", "per-core"), default="global", help="with "
+                        "--elastic, on fewer devices: global: each takes a larger share of the batch; "
+                        "per-core: each keeps its share, in micro-batches (default: global)")
     parser.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the command each process runs; a leading `meshfit` runs this meshfit")
 
@@ -317,9 +320,9 @@ def run_launch(args: argparse.Namespace) -> int:
         return elastic.elastic_launch(args.job_command, args.processes, args.devices_per_process,
                                       min_processes=args.min_processes,
                                       max_restarts=args.max_restarts, grow=not args.no_grow,
-                                      show=args.show, timeout=args.timeout)
-    if args.min_processes != 1 or args.max_restarts != 3 or args.no_grow:
-        raise MeshfitError("--min-processes, --max-restarts and --no-grow go with --elastic")
+                                      show=args.show, timeout=args.timeout, keep_batch=args.keep_batch)
+    if args.min_processes != 1 or args.max_restarts != 3 or args.no_grow or args.keep_batch != "global":
+        raise MeshfitError("--min-processes, --max-restarts, --no-grow and --keep-batch go with --elastic")
     return launch.launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
                   show=args.show, timeout=args.timeout)
 

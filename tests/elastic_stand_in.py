@@ -2,7 +2,7 @@
 decisions (limits, growing back) start processes that take milliseconds instead of training.
 
     python tests/elastic_stand_in.py launch LAUNCH FLAGS -- train --out RUN [--steps 6]
-        [--kill P@S | --kill last] [--hang P@S] [--hold-below N]
+        [--kill P@S | --kill last] [--hang P@S] [--hold-below N] [--micro-batches K]
 
 `launch` runs meshfit's CLI with the elastic launcher taking this script for `meshfit train`.
 `train` is one process of a run, doing what the launcher relies on of `meshfit train`, one
@@ -12,7 +12,8 @@ decisions (limits, growing back) start processes that take milliseconds instead 
 - process 0 writes RUN/config.json (global batch, epochs: 1, and "resumed" with the checkpoint
   of each --resume), commits a checkpoint after every step (state.json, then manifest.json) and,
   once all steps ran, metrics.json; exit 0;
-- --resume RUN: start from its newest committed checkpoint;
+- --resume RUN: start from its newest committed checkpoint (config.json's "resumed" entry
+  records the --micro-batches the launcher asked for, or null);
 - --kill P@S: process P SIGKILLs itself after global step S (--kill last: the highest process,
   after the first step of every job of more than one process), once process 0 committed that
   step; the others then wait, as on a collective with a lost peer;
@@ -54,6 +55,7 @@ def train(argv: list[str]) -> int:
     parser.add_argument("--kill")
     parser.add_argument("--hang")
     parser.add_argument("--hold-below", type=int, default=0)
+    parser.add_argument("--micro-batches", type=int)
     args = parser.parse_args(argv)
     run = args.resume or args.out
     index, count = int(os.environ["MESHFIT_PROCESS_ID"]), int(os.environ["MESHFIT_NUM_PROCESSES"])
@@ -67,7 +69,8 @@ def train(argv: list[str]) -> int:
         if args.resume:
             with open(config_path) as f:
                 config = json.load(f)
-            config.setdefault("resumed", []).append({"checkpoint": names[-1] if names else "none"})
+            config.setdefault("resumed", []).append({"checkpoint": names[-1] if names else "none",
+                                                     "micro_batches": args.micro_batches})
         os.makedirs(folder, exist_ok=True)
         _write(config_path, config)
 

@@ -49,7 +49,9 @@ def test_elastic_needs_meshfit_train_and_sane_limits():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--min-processes", "2"], "--min-processes, --max-restarts and --no-grow go with --elastic"),
+    (["--min-processes", "2"], "--min-processes, --max-restarts, --no-grow and --keep-batch go with "
+                               "--elastic"),
+    (["--keep-batch", "per-core"], "--keep-batch go with --elastic"),
     (["--elastic", "--port", "1234"], "--port goes without --elastic"),
     (["--elastic", "--max-restarts", "-1"], "--max-restarts must be at least 0"),
 ])
@@ -197,6 +199,40 @@ def test_a_lost_process_comes_back_at_the_next_checkpoint(tmp_path):
         (1, "process 1 of 2 failed with SIGKILL (exit code -9)"),
         (2, "stopped after ckpt-00000003 to grow back to 2 process(es)"), (3, "finished")]
     assert generations[1]["lost_steps"] == 0  # the stop saved where it stopped
+
+
+def test_per_core_batch_kept_with_micro_batches_until_the_mesh_grows_back(tmp_path):
+    """--keep-batch per-core: 2 -> 1 process keeps each device's 4 rows of the global batch of 8
+    by asking the smaller generation for 2 micro-batches, and the full mesh again for none."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "2", "--keep-batch", "per-core"],
+                          ["--out", run, "--kill", "1@2", "--hold-below", "2"])
+    assert job.returncode == 0, job.stderr
+    assert ("generation 2: 1 process(es) x 1 device(s) (was 2 x 1), per-core batch kept at 4 "
+            "(global batch 8 in 2 micro-batches), resuming") in job.stderr, job.stderr
+    assert "again (was 1 x 1), per-core batch kept at 4 (global batch 8), resuming" in job.stderr
+    with open(os.path.join(run, rundir.CONFIG)) as f:  # the commands the generations ran
+        assert [r["micro_batches"] for r in json.load(f)["resumed"]] == [2, None]
+    with open(os.path.join(run, elastic.GENERATIONS)) as f:
+        assert [g["micro_batches"] for g in json.load(f)] == [1, 2, 1]
+
+
+def test_per_core_micro_batches_are_the_fewest_equal_slices_no_larger(tmp_path):
+    run = str(tmp_path)
+    rundir.write_json(os.path.join(run, rundir.CONFIG), {"global_batch": 1000})
+    assert elastic.micro_batches_for(run, 8, 8) == 1
+    assert elastic.micro_batches_for(run, 4, 8) == 2
+    assert elastic.micro_batches_for(run, 4, 8, ["--micro-batches", "5"]) == 10  # the command's own, kept
+    assert elastic.batch_line(run, 4, 8) == "per-core batch kept at 125 (global batch 1000 in 2 micro-batches)"
+    rundir.write_json(os.path.join(run, rundir.CONFIG), {"global_batch": 1200})
+    assert elastic.micro_batches_for(run, 4, 6) == 2  # 150 rows per device at a time, not 200 at once
+    assert elastic.batch_line(run, 4, 6) == ("per-core batch 150, below the 200 kept (global batch 1200 "
+                                             "in 2 micro-batches)")
+    assert elastic.micro_batches_for(run, 7, 8) is None  # does not split: train says so
+    argv = ["train", "--micro-batches", "5"]
+    assert elastic.with_micro_batches(argv, 5) == argv and elastic.with_micro_batches(argv, None) == argv
+    assert elastic.with_micro_batches(argv, 10) == ["train", "--micro-batches", "10"]
+    assert elastic.with_micro_batches(["train"], 1) == ["train"]
 
 
 def test_the_mesh_grows_at_a_new_checkpoint_but_not_the_run_s_last(tmp_path):

@@ -34,7 +34,16 @@ meshfit.watch.goodput), and every generation (its processes, devices, global bat
 step, why it ended) is in RUN/generations.json, and in metrics.json as "generations".
 
 The new generation keeps the run's global batch (the data order, hence exact resume, depends on
-it): each of the fewer devices takes a larger share of every batch. It has as many of the
+it). With --keep-batch global (the default) each of the fewer devices takes a larger share of
+every batch, and needs that much more activation memory. With --keep-batch per-core each keeps
+its per-core batch: the generation runs `meshfit train --micro-batches K` (K = the full mesh's
+devices over its own, 8 -> 4: 2; in general the fewest equal slices no larger), which sums each
+batch's gradient over K slices of every device's share and steps once
+(meshfit.fit.jax_microbatch), so the run stays the same run; back on the full mesh, K is 1 (the
+command's own --micro-batches) again. A model that cannot train in slices (batch normalization)
+trains whole batches there, with one warning line. The generation's line says which, e.g. 'global
+batch kept at 1000 (250 per device)' or 'per-core batch kept at 125 (global batch 1000 in 2
+micro-batches)', and RUN/generations.json has each one's "micro_batches". It has as many of the
 survivors as split that batch evenly (`meshfit train` refuses a batch that does not: 1000 over
 3 x 2 devices): the other slots stay free until the mesh grows back. Processes SIGKILLed together (2
 of 4) are all left out; a hung one that the stall watchdog names is named by the elastic line
@@ -62,23 +71,30 @@ from meshfit.run import rundir
 # CNN on a loaded 2-core VM, 2-3% of the wall time at 5 s (BENCHMARKS.md section 6), so 10 s.
 ELASTIC_CHECKPOINT_EVERY = "10s"
 MAX_RESTARTS = 3
+KEEP_BATCH = ("global", "per-core")  # --keep-batch: what a generation on fewer devices keeps
 GENERATIONS = "generations.json"  # in the run directory
 
 
 def elastic_launch(command: Sequence[str], processes: int, devices_per_process: int = 1, *,
                    min_processes: int = 1, max_restarts: int = MAX_RESTARTS, grow: bool = True,
                    show: str = "all", timeout: float | None = None,
-                   grace: float = launch_watch.GRACE_SECONDS) -> int:
+                   grace: float = launch_watch.GRACE_SECONDS, keep_batch: str = "global") -> int:
     """Run `command` (a `meshfit train`) as a job of `processes` processes that restarts with the
     survivors after losing some, and grows back to `processes` at the smaller generation's next
-    checkpoint unless not `grow` (see the module); return the launch's exit code."""
+    checkpoint unless not `grow`; on fewer devices, keep_batch 'global' gives each a larger share
+    of the batch, 'per-core' keeps each one's share with micro-batches (see the module); return
+    the launch's exit code."""
     launch.check_arguments(processes, devices_per_process, timeout, show)
+    if keep_batch not in KEEP_BATCH:
+        raise MeshfitError(f"--keep-batch must be one of {', '.join(KEEP_BATCH)}, got {keep_batch!r}")
     if not 1 <= min_processes <= processes:
         raise MeshfitError(f"--min-processes must be between 1 and --processes ({processes}), "
                            f"got {min_processes}")
     if max_restarts < 0:
         raise MeshfitError(f"--max-restarts must be at least 0, got {max_restarts}")
     argv, run = train_command(launch.command_line(command))
+    full = processes * devices_per_process
+    per_core = keep_batch == "per-core"
     deadline = None if timeout is None else time.monotonic() + timeout
     generations = _earlier_generations(run)  # a resumed run's history goes on
     count, restarts = processes, 0
@@ -87,10 +103,14 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
         resume = ["--resume", run] if os.path.isfile(os.path.join(run, rundir.CONFIG)) else []
         left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
         boundary = NextCheckpoint(run) if grow and count < processes else None
-        ended = launch.run_job(argv + resume, count, devices_per_process, None, show, left, grace,
-                               boundary)
+        slices = micro_batches_for(run, count * devices_per_process, full, argv) if per_core else None
+        ended = launch.run_job(with_micro_batches(argv, slices) + resume, count, devices_per_process,
+                               None, show, left, grace, boundary)
         record = generation_record(len(generations) + 1, count, devices_per_process, run,
                                    resumed_before, ended)
+        if per_core:  # the first generation's count is known once it wrote config.json
+            record["micro_batches"] = slices or micro_batches_for(run, count * devices_per_process,
+                                                                  full, argv)
         if generations:
             generations[-1]["lost_steps"] = max(generations[-1]["last_step"] - record["first_step"], 0)
         generations.append(record)
@@ -101,7 +121,7 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
             print(f"meshfit launch: elastic: {boundary.found} committed on {count} process(es); "
                   f"generation {len(generations) + 1}: {processes} process(es) x "
                   f"{devices_per_process} device(s) again (was {count} x {devices_per_process}), "
-                  f"{batch_line(run, processes * devices_per_process)}, resuming {run} from its "
+                  f"{batch_line(run, full, full if per_core else None, argv)}, resuming {run} from its "
                   "stop", file=sys.stderr, flush=True)
             count = processes
             continue
@@ -138,7 +158,8 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
                 "evenly over no more devices" if survivors < count - len(lost) else "")
         print(f"meshfit launch: elastic: {why}; generation {len(generations) + 1}: "
               f"{survivors} process(es) x {devices_per_process} device(s) (was {count} x "
-              f"{devices_per_process}{idle}), {batch_line(run, survivors * devices_per_process)}, "
+              f"{devices_per_process}{idle}), "
+              f"{batch_line(run, survivors * devices_per_process, full if per_core else None, argv)}, "
               f"resuming {run} from its newest checkpoint", file=sys.stderr, flush=True)
         count = survivors
 
@@ -328,13 +349,54 @@ def fitting_processes(run: str, survivors: int, devices_per_process: int) -> int
     return fits[0] if fits else survivors
 
 
-def batch_line(run: str, devices: int) -> str:
-    """'global batch kept at 1000 (250 per device)' (the run's global batch from config.json)."""
+def batch_line(run: str, devices: int, full_devices: int | None = None, argv: Sequence[str] = ()) -> str:
+    """The batch of a generation on `devices`, e.g. 'global batch kept at 1000 (250 per device)';
+    with `full_devices` (--keep-batch per-core), e.g. 'per-core batch kept at 125 (global batch
+    1000 in 2 micro-batches)'. The run's global batch from config.json; argv: the command (its
+    own --micro-batches)."""
     batch = _config(run).get("global_batch")
     if not batch:
-        return "global batch kept"
+        return "global batch kept" if full_devices is None else "per-core batch kept"
+    if full_devices is not None:
+        slices = micro_batches_for(run, devices, full_devices, argv)
+        if slices is not None:
+            share, kept = batch // (devices * slices), per_core_batch(batch, full_devices, argv)
+            text = (f"per-core batch kept at {share}" if share == kept else
+                    f"per-core batch {share}, below the {kept} kept")
+            return text + (f" (global batch {batch} in {slices} micro-batches)" if slices > 1
+                           else f" (global batch {batch})")
     share = f"{batch // devices} per device" if batch % devices == 0 else f"{batch / devices:g} per device"
     return f"global batch kept at {batch} ({share})"
+
+
+def per_core_batch(batch: int, full_devices: int, argv: Sequence[str] = ()) -> int:
+    """Rows each device trains at a time on the full mesh: the global batch over its devices and
+    the command's own --micro-batches."""
+    asked = _flag_value(list(argv), "--micro-batches")
+    return max(batch // (full_devices * (int(asked) if asked and asked.isdigit() else 1)), 1)
+
+
+def micro_batches_for(run: str, devices: int, full_devices: int, argv: Sequence[str] = ()) -> int | None:
+    """Micro-batches per batch that keep each of `devices` at most at the full mesh's per-core
+    batch (per_core_batch): the fewest whose per-device slices of the run's global batch
+    (config.json) are equal, e.g. 1000 on 8 -> 4 devices: 2 (125 rows per device at a time).
+    None while the batch is unknown (before the first generation wrote config.json) or does not
+    split over the devices (train's own error then says why)."""
+    batch = _config(run).get("global_batch")
+    if not isinstance(batch, int) or batch < 1 or batch % devices:
+        return None
+    kept = per_core_batch(batch, full_devices, argv)
+    return next(k for k in range(1, batch // devices + 1)
+                if batch % (devices * k) == 0 and batch // (devices * k) <= kept)
+
+
+def with_micro_batches(argv: list[str], slices: int | None) -> list[str]:
+    """The command with --micro-batches `slices` (argv as it is for None, or when it asks for as
+    many: a full mesh keeps the command's own)."""
+    asked = _flag_value(argv, "--micro-batches")
+    if slices is None or str(slices) == (asked or "1"):
+        return argv
+    return _without_flag(argv, "--micro-batches") + ["--micro-batches", str(slices)]
 
 
 def _config(run: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import keras
 
 from meshfit.errors import MeshfitError
-from meshfit.fit import hooks, hosts, memory_plan, sources, tf_bias_gradient, tf_microbatch
+from meshfit.fit import hooks, hosts, jax_microbatch, memory_plan, sources, tf_bias_gradient, tf_microbatch
 from meshfit.parallel import devices as devices_lib
 from meshfit.parallel import engine as engine_lib
 from meshfit.parallel import modes, planning
@@ -345,9 +345,10 @@ class Strategy:
         Plain `model.fit` after `connect()` already runs on every replica with the per-epoch
         report (see meshfit.fit.hooks); this adds: `batch_size` (Keras' keyword, here the global
         batch over all replicas) checked to split across the replicas, the report even with
-        verbose=0 (report=False: none), and micro-batches on TensorFlow (slices each batch's
-        gradient is summed over; 'auto': cache-sized on a CPU; 1: whole batches; with slices,
-        every batch needs at least that many samples, and a shorter one is cut with a warning).
+        verbose=0 (report=False: none), and micro-batches (slices each batch's gradient is
+        summed over; 'auto': cache-sized on a TensorFlow CPU, else 1; 1: whole batches; on
+        TensorFlow every batch needs at least that many samples, and a shorter one is cut with a
+        warning; on JAX each device's share is sliced, for memory, see meshfit.fit.jax_microbatch).
         x: numpy arrays, or any source Keras reads yielding (x, y) or (x, y, sample_weight) global
         batches: a tf.data.Dataset, a keras.utils.PyDataset, a generator or other iterator, a
         grain.MapDataset / IterDataset; validation_data likewise. On one host a batch that does
@@ -363,13 +364,16 @@ class Strategy:
             global_batch = self.check_batch(global_batch)
         if report and self.info.process_index == 0 and not any(isinstance(c, EpochReport) for c in callbacks):
             callbacks.append(EpochReport(global_batch=global_batch, strategy=self))
-        if self.engine == "tensorflow" and tf_microbatch.installed(model) != micro_batches:
-            tf_microbatch.install(model, micro_batches)
+        sliced = tf_microbatch if self.engine == "tensorflow" else jax_microbatch
+        if sliced.installed(model) != micro_batches:
+            sliced.install(model, micro_batches)
         with self.scope(), warnings.catch_warnings(), (
                 contextlib.nullcontext() if report else hooks.report_off()):
             if not (self.hosts > 1 and getattr(x, "process_local", False)):  # else it yields its own rows
                 cut_to = self.replicas if self.hosts > 1 else 1  # one host: the placement copes
-                x, y, kwargs = sources.prepare(x, y, global_batch, cut_to, micro_batches, epochs, kwargs)
+                # On JAX a batch too short for its slices trains whole: nothing to cut for them.
+                rows_for = micro_batches if self.engine == "tensorflow" else 1
+                x, y, kwargs = sources.prepare(x, y, global_batch, cut_to, rows_for, epochs, kwargs)
             if self.hosts > 1:  # each process feeds its own rows of every global batch
                 x, y, global_batch, kwargs = hosts.fit_arguments(self, x, y, global_batch, kwargs)
             if (isinstance(x, sources.SplitBatches) and not kwargs.get("steps_per_epoch")) or (

@@ -1,4 +1,6 @@
-"""TensorFlow only: one train step's gradient summed over cache-sized slices of its batch (CPU).
+"""TensorFlow: one train step's gradient summed over cache-sized slices of its batch (CPU); and
+how many slices a model trains in on either engine (plan_micro_batches, check; the JAX step is
+meshfit.fit.jax_microbatch).
 
 On a CPU a train step over a large batch is bound by memory traffic, not arithmetic: at batch
 1000 the tutorial Fashion-MNIST CNN's conv output is 173 MB, and every op around it (bias, pool,
@@ -16,6 +18,7 @@ and, by default (see cache_sized), models computing in 16-bit floats.
 from __future__ import annotations
 
 import math
+import warnings
 
 import keras
 import numpy as np
@@ -72,22 +75,32 @@ def cache_sized(model, global_batch: int, budget_bytes: int = ACTIVATION_BUDGET_
     return fitting[0] if fitting else (counts[-1] if counts else 1)
 
 
-def plan_micro_batches(model, global_batch: int | None, asked: int | str, engine: str) -> int:
+def plan_micro_batches(model, global_batch: int | None, asked: int | str, engine: str,
+                       whole_if_unsliceable: bool = False) -> int:
     """Slices per batch for `model` on `engine`: 'auto' plans cache-sized slices on TensorFlow
-    when the global batch is known (else 1); a number is checked, and above 1 needs TensorFlow."""
+    when the global batch is known (else 1; on JAX always 1: the cache gain was measured on
+    TensorFlow only); a number is checked (see check). whole_if_unsliceable: a model that cannot
+    train in slices trains whole batches, with one warning, instead of failing (a resumed run:
+    `meshfit launch --elastic --keep-batch per-core` asks its smaller generations for slices)."""
     if asked == "auto":
         return cache_sized(model, global_batch) if engine == "tensorflow" and global_batch else 1
-    return check(model, asked, engine)
+    planning.check_micro_batches(asked)
+    reason = _must_train_whole(model) if whole_if_unsliceable and asked > 1 else None
+    if reason:
+        warnings.warn(f"{reason}: training whole batches, not {asked} micro-batches per batch",
+                      stacklevel=2)
+        return 1
+    return check(model, asked)
 
 
-def check(model, micro_batches: int, engine: str | None = None) -> int:
-    """`micro_batches` checked: a positive int, above 1 only on TensorFlow (engine None: not
-    checked) and only for models that may train in slices (model None: the number alone)."""
+def check(model, micro_batches: int) -> int:
+    """`micro_batches` checked: a positive int, above 1 only for models that may train in slices
+    (model None: the number alone)."""
     planning.check_micro_batches(micro_batches)
     reason = _must_train_whole(model) if model is not None and micro_batches > 1 else None
     if reason:
         raise MeshfitError(f"{reason}; use micro_batches=1")
-    return planning.check_micro_batches(micro_batches, engine)
+    return micro_batches
 
 
 def _must_train_whole(model) -> str | None:

@@ -190,16 +190,13 @@ def plan_steps_per_dispatch(platform: str, engine: str, steps_per_epoch: int,
     return dividing_steps(steps_per_epoch, wanted)
 
 
-def check_micro_batches(micro_batches: int | str, engine: str | None = None) -> int | str:
-    """`micro_batches` (gradient slices per batch) checked: 'auto' or a whole number >= 1, and
-    above 1 only on the TensorFlow engine (`engine` None: not known yet, not checked)."""
+def check_micro_batches(micro_batches: int | str) -> int | str:
+    """`micro_batches` (gradient slices per batch) checked: 'auto' or a whole number >= 1 (both
+    engines slice: meshfit.fit.tf_microbatch, meshfit.fit.jax_microbatch)."""
     if micro_batches != "auto" and (not isinstance(micro_batches, int) or isinstance(micro_batches, bool)
                                     or micro_batches < 1):
         raise MeshfitError(f"micro-batches must be a whole number of at least 1 or 'auto', got "
                            f"{micro_batches!r}")
-    if engine is not None and micro_batches != "auto" and micro_batches > 1 and engine != "tensorflow":
-        raise MeshfitError(f"micro-batches run on the TensorFlow engine (one CPU), not on "
-                           f"{engine}; use micro_batches=1")
     return micro_batches
 
 
@@ -233,7 +230,7 @@ def plan_batch(hardware, *, samples: int | None = None, global_batch: int | None
     `per_core_batch` and the `samples`. Steps per epoch: the recipe's `recipe_steps`,
     at most one pass over `samples`. stream: (global batch, steps per epoch) that a streamed
     source sets instead. steps_per_dispatch: asked for (see the function of that name).
-    micro_batches: a number above 1 needs the TensorFlow engine; 'auto' is decided per model
+    micro_batches: a number is checked; 'auto' is decided per model
     (meshfit.fit.tf_microbatch.plan_micro_batches). The compute precision is not planned here:
     connect() resolves it once (resolve_precision).
     """
@@ -253,4 +250,4 @@ def plan_batch(hardware, *, samples: int | None = None, global_batch: int | None
     return BatchPlan(global_batch=planned, steps_per_epoch=steps,
                      steps_per_dispatch=plan_steps_per_dispatch(hardware.platform, hardware.engine,
                                                                 steps or 1, steps_per_dispatch),
-                     micro_batches=check_micro_batches(micro_batches or "auto", hardware.engine))
+                     micro_batches=check_micro_batches(micro_batches or "auto"))

@@ -85,8 +85,9 @@ class TrainOptions:
               f"{planning.AUTO_STEPS_PER_DISPATCH} on a GPU or TPU, 1 on a CPU)",
         type=int, metavar="K")
     micro_batches: int | str | None = _setting(
-        None, "sum each batch's gradient over K slices, for cache locality on a CPU (default: "
-              "cache-sized on the TensorFlow engine; 1 = whole batches)", type=int, metavar="K")
+        None, "sum each batch's gradient over K slices: for cache locality on a CPU (TensorFlow), "
+              "or for memory (JAX: each device's share in K) (default: cache-sized on the "
+              "TensorFlow engine, else 1 = whole batches)", type=int, metavar="K")
     batch_rounding: bool = _setting(
         True, "fail instead of rounding a batch that does not split across replicas", negated=True)
     tensorboard: bool = _setting(True, "write no TensorBoard logs (default: RUN/tensorboard)",

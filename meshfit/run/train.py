@@ -137,6 +137,8 @@ def settle_options(asked: TrainOptions, recipe: recipes.Recipe, saved: RunSpec |
             epochs=saved.epochs if o.epochs is None else o.epochs,
             keep_checkpoints=(saved.keep_checkpoints if o.keep_checkpoints is None
                               else o.keep_checkpoints), **kept)  # the same program
+        # TensorFlow keeps its (cache-sized) slices; on JAX slices are for memory, asked anew by
+        # each resumption (an elastic generation on fewer devices): the batches stay the same.
         if o.micro_batches is None and saved.micro_batches and o.engine == "tensorflow":
             o = dataclasses.replace(o, micro_batches=saved.micro_batches)  # keeps its slices
     return dataclasses.replace(

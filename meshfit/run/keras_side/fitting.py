@@ -195,9 +195,12 @@ def build_run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, 
     steps = batches.steps_per_epoch
     model = build(r, dataset, steps, o.epochs, batch_plan.steps_per_dispatch)
     check_saveable(model, r)
+    # A resumed run asked for slices (an elastic generation keeping the per-core batch) trains a
+    # model that cannot be sliced in whole batches, with one warning, rather than stopping.
     micro_batches = tf_microbatch.plan_micro_batches(model, global_batch, batch_plan.micro_batches,
-                                                     strategy.engine)
-    if stream is not None:  # every batch needs a row per slice
+                                                     strategy.engine,
+                                                     whole_if_unsliceable=asked.saved is not None)
+    if stream is not None and strategy.engine == "tensorflow":  # every batch needs a row per slice
         micro_batches = stream.micro_batches = min(micro_batches, stream.smallest_batch or micro_batches)
     run_spec = make_spec(asked, strategy, dataset, steps_per_epoch=steps, global_batch=global_batch,
                          steps_per_dispatch=batch_plan.steps_per_dispatch,
@@ -341,7 +344,8 @@ def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state,
     per_dispatch = (f", {run_spec.steps_per_dispatch} steps per dispatch"
                     if run_spec.steps_per_dispatch > 1 else "")
     if run_spec.micro_batches > 1:
-        per_dispatch += f", gradients summed over {run_spec.micro_batches} cache-sized micro-batches"
+        sized = " cache-sized" if run_spec.engine == "tensorflow" else " per-device"
+        per_dispatch += f", gradients summed over {run_spec.micro_batches}{sized} micro-batches"
     print(f"training {run_spec.recipe}: {run_spec.epochs} epoch(s) x {run_spec.steps_per_epoch} steps "
           f"of {run_spec.global_batch} images (global batch){per_dispatch}, seed {run_spec.seed}; "
           f"{evaluation_note(run_spec, has_test)}run directory {run}", flush=True)

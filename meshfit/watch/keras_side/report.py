@@ -9,6 +9,7 @@ exceeds 10% of its step time prints the input-bound line once per fit.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -96,6 +97,9 @@ def count_train_step_flops(model, global_batch: int) -> float | None:
         x = x[0] if len(x) == 1 else x
     except Exception:  # a model whose step cannot be lowered this way simply gets "n/a"
         return None
+    # The class's step, not meshfit's micro-batched one (jax_microbatch sets it on the instance):
+    # XLA's cost analysis counts a loop's body once (a K-slice step counted 1/K of the FLOPs).
+    whole_step = functools.partial(type(model).train_step, model)
     for one_hot in (False, True):  # sparse labels first, then labels shaped like the outputs (mse)
         y = [spec(o, batch=True) if one_hot else
              jax.ShapeDtypeStruct((global_batch,) + tuple(o.shape[1:-1]), "int32") for o in model.outputs]
@@ -105,7 +109,8 @@ def count_train_step_flops(model, global_batch: int) -> float | None:
             # is then lowered with the CPU as default device, whose analysis counts the same.
             for device in (None, jax.devices("cpu")[0]):
                 with jax.default_device(device):
-                    cost = lower_train_step(model, state, (x, y[0] if len(y) == 1 else y)).cost_analysis()
+                    cost = lower_train_step(model, state, (x, y[0] if len(y) == 1 else y),
+                                            step=whole_step).cost_analysis()
                 cost = cost[0] if isinstance(cost, (list, tuple)) else cost
                 flops = float((cost or {}).get("flops", 0.0))
                 if flops > 0:
@@ -116,9 +121,9 @@ def count_train_step_flops(model, global_batch: int) -> float | None:
     return None
 
 
-def lower_train_step(model, *arguments, **jit_options):
-    """`jax.jit(model.train_step, **jit_options).lower(*arguments)`, leaving the model as it was
-    when the trace fails.
+def lower_train_step(model, *arguments, step=None, **jit_options):
+    """`jax.jit(step or model.train_step, **jit_options).lower(*arguments)`, leaving the model as
+    it was when the trace fails.
 
     Keras' JAX `compute_loss_and_updates` puts the traced `add_loss` terms in
     `model._losses_override` and empties it only when the trace gets through the loss. A trace
@@ -127,7 +132,7 @@ def lower_train_step(model, *arguments, **jit_options):
     `add_loss` terms are silently dropped from the next fit or evaluate
     (docs/reference/keras-losses-override.md)."""
     try:
-        return jax.jit(model.train_step, **jit_options).lower(*arguments)
+        return jax.jit(step or model.train_step, **jit_options).lower(*arguments)
     finally:
         if getattr(model, "_losses_override", None):  # only a failed trace leaves it non-empty
             model._losses_override = []
