@@ -284,9 +284,11 @@ def run_plan(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------- launch
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--processes", type=int, required=True, metavar="N", help="processes to start")
-    parser.add_argument("--devices-per-process", type=int, default=1, metavar="M",
-                        help="simulated CPU devices per process (default: 1)")
+    parser.add_argument("--processes", type=int, metavar="N",
+                        help="processes to start (with --via srun: default the allocation's tasks)")
+    parser.add_argument("--devices-per-process", type=int, metavar="M",
+                        help="simulated CPU devices per process (default: 1; --via srun: each task's "
+                             "devices, for the records, default the command's --simulate-devices)")
     parser.add_argument("--port", type=int, metavar="P",
                         help="coordinator port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--show", choices=("all", "first"), default="all",
@@ -303,6 +305,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --elastic: restart at most K times (default: 3)")
     parser.add_argument("--no-grow", action="store_true", help="with --elastic: stay on the survivors "
                         "(default: lost processes start again at the next checkpoint)")
+    parser.add_argument("--via", choices=("local", "srun"), default="local",
+                        help="with --elastic: local: processes of this machine; srun: each "
+                             "generation a step of the SLURM allocation this runs in (default: local)")
     parser.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the command each process runs; a leading `meshfit` runs this meshfit")
 
@@ -317,11 +322,11 @@ def run_launch(args: argparse.Namespace) -> int:
         return elastic.elastic_launch(args.job_command, args.processes, args.devices_per_process,
                                       min_processes=args.min_processes,
                                       max_restarts=args.max_restarts, grow=not args.no_grow,
-                                      show=args.show, timeout=args.timeout)
-    if args.min_processes != 1 or args.max_restarts != 3 or args.no_grow:
-        raise MeshfitError("--min-processes, --max-restarts and --no-grow go with --elastic")
-    return launch.launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
-                  show=args.show, timeout=args.timeout)
+                                      show=args.show, timeout=args.timeout, via=args.via)
+    if args.min_processes != 1 or args.max_restarts != 3 or args.no_grow or args.via != "local":
+        raise MeshfitError("--min-processes, --max-restarts, --no-grow and --via go with --elastic")
+    return launch.launch(args.job_command, args.processes, args.devices_per_process or 1,
+                         port=args.port, show=args.show, timeout=args.timeout)
 
 
 # ------------------------------------------------------------------------------------- recipe
