@@ -116,3 +116,6 @@ def test_via_srun_runs_inside_an_allocation_only(monkeypatch):
         elastic.elastic_launch(["meshfit", "train", "--out", "r"], None, via="srun")
     with pytest.raises(MeshfitError, match="--processes N is needed"):
         elastic.elastic_launch(["meshfit", "train", "--out", "r"], None)
+    srun_runner(monkeypatch, ["n1"], {"n1"})  # an allocation of 4 tasks
+    with pytest.raises(MeshfitError, match="--processes 5 is more than the allocation's 4 tasks"):
+        elastic.elastic_launch(["meshfit", "train", "--out", "r"], 5, via="srun")

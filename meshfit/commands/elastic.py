@@ -88,6 +88,9 @@ def elastic_launch(command: Sequence[str], processes: int | None, devices_per_pr
     runner = runner_for(via, run)
     if via == "srun":
         processes = processes or runner.tasks
+        if processes > runner.tasks:
+            raise MeshfitError(f"--processes {processes} is more than the allocation's {runner.tasks} "
+                               "tasks (SLURM_NTASKS); give at most that, or leave it out")
         devices_per_process = devices_per_process or int(_flag_value(argv, "--simulate-devices") or 1)
     devices_per_process = devices_per_process or 1
     launch.check_arguments(processes, devices_per_process, timeout, show)
