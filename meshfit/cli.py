@@ -1,7 +1,7 @@
 """The `meshfit` command line: `meshfit COMMAND ...`, also `python -m meshfit`.
 
 Every command has `add_<command>_arguments(parser)` and `run_<command>(args) -> int` here (bench's
-hand on to meshfit.commands.bench.command), and every flag is defined once: a run's settings, the
+and launch's hand on to meshfit.commands.bench.command and meshfit.commands.launch_command), and every flag is defined once: a run's settings, the
 flags of train, info, plan, eval and bench alike, in meshfit.run.options, the others here; the
 work itself is done by the library module of its concept. Library
 modules never import this one. Every module the command line imports runs before the engine is
@@ -25,7 +25,7 @@ import warnings
 from typing import Callable
 
 import meshfit
-from meshfit.commands import ctrl_c, launch, runs
+from meshfit.commands import ctrl_c, launch_command, runs
 from meshfit.errors import MeshfitError
 from meshfit.parallel import cluster
 from meshfit.run import options
@@ -284,47 +284,11 @@ def run_plan(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------- launch
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--processes", type=int, required=True, metavar="N", help="processes to start")
-    parser.add_argument("--devices-per-process", type=int, default=1, metavar="M",
-                        help="simulated CPU devices per process (default: 1)")
-    parser.add_argument("--port", type=int, metavar="P",
-                        help="coordinator port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--show", choices=("all", "first"), default="all",
-                        help="all: every process's lines, prefixed [i]; first: process 0's, "
-                             "and a failed process's last lines (default: all)")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS",
-                        help="stop the job after this many seconds (default: no limit)")
-    parser.add_argument("--elastic", action="store_true",
-                        help="when a process dies or hangs, restart `meshfit train` on the survivors "
-                             "from its newest checkpoint (same global batch), until it finishes")
-    parser.add_argument("--min-processes", type=int, default=1, metavar="N",
-                        help="with --elastic: stop instead when fewer would be left (default: 1)")
-    parser.add_argument("--max-restarts", type=int, default=3, metavar="K",
-                        help="with --elastic: restart at most K times (default: 3)")
-    parser.add_argument("--no-grow", action="store_true", help="with --elastic: stay on the survivors "
-                        "(default: lost processes start again at the next checkpoint)")
-    parser.add_argument("--keep-batch", choices=("global", "per-core"), default="global", help="with "
-                        "--elastic, on fewer devices: global: each takes a larger share of the batch; "
-                        "per-core: each keeps its share, in micro-batches (default: global)")
-    parser.add_argument("job_command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
-                        help="the command each process runs; a leading `meshfit` runs this meshfit")
+    launch_command.add_arguments(parser)
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    if args.elastic:
-        from meshfit.commands import elastic  # start-up: only --elastic reads run directories
-
-        if args.port:
-            raise MeshfitError("--port goes without --elastic: each generation of an elastic job "
-                               "takes a free port")
-        return elastic.elastic_launch(args.job_command, args.processes, args.devices_per_process,
-                                      min_processes=args.min_processes,
-                                      max_restarts=args.max_restarts, grow=not args.no_grow,
-                                      show=args.show, timeout=args.timeout, keep_batch=args.keep_batch)
-    if args.min_processes != 1 or args.max_restarts != 3 or args.no_grow or args.keep_batch != "global":
-        raise MeshfitError("--min-processes, --max-restarts, --no-grow and --keep-batch go with --elastic")
-    return launch.launch(args.job_command, args.processes, args.devices_per_process, port=args.port,
-                  show=args.show, timeout=args.timeout)
+    return launch_command.run(args)
 
 
 # ------------------------------------------------------------------------------------- recipe

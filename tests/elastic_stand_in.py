@@ -58,7 +58,9 @@ def train(argv: list[str]) -> int:
     parser.add_argument("--micro-batches", type=int)
     args = parser.parse_args(argv)
     run = args.resume or args.out
-    index, count = int(os.environ["MESHFIT_PROCESS_ID"]), int(os.environ["MESHFIT_NUM_PROCESSES"])
+    # as `meshfit launch` numbers its processes, or as srun its tasks (--via srun)
+    index = int(os.environ.get("MESHFIT_PROCESS_ID") or os.environ["SLURM_PROCID"])
+    count = int(os.environ.get("MESHFIT_NUM_PROCESSES") or os.environ["SLURM_NTASKS"])
     folder = os.path.join(run, "checkpoints")
     names = sorted(os.listdir(folder)) if args.resume and os.path.isdir(folder) else []
     names = [n for n in names if os.path.isfile(os.path.join(folder, n, "manifest.json"))]

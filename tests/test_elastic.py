@@ -49,9 +49,10 @@ def test_elastic_needs_meshfit_train_and_sane_limits():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--min-processes", "2"], "--min-processes, --max-restarts, --no-grow and --keep-batch go with "
-                               "--elastic"),
-    (["--keep-batch", "per-core"], "--keep-batch go with --elastic"),
+    (["--min-processes", "2"], "--min-processes, --max-restarts, --no-grow, --keep-batch and --via "
+                               "go with --elastic"),
+    (["--keep-batch", "per-core"], "--keep-batch and --via go with --elastic"),
+    (["--via", "srun"], "--keep-batch and --via go with --elastic"),
     (["--elastic", "--port", "1234"], "--port goes without --elastic"),
     (["--elastic", "--max-restarts", "-1"], "--max-restarts must be at least 0"),
 ])

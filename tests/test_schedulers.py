@@ -8,9 +8,11 @@ mpirun cannot start the tests are skipped with the reason; with MESHFIT_TESTS_RE
 (as .ci/run sets where it installs them) they fail instead.
 """
 
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -153,6 +155,72 @@ def test_sbatch_job_joins_stops_on_sigterm_requeues_and_ends_as_one_process(slur
     assert checkpoint_format.read_state(final)["global_step"] == EPOCHS * 4
     assert_each_process_wrote_shards(final)
     assert_same_weights(model_weights(os.path.join(run, "model.keras")), model_weights(reference), ROUNDING)
+
+
+def elastic_job(slurm, log, *launch_args) -> str:
+    """sbatch tools/slurm/elastic.sbatch with 2 tasks: `meshfit launch --elastic --via srun
+    LAUNCH_ARGS`; the job id."""
+    return slurm_command(slurm, "sbatch", "--parsable", "--ntasks=2", f"--output={log}",
+                         os.path.join(SLURM_TOOLS, "elastic.sbatch"), *launch_args)
+
+
+def generations(run) -> list[tuple]:
+    """(processes, devices per process, how it ended) of each generation in RUN/generations.json."""
+    with open(os.path.join(run, "generations.json")) as f:
+        return [(g["processes"], g["devices_per_process"], g["ended"]) for g in json.load(f)]
+
+
+def test_an_elastic_job_restarts_a_lost_task_s_step_smaller_and_grows_back(slurm, tmp_path):
+    """The launcher's decisions with steps of a real allocation, in seconds: tests/elastic_stand_in.py
+    stands in for `meshfit train`. Task 1 is SIGKILLed after step 2: srun's line names it, the
+    next step has 1 task; at its first checkpoint the launcher stops it to resume (scancel
+    --signal=TERM) and the next step has 2 tasks again, which finish."""
+    run, log = str(tmp_path / "run"), str(tmp_path / "job.out")
+    stand_in = [sys.executable, os.path.join(ROOT, "tests", "elastic_stand_in.py")]
+    job = slurm_command(slurm, "sbatch", "--parsable", "--no-kill", "--ntasks=2", f"--output={log}",
+                        "--wrap", " ".join([*stand_in, "launch", "--elastic", "--via", "srun", "--",
+                                            *stand_in, "train", "--out", run, "--kill", "1@2",
+                                            "--hold-below", "2"]))
+    wait_for(slurm, job, log, lambda: job_fields(slurm, job)["JobState"] == "COMPLETED", "it completed")
+    text = open(log).read()
+    assert "meshfit launch: elastic: process 1 of 2 failed with SIGKILL (exit code -9); generation 2: " \
+           "1 process(es)" in text, text
+    assert re.search(r"generation 3: 2 process\(es\) x 1 device\(s\) again \(was 1 x 1\)", text), text
+    assert "elastic run finished after 3 generations (2x1 -> 1x1 -> 2x1 devices)" in text, text
+    assert [g[:2] for g in generations(run)] == [(2, 1), (1, 1), (2, 1)]
+    assert job_fields(slurm, job)["ExitCode"] == "0:0"
+
+
+@pytest.mark.slow
+def test_an_elastic_job_loses_a_task_and_finishes_on_the_survivor(slurm, data_dir, tmp_path):
+    """tools/slurm/elastic.sbatch: `meshfit train` in 2 tasks x 4 simulated devices, 2 epochs;
+    task 1 is SIGKILLed once the epoch-1 checkpoint is committed. Generation 2 is a step of 1 task that
+    resumes from that checkpoint and finishes: exit 0, the generations in generations.json.
+    (A lost node adds an --exclude of it to the next step: test_slurm_step.py; one node cannot
+    be lost here.)"""
+    run, log = str(tmp_path / "run"), str(tmp_path / "job.out")
+    job = elastic_job(slurm, log, "--no-grow", "--", "meshfit", "train", *TRAIN, "--epochs", "2",
+                      "--data-dir", data_dir, *TWO_TASKS, "--out", run)
+    first = os.path.join(run, rundir.CHECKPOINTS, checkpoint_format.checkpoint_name(4))  # after epoch 1
+    wait_for(slurm, job, log, lambda: rundir.checkpoint_complete(first), "its first checkpoint")
+    # the pid of task 1 of the job's step (scontrol listpids: PID JOBID STEPID LOCALID GLOBALID)
+    rows = [line.split() for line in slurm_command(slurm, "scontrol", "listpids", job).splitlines()[1:]]
+    pid = [int(r[0]) for r in rows if len(r) == 5 and r[2].isdigit() and r[4] == "1"][0]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(slurm, job, log, lambda: job_fields(slurm, job)["JobState"] == "COMPLETED", "it completed")
+
+    text = open(log).read()
+    assert "meshfit launch: elastic: process 1 of 2 failed with SIGKILL (exit code -9); generation 2: " \
+           "1 process(es) x 4 device(s) (was 2 x 4), global batch kept at 64 (16 per device)" in text, text[-3000:]
+    assert "elastic run finished after 2 generations (2x4 -> 1x4 devices)" in text, text[-3000:]
+    assert "meshfit: error" not in text, text[-3000:]
+    found = generations(run)
+    assert [g[:2] for g in found] == [(2, 4), (1, 4)] and found[1][2] == "finished", found
+    assert job_fields(slurm, job)["ExitCode"] == "0:0"
+    final = checkpoint_format.latest(os.path.join(run, rundir.CHECKPOINTS))
+    assert checkpoint_format.read_state(final)["global_step"] == 2 * 4
+    with open(os.path.join(run, rundir.METRICS)) as f:
+        assert len(json.load(f)["generations"]) == 2
 
 
 # ------------------------------------------------------------------------------------ Open MPI

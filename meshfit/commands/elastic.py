@@ -33,6 +33,14 @@ restart (imports, joining, compiling). Both are in the run's goodput ("lost" sec
 meshfit.watch.goodput), and every generation (its processes, devices, global batch, first and last
 step, why it ended) is in RUN/generations.json, and in metrics.json as "generations".
 
+Where each generation runs is a runner's business: `Local` runs launch.run_job's processes of
+this machine; under SLURM (`--via srun`, in a batch script submitted with --no-kill:
+tools/slurm/elastic.sbatch) meshfit.commands.slurm_step.Srun runs each generation as an srun step
+of the allocation, reads its tasks' exits from srun's lines, leaves a lost node out of the next
+steps (`note_lost`) and grows back only to the tasks the allocation still has (`most`: a failed
+node leaves a --no-kill allocation for good). The loop, its decisions and its lines are the same.
+Open MPI's mpirun kills every rank when one dies (no survivors; docs/guides/schedulers.md).
+
 The new generation keeps the run's global batch (the data order, hence exact resume, depends on
 it). With --keep-batch global (the default) each of the fewer devices takes a larger share of
 every batch, and needs that much more activation memory. With --keep-batch per-core each keeps
@@ -57,9 +65,9 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from meshfit.commands import launch, launch_watch
+from meshfit.commands import launch, launch_watch, slurm_step
 from meshfit.errors import MeshfitError
 from meshfit.parallel import stall
 from meshfit.run import rundir
@@ -75,15 +83,29 @@ KEEP_BATCH = ("global", "per-core")  # --keep-batch: what a generation on fewer 
 GENERATIONS = "generations.json"  # in the run directory
 
 
-def elastic_launch(command: Sequence[str], processes: int, devices_per_process: int = 1, *,
-                   min_processes: int = 1, max_restarts: int = MAX_RESTARTS, grow: bool = True,
+def elastic_launch(command: Sequence[str], processes: int | None, devices_per_process: int | None = None,
+                   *, min_processes: int = 1, max_restarts: int = MAX_RESTARTS, grow: bool = True,
                    show: str = "all", timeout: float | None = None,
-                   grace: float = launch_watch.GRACE_SECONDS, keep_batch: str = "global") -> int:
+                   grace: float = launch_watch.GRACE_SECONDS, keep_batch: str = "global",
+                   via: str = "local") -> int:
     """Run `command` (a `meshfit train`) as a job of `processes` processes that restarts with the
     survivors after losing some, and grows back to `processes` at the smaller generation's next
-    checkpoint unless not `grow`; on fewer devices, keep_batch 'global' gives each a larger share
-    of the batch, 'per-core' keeps each one's share with micro-batches (see the module); return
-    the launch's exit code."""
+    checkpoint unless not `grow` (see the module); return the launch's exit code. On fewer
+    devices, keep_batch 'global' gives each a larger share of the batch, 'per-core' keeps each
+    one's share with micro-batches. via: "local" (processes of this machine,
+    `devices_per_process` simulated CPU devices each, default 1) or "srun" (steps of the SLURM
+    allocation this runs in, meshfit.commands.slurm_step: processes default to its tasks;
+    devices_per_process, each task's devices for the records and the batch split, defaults to
+    the command's --simulate-devices, else 1)."""
+    argv, run = train_command(launch.command_line(command))
+    runner = runner_for(via, run)
+    if via == "srun":
+        processes = processes or runner.tasks
+        if processes > runner.tasks:
+            raise MeshfitError(f"--processes {processes} is more than the allocation's {runner.tasks} "
+                               "tasks (SLURM_NTASKS); give at most that, or leave it out")
+        devices_per_process = devices_per_process or int(_flag_value(argv, "--simulate-devices") or 1)
+    devices_per_process = devices_per_process or 1
     launch.check_arguments(processes, devices_per_process, timeout, show)
     if keep_batch not in KEEP_BATCH:
         raise MeshfitError(f"--keep-batch must be one of {', '.join(KEEP_BATCH)}, got {keep_batch!r}")
@@ -92,7 +114,6 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
                            f"got {min_processes}")
     if max_restarts < 0:
         raise MeshfitError(f"--max-restarts must be at least 0, got {max_restarts}")
-    argv, run = train_command(launch.command_line(command))
     full = processes * devices_per_process
     per_core = keep_batch == "per-core"
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -102,10 +123,11 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
         resumed_before = len(_config(run).get("resumed", []))
         resume = ["--resume", run] if os.path.isfile(os.path.join(run, rundir.CONFIG)) else []
         left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
-        boundary = NextCheckpoint(run) if grow and count < processes else None
+        boundary = (NextCheckpoint(run, lambda: runner.most(processes) > count)
+                    if grow and count < processes else None)
         slices = micro_batches_for(run, count * devices_per_process, full, argv) if per_core else None
-        ended = launch.run_job(with_micro_batches(argv, slices) + resume, count, devices_per_process,
-                               None, show, left, grace, boundary)
+        ended = runner(with_micro_batches(argv, slices) + resume, count, devices_per_process, show,
+                       left, grace, boundary)
         record = generation_record(len(generations) + 1, count, devices_per_process, run,
                                    resumed_before, ended)
         if per_core:  # the first generation's count is known once it wrote config.json
@@ -115,17 +137,20 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
             generations[-1]["lost_steps"] = max(generations[-1]["last_step"] - record["first_step"], 0)
         generations.append(record)
         if ended.at_boundary:
-            record["ended"] = f"stopped after {boundary.found} to grow back to {processes} process(es)"
+            grown = fitting_processes(run, runner.most(processes), devices_per_process)
+            record["ended"] = f"stopped after {boundary.found} to grow back to {grown} process(es)"
             _write_generations(run, generations)
             launch.finish(ended.started)
             print(f"meshfit launch: elastic: {boundary.found} committed on {count} process(es); "
-                  f"generation {len(generations) + 1}: {processes} process(es) x "
+                  f"generation {len(generations) + 1}: {grown} process(es) x "
                   f"{devices_per_process} device(s) again (was {count} x {devices_per_process}), "
-                  f"{batch_line(run, full, full if per_core else None, argv)}, resuming {run} from its "
+                  f"{batch_line(run, grown * devices_per_process, full if per_core else None, argv)}, "
+                  f"resuming {run} from its "
                   "stop", file=sys.stderr, flush=True)
-            count = processes
+            count = grown
             continue
         restart, lost = lost_processes(ended, count)
+        runner.note_lost(ended, lost)
         if ended.verdict is None and ended.failure is None:
             record["ended"] = "finished"
             _write_generations(run, generations, finished=True)
@@ -138,7 +163,8 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
         why = what_ended(ended, lost)
         record["ended"], record["lost_processes"] = why, lost
         _write_generations(run, generations)
-        survivors = fitting_processes(run, count - len(lost), devices_per_process)
+        survivors = fitting_processes(run, min(count - len(lost), runner.most(processes)),
+                                      devices_per_process)
         stop = None
         if not restart:
             stop = "not a lost process"
@@ -183,20 +209,49 @@ def _stopped(ended: launch.Ended, show: str, generation: int, why: str, stop: st
     return code
 
 
+class Local:
+    """The runner of generations of processes of this machine (launch.run_job): every slot of a
+    lost one is free again at once."""
+
+    def most(self, processes: int) -> int:
+        """The processes a generation can have now."""
+        return processes
+
+    def note_lost(self, ended: launch.Ended, lost: list[int]) -> None:
+        """What the runner keeps of a generation's `lost` processes (here: nothing)."""
+
+    def __call__(self, argv: list[str], count: int, devices_per_process: int, show: str,
+                 timeout: float | None, grace: float, boundary) -> launch.Ended:
+        """Run one generation of `count` processes; how it ended."""
+        return launch.run_job(argv, count, devices_per_process, None, show, timeout, grace, boundary)
+
+
+def runner_for(via: str, run: str):
+    """The runner of each generation: `Local`, or meshfit.commands.slurm_step.Srun for "srun"."""
+    if via == "local":
+        return Local()
+    if via == "srun":
+        return slurm_step.Srun(run)
+    raise MeshfitError(f"unknown --via {via!r}; use local or srun")
+
+
 class NextCheckpoint:
     """run_job's boundary for growing the mesh again: true once a checkpoint newer than those
     there are now is committed in `run` (by the smaller generation), unless it is the run's last
-    (the run is about to finish: a restart would only cost). `found`: its name."""
+    (the run is about to finish: a restart would only cost) or `room()` says there is no room for
+    more processes yet (asked once a new checkpoint). `found`: its name."""
 
-    def __init__(self, run: str):
+    def __init__(self, run: str, room: Callable[[], bool] = lambda: True):
         self.folder = os.path.join(run, rundir.CHECKPOINTS)
         self.run, self.before, self.found = run, set(rundir.list_checkpoints(self.folder)), None
+        self.room = room
 
     def __call__(self) -> bool:
         for path in reversed(rundir.list_checkpoints(self.folder)):
-            if path in self.before:
-                return False
-            if not _last_of_run(self.run, path):
+            if path in self.before:  # there before, or asked about already
+                continue
+            self.before.add(path)
+            if not _last_of_run(self.run, path) and self.room():
                 self.found = os.path.basename(path)
                 return True
         return False

@@ -275,21 +275,28 @@ class Ended:
 
 def run_job(argv: list[str], processes: int, devices_per_process: int, port: int | None,
             show: str, timeout: float | None, grace: float,
-            boundary: Callable[[], bool] | None = None) -> Ended:
+            boundary: Callable[[], bool] | None = None, start: Callable | None = None,
+            status_in: str | None = None) -> Ended:
     """Start `processes` copies of `argv` as one job and wait until every one has ended (see
     `launch`); nothing is left running when it returns or raises. boundary: asked once a
     POLL_SECONDS while all run; once it says True the job is stopped to resume (SIGTERM: an agreed
-    save) and ends `at_boundary` (meshfit.commands.elastic grows the mesh there)."""
+    save) and ends `at_boundary` (meshfit.commands.elastic grows the mesh there). start: starts
+    the processes instead of this machine's `_start_processes`, called as start(started, argv,
+    processes, status, show, exits) (meshfit.commands.slurm_step: the tasks of an srun step);
+    status_in: the folder for the status files' folder (default: the temporary folder)."""
     port = port or free_port()
     init_timeout, stall_timeout = _timeouts()
     _catch_stop_signals()
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     started: list[_Process] = []
-    status = tempfile.mkdtemp(prefix="meshfit-launch-")
+    status = tempfile.mkdtemp(prefix="meshfit-launch-", dir=status_in)
     watch = Watch(status, processes, init_timeout, stall_timeout)
     began = time.monotonic()
     try:
-        _start_processes(started, argv, processes, devices_per_process, port, status, show, exits)
+        if start is None:
+            _start_processes(started, argv, processes, devices_per_process, port, status, show, exits)
+        else:
+            start(started, argv, processes, status, show, exits)
         verdict, codes, failure, at_boundary, text, line = _wait_for_exits(
             started, exits, watch, processes, timeout, grace, boundary)
     finally:
@@ -302,9 +309,12 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
                  text, line)
 
 
-def check_arguments(processes: int, devices_per_process: int, timeout: float | None,
+def check_arguments(processes: int | None, devices_per_process: int, timeout: float | None,
                      show: str) -> None:
-    """A one-line MeshfitError for a count below 1, a timeout not above 0 or an unknown --show."""
+    """A one-line MeshfitError for a count missing or below 1, a timeout not above 0 or an unknown
+    --show."""
+    if processes is None:
+        raise MeshfitError("--processes N is needed: the processes to start")
     if processes < 1:
         raise MeshfitError(f"--processes must be at least 1, got {processes}")
     if devices_per_process < 1:

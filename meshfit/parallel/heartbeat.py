@@ -1,10 +1,14 @@
 """Status files that the processes of a `meshfit launch` job leave for their launcher.
 
 `meshfit launch` gives every process a folder in MESHFIT_LAUNCH_STATUS; without that variable (a
-real cluster, a plain run) everything here does nothing. In the folder, for process i:
+real cluster, a plain run) everything here does nothing. Process i is MESHFIT_PROCESS_ID, or
+SLURM_PROCID for the tasks of `meshfit launch --elastic --via srun` (meshfit.commands.slurm_step),
+whose folder is on storage every node reads. In the folder, for process i:
 
   joining-<i>    created when process i starts joining the job (`meshfit.parallel.cluster.join`), so that
-                 the launcher can name a process that never arrived;
+                 the launcher can name a process that never arrived; it holds the name of the
+                 process's node (SLURMD_NODENAME, else the host name), so that a launcher of srun
+                 steps can tell which tasks a lost node took along;
   progress-<i>   "<steps> <beats> <dispatches> <doing>": the training steps process i has
                  started, its progress reports and its training dispatches so far, and what its
                  main thread is doing (`where()`: compiling, checkpoint, input, device, thread or
@@ -27,6 +31,7 @@ one.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -41,17 +46,23 @@ def _directory() -> str | None:
 
 
 def _index() -> str:
-    return os.environ.get(env.PROCESS_ID, "0").strip() or "0"
+    for name in (env.PROCESS_ID, "SLURM_PROCID"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return "0"
 
 
 def joining(process_id: int | None) -> None:
-    """Leave the marker saying that process `process_id` has started joining the job."""
+    """Leave the marker saying that process `process_id` (None: a detected cluster's, `_index`)
+    has started joining the job."""
     directory = _directory()
-    if directory is None or process_id is None:
+    if directory is None:
         return
+    index = _index() if process_id is None else process_id
     try:
-        with open(os.path.join(directory, f"joining-{process_id}"), "w"):
-            pass
+        with open(os.path.join(directory, f"joining-{index}"), "w") as f:
+            f.write(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
     except OSError:  # the launcher's folder is gone: nothing to tell it
         pass
 
@@ -193,6 +204,18 @@ def joined(directory: str) -> set[int]:
     """The indices of the processes that have started joining."""
     return {int(name.split("-", 1)[1]) for name in _names(directory)
             if name.startswith("joining-") and name.split("-", 1)[1].isdigit()}
+
+
+def nodes(directory: str) -> dict[int, str]:
+    """{process index: the node it runs on} of the processes that have started joining."""
+    found = {}
+    for index in joined(directory):
+        try:
+            with open(os.path.join(directory, f"joining-{index}")) as f:
+                found[index] = f.read().strip()
+        except OSError:
+            continue
+    return found
 
 
 def progress(directory: str) -> dict[int, tuple[int, int, int, str]]:
