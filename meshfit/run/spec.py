@@ -60,6 +60,7 @@ class RunSpec:
     tta_flip: bool = False
     checkpoint_every: str = DEFAULT_CHECKPOINT_EVERY
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    local_copy_every: int = 0  # steps between copies on each host's local disk (0: none)
     meshfit_version: str = ""
     keras_version: str = ""
     command: str = ""

@@ -51,11 +51,43 @@ def sync_variables(model) -> None:
 
 
 def _host_value(variable) -> np.ndarray:
-    """A variable's value as numpy; of a replicated multi-host array, this process's copy."""
+    """A variable's value as numpy; of a multi-host array whole on this process (see
+    `not_whole_here`), made of this process's shards alone: it never waits on another process."""
     value = variable.value
-    if getattr(value, "is_fully_replicated", False) and not value.is_fully_addressable:
-        value = value.addressable_data(0)
-    return np.asarray(keras.ops.convert_to_numpy(value))
+    if getattr(value, "is_fully_addressable", True):
+        return np.asarray(keras.ops.convert_to_numpy(value))
+    if value.is_fully_replicated:
+        return np.asarray(value.addressable_data(0))
+    if _covered(value) < value.size:
+        raise ValueError(f"{variable.path} is sharded across processes: no process holds it whole")
+    whole = np.empty(value.shape, value.dtype)
+    for shard in value.addressable_shards:
+        whole[shard.index] = np.asarray(shard.data)
+    return whole
+
+
+def _covered(value) -> int:
+    """How many of a JAX array's elements this process's shards hold (each counted once)."""
+    slices = {tuple((s.start, s.stop) for s in _full(shard.index, value.shape))
+              for shard in value.addressable_shards}
+    return sum(int(np.prod([stop - start for start, stop in box])) for box in slices)
+
+
+def _full(index: tuple, shape: tuple) -> list[slice]:
+    return [slice(*s.indices(n)[:2]) for s, n in zip(index, shape)]
+
+
+def not_whole_here(model) -> str | None:
+    """The path of a variable that no single process holds whole (sharded across processes:
+    fsdp or model parallelism over several hosts), or None: every process could write the whole
+    state from its own devices (data-parallel, replicated), as a local copy needs."""
+    for values in variable_groups(model).values():
+        for v in values:
+            value = v.value
+            if not getattr(value, "is_fully_addressable", True) and \
+                    not value.is_fully_replicated and _covered(value) < value.size:
+                return v.path
+    return None
 
 
 def gather_for_saving(model) -> None:
