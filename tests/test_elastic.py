@@ -34,7 +34,8 @@ PYTHON_MESHFIT = [sys.executable, "-m", "meshfit"]
 
 def test_every_generation_trains_one_run_directory_and_saves_more_often():
     argv, run = elastic.train_command([*PYTHON_MESHFIT, "train", "fashion-mnist-cnn", "--out", "r"])
-    assert run == "r" and argv[-2:] == ["--checkpoint-every", elastic.ELASTIC_CHECKPOINT_EVERY]
+    assert run == "r" and argv[-4:] == ["--checkpoint-every", elastic.ELASTIC_CHECKPOINT_EVERY,
+                                        "--local-copy-every", elastic.ELASTIC_LOCAL_COPY_EVERY]
     argv, run = elastic.train_command([*PYTHON_MESHFIT, "train", "--resume=old", "--checkpoint-every", "5"])
     assert run == "old" and "--resume=old" not in argv and argv.count("--checkpoint-every") == 1
     argv, run = elastic.train_command([*PYTHON_MESHFIT, "train", "fashion-mnist-cnn"])

@@ -80,11 +80,11 @@ class TrainOptions:
     keep_checkpoints: int | None = _setting(
         None, f"keep the newest K checkpoints (default: {spec.DEFAULT_KEEP_CHECKPOINTS})",
         type=int, metavar="K")
-    local_copy_every: int | None = _setting(
-        None, "also keep the training state on each host's local disk every N steps (the newest "
-              "2; resuming takes the newest copy every process has when it is newer than the "
-              "newest checkpoint; 0: none, the default; meshfit launch --elastic's: "
-              "meshfit.commands.elastic)", type=int, metavar="N")
+    local_copy_every: int | str | None = _setting(
+        None, "also keep the training state on each host's local disk every N steps, the newest "
+              "2, which resuming takes when every process has it and it is newer than the newest "
+              "checkpoint ('off' or 0: none, the default; meshfit launch --elastic: every step)",
+        metavar="N")
     steps_per_dispatch: int | None = _setting(
         None, "train steps per call into the devices, one compiled loop (default: up to "
               f"{planning.AUTO_STEPS_PER_DISPATCH} on a GPU or TPU, 1 on a CPU)",
@@ -138,9 +138,7 @@ class TrainOptions:
         object.__setattr__(self, "precision", planning.precision_name(self.precision))
         spec.check_seed(self.seed)
         spec.parse_every(self.checkpoint_every)
-        if self.local_copy_every is not None and self.local_copy_every < 0:
-            raise MeshfitError(f"--local-copy-every must be 0 (no local copies) or a step count, "
-                               f"got {self.local_copy_every}")
+        object.__setattr__(self, "local_copy_every", spec.parse_local_copy_every(self.local_copy_every))
         spec.profiling_steps(self.profile)
         if self.steps_per_dispatch is not None:
             planning.check_steps_per_dispatch(self.steps_per_dispatch)

@@ -144,6 +144,20 @@ def parse_every(text: str | int | None) -> tuple[int | None, float | None, bool]
     return None, float(number) * {"s": 1, "m": 60, "h": 3600}[unit], True
 
 
+def parse_local_copy_every(text: str | int | None) -> int | None:
+    """`--local-copy-every` as a step count: "off" or 0 is 0 (no local copies), None stays None
+    (not given)."""
+    if text is None:
+        return None
+    value = str(text).strip().lower()
+    if value in ("off", "none", "never"):
+        return 0
+    if not value.isdigit():
+        raise MeshfitError(f"--local-copy-every {str(text)!r} is not understood; use a step count (1, "
+                           "100) or 'off'")
+    return int(value)
+
+
 def python_command(**kwargs: Any) -> str:
     """How a run started from Python is recorded in `command` (unset arguments left out)."""
     shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items() if v is not None)
