@@ -67,9 +67,11 @@ ELASTIC_CHECKPOINT_EVERY = "10s"
 # ... and keeps a copy of the state on each host's local disk every this many steps (at most one a
 # dispatch) unless the command gives --local-copy-every: a lost process then costs the steps
 # since the newest copy (meshfit.run.local_copies). A copy of the Fashion-MNIST CNN's state (1.25
-# MiB) blocks training 2-20 ms (median 8), its write in the background 66 ms, against 1.5-3.4 s
-# steps of the 2 x 4-device job on a loaded 2-core VM: 0.2-0.5% at every step (BENCHMARKS.md
-# section 6). A larger state or shorter steps (an accelerator) cost more: give a larger N there.
+# MiB) blocks training 1.1-3.5 ms (median 1.4; the run's first 85 ms, starting its writing
+# thread), its write in the background about 66 ms, against 1.0-2.0 s steps of the 2 x 4-device
+# job on a loaded 2-core VM: 0.1-0.3% at every step, goodput `checkpoint` 2.1% of the wall time
+# against 2.0% without copies (BENCHMARKS.md section 6). A larger state or shorter steps (an
+# accelerator) cost more: give a larger N there.
 ELASTIC_LOCAL_COPY_EVERY = "1"
 MAX_RESTARTS = 3
 GENERATIONS = "generations.json"  # in the run directory

@@ -136,13 +136,16 @@ def sharded_by_default() -> bool:
 
 class PendingSave:
     """A checkpoint being written: `result()` waits until it is committed and returns its folder
-    (None on processes that do not commit), raising the write's error if it failed."""
+    (None on processes that do not commit), raising the write's error if it failed. `finish`
+    runs in a thread of its own, or in `writer` (a thread kept for the writes, see begin_save)."""
 
-    def __init__(self, path: str, finish=None):
+    def __init__(self, path: str, finish=None, writer=None):
         self.path = path
         self._error: BaseException | None = None
         self._thread = None
-        if finish is not None:
+        if finish is not None and writer is not None:
+            self._thread = writer.submit(self._run, finish)
+        elif finish is not None:
             self._thread = threading.Thread(target=self._run, args=(finish,), daemon=True,
                                             name="meshfit-checkpoint")
             self._thread.start()
@@ -154,11 +157,16 @@ class PendingSave:
             self._error = e
 
     def done(self) -> bool:
+        if hasattr(self._thread, "done"):  # a writer's future
+            return self._thread.done()
         return self._thread is None or not self._thread.is_alive()
 
     def result(self) -> str:
         if self._thread is not None:
-            self._thread.join()
+            if hasattr(self._thread, "result"):
+                self._thread.result()
+            else:
+                self._thread.join()
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
@@ -179,7 +187,7 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
 def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
                extra: dict[str, Any] | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
                keep: int = spec.DEFAULT_KEEP_CHECKPOINTS, sharded: bool | None = None,
-               background: bool | None = None, commit: bool = True) -> PendingSave:
+               background: bool | None = None, commit: bool = True, writer=None) -> PendingSave:
     """Start writing the full training state after `step` steps of epoch `epoch` (0-based).
 
     extra: JSON-serializable data stored with it (e.g. seed, history, run settings).
@@ -190,7 +198,10 @@ def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, st
     and the pruning to the newest `keep` follow in a thread (one save at a time: wait for the
     previous one first).
     commit: False on processes other than 0 of a job, which write their shards only (format 3)
-    or nothing (format 2). Every process of a job calls this at the same step.
+    or nothing (format 2). Every process of a job calls this at the same step. writer: a
+    concurrent.futures executor of one thread that writes in the background instead of a new
+    thread (the local copies': starting a thread, which waits until it runs, blocked training
+    50-70 ms a copy on a loaded 2-core VM, BENCHMARKS.md section 6).
     An intact checkpoint of the same global step that already exists is kept as it is; a damaged
     one is written again.
     """
@@ -224,7 +235,7 @@ def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, st
         finish()
         return PendingSave(final)
     try:
-        return PendingSave(final, finish)
+        return PendingSave(final, finish, writer)
     except BaseException:  # e.g. Ctrl-C before the thread started: let orbax's threads end
         with contextlib.suppress(BaseException):
             writing.wait()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 import warnings
 import signal
 import sys
@@ -94,6 +95,7 @@ class Checkpointer(keras.callbacks.Callback):
         self._due = False  # the agreed answer: every_seconds have passed (see agreed_stop)
         self.local_every, self.local_directory = local_every, local_directory
         self._local: PendingSave | None = None
+        self._writer: ThreadPoolExecutor | None = None  # the copies' writing thread, kept
 
     def request_stop(self, signum: int) -> None:
         """Ask training to save and stop at the next step boundary (called by signal handlers)."""
@@ -194,11 +196,13 @@ class Checkpointer(keras.callbacks.Callback):
         self.wait_local()
         if self.local_directory is None:
             return
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="meshfit-local-copy")
         try:
             self._local = begin_save(self.local_directory, self.model, epoch=epoch, step=step,
                                      steps_per_epoch=self.steps_per_epoch, extra=self.extra(),
                                      extra_arrays=self.extra_arrays(), keep=LOCAL_KEEP,
-                                     sharded=False, background=True)
+                                     sharded=False, background=True, writer=self._writer)
         except Exception as e:
             self._local_failed(e)
 
@@ -266,6 +270,9 @@ class Checkpointer(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.wait()
         self.wait_local()
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
 
     def _stop(self, path: str | None, global_step: int):
         cluster.barrier("meshfit: stop saved")  # no process exits before process 0 has saved
