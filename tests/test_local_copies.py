@@ -205,6 +205,14 @@ def test_the_resumed_record_names_the_copy_so_the_launcher_counts_its_steps(tmp_
     assert fitting.resumed_from({"path": "run/checkpoints/ckpt-00000012"}) == "ckpt-00000012"
 
 
+def test_a_copy_newer_than_the_lost_generation_s_last_report_runs_nothing_again():
+    lost = {"last_step": 4}  # its progress, reported once a second, lags the copy of step 5
+    elastic.continued(lost, {"first_step": 5})
+    assert (lost["last_step"], lost["lost_steps"]) == (5, 0)
+    elastic.continued(lost, {"first_step": 2})
+    assert (lost["last_step"], lost["lost_steps"]) == (5, 3)
+
+
 def test_resuming_drops_newer_copies_and_the_finished_run_removes_them(host):
     host.take()
     for step in (4, 6, 8):

@@ -104,7 +104,7 @@ def elastic_launch(command: Sequence[str], processes: int, devices_per_process: 
         record = generation_record(len(generations) + 1, count, devices_per_process, run,
                                    resumed_before, ended)
         if generations:
-            generations[-1]["lost_steps"] = max(generations[-1]["last_step"] - record["first_step"], 0)
+            continued(generations[-1], record)
         generations.append(record)
         if ended.at_boundary:
             record["ended"] = f"stopped after {boundary.found} to grow back to {processes} process(es)"
@@ -324,6 +324,14 @@ def generation_record(number: int, processes: int, devices_per_process: int, run
             "devices": processes * devices_per_process, "global_batch": config.get("global_batch"),
             "first_step": first_step, "last_step": first_step + started,
             "seconds": round(ended.seconds, 1), "ended": None}
+
+
+def continued(last: dict[str, Any], record: dict[str, Any]) -> None:
+    """Generation `last` ran at least to the step the next one (`record`) resumed from: its
+    progress reports lag (once a second), a local copy of the state may be newer. Its last step,
+    and the steps the next one runs again."""
+    last["last_step"] = max(last["last_step"], record["first_step"])
+    last["lost_steps"] = last["last_step"] - record["first_step"]
 
 
 def _checkpoint_step(name: str) -> int:

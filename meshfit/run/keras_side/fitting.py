@@ -308,7 +308,7 @@ def restore(model, run: str, steps: int, labels: np.ndarray, checkpoint: str | N
 def newest_local_copy(local: local_copies.Host, committed: list[str]) -> str | None:
     """The newest local copy newer than the newest of `committed` (newest first) that every
     process of the job has (each reports its host's intact copies, all gathered), or None."""
-    mine = local.steps()[-4:]  # a host's copies: at most KEEP, and some being written
+    mine = local.steps()[-4:]  # a host keeps KEEP (2); a fixed-size row for the all-gather
     reports = [mine]
     if cluster.multi_process():
         from jax.experimental import multihost_utils
