@@ -19,6 +19,9 @@
                              job (default 600; 0: never)
   MESHFIT_LAUNCH_STATUS      set by meshfit launch: the folder of its processes' status files
                              (meshfit.parallel.heartbeat)
+  MESHFIT_LOCAL_COPIES       the host-local folder of the training state's local copies
+                             (--local-copy-every; default $TMPDIR/meshfit-local-copies;
+                             meshfit.run.local_copies)
   MESHFIT_GOODPUT            0: no goodput accounting in the training loop (meshfit.watch.goodput;
                              to measure what it costs)
 
@@ -49,6 +52,7 @@ HEARTBEAT_TIMEOUT = "MESHFIT_HEARTBEAT_TIMEOUT"
 STALL_TIMEOUT = "MESHFIT_STALL_TIMEOUT"
 LAUNCH_STATUS = "MESHFIT_LAUNCH_STATUS"
 GOODPUT = "MESHFIT_GOODPUT"
+LOCAL_COPIES = "MESHFIT_LOCAL_COPIES"
 
 
 def cache_home() -> str:

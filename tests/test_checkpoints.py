@@ -132,6 +132,42 @@ def test_sigterm_saves_stops_and_resumes_exactly_on_jax_with_dropout(sharding, d
                                              "finished_run"), stopped)
 
 
+@pytest.mark.slow  # with finished_run
+def test_a_run_lost_after_a_local_copy_resumes_from_it_to_identical_weights(data_dir, tmp_path,
+                                                                            finished_run, monkeypatch):
+    """A run that dies in epoch 2 (an error: nothing saved at the end) after local copies newer
+    than its epoch-1 checkpoint resumes from the newest and ends as if never stopped."""
+    import keras
+
+    from meshfit import env
+    from meshfit.run import local_copies
+    from meshfit.run.train import train
+
+    class Lost(Exception):
+        pass
+
+    class LostAt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 5):
+                raise Lost
+
+    monkeypatch.setenv(env.LOCAL_COPIES, str(tmp_path / "local"))
+    lost = str(tmp_path / "lost")
+    with pytest.raises(Lost):
+        train("mnist-mlp-bf16", out=lost, callbacks=[LostAt()], local_copy_every=2,
+              **jax_settings(data_dir))
+    assert newest_state(lost)["global_step"] == STEPS  # the epoch-1 checkpoint
+    metrics = train(resume=lost, verbose=False)
+    resumed = json.loads(open(os.path.join(lost, "config.json")).read())["resumed"][0]["checkpoint"]
+    assert resumed in (f"local:ckpt-{STEPS + 4:08d}", f"local:ckpt-{STEPS + 2:08d}"), resumed
+    assert metrics["epochs"] == 2
+    assert_identical(finished_run, lost)
+    assert not os.path.exists(local_copies.folder_of(lost))  # removed once the run finished
+
+
 @pytest.mark.slow
 def test_cli_sigterm_exits_143_with_a_resume_hint_then_resume_finishes(data_dir, tmp_path):
     tf_env = cli_env(tmp_path, "tensorflow")

@@ -34,7 +34,8 @@ PYTHON_MESHFIT = [sys.executable, "-m", "meshfit"]
 
 def test_every_generation_trains_one_run_directory_and_saves_more_often():
     argv, run = elastic.train_command([*PYTHON_MESHFIT, "train", "fashion-mnist-cnn", "--out", "r"])
-    assert run == "r" and argv[-2:] == ["--checkpoint-every", elastic.ELASTIC_CHECKPOINT_EVERY]
+    assert run == "r" and argv[-4:] == ["--checkpoint-every", elastic.ELASTIC_CHECKPOINT_EVERY,
+                                        "--local-copy-every", elastic.ELASTIC_LOCAL_COPY_EVERY]
     argv, run = elastic.train_command([*PYTHON_MESHFIT, "train", "--resume=old", "--checkpoint-every", "5"])
     assert run == "old" and "--resume=old" not in argv and argv.count("--checkpoint-every") == 1
     argv, run = elastic.train_command([*PYTHON_MESHFIT, "train", "fashion-mnist-cnn"])
@@ -260,8 +261,12 @@ def test_the_mesh_grows_at_a_new_checkpoint_but_not_the_run_s_last(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_path, how):
-    """SIGKILL: process 1 dies, and comes back at the next (epoch-2) checkpoint; SIGSTOP (with
-    --no-grow): it freezes, and JAX's heartbeat check (10 s here) names it when it ends process 0."""
+    """SIGKILL: process 1 dies once a local copy (every step) is newer than the newest committed
+    checkpoint, the survivor resumes from that copy, and process 1 comes back at the next
+    (epoch-end) checkpoint; SIGSTOP (with --no-grow): it freezes, and JAX's heartbeat check (10 s
+    here) names it when it ends process 0."""
+    from meshfit.run import local_copies
+
     data = tmp_path / "data"
     write_idx_dataset(data / "fashion-mnist", n_train=256, n_test=64)  # 4 steps of 64 an epoch
     run, epochs = str(tmp_path / "run"), 6
@@ -269,20 +274,27 @@ def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_pat
     command = [*PYTHON_MESHFIT, "launch", "--processes", "2", "--devices-per-process", "2",
                "--elastic", *(["--no-grow"] if how == "SIGSTOP" else []), "--", "meshfit", "train", "fashion-mnist-cnn", "--global-batch", "64",
                "--seed", "0", "--epochs", str(epochs), "--data-dir", str(data), "--out", run,
-               "--checkpoint-every", "epoch"]
+               "--checkpoint-every", "epoch", "--local-copy-every", "1" if how == "SIGKILL" else "0"]
+    copies = local_copies.Host(run)
+    copies.folder = os.path.join(tmp_path, "local", os.path.basename(copies.folder))
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env={**os.environ, env.STALL_TIMEOUT: str(STALL_SECONDS),
-                                env.HEARTBEAT_TIMEOUT: "10"})
+                                env.HEARTBEAT_TIMEOUT: "10", env.LOCAL_COPIES: str(tmp_path / "local")})
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(job.stdout), daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + SAFETY_SECONDS
-        while not rundir.checkpoint_complete(first_checkpoint) and job.poll() is None and \
-                time.monotonic() < deadline:
-            time.sleep(0.1)
+        newer = 4  # SIGKILL: a local copy newer than the newest committed checkpoint, once seen
+        while not (rundir.checkpoint_complete(first_checkpoint) and
+                   (how == "SIGSTOP" or (copies.steps() or [0])[-1] > newer)) and \
+                job.poll() is None and time.monotonic() < deadline:
+            committed = rundir.list_checkpoints(os.path.join(run, "checkpoints"))
+            newer = max([4, *(int(p[-8:]) for p in committed)])
+            time.sleep(0.01)
         pids = re.search(r"pids (\d+) (\d+)", "".join(output)).groups()
         os.kill(int(pids[1]), getattr(signal, how))  # process 1 is lost mid-run
+        copied = copies.steps()
         assert job.wait(timeout=SAFETY_SECONDS) == 0, "".join(output)[-4000:]
     finally:
         if job.poll() is None:
@@ -308,6 +320,14 @@ def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_pat
         assert re.fullmatch(r"stopped after ckpt-\d+ to grow back to 2 process\(es\)", second["ended"])
         assert third["ended"] == "finished" and third["first_step"] >= 8
         assert second["lost_steps"] == max(second["last_step"] - third["first_step"], 0)
+        # the survivor resumed from the newest local copy (at least the one seen before the kill,
+        # newer than every committed checkpoint then): only the steps since it ran again
+        with open(os.path.join(run, "config.json")) as f:
+            resumed = [r["checkpoint"] for r in json.load(f)["resumed"]]
+        assert resumed[0] == f"local:ckpt-{second['first_step']:08d}", resumed
+        assert second["first_step"] >= copied[-1] > newer and "the local copy ckpt-" in text
+        assert resumed[1] == f"ckpt-{third['first_step']:08d}"  # the agreed stop's save
+        assert not os.path.exists(copies.folder)  # removed once the run finished
     with open(os.path.join(run, "history.json")) as f:
         assert [r["epoch"] for r in json.load(f)] == list(range(1, epochs + 1))  # every epoch trained
     assert metrics["goodput"]["sessions"] == len(meshes) and metrics["goodput"]["seconds"]["lost"] > 0

@@ -27,8 +27,11 @@ running world: `jax.distributed` can only be shut down and started again, by eve
 XLA's backends cannot be started twice in one process. So a smaller mesh needs new processes,
 and so does a larger one (a new process cannot join a running coordination service either).
 
-What a mesh change costs: the steps since the newest checkpoint, run again (`--elastic` makes the
-run save every ELASTIC_CHECKPOINT_EVERY unless the command gives --checkpoint-every), plus the
+What a mesh change costs: the steps since the newest checkpoint, or since the newest local copy
+every process of the new generation has where that is newer (`--elastic` makes the run save
+every ELASTIC_CHECKPOINT_EVERY and copy its state to each host's local disk every
+ELASTIC_LOCAL_COPY_EVERY steps unless the command gives --checkpoint-every or --local-copy-every;
+meshfit.run.local_copies: the new processes read the copies the lost generation left), plus the
 restart (imports, joining, compiling). Both are in the run's goodput ("lost" seconds and steps,
 meshfit.watch.goodput), and every generation (its processes, devices, global batch, first and last
 step, why it ended) is in RUN/generations.json, and in metrics.json as "generations".
@@ -78,6 +81,15 @@ from meshfit.run import rundir
 # meshfit.run.keras_side.checkpoints): 0.2-0.3 s a save in a 2-process job of the Fashion-MNIST
 # CNN on a loaded 2-core VM, 2-3% of the wall time at 5 s (BENCHMARKS.md section 6), so 10 s.
 ELASTIC_CHECKPOINT_EVERY = "10s"
+# ... and keeps a copy of the state on each host's local disk every this many steps (at most one a
+# dispatch) unless the command gives --local-copy-every: a lost process then costs the steps
+# since the newest copy (meshfit.run.local_copies). A copy of the Fashion-MNIST CNN's state (1.25
+# MiB) blocks training 1.1-3.5 ms (median 1.4; the run's first 85 ms, starting its writing
+# thread), its write in the background about 66 ms, against 1.0-2.0 s steps of the 2 x 4-device
+# job on a loaded 2-core VM: 0.1-0.3% at every step, goodput `checkpoint` 2.1% of the wall time
+# against 2.0% without copies (BENCHMARKS.md section 6). A larger state or shorter steps (an
+# accelerator) cost more: give a larger N there.
+ELASTIC_LOCAL_COPY_EVERY = "1"
 MAX_RESTARTS = 3
 KEEP_BATCH = ("global", "per-core")  # --keep-batch: what a generation on fewer devices keeps
 GENERATIONS = "generations.json"  # in the run directory
@@ -134,7 +146,7 @@ def elastic_launch(command: Sequence[str], processes: int | None, devices_per_pr
             record["micro_batches"] = slices or micro_batches_for(run, count * devices_per_process,
                                                                   full, argv)
         if generations:
-            generations[-1]["lost_steps"] = max(generations[-1]["last_step"] - record["first_step"], 0)
+            continued(generations[-1], record)
         generations.append(record)
         if ended.at_boundary:
             grown = fitting_processes(run, runner.most(processes), devices_per_process)
@@ -268,8 +280,9 @@ def _last_of_run(run: str, checkpoint: str) -> bool:
 
 def train_command(argv: list[str]) -> tuple[list[str], str]:
     """(the command every generation runs, its run directory): `meshfit train` with --out (added
-    when missing: a new runs/elastic-<time>) and --checkpoint-every (ELASTIC_CHECKPOINT_EVERY when
-    missing); a resumed run's own directory when the command has --resume."""
+    when missing: a new runs/elastic-<time>), --checkpoint-every (ELASTIC_CHECKPOINT_EVERY when
+    missing) and --local-copy-every (ELASTIC_LOCAL_COPY_EVERY when missing); a resumed run's own
+    directory when the command has --resume."""
     if argv[1:3] != ["-m", "meshfit"] or len(argv) < 4 or argv[3] != "train":
         raise MeshfitError("--elastic restarts a `meshfit train` run from its checkpoints; give "
                            "one after --, e.g. meshfit launch --elastic --processes 2 -- meshfit "
@@ -283,6 +296,8 @@ def train_command(argv: list[str]) -> tuple[list[str], str]:
         argv = _without_flag(argv, "--resume")  # each generation adds it itself
     if _flag_value(argv, "--checkpoint-every") is None:
         argv += ["--checkpoint-every", ELASTIC_CHECKPOINT_EVERY]
+    if _flag_value(argv, "--local-copy-every") is None:
+        argv += ["--local-copy-every", ELASTIC_LOCAL_COPY_EVERY]
     return argv, run
 
 
@@ -385,6 +400,14 @@ def generation_record(number: int, processes: int, devices_per_process: int, run
             "devices": processes * devices_per_process, "global_batch": config.get("global_batch"),
             "first_step": first_step, "last_step": first_step + started,
             "seconds": round(ended.seconds, 1), "ended": None}
+
+
+def continued(last: dict[str, Any], record: dict[str, Any]) -> None:
+    """Generation `last` ran at least to the step the next one (`record`) resumed from: its
+    progress reports lag (once a second), a local copy of the state may be newer. Its last step,
+    and the steps the next one runs again."""
+    last["last_step"] = max(last["last_step"], record["first_step"])
+    last["lost_steps"] = last["last_step"] - record["first_step"]
 
 
 def _checkpoint_step(name: str) -> int:

@@ -80,6 +80,11 @@ class TrainOptions:
     keep_checkpoints: int | None = _setting(
         None, f"keep the newest K checkpoints (default: {spec.DEFAULT_KEEP_CHECKPOINTS})",
         type=int, metavar="K")
+    local_copy_every: int | str | None = _setting(
+        None, "also keep the training state on each host's local disk every N steps, the newest "
+              "2, which resuming takes when every process has it and it is newer than the newest "
+              "checkpoint ('off' or 0: none, the default; meshfit launch --elastic: every step)",
+        metavar="N")
     steps_per_dispatch: int | None = _setting(
         None, "train steps per call into the devices, one compiled loop (default: up to "
               f"{planning.AUTO_STEPS_PER_DISPATCH} on a GPU or TPU, 1 on a CPU)",
@@ -134,6 +139,7 @@ class TrainOptions:
         object.__setattr__(self, "precision", planning.precision_name(self.precision))
         spec.check_seed(self.seed)
         spec.parse_every(self.checkpoint_every)
+        object.__setattr__(self, "local_copy_every", spec.parse_local_copy_every(self.local_copy_every))
         spec.profiling_steps(self.profile)
         if self.steps_per_dispatch is not None:
             planning.check_steps_per_dispatch(self.steps_per_dispatch)

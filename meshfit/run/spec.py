@@ -60,6 +60,7 @@ class RunSpec:
     tta_flip: bool = False
     checkpoint_every: str = DEFAULT_CHECKPOINT_EVERY
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    local_copy_every: int = 0  # steps between copies on each host's local disk (0: none)
     meshfit_version: str = ""
     keras_version: str = ""
     command: str = ""
@@ -141,6 +142,20 @@ def parse_every(text: str | int | None) -> tuple[int | None, float | None, bool]
     if not unit:
         return int(number), None, True
     return None, float(number) * {"s": 1, "m": 60, "h": 3600}[unit], True
+
+
+def parse_local_copy_every(text: str | int | None) -> int | None:
+    """`--local-copy-every` as a step count: "off" or 0 is 0 (no local copies), None stays None
+    (not given)."""
+    if text is None:
+        return None
+    value = str(text).strip().lower()
+    if value in ("off", "none", "never"):
+        return 0
+    if not value.isdigit():
+        raise MeshfitError(f"--local-copy-every {str(text)!r} is not understood; use a step count (1, "
+                           "100) or 'off'")
+    return int(value)
 
 
 def python_command(**kwargs: Any) -> str:

@@ -37,7 +37,7 @@ from meshfit.watch import goodput
 
 # Settings a resumed run keeps from its config.json unless given again (the same name on both).
 RESUMED_SETTINGS = ("data_dir", "engine", "simulate_devices", "checkpoint_every", "sharding",
-                    "fsdp_min_bytes", "model_parallel")
+                    "fsdp_min_bytes", "model_parallel", "local_copy_every")
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,7 @@ def settle_options(asked: TrainOptions, recipe: recipes.Recipe, saved: RunSpec |
         checkpoint_every=str(o.checkpoint_every or spec.DEFAULT_CHECKPOINT_EVERY),
         keep_checkpoints=(spec.DEFAULT_KEEP_CHECKPOINTS if o.keep_checkpoints is None
                           else o.keep_checkpoints),
+        local_copy_every=int(o.local_copy_every or 0),
         micro_batches=o.micro_batches or "auto")
 
 
@@ -214,6 +215,8 @@ def train(recipe: str | recipes.Recipe | None = None, options: TrainOptions | No
       sharding trains fsdp when the device memory is known and the replicated step does not fit
       (meshfit.fit.memory_plan). checkpoint_every: "200" (steps), "60s"/"5m" (time, default
       60 s), "epoch" or "off"; keep_checkpoints (default spec.DEFAULT_KEEP_CHECKPOINTS);
+      local_copy_every: steps between copies of the state on each host's local disk (default 0:
+      none; meshfit.run.local_copies);
       steps_per_dispatch, micro_batches, batch_rounding: see meshfit.parallel.planning.plan_batch. callbacks: extra Keras callbacks
       for fit. command: the command line to record. tensorboard, log_every, profile:
       RUN/tensorboard scalars every `log_every` steps, and a trace of global train steps

@@ -51,11 +51,43 @@ def sync_variables(model) -> None:
 
 
 def _host_value(variable) -> np.ndarray:
-    """A variable's value as numpy; of a replicated multi-host array, this process's copy."""
+    """A variable's value as numpy; of a multi-host array whole on this process (see
+    `not_whole_here`), made of this process's shards alone: it never waits on another process."""
     value = variable.value
-    if getattr(value, "is_fully_replicated", False) and not value.is_fully_addressable:
-        value = value.addressable_data(0)
-    return np.asarray(keras.ops.convert_to_numpy(value))
+    if getattr(value, "is_fully_addressable", True):
+        return np.asarray(keras.ops.convert_to_numpy(value))
+    if value.is_fully_replicated:
+        return np.asarray(value.addressable_data(0))
+    if _covered(value) < value.size:
+        raise ValueError(f"{variable.path} is sharded across processes: no process holds it whole")
+    whole = np.empty(value.shape, value.dtype)
+    for shard in value.addressable_shards:
+        whole[shard.index] = np.asarray(shard.data)
+    return whole
+
+
+def _covered(value) -> int:
+    """How many of a JAX array's elements this process's shards hold (each counted once)."""
+    slices = {tuple((s.start, s.stop) for s in _full(shard.index, value.shape))
+              for shard in value.addressable_shards}
+    return sum(int(np.prod([stop - start for start, stop in box])) for box in slices)
+
+
+def _full(index: tuple, shape: tuple) -> list[slice]:
+    return [slice(*s.indices(n)[:2]) for s, n in zip(index, shape)]
+
+
+def not_whole_here(model) -> str | None:
+    """The path of a variable that no single process holds whole (sharded across processes:
+    fsdp or model parallelism over several hosts), or None: every process could write the whole
+    state from its own devices (data-parallel, replicated), as a local copy needs."""
+    for values in variable_groups(model).values():
+        for v in values:
+            value = v.value
+            if not getattr(value, "is_fully_addressable", True) and \
+                    not value.is_fully_replicated and _covered(value) < value.size:
+                return v.path
+    return None
 
 
 def gather_for_saving(model) -> None:
@@ -104,13 +136,16 @@ def sharded_by_default() -> bool:
 
 class PendingSave:
     """A checkpoint being written: `result()` waits until it is committed and returns its folder
-    (None on processes that do not commit), raising the write's error if it failed."""
+    (None on processes that do not commit), raising the write's error if it failed. `finish`
+    runs in a thread of its own, or in `writer` (a thread kept for the writes, see begin_save)."""
 
-    def __init__(self, path: str, finish=None):
+    def __init__(self, path: str, finish=None, writer=None):
         self.path = path
         self._error: BaseException | None = None
         self._thread = None
-        if finish is not None:
+        if finish is not None and writer is not None:
+            self._thread = writer.submit(self._run, finish)
+        elif finish is not None:
             self._thread = threading.Thread(target=self._run, args=(finish,), daemon=True,
                                             name="meshfit-checkpoint")
             self._thread.start()
@@ -122,11 +157,16 @@ class PendingSave:
             self._error = e
 
     def done(self) -> bool:
+        if hasattr(self._thread, "done"):  # a writer's future
+            return self._thread.done()
         return self._thread is None or not self._thread.is_alive()
 
     def result(self) -> str:
         if self._thread is not None:
-            self._thread.join()
+            if hasattr(self._thread, "result"):
+                self._thread.result()
+            else:
+                self._thread.join()
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
@@ -147,7 +187,7 @@ def save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_pe
 def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, steps_per_epoch: int,
                extra: dict[str, Any] | None = None, extra_arrays: dict[str, np.ndarray] | None = None,
                keep: int = spec.DEFAULT_KEEP_CHECKPOINTS, sharded: bool | None = None,
-               background: bool | None = None, commit: bool = True) -> PendingSave:
+               background: bool | None = None, commit: bool = True, writer=None) -> PendingSave:
     """Start writing the full training state after `step` steps of epoch `epoch` (0-based).
 
     extra: JSON-serializable data stored with it (e.g. seed, history, run settings).
@@ -158,7 +198,10 @@ def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, st
     and the pruning to the newest `keep` follow in a thread (one save at a time: wait for the
     previous one first).
     commit: False on processes other than 0 of a job, which write their shards only (format 3)
-    or nothing (format 2). Every process of a job calls this at the same step.
+    or nothing (format 2). Every process of a job calls this at the same step. writer: a
+    concurrent.futures executor of one thread that writes in the background instead of a new
+    thread (the local copies': starting a thread, which waits until it runs, blocked training
+    50-70 ms a copy on a loaded 2-core VM, BENCHMARKS.md section 6).
     An intact checkpoint of the same global step that already exists is kept as it is; a damaged
     one is written again.
     """
@@ -192,7 +235,7 @@ def begin_save(directory: str | os.PathLike, model, *, epoch: int, step: int, st
         finish()
         return PendingSave(final)
     try:
-        return PendingSave(final, finish)
+        return PendingSave(final, finish, writer)
     except BaseException:  # e.g. Ctrl-C before the thread started: let orbax's threads end
         with contextlib.suppress(BaseException):
             writing.wait()

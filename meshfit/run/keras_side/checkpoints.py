@@ -10,6 +10,10 @@ a SIGTERM/SIGINT (see `stop_on_signals`) saves at the next step boundary and sto
 raising `TrainingInterrupted`. It acts in `on_train_batch_begin`, which Keras calls synchronously
 without logs, so training pays no per-step host synchronization on JAX.
 
+With `local_every` it also keeps a local copy of the state every N global steps
+(meshfit.run.local_copies): each process counts the steps itself, with no vote, and the host's
+writer alone copies its own shards off the devices and writes them in a background thread.
+
 In a multi-process job a signal often reaches one process only (a preemption notice, a Ctrl-C on
 one host), so the processes vote at every dispatch boundary (`hosts.Vote`, one step behind, so
 still without a host sync) and all stop at the same step: every process writes its shards,
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from concurrent.futures import ThreadPoolExecutor
+import warnings
 import signal
 import sys
 import time
@@ -35,7 +41,9 @@ from meshfit.fit import hosts
 from meshfit.parallel import cluster, heartbeat
 from meshfit.run import sharded_arrays, spec
 from meshfit.run.keras_side.checkpoint_restore import check_fits
-from meshfit.run.keras_side.checkpoint_save import PendingSave, begin_save, sync_variables
+from meshfit.run.keras_side.checkpoint_save import (PendingSave, begin_save, not_whole_here,
+                                                    sync_variables)
+from meshfit.run.local_copies import KEEP as LOCAL_KEEP
 from meshfit.watch.keras_side import report
 
 
@@ -54,13 +62,17 @@ class Checkpointer(keras.callbacks.Callback):
     goes on (the next save, a stop and the end of training wait for it; default: when sharded);
     False: each save is committed before training goes on, as on TensorFlow.
     In a job of several processes a stop requested on any of them stops all at the same step.
+    local_every: keep a local copy every N global steps (0: none), written into local_directory
+    by the process that has one (its host's writer; None on the others), unless some variable
+    is sharded across processes (one line says so at the start of training).
     """
 
     def __init__(self, directory: str | os.PathLike, steps_per_epoch: int, *,
                  every_steps: int | None = None, every_seconds: float | None = None,
                  epoch_end: bool = True, keep: int = spec.DEFAULT_KEEP_CHECKPOINTS, extra=None,
                  extra_arrays=None, resume_state: dict[str, Any] | None = None, write: bool = True,
-                 sharded: bool | None = None, background: bool | None = None):
+                 sharded: bool | None = None, background: bool | None = None,
+                 local_every: int = 0, local_directory: str | None = None):
         super().__init__()
         self.directory = os.fspath(directory)
         self.steps_per_epoch = steps_per_epoch
@@ -81,6 +93,9 @@ class Checkpointer(keras.callbacks.Callback):
         self._saves = 0  # saves begun so far
         self._saves_at_cast = 0  # ... when the vote now under way was cast
         self._due = False  # the agreed answer: every_seconds have passed (see agreed_stop)
+        self.local_every, self.local_directory = local_every, local_directory
+        self._local: PendingSave | None = None
+        self._writer: ThreadPoolExecutor | None = None  # the copies' writing thread, kept
 
     def request_stop(self, signum: int) -> None:
         """Ask training to save and stop at the next step boundary (called by signal handlers)."""
@@ -171,8 +186,48 @@ class Checkpointer(keras.callbacks.Callback):
             value = max(value, self._vote.settle())
         return value
 
+    def local_copy(self, epoch: int, step: int) -> None:
+        """Start writing a local copy of the state after `step` steps of epoch `epoch` (the
+        writer's; the previous copy is finished first). A copy that cannot be written turns the
+        copies off with a warning: the committed checkpoints remain."""
+        if self.local_directory is None:
+            return
+        self.wait_for_device()
+        self.wait_local()
+        if self.local_directory is None:
+            return
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="meshfit-local-copy")
+        try:
+            self._local = begin_save(self.local_directory, self.model, epoch=epoch, step=step,
+                                     steps_per_epoch=self.steps_per_epoch, extra=self.extra(),
+                                     extra_arrays=self.extra_arrays(), keep=LOCAL_KEEP,
+                                     sharded=False, background=True, writer=self._writer)
+        except Exception as e:
+            self._local_failed(e)
+
+    def wait_local(self) -> None:
+        """Wait until the local copy being written (if any) is committed."""
+        pending, self._local = self._local, None
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception as e:
+                self._local_failed(e)
+
+    def _local_failed(self, error: Exception) -> None:
+        warnings.warn(f"no more local copies: {str(error).splitlines()[0]}; the committed "
+                      "checkpoints remain", stacklevel=3)
+        self.local_directory = None
+
     def on_train_begin(self, logs=None):
         self._last_time = time.monotonic()
+        sharded = not_whole_here(self.model) if self.local_every else None
+        if sharded is not None:
+            self.local_every, self.local_directory = 0, None
+            if self.write:
+                print(f"no local copies: {sharded} is sharded across processes (each holds only "
+                      "its part); resuming takes the committed checkpoints", flush=True)
         if self._vote is None and cluster.multi_process():
             self._vote = hosts.Vote()
 
@@ -202,6 +257,8 @@ class Checkpointer(keras.callbacks.Callback):
         if (self.every_steps and global_step // self.every_steps > previous // self.every_steps) or \
                 self._due:
             self.save(self._epoch, step)
+        elif self.local_every and global_step // self.local_every > previous // self.local_every:
+            self.local_copy(self._epoch, step)  # not beside a save: that one is newer or as new
 
     def on_epoch_end(self, epoch, logs=None):
         stop = self.agreed_stop(settle=True) is not None
@@ -212,6 +269,10 @@ class Checkpointer(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.wait()
+        self.wait_local()
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
 
     def _stop(self, path: str | None, global_step: int):
         cluster.barrier("meshfit: stop saved")  # no process exits before process 0 has saved

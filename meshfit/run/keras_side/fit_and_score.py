@@ -188,15 +188,18 @@ def recipe_callbacks(recipe: recipes.Recipe, resume_state: dict | None, epochs: 
 
 
 def make_checkpointer(run: str, run_spec: RunSpec, history: list, own_callbacks, resume_state,
-                      chief: bool, earlier: _EarlierSessions | None = None) -> checkpoints.Checkpointer:
+                      chief: bool, earlier: _EarlierSessions | None = None,
+                      local_folder: str | None = None) -> checkpoints.Checkpointer:
     """The run's Checkpointer: its policy from the spec; each checkpoint holds the seed, the
     history so far, the specification, the recipe callbacks' state and the epoch in progress'
-    steps and training seconds so far (`earlier`)."""
+    steps and training seconds so far (`earlier`). local_folder: where this process writes the
+    run's local copies (its host's writer; meshfit.run.local_copies), else None."""
     every_steps, every_seconds, at_epoch_end = spec.parse_every(run_spec.checkpoint_every)
     return checkpoints.Checkpointer(
         os.path.join(run, rundir.CHECKPOINTS), run_spec.steps_per_epoch, every_steps=every_steps,
         every_seconds=every_seconds, epoch_end=at_epoch_end, keep=run_spec.keep_checkpoints,
-        resume_state=resume_state, write=chief,
+        resume_state=resume_state, write=chief, local_every=run_spec.local_copy_every,
+        local_directory=local_folder,
         extra=lambda: {"seed": run_spec.seed, "history": history, "config": run_spec.to_dict(),
                        "callbacks": own_callbacks.state() if own_callbacks else [],
                        "epoch_so_far": earlier.state() if earlier else {}},
@@ -254,9 +257,11 @@ def source_failure_raised(batches):
 
 
 def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
-            resume_state: dict | None) -> tuple[list[dict[str, Any]], EpochReport]:
-    """Fit with the run's callbacks (evaluation, report, monitoring, the recipe's, checkpoints);
-    return the history of every epoch, the resumed ones included, and the epoch report."""
+            resume_state: dict | None, local_folder: str | None = None
+            ) -> tuple[list[dict[str, Any]], EpochReport]:
+    """Fit with the run's callbacks (evaluation, report, monitoring, the recipe's, checkpoints
+    and local copies into `local_folder`: see make_checkpointer); return the history of every
+    epoch, the resumed ones included, and the epoch report."""
     o, run, global_batch = asked.options, asked.run, run_spec.global_batch
     chief = strategy.info.process_index == 0
     history = list(resume_state["history"]) if resume_state else []
@@ -266,7 +271,8 @@ def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
     report.input_source = input_source(batches)
     earlier = _EarlierSessions(report, resume_state)
     checkpointer = charged_to_checkpoint(
-        make_checkpointer(run, run_spec, history, own_callbacks, resume_state, chief, earlier))
+        make_checkpointer(run, run_spec, history, own_callbacks, resume_state, chief, earlier,
+                          local_folder))
     watch = monitoring(run, chief, o.verbose, report, global_batch, run_spec.steps_per_epoch,
                        o.tensorboard, o.log_every, profiling_steps(o.profile))
     # Keras calls these in order at each epoch end: the evaluation adds val_* to the logs before

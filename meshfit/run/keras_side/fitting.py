@@ -26,7 +26,7 @@ from meshfit.data import splits as data
 from meshfit.errors import MeshfitError
 from meshfit.fit import memory_plan, set_random_seed, tf_microbatch
 from meshfit.parallel import cluster, planning, stall
-from meshfit.run import checkpoint_format, models, rundir, spec
+from meshfit.run import checkpoint_format, local_copies, models, rundir, spec
 from meshfit.run.keras_side import checkpoint_restore
 from meshfit.run.keras_side.fit_and_score import fit_run, score_and_write
 from meshfit.run.keras_side.scores import is_classifier
@@ -45,13 +45,17 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
         model, batches, run_spec = build_run(asked, strategy, dataset, stream, batch_plan, command)
         chief = strategy.info.process_index == 0
         cluster.barrier("meshfit: run directory checked")  # before process 0 writes into it
-        with rundir.lock(asked.run) if chief else contextlib.nullcontext():
+        with rundir.lock(asked.run) if chief else contextlib.nullcontext(), \
+                contextlib.closing(local_copies.Host(asked.run)) as local:
+            if run_spec.local_copy_every or os.path.isdir(local.folder):
+                local.take()  # one process per host writes the copies (and removes them)
             ledger = goodput.ledger()
             with ledger.part("checkpoint"):
                 resume_state = (restore(model, asked.run, run_spec.steps_per_epoch,
                                         data.labels(dataset.train), asked.checkpoint,
-                                        dataset.num_classes)
+                                        dataset.num_classes, local)
                                 if asked.saved is not None else None)
+            local.drop_newer(resumed_step(resume_state, run_spec.steps_per_epoch))
             own_ledger(ledger, asked.run, strategy.info.process_index, resume_state,
                        run_spec.steps_per_epoch)
             if chief:
@@ -61,8 +65,17 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
                     announce(asked.run, run_spec, asked.saved, resume_state,
                              has_test=dataset.test is not None)
             history, report = fit_run(asked, strategy, model, batches, dataset, run_spec,
-                                      resume_state)
-            return score_and_write(asked, model, history, dataset, run_spec, chief, report.peak)
+                                      resume_state, local.folder if local.writer else None)
+            metrics = score_and_write(asked, model, history, dataset, run_spec, chief, report.peak)
+            local.remove()  # the run finished: its copies are of no more use
+            return metrics
+
+
+def resumed_step(resume_state: dict | None, steps_per_epoch: int) -> int:
+    """The global step a run starts from (0: a new run)."""
+    if resume_state is None:
+        return 0
+    return resume_state["epoch"] * steps_per_epoch + resume_state["step"]
 
 
 class _RunLedger:
@@ -237,7 +250,8 @@ def make_spec(asked, strategy, dataset, *, steps_per_epoch: int, global_batch: i
         recipe_sha256=rundir.text_sha256(r.text) if r.text is not None else None,
         recipe_source=r.file, augment=r.augment, crop_padding=r.crop_padding,
         flips=r.flips, tta_flip=r.tta_flip, checkpoint_every=o.checkpoint_every,
-        keep_checkpoints=o.keep_checkpoints, meshfit_version=__version__,
+        keep_checkpoints=o.keep_checkpoints, local_copy_every=o.local_copy_every,
+        meshfit_version=__version__,
         keras_version=keras.__version__, command=command, sharding=strategy.sharding.name,
         fsdp_min_bytes=strategy.fsdp_min_bytes, model_parallel=strategy.model_parallel)
 
@@ -251,17 +265,22 @@ def write_recipe(run: str, recipe: recipes.Recipe) -> None:
 
 
 def restore(model, run: str, steps: int, labels: np.ndarray, checkpoint: str | None = None,
-            classes: int | None = None) -> dict[str, Any]:
+            classes: int | None = None, local: local_copies.Host | None = None) -> dict[str, Any]:
     """Load a checkpoint into the model; return its state (see checkpoint_restore.restore).
 
     checkpoint: the one to load (as named on --resume); default the newest intact one: a damaged
-    newer one is skipped with a warning (the run then repeats the steps it had saved). A run
+    newer one is skipped with a warning (the run then repeats the steps it had saved), and a
+    local copy newer than the newest committed one that every process has (`local`, see
+    newest_local_copy; a collective: every process calls this) is taken first. A run
     stopped before its first checkpoint starts from the beginning (its weights are those of a
     new run with its seed), recorded as resumed from checkpoint "none". classes: the width of
     the outputs of a subclassed model, which has no output_shape.
     """
     directory = os.path.join(run, rundir.CHECKPOINTS)
     candidates = [checkpoint] if checkpoint else rundir.list_checkpoints(directory)[::-1]
+    copy = newest_local_copy(local, candidates) if local is not None and not checkpoint else None
+    if copy is not None:
+        candidates.insert(0, copy)
     if not candidates:  # stopped before its first checkpoint: nothing to load, start again
         warnings.warn(f"{run} has no checkpoint yet; training it from the start", stacklevel=2)
         return {"epoch": 0, "step": 0, "history": [], "metrics_values": [],
@@ -285,8 +304,23 @@ def restore(model, run: str, steps: int, labels: np.ndarray, checkpoint: str | N
         raise MeshfitError(f"{path} was taken at {state['steps_per_epoch']} steps per epoch but "
                            f"this run has {steps}; resume with the same data")
     _build_metrics(model, labels[:1], classes)
-    state["path"] = path
+    state["path"], state["local"] = path, path == copy
     return state
+
+
+def newest_local_copy(local: local_copies.Host, committed: list[str]) -> str | None:
+    """The newest local copy newer than the newest of `committed` (newest first) that every
+    process of the job has (each reports its host's intact copies, all gathered), or None."""
+    mine = local.steps()[-4:]  # a host keeps KEEP (2); a fixed-size row for the all-gather
+    reports = [mine]
+    if cluster.multi_process():
+        from jax.experimental import multihost_utils
+
+        row = np.array(mine + [-1] * (4 - len(mine)), "int64")
+        reports = [list(r) for r in np.asarray(multihost_utils.process_allgather(row))]
+    newest = local_copies.step_of(committed[0]) if committed else -1
+    step = local_copies.agreed_step(reports, newest)
+    return None if step is None else local.path(step)
 
 
 def _build_metrics(model, labels: np.ndarray, classes: int | None) -> None:
@@ -295,6 +329,13 @@ def _build_metrics(model, labels: np.ndarray, classes: int | None) -> None:
     shape = model.output_shape[1:] if hasattr(model, "output_shape") else (classes,)
     outputs = np.zeros((len(labels),) + tuple(shape), "float32")
     model.compute_metrics(None, labels, outputs)
+
+
+def resumed_from(resume_state: dict[str, Any]) -> str:
+    """What config.json's "resumed" record names: ckpt-<step>, or local:ckpt-<step> for a local
+    copy (meshfit.commands.elastic reads the step after the last '-')."""
+    name = os.path.basename(resume_state["path"])
+    return local_copies.PREFIX + name if resume_state.get("local") else name
 
 
 def write_config(run: str, run_spec: RunSpec, saved_config: dict | None, resume_state, command: str) -> None:
@@ -308,7 +349,7 @@ def write_config(run: str, run_spec: RunSpec, saved_config: dict | None, resume_
         config = {**saved_config, "epochs": run_spec.epochs, "sharding": run_spec.sharding,
                   "fsdp_min_bytes": run_spec.fsdp_min_bytes}
         config.setdefault("resumed", []).append({
-            "command": command, "at": now, "checkpoint": os.path.basename(resume_state["path"]),
+            "command": command, "at": now, "checkpoint": resumed_from(resume_state),
             "engine": run_spec.engine, "replicas": run_spec.replicas,
             "steps_per_dispatch": run_spec.steps_per_dispatch, "micro_batches": run_spec.micro_batches,
             "sharding": run_spec.sharding})
@@ -339,7 +380,11 @@ def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state,
         if (saved.replicas, saved.engine) != (run_spec.replicas, run_spec.engine):
             note = (f" (the run began on {saved.replicas} replica(s) with {saved.engine}; "
                     "same data order, so results differ only by floating-point rounding)")
-        print(f"resuming {run} from {os.path.basename(resume_state['path'])}: epoch "
+        where = os.path.basename(resume_state["path"])
+        if resume_state.get("local"):
+            where = (f"the local copy {where} (newer than the run's newest committed checkpoint; "
+                     f"{os.path.dirname(resume_state['path'])})")
+        print(f"resuming {run} from {where}: epoch "
               f"{resume_state['epoch'] + 1} step {resume_state['step']}{note}", flush=True)
     per_dispatch = (f", {run_spec.steps_per_dispatch} steps per dispatch"
                     if run_spec.steps_per_dispatch > 1 else "")
