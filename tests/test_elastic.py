@@ -21,7 +21,7 @@ import pytest
 from helpers import write_idx_dataset
 
 from meshfit import env
-from meshfit.commands import elastic, launch
+from meshfit.commands import elastic, launch, mesh_history
 from meshfit.errors import MeshfitError
 from meshfit.run import rundir
 
@@ -114,7 +114,7 @@ def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
         {"checkpoint": "ckpt-00000004"}]})
     job = ended((0, -9))
     job.steps = {0: 3}
-    record = elastic.generation_record(2, 1, 2, str(tmp_path), 0, job)
+    record = mesh_history.record(2, 1, 2, str(tmp_path), 0, job)
     assert (record["processes"], record["devices"], record["global_batch"]) == (1, 2, 64)
     assert (record["first_step"], record["last_step"]) == (4, 7)
     assert elastic.batch_line(str(tmp_path), 2) == "global batch kept at 64 (32 per device)"
@@ -123,7 +123,7 @@ def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
     path.mkdir(parents=True)
     rundir.write_json(str(path / rundir.CHECKPOINT_MANIFEST), {})
     job.steps = {}
-    record = elastic.generation_record(3, 2, 2, str(tmp_path), 1, job)
+    record = mesh_history.record(3, 2, 2, str(tmp_path), 1, job)
     assert (record["first_step"], record["last_step"]) == (9, 9)
 
 
@@ -140,7 +140,7 @@ def stand_in_launch(launch_flags: list[str], train_flags: list[str]) -> subproce
 
 
 def meshes(run: str) -> list[tuple]:
-    with open(os.path.join(run, elastic.GENERATIONS)) as f:
+    with open(os.path.join(run, mesh_history.GENERATIONS)) as f:
         return [(g["processes"], g["first_step"], g["last_step"]) for g in json.load(f)]
 
 
@@ -215,7 +215,7 @@ def test_per_core_batch_kept_with_micro_batches_until_the_mesh_grows_back(tmp_pa
     assert "again (was 1 x 1), per-core batch kept at 4 (global batch 8), resuming" in job.stderr
     with open(os.path.join(run, rundir.CONFIG)) as f:  # the commands the generations ran
         assert [r["micro_batches"] for r in json.load(f)["resumed"]] == [2, None]
-    with open(os.path.join(run, elastic.GENERATIONS)) as f:
+    with open(os.path.join(run, mesh_history.GENERATIONS)) as f:
         assert [g["micro_batches"] for g in json.load(f)] == [1, 2, 1]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from meshfit import env
-from meshfit.commands import elastic
+from meshfit.commands import elastic, mesh_history
 from meshfit.run import checkpoint_format, local_copies, rundir
 
 STEPS = 10  # steps per epoch of the copies here
@@ -201,15 +201,15 @@ def test_the_resumed_record_names_the_copy_so_the_launcher_counts_its_steps(tmp_
 
     state = {"path": host.path(13), "local": True}
     assert fitting.resumed_from(state) == "local:ckpt-00000013"
-    assert elastic._checkpoint_step(fitting.resumed_from(state)) == 13
+    assert mesh_history.checkpoint_step(fitting.resumed_from(state)) == 13
     assert fitting.resumed_from({"path": "run/checkpoints/ckpt-00000012"}) == "ckpt-00000012"
 
 
 def test_a_copy_newer_than_the_lost_generation_s_last_report_runs_nothing_again():
     lost = {"last_step": 4}  # its progress, reported once a second, lags the copy of step 5
-    elastic.continued(lost, {"first_step": 5})
+    mesh_history.continued(lost, {"first_step": 5})
     assert (lost["last_step"], lost["lost_steps"]) == (5, 0)
-    elastic.continued(lost, {"first_step": 2})
+    mesh_history.continued(lost, {"first_step": 2})
     assert (lost["last_step"], lost["lost_steps"]) == (5, 3)
 
 

@@ -34,7 +34,8 @@ ELASTIC_LOCAL_COPY_EVERY steps unless the command gives --checkpoint-every or --
 meshfit.run.local_copies: the new processes read the copies the lost generation left), plus the
 restart (imports, joining, compiling). Both are in the run's goodput ("lost" seconds and steps,
 meshfit.watch.goodput), and every generation (its processes, devices, global batch, first and last
-step, why it ended) is in RUN/generations.json, and in metrics.json as "generations".
+step, why it ended) is in RUN/generations.json, and in metrics.json as "generations"
+(meshfit.commands.mesh_history).
 
 Where each generation runs is a runner's business: `Local` runs launch.run_job's processes of
 this machine; under SLURM (`--via srun`, in a batch script submitted with --no-kill:
@@ -63,14 +64,13 @@ alone (the launcher's own error line is printed only when the job stops).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from meshfit.commands import launch, launch_watch, slurm_step
+from meshfit.commands import launch, launch_watch, mesh_history, slurm_step
 from meshfit.errors import MeshfitError
 from meshfit.parallel import stall
 from meshfit.run import rundir
@@ -92,7 +92,6 @@ ELASTIC_CHECKPOINT_EVERY = "10s"
 ELASTIC_LOCAL_COPY_EVERY = "1"
 MAX_RESTARTS = 3
 KEEP_BATCH = ("global", "per-core")  # --keep-batch: what a generation on fewer devices keeps
-GENERATIONS = "generations.json"  # in the run directory
 
 
 def elastic_launch(command: Sequence[str], processes: int | None, devices_per_process: int | None = None,
@@ -129,10 +128,10 @@ def elastic_launch(command: Sequence[str], processes: int | None, devices_per_pr
     full = processes * devices_per_process
     per_core = keep_batch == "per-core"
     deadline = None if timeout is None else time.monotonic() + timeout
-    generations = _earlier_generations(run)  # a resumed run's history goes on
+    generations = mesh_history.earlier(run)  # a resumed run's history goes on
     count, restarts = processes, 0
     while True:
-        resumed_before = len(_config(run).get("resumed", []))
+        resumed_before = len(mesh_history.run_config(run).get("resumed", []))
         resume = ["--resume", run] if os.path.isfile(os.path.join(run, rundir.CONFIG)) else []
         left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
         boundary = (NextCheckpoint(run, lambda: runner.most(processes) > count)
@@ -140,18 +139,18 @@ def elastic_launch(command: Sequence[str], processes: int | None, devices_per_pr
         slices = micro_batches_for(run, count * devices_per_process, full, argv) if per_core else None
         ended = runner(with_micro_batches(argv, slices) + resume, count, devices_per_process, show,
                        left, grace, boundary)
-        record = generation_record(len(generations) + 1, count, devices_per_process, run,
+        record = mesh_history.record(len(generations) + 1, count, devices_per_process, run,
                                    resumed_before, ended)
         if per_core:  # the first generation's count is known once it wrote config.json
             record["micro_batches"] = slices or micro_batches_for(run, count * devices_per_process,
                                                                   full, argv)
         if generations:
-            continued(generations[-1], record)
+            mesh_history.continued(generations[-1], record)
         generations.append(record)
         if ended.at_boundary:
             grown = fitting_processes(run, runner.most(processes), devices_per_process)
             record["ended"] = f"stopped after {boundary.found} to grow back to {grown} process(es)"
-            _write_generations(run, generations)
+            mesh_history.write(run, generations)
             launch.finish(ended.started)
             print(f"meshfit launch: elastic: {boundary.found} committed on {count} process(es); "
                   f"generation {len(generations) + 1}: {grown} process(es) x "
@@ -165,16 +164,16 @@ def elastic_launch(command: Sequence[str], processes: int | None, devices_per_pr
         runner.note_lost(ended, lost)
         if ended.verdict is None and ended.failure is None:
             record["ended"] = "finished"
-            _write_generations(run, generations, finished=True)
+            mesh_history.write(run, generations, finished=True)
             if len(generations) > 1:
                 print(f"meshfit launch: elastic run finished after {len(generations)} generations "
-                      f"({' -> '.join(_mesh(g) for g in generations)} devices), "
+                      f"({' -> '.join(mesh_history.mesh_name(g) for g in generations)} devices), "
                       f"{sum(g.get('lost_steps', 0) for g in generations)} steps run again",
                       file=sys.stderr, flush=True)
             return 0
         why = what_ended(ended, lost)
         record["ended"], record["lost_processes"] = why, lost
-        _write_generations(run, generations)
+        mesh_history.write(run, generations)
         survivors = fitting_processes(run, min(count - len(lost), runner.most(processes)),
                                       devices_per_process)
         stop = None
@@ -273,7 +272,7 @@ def _last_of_run(run: str, checkpoint: str) -> bool:
     """Whether `checkpoint` holds the run's last step (config.json's epochs x its steps per epoch)."""
     try:
         state = rundir.read_json(os.path.join(checkpoint, rundir.CHECKPOINT_STATE))
-        return state["global_step"] >= int(_config(run)["epochs"]) * state["steps_per_epoch"]
+        return state["global_step"] >= int(mesh_history.run_config(run)["epochs"]) * state["steps_per_epoch"]
     except (MeshfitError, KeyError, TypeError, ValueError):
         return False
 
@@ -379,48 +378,12 @@ def what_ended(ended: launch.Ended, lost: list[int]) -> str:
     return text
 
 
-def generation_record(number: int, processes: int, devices_per_process: int, run: str,
-                      resumed_before: int, ended: launch.Ended) -> dict[str, Any]:
-    """What RUN/generations.json keeps of one generation: its mesh, global batch, the global step
-    it started from (its checkpoint's) and about the last it started (its progress reports are
-    written once a second), and its wall seconds."""
-    config = _config(run)
-    resumed = config.get("resumed", [])
-    first = 0
-    if len(resumed) > resumed_before:  # this generation's resumption, config.json's record of it
-        first = _checkpoint_step(resumed[resumed_before].get("checkpoint", ""))
-    elif number > 1 or resumed_before:  # it ended before restoring (killed while joining): it
-        # started nothing new, from the checkpoint it would have resumed (not step 0, which
-        # would count every step of the generation before as run again)
-        newest = rundir.list_checkpoints(os.path.join(run, rundir.CHECKPOINTS))
-        first = _checkpoint_step(os.path.basename(newest[-1])) if newest else 0
-    started = max(ended.steps.values(), default=0)
-    first_step = first
-    return {"generation": number, "processes": processes, "devices_per_process": devices_per_process,
-            "devices": processes * devices_per_process, "global_batch": config.get("global_batch"),
-            "first_step": first_step, "last_step": first_step + started,
-            "seconds": round(ended.seconds, 1), "ended": None}
-
-
-def continued(last: dict[str, Any], record: dict[str, Any]) -> None:
-    """Generation `last` ran at least to the step the next one (`record`) resumed from: its
-    progress reports lag (once a second), a local copy of the state may be newer. Its last step,
-    and the steps the next one runs again."""
-    last["last_step"] = max(last["last_step"], record["first_step"])
-    last["lost_steps"] = last["last_step"] - record["first_step"]
-
-
-def _checkpoint_step(name: str) -> int:
-    digits = name.rpartition("-")[2]
-    return int(digits) if digits.isdigit() else 0  # "none": a run resumed before its first save
-
-
 def fitting_processes(run: str, survivors: int, devices_per_process: int) -> int:
     """The most processes, at most `survivors`, whose devices split the run's global batch evenly
     (config.json): the batch is kept (exact resume depends on it) and `meshfit train` refuses a
     batch that does not split, e.g. 1000 over 3 x 2 devices (then 2 x 2). `survivors` when the
     batch is unknown or none fits (train's own error then says why)."""
-    batch = _config(run).get("global_batch")
+    batch = mesh_history.run_config(run).get("global_batch")
     if not isinstance(batch, int) or batch < 1:
         return survivors
     fits = [n for n in range(survivors, 0, -1) if batch % (n * devices_per_process) == 0]
@@ -432,7 +395,7 @@ def batch_line(run: str, devices: int, full_devices: int | None = None, argv: Se
     with `full_devices` (--keep-batch per-core), e.g. 'per-core batch kept at 125 (global batch
     1000 in 2 micro-batches)'. The run's global batch from config.json; argv: the command (its
     own --micro-batches)."""
-    batch = _config(run).get("global_batch")
+    batch = mesh_history.run_config(run).get("global_batch")
     if not batch:
         return "global batch kept" if full_devices is None else "per-core batch kept"
     if full_devices is not None:
@@ -460,7 +423,7 @@ def micro_batches_for(run: str, devices: int, full_devices: int, argv: Sequence[
     (config.json) are equal, e.g. 1000 on 8 -> 4 devices: 2 (125 rows per device at a time).
     None while the batch is unknown (before the first generation wrote config.json) or does not
     split over the devices (train's own error then says why)."""
-    batch = _config(run).get("global_batch")
+    batch = mesh_history.run_config(run).get("global_batch")
     if not isinstance(batch, int) or batch < 1 or batch % devices:
         return None
     kept = per_core_batch(batch, full_devices, argv)
@@ -476,38 +439,4 @@ def with_micro_batches(argv: list[str], slices: int | None) -> list[str]:
         return argv
     return _without_flag(argv, "--micro-batches") + ["--micro-batches", str(slices)]
 
-
-def _config(run: str) -> dict[str, Any]:
-    try:
-        with open(os.path.join(run, rundir.CONFIG)) as f:
-            config = json.load(f)
-        return config if isinstance(config, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _mesh(generation: dict[str, Any]) -> str:
-    return f"{generation['processes']}x{generation['devices_per_process']}"
-
-
-def _earlier_generations(run: str) -> list[dict[str, Any]]:
-    """RUN/generations.json of a run resumed with --resume (an earlier elastic launch), else []."""
-    try:
-        found = rundir.read_json(os.path.join(run, GENERATIONS))
-    except MeshfitError:
-        return []
-    return found if isinstance(found, list) and os.path.isfile(os.path.join(run, rundir.CONFIG)) else []
-
-
-def _write_generations(run: str, generations: list[dict[str, Any]], finished: bool = False) -> None:
-    """RUN/generations.json; once the run finished, also metrics.json's "generations" (process 0
-    of the last generation wrote metrics.json)."""
-    if not os.path.isdir(run):
-        return
-    rundir.write_json(os.path.join(run, GENERATIONS), generations)
-    metrics_path = os.path.join(run, rundir.METRICS)
-    if finished and os.path.isfile(metrics_path):
-        metrics = rundir.read_json(metrics_path)
-        metrics["generations"] = generations
-        rundir.write_json(metrics_path, metrics)
 

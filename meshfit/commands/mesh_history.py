@@ -1,0 +1,89 @@
+"""A run's history of meshes under `meshfit launch --elastic`: RUN/generations.json, one record
+per generation (its processes, devices, global batch, the first global step, from the checkpoint
+it resumed, and about the last it started, its seconds, why it ended, the steps the next one ran
+again), and metrics.json's "generations" once the run finished."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from meshfit.commands import launch
+from meshfit.errors import MeshfitError
+from meshfit.run import rundir
+
+GENERATIONS = "generations.json"  # in the run directory
+
+
+def record(number: int, processes: int, devices_per_process: int, run: str, resumed_before: int,
+           ended: launch.Ended) -> dict[str, Any]:
+    """What RUN/generations.json keeps of one generation: its mesh, global batch, the global step
+    it started from (its checkpoint's) and about the last it started (its progress reports are
+    written once a second), and its wall seconds."""
+    config = run_config(run)
+    resumed = config.get("resumed", [])
+    first_step = 0
+    if len(resumed) > resumed_before:  # this generation's resumption, config.json's record of it
+        first_step = checkpoint_step(resumed[resumed_before].get("checkpoint", ""))
+    elif number > 1 or resumed_before:  # it ended before restoring (killed while joining): it
+        # started nothing new, from the checkpoint it would have resumed (not step 0, which
+        # would count every step of the generation before as run again)
+        newest = rundir.list_checkpoints(os.path.join(run, rundir.CHECKPOINTS))
+        first_step = checkpoint_step(os.path.basename(newest[-1])) if newest else 0
+    started = max(ended.steps.values(), default=0)
+    return {"generation": number, "processes": processes, "devices_per_process": devices_per_process,
+            "devices": processes * devices_per_process, "global_batch": config.get("global_batch"),
+            "first_step": first_step, "last_step": first_step + started,
+            "seconds": round(ended.seconds, 1), "ended": None}
+
+
+def continued(last: dict[str, Any], record: dict[str, Any]) -> None:
+    """Generation `last` ran at least to the step the next one (`record`) resumed from: its
+    progress reports lag (once a second), a local copy of the state may be newer. Its last step,
+    and the steps the next one runs again."""
+    last["last_step"] = max(last["last_step"], record["first_step"])
+    last["lost_steps"] = last["last_step"] - record["first_step"]
+
+
+def checkpoint_step(name: str) -> int:
+    """The global step in a checkpoint's name (ckpt-00000012, local:ckpt-00000012), 0 for none."""
+    digits = name.rpartition("-")[2]
+    return int(digits) if digits.isdigit() else 0  # "none": a run resumed before its first save
+
+
+def run_config(run: str) -> dict[str, Any]:
+    """The run's config.json, {} while there is none."""
+    try:
+        with open(os.path.join(run, rundir.CONFIG)) as f:
+            config = json.load(f)
+        return config if isinstance(config, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def mesh_name(generation: dict[str, Any]) -> str:
+    """'2x4': processes x devices per process."""
+    return f"{generation['processes']}x{generation['devices_per_process']}"
+
+
+def earlier(run: str) -> list[dict[str, Any]]:
+    """RUN/generations.json of a run resumed with --resume (an earlier elastic launch), else []."""
+    try:
+        found = rundir.read_json(os.path.join(run, GENERATIONS))
+    except MeshfitError:
+        return []
+    return found if isinstance(found, list) and os.path.isfile(os.path.join(run, rundir.CONFIG)) else []
+
+
+def write(run: str, generations: list[dict[str, Any]], finished: bool = False) -> None:
+    """RUN/generations.json; once the run finished, also metrics.json's "generations" (process 0
+    of the last generation wrote metrics.json)."""
+    if not os.path.isdir(run):
+        return
+    rundir.write_json(os.path.join(run, GENERATIONS), generations)
+    metrics_path = os.path.join(run, rundir.METRICS)
+    if finished and os.path.isfile(metrics_path):
+        metrics = rundir.read_json(metrics_path)
+        metrics["generations"] = generations
+        rundir.write_json(metrics_path, metrics)
