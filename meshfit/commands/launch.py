@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, Callable, Iterator, Sequence
+from typing import IO, Callable, Iterator, NamedTuple, Sequence
 
 from meshfit import env
 from meshfit.parallel import heartbeat, stall
@@ -297,16 +297,15 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
             _start_processes(started, argv, processes, devices_per_process, port, status, show, exits)
         else:
             start(started, argv, processes, status, show, exits)
-        verdict, codes, failure, at_boundary, text, line = _wait_for_exits(
-            started, exits, watch, processes, timeout, grace, boundary)
+        waited = _wait_for_exits(started, exits, watch, processes, timeout, grace, boundary)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
         missing, positions = watch.missing(), watch.positions()
         steps = {i: counts[0] for i, counts in heartbeat.progress(status).items()}
         shutil.rmtree(status, ignore_errors=True)
-    return Ended(started, verdict, codes, failure, missing, positions, watch.init_timeout,
-                 watch.behind, steps, time.monotonic() - began, watch.timed_out, at_boundary,
-                 text, line)
+    return Ended(started, missing=missing, positions=positions, init_timeout=watch.init_timeout,
+                 behind=watch.behind, steps=steps, seconds=time.monotonic() - began,
+                 timed_out=watch.timed_out, **waited._asdict())
 
 
 def check_arguments(processes: int | None, devices_per_process: int, timeout: float | None,
@@ -365,13 +364,24 @@ def _start_processes(started: list[_Process], argv: list[str], processes: int,
           file=sys.stderr, flush=True)
 
 
+class _Waited(NamedTuple):
+    """How `_wait_for_exits` ended: Ended's fields of the same names."""
+
+    verdict: int | None
+    codes: dict[int, int]
+    failure: tuple[int, int] | None
+    at_boundary: bool = False
+    verdict_text: str = ""
+    verdict_line: str = ""
+
+
 def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "Watch", processes: int,
-                    timeout: float | None, grace: float, boundary: Callable[[], bool] | None):
-    """(verdict, exit codes, first failure, at boundary, verdict text, verdict line): wait until
-    every process has exited, stopping the others at the first failure. verdict: 124 once the job
-    was stopped for running past `timeout` or by the watchdog (its line not yet printed: see
-    Ended), else None. failure: (index, code) or None. at boundary: `boundary()` said True and the
-    job was stopped to resume."""
+                    timeout: float | None, grace: float,
+                    boundary: Callable[[], bool] | None) -> _Waited:
+    """Wait until every process has exited, stopping the others at the first failure. verdict:
+    124 once the job was stopped for running past `timeout` or by the watchdog (its line not yet
+    printed: see Ended), else None. failure: (index, code) or None. at_boundary: `boundary()` said
+    True and the job was stopped to resume."""
     codes: dict[int, int] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     failure = None
@@ -393,18 +403,19 @@ def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "Watch",
                     # SIGTERM: the processes agree on a step and save there (exit 143), so the
                     # next job resumes without running any step again
                     _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
-                    return None, codes, None, True, "", ""
+                    return _Waited(None, codes, None, at_boundary=True)
             if verdict is None:
                 continue
             after = (f"all {processes} processes stopped together after saving; continue with "
                      "--resume" if stopped else f"stopped all {processes} processes")
             see = "" if deadline is not None and now >= deadline else troubleshooting("a-job-hangs")
-            return 124, codes, failure, False, verdict, f"meshfit: error: {verdict}; {after}{see}"
+            return _Waited(124, codes, failure, verdict_text=verdict,
+                           verdict_line=f"meshfit: error: {verdict}; {after}{see}")
         codes[index] = code
         if code != 0 and failure is None:
             failure = (index, code)
             _stop(started, grace, patience=grace if code in STOP_CODES else 0.0)
-    return None, codes, failure, False, "", ""
+    return _Waited(None, codes, failure)
 
 
 def _report_failure(started: list[_Process], codes: dict[int, int], failure: tuple[int, int],
