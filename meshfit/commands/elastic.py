@@ -140,7 +140,7 @@ def elastic_launch(command: Sequence[str], processes: int | None, devices_per_pr
         ended = runner(with_micro_batches(argv, slices) + resume, count, devices_per_process, show,
                        left, grace, boundary)
         record = mesh_history.record(len(generations) + 1, count, devices_per_process, run,
-                                   resumed_before, ended)
+                                     resumed_before, ended)
         if per_core:  # the first generation's count is known once it wrote config.json
             record["micro_batches"] = slices or micro_batches_for(run, count * devices_per_process,
                                                                   full, argv)
@@ -156,8 +156,7 @@ def elastic_launch(command: Sequence[str], processes: int | None, devices_per_pr
                   f"generation {len(generations) + 1}: {grown} process(es) x "
                   f"{devices_per_process} device(s) again (was {count} x {devices_per_process}), "
                   f"{batch_line(run, grown * devices_per_process, full if per_core else None, argv)}, "
-                  f"resuming {run} from its "
-                  "stop", file=sys.stderr, flush=True)
+                  f"resuming {run} from its stop", file=sys.stderr, flush=True)
             count = grown
             continue
         restart, lost = lost_processes(ended, count)

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from concurrent.futures import ThreadPoolExecutor
-import warnings
 import signal
 import sys
 import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import keras
