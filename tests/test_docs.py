@@ -244,7 +244,10 @@ def test_make_test_runs_the_suite_then_its_core_on_the_second_version_set(tmp_pa
     runs = [line for line in out.splitlines() if " -m pytest " in line]
     assert len(runs) == 2 and runs[0].startswith(f"{tmp_path / 'venv'}/bin/python"), out
     assert runs[1].startswith(f"{tmp_path / 'newest'}/bin/python") and "tests/test_sharding.py" in runs[1], out
-    assert f"/opt/py312/bin/python3.12 -m venv {tmp_path / 'newest'}" in out and "'.[cpu,test-core]'" in out
+    assert f"/opt/py312/bin/python3.12 -m venv {tmp_path / 'newest'}" in out
+    # its packages: pyproject.toml's with the cpu and test-core extras, then meshfit itself
+    assert f"{tmp_path / 'newest'}/bin/python tools/requirements.py cpu,test-core" in out, out
+    assert f"{tmp_path / 'newest'}/bin/python -m pip install -q --no-deps -e ." in out, out
     missing = subprocess.run(["make", "test-newest", "PYTHON_NEWEST=", *venvs], cwd=ROOT, capture_output=True,
                              text=True)
     assert missing.returncode != 0 and not (tmp_path / "newest").exists()
@@ -286,3 +289,14 @@ def test_every_meshfit_name_the_docs_show_works_after_import_meshfit():
                          text=True, env=environment({"XLA_FLAGS": ""}), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_requirements_make_installs_are_pyprojects_with_the_extras_expanded():
+    """tools/requirements.py, which `make` installs each version set's packages from: the
+    dependencies and the extras named, meshfit's own extras (test's meshfit[test-core]) expanded."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "requirements.py"), "cpu,test"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    names = [re.split(r"[<>=\[]", line)[0] for line in out]
+    assert {"keras", "jax", "orbax-checkpoint", "tensorflow-cpu", "grain", "pytest", "pytest-xdist"} <= set(names)
+    assert len(names) == len(set(names)) and not any(line.startswith("meshfit") for line in out), out
+    assert "mkdocs" not in names  # docs was not asked for
