@@ -2,11 +2,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DATA ?= ../shared/data
-# The second version set of `make test`: Python 3.12 with the newest JAX and Keras that the ranges
-# of pyproject.toml admit (docs/installation.md, "Compatibility"). The interpreter: pyenv's 3.12,
-# else python3.12 on the PATH, else the one named: `make test PYTHON_NEWEST=/path/to/python3.12`.
+# The second version set of `make test`: Python 3.13 with the newest JAX and Keras that the ranges
+# of pyproject.toml admit (docs/installation.md, "Compatibility"). The interpreter: pyenv's 3.13,
+# else python3.13 on the PATH, else the one named: `make test PYTHON_NEWEST=/path/to/python3.13`.
 NEWEST_VENV ?= .venv-newest
-PYTHON_NEWEST ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.12*/bin/python) $(shell command -v python3.12))
+PYTHON_NEWEST ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.13*/bin/python) $(shell command -v python3.13))
 # The core of the suite that the second set runs, its tests not marked slow (81 tests: 6.3 min in
 # one process on a nearly quiet 2-core machine; its install about 2-4 min).
 CORE_TESTS := tests/test_devices.py tests/test_conformance.py tests/test_sharding.py \
@@ -30,7 +30,7 @@ $(VENV)/.installed: $(VENV)/.packages
 
 # No TensorFlow-free shortcut: the core tests run meshfit on TensorFlow too (its one-CPU engine).
 $(NEWEST_VENV)/.packages: pyproject.toml
-	@test -n "$(PYTHON_NEWEST)" || { echo "make test: the second version set needs Python 3.12: none in $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions or on the PATH; install one (pyenv install 3.12) or name it: make test PYTHON_NEWEST=/path/to/python3.12"; exit 1; }
+	@test -n "$(PYTHON_NEWEST)" || { echo "make test: the second version set needs Python 3.13: none in $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions or on the PATH; install one (pyenv install 3.13) or name it: make test PYTHON_NEWEST=/path/to/python3.13"; exit 1; }
 	$(PYTHON_NEWEST) -m venv $(NEWEST_VENV)
 	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade pip
 	$(NEWEST_VENV)/bin/python tools/requirements.py cpu,test-core > $(NEWEST_VENV)/requirements.txt

@@ -236,22 +236,22 @@ def test_make_train_names_the_data_folder_only_where_it_exists(tmp_path):
 
 def test_make_test_runs_the_suite_then_its_core_on_the_second_version_set(tmp_path):
     """README's `make test` (CI's command) runs the whole suite in .venv, then the core of it in a
-    venv of the Python 3.12 it finds or is given (docs/installation.md, "Compatibility"); with no
-    Python 3.12 it stops with one line that says how to give one, never skipping the second set."""
+    venv of the Python 3.13 it finds or is given (docs/installation.md, "Compatibility"); with no
+    Python 3.13 it stops with one line that says how to give one, never skipping the second set."""
     venvs = [f"VENV={tmp_path / 'venv'}", f"NEWEST_VENV={tmp_path / 'newest'}"]
-    out = subprocess.run(["make", "-n", "test", "PYTHON_NEWEST=/opt/py312/bin/python3.12", *venvs],
+    out = subprocess.run(["make", "-n", "test", "PYTHON_NEWEST=/opt/py313/bin/python3.13", *venvs],
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     runs = [line for line in out.splitlines() if " -m pytest " in line]
     assert len(runs) == 2 and runs[0].startswith(f"{tmp_path / 'venv'}/bin/python"), out
     assert runs[1].startswith(f"{tmp_path / 'newest'}/bin/python") and "tests/test_sharding.py" in runs[1], out
-    assert f"/opt/py312/bin/python3.12 -m venv {tmp_path / 'newest'}" in out
+    assert f"/opt/py313/bin/python3.13 -m venv {tmp_path / 'newest'}" in out
     # its packages: pyproject.toml's with the cpu and test-core extras, then meshfit itself
     assert f"{tmp_path / 'newest'}/bin/python tools/requirements.py cpu,test-core" in out, out
     assert f"{tmp_path / 'newest'}/bin/python -m pip install -q --no-deps -e ." in out, out
     missing = subprocess.run(["make", "test-newest", "PYTHON_NEWEST=", *venvs], cwd=ROOT, capture_output=True,
                              text=True)
     assert missing.returncode != 0 and not (tmp_path / "newest").exists()
-    assert "needs Python 3.12" in missing.stdout and "PYTHON_NEWEST=" in missing.stdout, missing.stdout
+    assert "needs Python 3.13" in missing.stdout and "PYTHON_NEWEST=" in missing.stdout, missing.stdout
 
 RESOLVE = """
 import json, sys

@@ -177,7 +177,7 @@ def test_the_abstract_optimizer_patch_is_undone_after_its_block():
 # --------------------------------------------------------------------------------- JAX's seam
 
 def test_the_pins_in_the_errors_are_meshfits_own():
-    """pyproject.toml's, as installed: e.g. jax<0.12,>=0.6 (not jaxlib's, nor an extra's)."""
+    """pyproject.toml's, as installed: e.g. jax<0.13,>=0.6 (not jaxlib's, nor an extra's)."""
     import re
 
     for package in ("jax", "keras"):

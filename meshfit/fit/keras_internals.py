@@ -7,7 +7,8 @@ result). JAX's private code and native libraries have the light core's seam,
 meshfit.parallel.jax_internals; no other module imports `keras.src` (tests/test_seam.py reads every
 import statement). docs/reference/internals.md is the list for readers.
 
-Checked on Keras 3.15.1 with JAX 0.10.2 (Python 3.11) and with JAX 0.11.2 (Python 3.12); the
+Checked on Keras 3.15.1 with JAX 0.10.2 (Python 3.11), 0.11.2 (Python 3.12) and 0.12.0.1 (Python
+3.13); the
 Keras side of the TensorFlow engine on TensorFlow 2.21 (Python 3.11).
 
 Where Keras offers a public way it is used instead: `keras.tree`, `keras.utils.
@@ -32,7 +33,7 @@ import keras
 from meshfit.errors import MeshfitError
 from meshfit.parallel import jax_internals
 
-CHECKED_ON = "Keras 3.15.1 with JAX 0.10.2 and 0.11.2"
+CHECKED_ON = "Keras 3.15.1 with JAX 0.10.2, 0.11.2 and 0.12.0.1"
 _BACKEND_MODULES = "keras.src.backend."  # where each backend's trainer and variables live
 
 

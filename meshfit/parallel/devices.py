@@ -18,16 +18,16 @@ from meshfit import env
 from meshfit.errors import MeshfitError
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
-# XLA:CPU's YNNPACK fusions, on by default in jaxlib 0.9.2 to 0.10.x (at least), compute wrong
-# gradients in some programs whose weights are sharded: a 784-1024-1024-10 MLP under fsdp on 8
-# simulated devices got gradients 2e-3 off in its first step (widths 256-1024 and inputs of 512 to
-# 1024 were exact), data parallelism was exact, and without these fusions fsdp is exact too.
-# Turning them off costs a data-parallel CNN about 8% (BENCHMARKS.md, section 2b). The flag is set
-# only for simulated devices (by meshfit, or by the user's own XLA_FLAGS device count when JAX has
-# not started yet) and only where XLA knows it (an unknown flag aborts the process): jaxlib 0.9.2
-# and later.
-_NO_YNN_FUSIONS = "--xla_cpu_experimental_ynn_fusion_type="
-_NO_YNN_FUSIONS_SINCE = (0, 9, 2)
+# XLA:CPU's collective timeouts (see _prepare_cpu_client) exist from jaxlib 0.9.2 on (read from its
+# binary); an older jaxlib aborts the process on a flag it does not know.
+_COLLECTIVE_TIMEOUTS_SINCE = (0, 9, 2)
+# XLA:CPU's YNNPACK dot fusions stay on (XLA's default): from 2026-11-24 to 11-28 meshfit turned them
+# off for simulated devices, after fsdp's step of a 784-1024-1024-10 MLP differed from data
+# parallelism's by 1.1e-4. That was not a wrong result: one pre-activation of that input lies
+# 1.5e-7 from zero, within float32 rounding of a 1024-term sum, so any other summation order (YNNPACK
+# or Eigen, another CPU, another XLA) can flip its ReLU, and each configuration equals the float64
+# step with its own mask to 6e-9 (docs/reference/relu-kink.md, benchmarks/relu_kink.py).
+
 # XLA:CPU runs the device parts of every program, and the launches of those parts, on one pool of
 # max(cores, devices) threads ($PJRT_NPROC stands in for the cores), and two things block a pool
 # thread: a collective waits until every device's part of its program has arrived, and a launch
@@ -98,13 +98,11 @@ def use_simulated_devices(count: int) -> None:
 
 def _prepare_cpu_client(count: int) -> None:
     """Settings for XLA's CPU client with `count` simulated devices, made before JAX starts it:
-    YNNPACK fusions off (see _NO_YNN_FUSIONS), a thread pool that cannot deadlock (see
-    THREADS_PER_DEVICE), and XLA's own 40 s abort of a stuck collective moved behind meshfit's
-    stall guard, which ends a stall with one line instead (meshfit.parallel.stall)."""
+    a thread pool that cannot deadlock (see THREADS_PER_DEVICE), and XLA's own 40 s abort of a
+    stuck collective moved behind meshfit's stall guard, which ends a stall with one line instead
+    (meshfit.parallel.stall)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if _jaxlib_version() >= _NO_YNN_FUSIONS_SINCE:  # older jaxlibs abort on unknown flags; 0.9.2
-        # has these (read from its binary), the collective timeouts too
-        flags = _with_flag(flags, _NO_YNN_FUSIONS)
+    if _jaxlib_version() >= _COLLECTIVE_TIMEOUTS_SINCE:
         for flag, seconds in stall.xla_collective_timeouts().items():
             flags = _with_flag(flags, f"{flag}={seconds}")
     os.environ["XLA_FLAGS"] = flags.strip()

@@ -4,7 +4,8 @@ versions it was checked on, and what happens on a version that lacks it. The Ker
 own seam, meshfit.fit.keras_internals; no other module imports `jax._src`, `jaxlib` or ctypes
 (tests/test_seam.py reads every import statement). docs/reference/internals.md lists both seams.
 
-Checked on JAX and jaxlib 0.10.2 (Python 3.11) and 0.11.2 (Python 3.12), on Linux. Like every
+Checked on JAX and jaxlib 0.10.2 (Python 3.11), 0.11.2 (Python 3.12) and 0.12.0.1 (Python 3.13),
+on Linux. Like every
 module of meshfit.parallel this imports no JAX at its top (and never Keras): each function
 imports what it needs when called.
 """
@@ -17,11 +18,11 @@ import warnings
 
 from meshfit.errors import MeshfitError
 
-CHECKED_ON = "JAX 0.10.2 and 0.11.2"
+CHECKED_ON = "JAX 0.10.2, 0.11.2 and 0.12.0.1"
 
 
 def supported(package: str) -> str:
-    """meshfit's requirement for `package` as pip takes it, e.g. "jax<0.12,>=0.6" (read from
+    """meshfit's requirement for `package` as pip takes it, e.g. "jax<0.13,>=0.6" (read from
     meshfit's installed metadata, pyproject.toml's pins), or the bare name where unknown."""
     from importlib import metadata
 
