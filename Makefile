@@ -7,11 +7,11 @@ DATA ?= ../shared/data
 # else python3.13 on the PATH, else the one named: `make test PYTHON_NEWEST=/path/to/python3.13`.
 NEWEST_VENV ?= .venv-newest
 PYTHON_NEWEST ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.13*/bin/python) $(shell command -v python3.13))
-# The core of the suite that the second set runs, its tests not marked slow (81 tests: 6.3 min in
-# one process on a nearly quiet 2-core machine; its install about 2-4 min).
+# The core of the suite that the second set runs, its tests not marked slow, and keras-hub's
+# models (test_hub: the first-class fine-tuning path on the newest keras-hub).
 CORE_TESTS := tests/test_devices.py tests/test_conformance.py tests/test_sharding.py \
 	tests/test_keras_hooks.py tests/test_checkpoints.py tests/test_launch.py tests/test_compatibility.py \
-	tests/test_seam.py
+	tests/test_seam.py tests/test_hub.py
 
 # A set's packages (tools/requirements.py: pyproject.toml's, with the extras named), then meshfit
 # itself. `make test` installs both sets' packages side by side: each pip keeps about one core busy
@@ -33,7 +33,7 @@ $(NEWEST_VENV)/.packages: pyproject.toml
 	@test -n "$(PYTHON_NEWEST)" || { echo "make test: the second version set needs Python 3.13: none in $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions or on the PATH; install one (pyenv install 3.13) or name it: make test PYTHON_NEWEST=/path/to/python3.13"; exit 1; }
 	$(PYTHON_NEWEST) -m venv $(NEWEST_VENV)
 	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(NEWEST_VENV)/bin/python tools/requirements.py cpu,test-core > $(NEWEST_VENV)/requirements.txt
+	$(NEWEST_VENV)/bin/python tools/requirements.py cpu,hub,test-core > $(NEWEST_VENV)/requirements.txt
 	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade -r $(NEWEST_VENV)/requirements.txt
 	touch $@
 

@@ -244,9 +244,10 @@ def test_make_test_runs_the_suite_then_its_core_on_the_second_version_set(tmp_pa
     runs = [line for line in out.splitlines() if " -m pytest " in line]
     assert len(runs) == 2 and runs[0].startswith(f"{tmp_path / 'venv'}/bin/python"), out
     assert runs[1].startswith(f"{tmp_path / 'newest'}/bin/python") and "tests/test_sharding.py" in runs[1], out
+    assert "tests/test_hub.py" in runs[1], out
     assert f"/opt/py313/bin/python3.13 -m venv {tmp_path / 'newest'}" in out
-    # its packages: pyproject.toml's with the cpu and test-core extras, then meshfit itself
-    assert f"{tmp_path / 'newest'}/bin/python tools/requirements.py cpu,test-core" in out, out
+    # its packages: pyproject.toml's with the cpu, hub and test-core extras, then meshfit itself
+    assert f"{tmp_path / 'newest'}/bin/python tools/requirements.py cpu,hub,test-core" in out, out
     assert f"{tmp_path / 'newest'}/bin/python -m pip install -q --no-deps -e ." in out, out
     missing = subprocess.run(["make", "test-newest", "PYTHON_NEWEST=", *venvs], cwd=ROOT, capture_output=True,
                              text=True)
