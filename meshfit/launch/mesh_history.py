@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any
 
-from meshfit.commands import launch
+from meshfit.launch import local
 from meshfit.errors import MeshfitError
 from meshfit.run import rundir
 
@@ -17,7 +17,7 @@ GENERATIONS = "generations.json"  # in the run directory
 
 
 def record(number: int, processes: int, devices_per_process: int, run: str, resumed_before: int,
-           ended: launch.Ended) -> dict[str, Any]:
+           ended: local.Ended) -> dict[str, Any]:
     """What RUN/generations.json keeps of one generation: its mesh, global batch, the global step
     it started from (its checkpoint's) and about the last it started (its progress reports are
     written once a second), and its wall seconds."""
