@@ -394,3 +394,40 @@ def test_goodput_counts_the_steps_each_restart_ran_again(tmp_path):
     third = goodput.Ledger()
     third.resume(path, checkpoint_step=32)
     assert third.totals()["lost_steps"] == 13 and third.totals()["sessions"] == 3
+
+
+def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery():
+    """tools/chaos.py's bookkeeping: a seed gives the same faults again; each fault's recovery
+    runs to the first step of a generation that started after it; the table's figures."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    import random
+
+    import chaos
+
+    def draws(seed):
+        faults = chaos.Faults(random.Random(seed), 30.0, 600.0, ["KILL", "STOP"])
+        return [(round(faults.next_gap(), 6), faults.rng.randrange(4), faults.rng.choice(faults.signals))
+                for _ in range(5)]
+
+    assert draws(7) == draws(7) and draws(7) != draws(8)
+    # faults at 10 s and 12 s (during the mesh change), 50 s; generations' first steps at 3, 19, 55 s
+    assert chaos.recoveries([10.0, 12.0, 50.0, 70.0], [3.0, 19.0, 55.0]) == [9.0, 7.0, 5.0, None]
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    faults = chaos.Faults(random.Random(3), 30.0, 600.0, ["KILL"])
+    fault = faults.strike([sleeper.pid], 12.5)
+    assert sleeper.wait(timeout=30) == -signal.SIGKILL
+    assert fault == {"at": 12.5, "process": 0, "pid": sleeper.pid, "signal": "SIGKILL"}
+    assert faults.strike([sleeper.pid], 13.0) is None and len(faults.sent) == 1  # reaped: no fault
+    metrics = {"test_accuracy": 0.9, "goodput": {"fraction": 0.8},
+               "generations": [{"lost_steps": 1}, {"lost_steps": 2}, {}]}
+    baseline = {"exit": 0, "wall": 100.0, "metrics": {"test_accuracy": 0.91}}
+    generations = [{"appeared": 0.5, "joined": 2.0, "first_step": 3.0, "gone": 15.0},
+                   {"appeared": 15.2, "joined": 17.0, "first_step": 20.0, "gone": None}]
+    assert chaos.change_parts(12.5, generations) == pytest.approx({"stop": 2.5, "start": 1.8, "set-up": 3.0})
+    assert chaos.change_parts(21.0, generations) is None  # no generation after it
+    text = chaos.table(baseline, {"exit": 0, "wall": 125.0, "metrics": metrics, "faults": [fault],
+                                  "first_steps": [3.0, 20.0], "generations": generations})
+    assert "| of which stop (median s) | 2.5 |" in text
+    assert "| faults | 1 (1 SIGKILL, 0 SIGSTOP; process 0 1 times) |" in text
+    assert "| recovery, fault to next first step (s) | median 7.5, max 7.5 (1 measured) |" in text
+    assert "| steps run again | 3 |" in text and "| throughput ratio to the baseline | 0.80 |" in text
