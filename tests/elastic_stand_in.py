@@ -120,7 +120,7 @@ def train(argv: list[str]) -> int:
         done = step - first  # the progress report the launcher reads (meshfit.parallel.heartbeat)
         _write(os.path.join(status, f"progress-{index}"), f"{done} {done} {done} python", raw=True)
         commit(step)
-        if count > 1 and victim is not None and victim < count and step == when:
+        if (count > 1 or who.isdigit()) and victim is not None and victim < count and step == when:
             if index == victim:  # once step S is committed, as a collective would have waited
                 _wait(until=os.path.join(folder, f"ckpt-{step:08d}", "manifest.json"))
                 _write(os.path.join(status, "dying"), "")

@@ -431,3 +431,38 @@ def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery():
     assert "| faults | 1 (1 SIGKILL, 0 SIGSTOP; process 0 1 times) |" in text
     assert "| recovery, fault to next first step (s) | median 7.5, max 7.5 (1 measured) |" in text
     assert "| steps run again | 3 |" in text and "| throughput ratio to the baseline | 0.80 |" in text
+
+
+def test_a_job_that_lost_every_process_starts_them_again(tmp_path):
+    """One process, lost after step 2: its slot is free again at once, so the job goes on (a
+    loss after a save is no loss without progress)."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "1"], ["--out", run, "--kill", "0@2"])
+    assert job.returncode == 0, job.stderr
+    assert meshes(run) == [(1, 0, 2), (1, 2, 6)]
+    assert "process 0 of 1 failed with SIGKILL (exit code -9); generation 2: 1 process(es)" in job.stderr
+    with open(os.path.join(run, mesh_history.GENERATIONS)) as f:
+        change = json.load(f)[1]["change"]
+    assert change["kind"] == "restart" and change["stop"] >= 0 and set(change) == {"kind", "stop", "restart", "wasted"}
+
+
+def test_the_mesh_grows_back_only_when_the_steps_left_repay_the_change(tmp_path, capsys):
+    assert growth.pays(100, 0.5, 0.3, 15.0)  # 100 x 0.2 s saved > 15 s
+    assert not growth.pays(50, 0.5, 0.3, 15.0) and not growth.pays(100, 0.3, 0.3, 1.0)
+    assert growth.pays(None, 0.5, 0.3, 15.0) and growth.pays(100, None, 0.3, 15.0)  # not known: grow
+    run = str(tmp_path)
+    rundir.write_json(os.path.join(run, rundir.CONFIG), {"epochs": 2, "global_batch": 8})
+    plan = elastic.Plan([], run, elastic.Local(), 2, 4, 1, 3, True, "first", None, 1.0, False)
+    loop = elastic.Generations(plan)
+    loop.count = 1
+    loop.generations = [{"processes": 2, "step_seconds": 0.3},
+                        {"processes": 1, "change": {"stop": 4.0, "restart": 11.0}}]
+    assert loop.growth_pays(0.5, 100) and not loop.growth_pays(0.5, 50) and not loop.growth_pays(0.4, 60)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["meshfit launch: elastic: staying on 1 process(es): growing back would save about "
+                     "10 s over the 50 steps left (0.50 s a step now, 0.30 s on 2) and cost about 15 s "
+                     "(a mesh change); asking again at each checkpoint"]  # once a generation
+    path = os.path.join(run, rundir.CHECKPOINTS, "ckpt-00000006")
+    os.makedirs(path)
+    rundir.write_json(os.path.join(path, "state.json"), {"global_step": 6, "steps_per_epoch": 4})
+    assert growth.steps_left(run, path) == 2 and growth.steps_left(run, run) is None

@@ -162,6 +162,7 @@ class Generations:
         self.report: dict[str, str] | None = None  # the device report's rows, once printed
         self.mark = progress_mark(plan.run, self.generations)  # where a restart would resume
         self.stalled = 0  # restarts in a row without progress
+        self.said_stay = False  # this generation's line on not growing back is printed
 
     def run(self) -> int:
         """Generation after generation until the run finishes or stops; the exit code."""
@@ -180,8 +181,9 @@ class Generations:
         resumed_before = len(mesh_history.run_config(plan.run).get("resumed", []))
         resume = ["--resume", plan.run] if os.path.isfile(os.path.join(plan.run, rundir.CONFIG)) else []
         left = None if plan.deadline is None else max(plan.deadline - time.monotonic(), 1.0)
-        boundary = (growth.NextCheckpoint(plan.run, lambda: self.room() > count)
+        boundary = (growth.NextCheckpoint(plan.run, lambda: self.room() > count, self.growth_pays)
                     if plan.grow and count < plan.processes else None)
+        self.said_stay = False
         slices = (train_argv.micro_batches_for(plan.run, count * plan.devices_per_process, plan.full,
                                                plan.argv) if plan.per_core else None)
         output = Output(self.report, hold_on_stop=True)
@@ -205,6 +207,26 @@ class Generations:
         plan = self.plan
         return losses.fitting_processes(plan.run, plan.runner.most(plan.processes),
                                         plan.devices_per_process)
+
+    def growth_pays(self, step_now: float | None, left: int | None) -> bool:
+        """Whether growing back now repays a mesh change (growth.pays: the full mesh's seconds a
+        step from its newest generation, the cost the median of the changes so far: their stop
+        and restart); says so in one line the first time it does not."""
+        full = [g["step_seconds"] for g in self.generations if g["processes"] == self.plan.processes
+                and g.get("step_seconds")]
+        costs = sorted(c["stop"] + c["restart"] for g in self.generations
+                       if (c := g.get("change")) and c.get("stop") is not None and c.get("restart") is not None)
+        cost = costs[len(costs) // 2] if costs else None
+        if growth.pays(left, step_now, full[-1] if full else None, cost):
+            return True
+        if not self.said_stay:
+            self.said_stay = True
+            print(f"meshfit launch: elastic: staying on {self.count} process(es): growing back would "
+                  f"save about {left * (step_now - full[-1]):.0f} s over the {left} steps left "
+                  f"({step_now:.2f} s a step now, {full[-1]:.2f} s on {self.plan.processes}) and cost "
+                  f"about {cost:.0f} s (a mesh change); asking again at each checkpoint",
+                  file=sys.stderr, flush=True)
+        return False
 
     def grow(self, ended: local.Ended, boundary: growth.NextCheckpoint) -> None:
         """The smaller generation stopped at its save after `boundary.found`: the next has all
@@ -242,14 +264,17 @@ class Generations:
         mesh_history.write(plan.run, self.generations)
         if not restart:
             return ended.report(plan.show) or 1
-        survivors = losses.fitting_processes(plan.run, min(count - len(lost), plan.runner.most(plan.processes)),
+        alive = count - len(lost)
+        if alive == 0:  # every process lost: their slots are free again (this machine's; with
+            alive = count  # srun, those on nodes still up), so the next generation takes them
+        survivors = losses.fitting_processes(plan.run, min(alive, plan.runner.most(plan.processes)),
                                              plan.devices_per_process)
-        stop = self.limit(survivors, count - len(lost))
+        stop = self.limit(survivors, alive)
         if stop is not None:
             return stopped(ended, plan.show, len(self.generations), why, stop, plan.run)
         local.finish(ended.started)
-        idle = (f"; {count - len(lost) - survivors} survivor(s) idle: the global batch splits "
-                "evenly over no more devices" if survivors < count - len(lost) else "")
+        idle = (f"; {alive - survivors} survivor(s) idle: the global batch splits "
+                "evenly over no more devices" if survivors < alive else "")
         resume = plan.runner.resume_point(plan.run) or "its newest checkpoint"
         print(f"meshfit launch: elastic: {why}; generation {len(self.generations) + 1}: "
               f"{survivors} process(es) x {plan.devices_per_process} device(s) (was {count} x "

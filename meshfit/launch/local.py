@@ -135,7 +135,7 @@ def _stop(processes: list[Process], grace: float, patience: float = 0.0) -> None
     """Let the processes end by themselves for `patience` seconds, then SIGTERM those left and
     SIGKILL them after `grace` seconds. A Ctrl-C meanwhile skips to SIGKILL."""
     for p in processes:
-        p.output.stopping.set()
+        p.output.stop()
     try:
         _wait_all(processes, patience)
         for p in processes:
@@ -196,6 +196,8 @@ class Ended:
     at_boundary: bool = False
     verdict_text: str = ""
     verdict_line: str = ""
+    start_seconds: float | None = None  # from the start to the first training step seen (1 s resolution)
+    stop_seconds: float = 0.0  # from the launcher's first stop to the last process's end
 
     def report(self, show: str) -> int:
         """Print the line naming what failed (if anything did); the launch's exit code."""
@@ -243,9 +245,12 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
         missing, positions = watch.missing(), watch.positions()
         steps = {i: counts[0] for i, counts in heartbeat.progress(status).items()}
         shutil.rmtree(status, ignore_errors=True)
+    ended = time.monotonic()
     return Ended(started, missing=missing, positions=positions, init_timeout=watch.init_timeout,
-                 behind=watch.behind, steps=steps, seconds=time.monotonic() - began,
-                 timed_out=watch.timed_out, **waited._asdict())
+                 behind=watch.behind, steps=steps, seconds=ended - began,
+                 timed_out=watch.timed_out, **waited._asdict(),
+                 start_seconds=None if watch.first_step is None else watch.first_step - began,
+                 stop_seconds=ended - (output.stopping_at or ended))
 
 
 def check_arguments(processes: int | None, devices_per_process: int, timeout: float | None,
@@ -339,7 +344,7 @@ def _wait_for_exits(started: list[Process], exits: queue.Queue, watch: "Watch", 
             elif failure is None:
                 verdict = watch.poll(now)
                 stopped = verdict is not None and _stop_to_resume(started, grace)
-                if verdict is None and boundary is not None and boundary():
+                if verdict is None and boundary is not None and boundary(watch.step_seconds(now)):
                     # SIGTERM: the processes agree on a step and save there (exit 143), so the
                     # next job resumes without running any step again
                     _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))

@@ -27,6 +27,7 @@ import collections
 import os
 import re
 import threading
+import time
 from typing import Callable
 
 # The first line of an abort: glog's FATAL (F<mmdd> <time> <tid> <file>:<line>]), a failed CHECK,
@@ -44,12 +45,14 @@ SUMMARY_ROWS = ("hosts", "devices per host", "replicas")  # always in a generati
 
 
 class Output:
-    """The launcher's choice of lines for one job. stopping: set once the launcher stops the job.
+    """The launcher's choice of lines for one job. stopping: set once the launcher stops the job
+    (`stop`), at stopping_at.
     earlier_report: the rows of the device report an earlier generation printed ({} for the
     first: its report is shown in full; later ones print one line, the rows that changed)."""
 
     def __init__(self, earlier_report: dict[str, str] | None = None, hold_on_stop: bool = False):
         self.stopping = threading.Event()
+        self.stopping_at: float | None = None  # time.monotonic() of the launcher's first stop
         self.hold_on_stop = hold_on_stop  # elastic: what a stopped generation says is not for the user
         self.earlier_report = earlier_report
         self.report: dict[str, str] = {}  # this job's device report's rows, as printed
@@ -59,6 +62,12 @@ class Output:
         self._aborting: set[int] = set()
         self._in_report = False
         self._flushed = False
+
+    def stop(self) -> None:
+        """The launcher begins stopping the job."""
+        if self.stopping_at is None:
+            self.stopping_at = time.monotonic()
+        self.stopping.set()
 
     def shown(self, index: int, line: str) -> bool:
         """Whether process `index`'s `line` is shown now (see the module); its tail keeps it anyway,

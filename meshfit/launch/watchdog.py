@@ -44,6 +44,7 @@ class Watch:
         self.last_progress: float | None = None  # when any process last progressed, once armed
         self.behind: list[int] = []  # once the job hung: the processes furthest behind
         self.timed_out = False  # the job ran past launch's --timeout
+        self.first_step: float | None = None  # when a process was first seen training (the poll's time)
 
     def missing(self) -> list[int]:
         """The processes that never began joining while others did (else [])."""
@@ -59,6 +60,8 @@ class Watch:
             return never_joined(missing, self.processes, self.init_timeout)
         found = heartbeat.progress(self.directory)
         progress = {i: counts[:2] for i, counts in found.items()}
+        if self.first_step is None and any(c[0] > 0 for c in progress.values()):
+            self.first_step = now
         armed = self.last_progress is not None or any(c[2] > 1 for c in found.values())
         if armed and progress != self.progress:  # from a second dispatch: the first compiled
             self.last_progress = now
@@ -67,6 +70,15 @@ class Watch:
                 now - self.last_progress > self.stall_timeout:
             return self.hung()
         return None
+
+    def step_seconds(self, now: float) -> float | None:
+        """Seconds a training step takes in this job so far (the furthest process's steps since
+        the first was seen, over the time since; 1 s resolution: the progress files'), None
+        before a step was seen again."""
+        steps = max((c[0] for c in self.progress.values()), default=0)
+        if self.first_step is None or steps < 2 or now <= self.first_step:
+            return None
+        return (now - self.first_step) / (steps - 1)
 
     def positions(self) -> str:
         """Where each process is: 'process 0 at step 12 in a device computation, process 1 ...'."""
