@@ -21,7 +21,11 @@ slot of a lost one is free again at once. Once the smaller generation committed 
 next boundary; not the run's last), the launcher sends it SIGTERM (its processes agree on a step
 and save there, meshfit.run.keras_side.checkpoints, so no step runs again) and starts a generation with all
 --processes from that save; its line names that save, the checkpoint the next generation
-resumes from. Growing is no restart: only losses count toward --max-restarts-without-progress.
+resumes from. It grows back only when that pays (growth.pays): when the steps left, at the full
+mesh's seconds a step instead of the smaller one's, save more than a mesh change costs (the
+median of the changes so far: stopping, then the new processes' start to their first step);
+else one line says so, and each later checkpoint asks again. A generation that lost every
+process starts as many again (their slots are free again at once). Growing is no restart: only losses count toward --max-restarts-without-progress.
 
 Why restart instead of shrinking in place: JAX fixes the job's processes and devices when
 `jax.distributed.initialize` runs (its coordination service registers every task once, and the
