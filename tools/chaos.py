@@ -26,7 +26,6 @@ status folder in a TMPDIR of the drill's own (meshfit.parallel.heartbeat).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -40,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from elastic_drill import status_folders  # noqa: E402
+from elastic_drill import run_metrics, status_folders  # noqa: E402
 
 from meshfit.parallel import heartbeat  # noqa: E402
 
@@ -139,11 +138,7 @@ def run_job(args, extra: list[str], faults: Faults | None) -> dict:
         time.sleep(0.05)
     reader.join(timeout=10)
     wall = time.monotonic() - began
-    try:
-        with open(os.path.join(run, "metrics.json")) as f:
-            metrics = json.load(f)
-    except OSError:
-        metrics = {}
+    metrics = run_metrics(run)
     watch_generations(generations, [], wall)
     seen = sorted(generations.values(), key=lambda g: g["appeared"])
     return {"exit": job.returncode, "wall": wall, "metrics": metrics, "run": run,

@@ -112,11 +112,7 @@ def _report(job, reader: threading.Thread, run: str, checkpoints: str, began: fl
     code = job.wait()
     reader.join(timeout=10)
     wall = time.monotonic() - began
-    try:
-        with open(os.path.join(run, "metrics.json")) as f:
-            metrics = json.load(f)
-    except OSError:
-        metrics = {}
+    metrics = run_metrics(run)
     goodput = metrics.get("goodput", {})
     print(f"DRILL: exit {code}, wall {wall:.1f} s, test accuracy {metrics.get('test_accuracy')}, "
           f"goodput {goodput.get('fraction')}, lost {goodput.get('seconds', {}).get('lost')} s "
@@ -132,6 +128,15 @@ def _report(job, reader: threading.Thread, run: str, checkpoints: str, began: fl
           flush=True)
     print(f"DRILL: run directory {run}", flush=True)
     return code
+
+
+def run_metrics(run: str) -> dict:
+    """The run's metrics.json ({} when it wrote none)."""
+    try:
+        with open(os.path.join(run, "metrics.json")) as f:
+            return json.load(f)
+    except OSError:
+        return {}
 
 
 def _kill(job, output: list[str], victims: list[int], signame: str, when: str, began: float) -> None:
