@@ -279,11 +279,14 @@ class Generations:
         local.finish(ended.started)
         idle = (f"; {alive - survivors} survivor(s) idle: the global batch splits "
                 "evenly over no more devices" if survivors < alive else "")
-        resume = plan.runner.resume_point(plan.run) or "its newest checkpoint"
+        if os.path.isfile(os.path.join(plan.run, rundir.CONFIG)):
+            resume = f"resuming {plan.run} from {plan.runner.resume_point(plan.run) or 'its newest checkpoint'}"
+        else:  # lost before the run's first record: the next generation starts it afresh
+            resume = f"starting {plan.run} again (lost before it began)"
         print(f"meshfit launch: elastic: {why}; generation {len(self.generations) + 1}: "
               f"{survivors} process(es) x {plan.devices_per_process} device(s) (was {count} x "
-              f"{plan.devices_per_process}{idle}), {plan.batch_line(survivors)}, "
-              f"resuming {plan.run} from {resume}", file=sys.stderr, flush=True)
+              f"{plan.devices_per_process}{idle}), {plan.batch_line(survivors)}, {resume}",
+              file=sys.stderr, flush=True)
         self.count = survivors
         return None
 
@@ -350,7 +353,7 @@ class Local:
     def resume_point(self, run: str) -> str | None:
         """The checkpoint the next generation resumes from: the newest local copy newer than the
         newest committed checkpoint (every process of this machine reads the same copies,
-        meshfit.run.local_copies.agreed_step), else that checkpoint."""
+        meshfit.run.local_copies.agreed_step), else that checkpoint; None before either."""
         committed = newest_checkpoint(run)
         copy = local_copies.agreed_step([local_copies.Host(run).steps()],
                                         mesh_history.checkpoint_step(committed) if committed else -1)
