@@ -21,6 +21,7 @@ decisions (limits, growing back) start processes that take milliseconds instead 
 - --hang P@S: process P stops reporting progress after global step S (alive: a hung process for
   the launcher's stall watchdog, MESHFIT_STALL_TIMEOUT), once process 0 committed that step;
   the others report once more (as before a collective) and wait;
+- --freeze P@S: process P SIGSTOPs itself after global step S (the launcher's stop continues it);
 - --hold-below N: a job of fewer than N processes waits after its first checkpoint (for the
   launcher's SIGTERM that grows the mesh back); every wait ends after SAFETY_SECONDS with exit 3;
 - SIGTERM: process 0 commits the current step (the agreed save; --stop-ahead: the next one, as
@@ -61,6 +62,7 @@ def train(argv: list[str]) -> int:
     parser.add_argument("--hold-below", type=int, default=0)
     parser.add_argument("--micro-batches", type=int)
     parser.add_argument("--stop-ahead", action="store_true")
+    parser.add_argument("--freeze")
     args = parser.parse_args(argv)
     run = args.resume or args.out
     # as `meshfit launch` numbers its processes, or as srun its tasks (--via srun)
@@ -128,6 +130,8 @@ def train(argv: list[str]) -> int:
             _wait(until=os.path.join(status, "dying"))
             _abort_as_jax_does(index)
             _wait()
+        if args.freeze and (index, step) == tuple(map(int, args.freeze.split("@"))):
+            os.kill(os.getpid(), signal.SIGSTOP)  # until the launcher's SIGTERM and SIGCONT
         if count > 1 and args.hang and step == int(args.hang.partition("@")[2]):
             _wait(until=os.path.join(folder, f"ckpt-{step:08d}", "manifest.json"))
             if index != int(args.hang.partition("@")[0]):  # one report ahead of the hung one

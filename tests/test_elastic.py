@@ -396,7 +396,7 @@ def test_goodput_counts_the_steps_each_restart_ran_again(tmp_path):
     assert third.totals()["lost_steps"] == 13 and third.totals()["sessions"] == 3
 
 
-def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery():
+def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery(tmp_path):
     """tools/chaos.py's bookkeeping: a seed gives the same faults again; each fault's recovery
     runs to the first step of a generation that started after it; the table's figures."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
@@ -421,13 +421,23 @@ def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery():
     metrics = {"test_accuracy": 0.9, "goodput": {"fraction": 0.8},
                "generations": [{"lost_steps": 1}, {"lost_steps": 2}, {}]}
     baseline = {"exit": 0, "wall": 100.0, "metrics": {"test_accuracy": 0.91}}
-    generations = [{"appeared": 0.5, "joined": 2.0, "first_step": 3.0, "gone": 15.0},
-                   {"appeared": 15.2, "joined": 17.0, "first_step": 20.0, "gone": None}]
-    assert chaos.change_parts(12.5, generations) == pytest.approx({"stop": 2.5, "start": 1.8, "set-up": 3.0})
+    generations = [{"appeared": 0.5, "reporting": 2.0, "first_step": 3.0, "gone": 15.0},
+                   {"appeared": 15.2, "reporting": 17.0, "first_step": 20.0, "gone": None}]
+    assert chaos.change_parts(12.5, generations) == pytest.approx({"stop": 2.5, "start": 1.8,
+                                                                   "first step": 3.0})
     assert chaos.change_parts(21.0, generations) is None  # no generation after it
     text = chaos.table(baseline, {"exit": 0, "wall": 125.0, "metrics": metrics, "faults": [fault],
                                   "first_steps": [3.0, 20.0], "generations": generations})
     assert "| of which stop (median s) | 2.5 |" in text
+    seen, folder = {}, str(tmp_path / "meshfit-launch-1")
+    os.makedirs(folder)
+    chaos.watch_generations(seen, [folder], 1.0)
+    (tmp_path / "meshfit-launch-1" / "progress-0").write_text("0 1 0 python")
+    chaos.watch_generations(seen, [folder], 2.0)
+    (tmp_path / "meshfit-launch-1" / "progress-0").write_text("1 3 1 device")
+    chaos.watch_generations(seen, [folder], 3.5)
+    chaos.watch_generations(seen, [], 9.0)
+    assert seen[folder] == {"appeared": 1.0, "reporting": 2.0, "first_step": 3.5, "gone": 9.0}
     assert "| faults | 1 (1 SIGKILL, 0 SIGSTOP; process 0 1 times) |" in text
     assert "| recovery, fault to next first step (s) | median 7.5, max 7.5 (1 measured) |" in text
     assert "| steps run again | 3 |" in text and "| throughput ratio to the baseline | 0.80 |" in text
@@ -466,3 +476,15 @@ def test_the_mesh_grows_back_only_when_the_steps_left_repay_the_change(tmp_path,
     os.makedirs(path)
     rundir.write_json(os.path.join(path, "state.json"), {"global_step": 6, "steps_per_epoch": 4})
     assert growth.steps_left(run, path) == 2 and growth.steps_left(run, run) is None
+
+
+def test_a_stopped_process_is_noticed_in_bounded_time_even_alone(tmp_path, monkeypatch):
+    """A job of one process has no peer to notice it stopped (no coordination service): the
+    launcher sees its state and counts it lost after MESHFIT_HEARTBEAT_TIMEOUT."""
+    monkeypatch.setenv("MESHFIT_HEARTBEAT_TIMEOUT", "1")
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "1"], ["--out", run, "--freeze", "0@2"])
+    assert job.returncode == 0, job.stderr
+    assert ("meshfit launch: elastic: process(es) 0 of 1 stopped (SIGSTOP) for 1 s "
+            "(MESHFIT_HEARTBEAT_TIMEOUT); generation 2: 1 process(es)") in job.stderr, job.stderr
+    assert meshes(run) == [(1, 0, 2), (1, 2, 6)]

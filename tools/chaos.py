@@ -13,8 +13,8 @@ ends: SIGKILL or SIGSTOP (--signals, drawn at random) to a random process of the
 generation, process 0 (the coordinator) included, whatever it is doing then (a step, a save, an
 evaluation, a mesh change: the moments are not chosen). It prints one line per fault and ends
 with the table of BENCHMARKS.md section 6: the exit codes, faults, the recovery time of each
-(from the fault to the first training step of the next generation: median and max), steps run
-again, goodput, and the throughput ratio to the baseline (the job's steps are the same, so the
+(from the fault to the first training step of the next generation: median and max, and the
+medians of its parts: stop, start, first step), steps run again, goodput, and the throughput ratio to the baseline (the job's steps are the same, so the
 ratio of the wall times).
 
 A SIGSTOPped process is noticed by JAX's heartbeat check: the drill sets MESHFIT_HEARTBEAT_TIMEOUT
@@ -148,17 +148,18 @@ def run_job(args, extra: list[str], faults: Faults | None) -> dict:
 
 def watch_generations(generations: dict[str, dict], folders: list[str], now: float) -> None:
     """Note what each generation's status folder shows now (seconds into the launch): when it
-    appeared (its processes started), when a process last began joining (reached meshfit.connect:
-    process start and imports done), its first training step, when it was gone (all its
-    processes ended). Resolution: the drill's poll (50 ms) and the progress files' (1 s)."""
+    appeared (its processes started), when a process first reported from its training loop
+    (meshfit.parallel.heartbeat: start-up, imports, joining, data, model and restore done), its
+    first training step (compiled and dispatched), when it was gone (all its processes ended).
+    Resolution: the drill's poll (50 ms) and the progress files' (rewritten at most once a second)."""
     for folder in folders:
-        seen = generations.setdefault(folder, {"appeared": now, "joined": None, "first_step": None,
-                                               "gone": None, "joining": 0})
+        seen = generations.setdefault(folder, {"appeared": now, "reporting": None, "first_step": None,
+                                               "gone": None})
         if seen["first_step"] is None:
-            joining = len(heartbeat.joined(folder))
-            if joining > seen["joining"]:
-                seen["joining"], seen["joined"] = joining, now
-            if any(c[0] > 0 for c in heartbeat.progress(folder).values()):
+            found = heartbeat.progress(folder)
+            if found and seen["reporting"] is None:
+                seen["reporting"] = now
+            if any(c[0] > 0 for c in found.values()):
                 seen["first_step"] = now
     for folder, seen in generations.items():
         if folder not in folders and seen["gone"] is None:
@@ -168,16 +169,17 @@ def watch_generations(generations: dict[str, dict], folders: list[str], now: flo
 def change_parts(fault: float, generations: list[dict]) -> dict[str, float] | None:
     """Where a fault's recovery went: stop (the fault to the end of the generation it struck:
     noticing the loss, stopping the others), start (the next generation's processes started to
-    the last one joining: process start, imports), set-up (joining to its first step:
-    jax.distributed, data, model, restore, compile); None when no generation followed."""
+    their training loop's first report: process start, imports, jax.distributed, data, model,
+    restore), first step (to its first training step: compiling, the first dispatch); None when
+    no generation followed."""
     struck = [g for g in generations if g["appeared"] <= fault]  # the newest then
     after = next((g for g in generations if g["appeared"] > fault and g["first_step"] is not None
-                  and g["joined"] is not None), None)
+                  and g["reporting"] is not None), None)
     if after is None:
         return None
     gone = struck[-1]["gone"] if struck and struck[-1]["gone"] is not None else fault
-    return {"stop": max(gone - fault, 0.0), "start": after["joined"] - after["appeared"],
-            "set-up": after["first_step"] - after["joined"]}
+    return {"stop": max(gone - fault, 0.0), "start": after["reporting"] - after["appeared"],
+            "first step": after["first_step"] - after["reporting"]}
 
 
 def recoveries(faults: list[float], first_steps: list[float]) -> list[float | None]:
@@ -208,7 +210,8 @@ def table(baseline: dict | None, chaos: dict) -> str:
         ("goodput", f"{goodput.get('fraction')}"),
         ("wall (s, with faults / baseline)", f"{chaos['wall']:.1f} / {baseline['wall']:.1f}" if baseline
          else f"{chaos['wall']:.1f} / -"),
-        ("throughput ratio to the baseline", f"{baseline['wall'] / chaos['wall']:.2f}" if baseline else "-"),
+        ("throughput ratio to the baseline", f"{baseline['wall'] / chaos['wall']:.2f}"
+         if baseline and baseline["exit"] == chaos["exit"] == 0 else "- (a run did not finish)"),
     ]
     return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
@@ -220,7 +223,7 @@ def parts_rows(chaos: dict) -> list[tuple[str, str]]:
     if not parts:
         return []
     return [(f"of which {name} (median s)", f"{statistics.median(p[name] for p in parts):.1f}")
-            for name in ("stop", "start", "set-up")]
+            for name in ("stop", "start", "first step")]
 
 
 if __name__ == "__main__":

@@ -342,7 +342,7 @@ def _wait_for_exits(started: list[Process], exits: queue.Queue, watch: "Watch", 
                 watch.timed_out = True
                 stopped = _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
             elif failure is None:
-                verdict = watch.poll(now)
+                verdict = watch.poll(now) or watch.frozen(started, now)
                 stopped = verdict is not None and _stop_to_resume(started, grace)
                 if verdict is None and boundary is not None and boundary(watch.step_seconds(now)):
                     # SIGTERM: the processes agree on a step and save there (exit 143), so the

@@ -83,6 +83,15 @@ class Process:
         if reports:
             self.output.flush(emit)
 
+    def stopped(self) -> bool:
+        """Whether the process is stopped now (SIGSTOP, SIGTSTP: its state T in /proc; False
+        where there is no /proc)."""
+        try:
+            with open(f"/proc/{self.popen.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except (OSError, IndexError):
+            return False
+
     def failed(self) -> bool:
         """Whether the process has ended with an error or a signal (meshfit.launch.output)."""
         return ended_abnormally(self.popen.pid, self.popen.returncode)
