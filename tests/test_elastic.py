@@ -419,7 +419,9 @@ def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery(tmp_path):
     assert fault == {"at": 12.5, "process": 0, "pid": sleeper.pid, "signal": "SIGKILL"}
     assert faults.strike([sleeper.pid], 13.0) is None and len(faults.sent) == 1  # reaped: no fault
     metrics = {"test_accuracy": 0.9, "goodput": {"fraction": 0.8},
-               "generations": [{"lost_steps": 1}, {"lost_steps": 2}, {}]}
+               "generations": [{"lost_steps": 1}, {"lost_steps": 2, "change": {
+                   "kind": "scale down", "stop": 1.5, "restart": 20.0, "wasted": 0.5}},
+                   {"change": {"kind": "scale up", "stop": 3.0, "restart": None, "wasted": None}}]}
     baseline = {"exit": 0, "wall": 100.0, "metrics": {"test_accuracy": 0.91}}
     generations = [{"appeared": 0.5, "reporting": 2.0, "first_step": 3.0, "gone": 15.0},
                    {"appeared": 15.2, "reporting": 17.0, "first_step": 20.0, "gone": None}]
@@ -429,6 +431,8 @@ def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery(tmp_path):
     text = chaos.table(baseline, {"exit": 0, "wall": 125.0, "metrics": metrics, "faults": [fault],
                                   "first_steps": [3.0, 20.0], "generations": generations})
     assert "| of which stop (median s) | 2.5 |" in text
+    assert "| scale downs (launcher's record) | 1: stop 1.5 s, restart 20.0 s, wasted progress 0.5 s |" in text
+    assert "| scale ups (launcher's record) | 1: stop 3.0 s, restart 0.0 s, wasted progress 0.0 s |" in text
     seen, folder = {}, str(tmp_path / "meshfit-launch-1")
     os.makedirs(folder)
     chaos.watch_generations(seen, [folder], 1.0)

@@ -206,14 +206,29 @@ def table(baseline: dict | None, chaos: dict) -> str:
         ("recovery, fault to next first step (s)",
          f"median {statistics.median(times):.1f}, max {max(times):.1f} ({len(times)} measured)" if times else "-"),
         *parts_rows(chaos),
+        *change_rows(generations),
         ("steps run again", f"{again}"),
         ("goodput", f"{goodput.get('fraction')}"),
+        ("goodput's parts (s)", ", ".join(f"{k} {v:.1f}" for k, v in goodput.get("seconds", {}).items() if v)),
         ("wall (s, with faults / baseline)", f"{chaos['wall']:.1f} / {baseline['wall']:.1f}" if baseline
          else f"{chaos['wall']:.1f} / -"),
         ("throughput ratio to the baseline", f"{baseline['wall'] / chaos['wall']:.2f}"
          if baseline and baseline["exit"] == chaos["exit"] == 0 else "- (a run did not finish)"),
     ]
     return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+
+
+def change_rows(generations: list[dict]) -> list[tuple[str, str]]:
+    """The table's rows on the mesh changes the launcher recorded (metrics.json "generations":
+    each one's `change`): count and seconds of each kind, in parts."""
+    rows = []
+    for kind in ("scale down", "scale up", "restart"):
+        changes = [g["change"] for g in generations if g.get("change", {}).get("kind") == kind]
+        if changes:
+            total = {part: sum(c.get(part) or 0.0 for c in changes) for part in ("stop", "restart", "wasted")}
+            rows.append((f"{kind}s (launcher's record)", f"{len(changes)}: stop {total['stop']:.1f} s, "
+                         f"restart {total['restart']:.1f} s, wasted progress {total['wasted']:.1f} s"))
+    return rows
 
 
 def parts_rows(chaos: dict) -> list[tuple[str, str]]:
