@@ -34,6 +34,16 @@ running world: `jax.distributed` can only be shut down and started again, by eve
 XLA's backends cannot be started twice in one process. So a smaller mesh needs new processes,
 and so does a larger one (a new process cannot join a running coordination service either).
 
+Why not JAX's own fault tolerance: JAX 0.10.2 has `jax_enable_recoverability` and
+`jax.experimental.multihost_utils.live_devices` (documented "under active development and not
+stable") to let survivors go on with the live devices. The survivors would then have to rebuild
+Keras' distribution (its mesh and the variables' layouts are fixed when the model is built),
+place the state on fewer devices and compile again, and the CPU backend's gloo collectives
+would have to fail cleanly, not hang, when a peer dies; none of it is tried here, so meshfit
+restarts processes on every platform, and makes the restart cheap instead (the state from the
+local copies, JAX's persistent compilation cache shared by every generation,
+meshfit.parallel.engine.use_compile_cache).
+
 What a mesh change costs: the steps since the newest checkpoint, or since the newest local copy
 every process of the new generation has where that is newer (`--elastic` makes the run save
 every ELASTIC_CHECKPOINT_EVERY and copy its state to each host's local disk every
