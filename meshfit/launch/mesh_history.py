@@ -59,8 +59,8 @@ def change(last: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
     their first training step: start-up, joining, restore and compile together; the run's
     goodput splits them, summed over the run), wasted (the steps run again, at `last`'s seconds
     a step). kind: scale down, scale up, or restart (as many processes again)."""
-    kind = ("scale down" if record["processes"] < last["processes"] else
-            "scale up" if record["processes"] > last["processes"] else "restart")
+    before, after = last.get("processes", 0), record.get("processes", 0)
+    kind = "scale down" if after < before else "scale up" if after > before else "restart"
     step = last.get("step_seconds")
     return {"kind": kind, "stop": last.get("stop_seconds"), "restart": record.get("start_seconds"),
             "wasted": None if step is None else round(last["lost_steps"] * step, 1)}
