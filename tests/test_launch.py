@@ -711,3 +711,19 @@ def test_a_run_of_one_process_resumes_on_two(data_dir, single_process_run, tmp_p
     # test_two_processes_train_the_same_model_as_one, stays within 1e-6)
     assert_same_weights(model_weights(os.path.join(run, "model.keras")),
                         model_weights(os.path.join(single_process_run, "model.keras")), atol=1e-5)
+
+
+def test_a_process_stopped_while_the_job_stops_ends_the_wait(tmp_path):
+    """A stop at an agreed step waits for every process; one frozen (SIGSTOP) meanwhile ends the
+    wait after local.FROZEN_SECONDS rather than the whole patience."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        process = type("P", (), {"index": 0, "popen": sleeper})()
+        process.stopped = lambda: open(f"/proc/{sleeper.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        local._wait_all([process], 100.0)
+        assert time.monotonic() - began < 60 and sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
