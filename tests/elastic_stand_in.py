@@ -15,14 +15,19 @@ decisions (limits, growing back) start processes that take milliseconds instead 
 - --resume RUN: start from its newest committed checkpoint (config.json's "resumed" entry
   records the --micro-batches the launcher asked for, or null);
 - --kill P@S: process P SIGKILLs itself after global step S (--kill last: the highest process,
-  after the first step of every job of more than one process), once process 0 committed that
-  step; the others then wait, as on a collective with a lost peer;
+  after the first step of every job of more than one process; --kill early: before its first
+  step, nothing new committed), once process 0 committed that step; the others then print the
+  first lines of JAX's abort and wait, as on a collective with a lost peer;
 - --hang P@S: process P stops reporting progress after global step S (alive: a hung process for
   the launcher's stall watchdog, MESHFIT_STALL_TIMEOUT), once process 0 committed that step;
   the others report once more (as before a collective) and wait;
+- --freeze P@S: process P SIGSTOPs itself after global step S (the launcher's stop continues it);
 - --hold-below N: a job of fewer than N processes waits after its first checkpoint (for the
   launcher's SIGTERM that grows the mesh back); every wait ends after SAFETY_SECONDS with exit 3;
-- SIGTERM: process 0 commits the current step (the agreed save), every process exits 143.
+- SIGTERM: process 0 commits the current step (the agreed save; --stop-ahead: the next one, as
+  meshfit train's processes agree on a step ahead of the signal), every process prints train's
+  line and exits 143;
+- process 0 prints a device report (meshfit connected, 4 rows) as it starts.
 """
 
 import argparse
@@ -37,13 +42,13 @@ SAFETY_SECONDS = 300  # a wait the launcher never ended: fail instead of hanging
 
 def launch(argv: list[str]) -> int:
     from meshfit import cli
-    from meshfit.commands import elastic
+    from meshfit.launch import train_argv
 
     def train_command(command: list[str]) -> tuple[list[str], str]:
-        run = elastic._flag_value(command, "--resume") or elastic._flag_value(command, "--out")
-        return elastic._without_flag(command, "--resume"), run
+        run = train_argv.flag_value(command, "--resume") or train_argv.flag_value(command, "--out")
+        return train_argv.without_flag(command, "--resume"), run
 
-    elastic.train_command = train_command
+    train_argv.train_command = train_command
     return cli.main(["launch", *argv])
 
 
@@ -56,6 +61,8 @@ def train(argv: list[str]) -> int:
     parser.add_argument("--hang")
     parser.add_argument("--hold-below", type=int, default=0)
     parser.add_argument("--micro-batches", type=int)
+    parser.add_argument("--stop-ahead", action="store_true")
+    parser.add_argument("--freeze")
     args = parser.parse_args(argv)
     run = args.resume or args.out
     # as `meshfit launch` numbers its processes, or as srun its tasks (--via srun)
@@ -83,13 +90,31 @@ def train(argv: list[str]) -> int:
             _write(os.path.join(path, "state.json"), {"global_step": at, "steps_per_epoch": args.steps})
             _write(os.path.join(path, "manifest.json"), {"global_step": at})
 
-    signal.signal(signal.SIGTERM, lambda *_: (commit(step), os._exit(143)))
+    def stop(*_) -> None:  # the agreed save, and the line meshfit train ends with
+        lost_peer = os.path.isfile(os.path.join(status, "dying"))  # no agreed save without it
+        at = min(step + 1, args.steps) if args.stop_ahead and not lost_peer else step
+        commit(at)
+        print(f"training stopped by SIGTERM after step {at}, saved to {folder}/ckpt-{at:08d}; "
+              f"continue with: meshfit train --resume {run}", file=sys.stderr, flush=True)
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
     status = os.environ["MESHFIT_LAUNCH_STATUS"]  # a folder of this job's own
+    if index == 0:  # meshfit.watch.keras_side.report.discovery_text's report
+        print(f"meshfit connected\n  hosts            {count} (this is process 0)\n  devices per host 1\n"
+              f"  replicas         {count}\n  engine           keras on jax", flush=True)
     _write(os.path.join(status, f"ready-{index}"), "")  # all start from the same step, as on joining
     for i in range(count):
         _wait(until=os.path.join(status, f"ready-{i}"))
     first = step
     who, _, when = (args.kill or "none@0").partition("@")
+    if who == "early" and count > 1:  # nothing new committed: a loss without progress
+        if index == count - 1:
+            _write(os.path.join(status, "dying"), "")
+            os.kill(os.getpid(), signal.SIGKILL)
+        _wait(until=os.path.join(status, "dying"))
+        _abort_as_jax_does(index)
+        _wait()
     victim, when = (count - 1, first + 1) if who == "last" else (int(who), int(when)) \
         if who.isdigit() else (None, 0)
     while step < args.steps:
@@ -97,11 +122,16 @@ def train(argv: list[str]) -> int:
         done = step - first  # the progress report the launcher reads (meshfit.parallel.heartbeat)
         _write(os.path.join(status, f"progress-{index}"), f"{done} {done} {done} python", raw=True)
         commit(step)
-        if count > 1 and victim is not None and victim < count and step == when:
+        if (count > 1 or who.isdigit()) and victim is not None and victim < count and step == when:
             if index == victim:  # once step S is committed, as a collective would have waited
                 _wait(until=os.path.join(folder, f"ckpt-{step:08d}", "manifest.json"))
+                _write(os.path.join(status, "dying"), "")
                 os.kill(os.getpid(), signal.SIGKILL)
+            _wait(until=os.path.join(status, "dying"))
+            _abort_as_jax_does(index)
             _wait()
+        if args.freeze and (index, step) == tuple(map(int, args.freeze.split("@"))):
+            os.kill(os.getpid(), signal.SIGSTOP)  # until the launcher's SIGTERM and SIGCONT
         if count > 1 and args.hang and step == int(args.hang.partition("@")[2]):
             _wait(until=os.path.join(folder, f"ckpt-{step:08d}", "manifest.json"))
             if index != int(args.hang.partition("@")[0]):  # one report ahead of the hung one
@@ -113,6 +143,17 @@ def train(argv: list[str]) -> int:
     if index == 0:
         _write(os.path.join(run, "metrics.json"), {"test_accuracy": 1.0})
     return 0
+
+
+def _abort_as_jax_does(index: int) -> None:
+    """A survivor's end as JAX's coordination service makes it (its first lines): after its peer."""
+    time.sleep(0.05)
+    print(f"E1128 10:00:00.000000   {index} coordination_service_agent.cc:332] Polled an error "
+          "from coordination service", file=sys.stderr)
+    print(f"F1128 10:00:00.000000   {index} client.h:80] Terminating process because the JAX "
+          "distributed service detected fatal errors", file=sys.stderr)
+    print("*** Check failure stack trace: ***\n    @     0x7f0000000000  (unknown)", file=sys.stderr,
+          flush=True)
 
 
 def _wait(until: str | None = None) -> None:

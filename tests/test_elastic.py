@@ -21,7 +21,7 @@ import pytest
 from helpers import write_idx_dataset
 
 from meshfit import env
-from meshfit.commands import elastic, launch, mesh_history
+from meshfit.launch import elastic, growth, local, losses, mesh_history, train_argv
 from meshfit.errors import MeshfitError
 from meshfit.run import rundir
 
@@ -33,13 +33,13 @@ PYTHON_MESHFIT = [sys.executable, "-m", "meshfit"]
 
 
 def test_every_generation_trains_one_run_directory_and_saves_more_often():
-    argv, run = elastic.train_command([*PYTHON_MESHFIT, "train", "fashion-mnist-cnn", "--out", "r"])
-    assert run == "r" and argv[-4:] == ["--checkpoint-every", elastic.ELASTIC_CHECKPOINT_EVERY,
-                                        "--local-copy-every", elastic.ELASTIC_LOCAL_COPY_EVERY]
-    argv, run = elastic.train_command([*PYTHON_MESHFIT, "train", "--resume=old", "--checkpoint-every", "5"])
+    argv, run = train_argv.train_command([*PYTHON_MESHFIT, "train", "fashion-mnist-cnn", "--out", "r"])
+    assert run == "r" and argv[-4:] == ["--checkpoint-every", train_argv.ELASTIC_CHECKPOINT_EVERY,
+                                        "--local-copy-every", train_argv.ELASTIC_LOCAL_COPY_EVERY]
+    argv, run = train_argv.train_command([*PYTHON_MESHFIT, "train", "--resume=old", "--checkpoint-every", "5"])
     assert run == "old" and "--resume=old" not in argv and argv.count("--checkpoint-every") == 1
-    argv, run = elastic.train_command([*PYTHON_MESHFIT, "train", "fashion-mnist-cnn"])
-    assert argv[argv.index("--out") + 1] == run and os.path.basename(run).startswith("elastic-")
+    argv, run = train_argv.train_command([*PYTHON_MESHFIT, "train", "fashion-mnist-cnn"])
+    assert argv[argv.index("--out") + 1] == run and os.path.basename(run).startswith("fashion-mnist-cnn-")  # as train names it
 
 
 def test_elastic_needs_meshfit_train_and_sane_limits():
@@ -50,12 +50,13 @@ def test_elastic_needs_meshfit_train_and_sane_limits():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--min-processes", "2"], "--min-processes, --max-restarts, --no-grow, --keep-batch and --via "
-                               "go with --elastic"),
+    (["--min-processes", "2"], "--min-processes, --max-restarts-without-progress, --no-grow, "
+                               "--keep-batch and --via go with --elastic"),
     (["--keep-batch", "per-core"], "--keep-batch and --via go with --elastic"),
     (["--via", "srun"], "--keep-batch and --via go with --elastic"),
     (["--elastic", "--port", "1234"], "--port goes without --elastic"),
-    (["--elastic", "--max-restarts", "-1"], "--max-restarts must be at least 0"),
+    (["--elastic", "--max-restarts-without-progress", "-1"],
+     "--max-restarts-without-progress must be at least 0"),
 ])
 def test_elastic_flags_are_checked_in_one_line(flags, message, capsys):
     from meshfit import cli
@@ -66,22 +67,22 @@ def test_elastic_flags_are_checked_in_one_line(flags, message, capsys):
 
 def ended(failure=None, verdict=None, tail=(), behind=(), missing=(), count=2, timed_out=False):
     started = [SimpleNamespace(tail=list(tail) if failure and i == failure[0] else []) for i in range(count)]
-    return launch.Ended(started, verdict, {}, failure, list(missing), "", 15, list(behind), {}, 1.0,
+    return local.Ended(started, verdict, {}, failure, list(missing), "", 15, list(behind), {}, 1.0,
                         timed_out)
 
 
 def test_which_ends_a_restart_outlives_and_who_is_left_out():
-    assert elastic.lost_processes(ended((1, -signal.SIGKILL)), 2) == (True, [1])
+    assert losses.lost_processes(ended((1, -signal.SIGKILL)), 2) == (True, [1])
     # JAX's heartbeat check aborts process 0 and names the stopped one
     abort = ["... stopped sending heartbeats ...", "1", "Fatal Python error: Aborted"]
-    assert elastic.lost_processes(ended((0, -signal.SIGABRT), tail=abort), 2) == (True, [1])
-    assert elastic.lost_processes(ended(verdict=124, behind=[1]), 2) == (True, [1])
-    assert elastic.lost_processes(ended(verdict=124, behind=[0, 1]), 2) == (True, [])  # as many again
-    assert elastic.lost_processes(ended(verdict=124, missing=[1]), 2) == (True, [1])
+    assert losses.lost_processes(ended((0, -signal.SIGABRT), tail=abort), 2) == (True, [1])
+    assert losses.lost_processes(ended(verdict=124, behind=[1]), 2) == (True, [1])
+    assert losses.lost_processes(ended(verdict=124, behind=[0, 1]), 2) == (True, [])  # as many again
+    assert losses.lost_processes(ended(verdict=124, missing=[1]), 2) == (True, [1])
     # its own error, a stop after saving, the user's --timeout: restarting would not help
-    assert elastic.lost_processes(ended((1, 2)), 2) == (False, [])
-    assert elastic.lost_processes(ended((1, 143)), 2) == (False, [])
-    assert elastic.lost_processes(ended(verdict=124, timed_out=True), 2) == (False, [])
+    assert losses.lost_processes(ended((1, 2)), 2) == (False, [])
+    assert losses.lost_processes(ended((1, 143)), 2) == (False, [])
+    assert losses.lost_processes(ended(verdict=124, timed_out=True), 2) == (False, [])
 
 
 def test_processes_killed_together_are_all_lost_but_not_the_ones_the_launcher_stopped():
@@ -89,24 +90,24 @@ def test_processes_killed_together_are_all_lost_but_not_the_ones_the_launcher_st
     job.codes = {1: -9, 2: -9, 0: -9, 3: 143}
     for i, process in enumerate(job.started):
         process.killed = i == 0  # by the launcher, after its grace period (3 stopped on SIGTERM)
-    assert elastic.lost_processes(job, 4) == (True, [1, 2])
-    assert elastic.what_ended(job, [1, 2]) == ("process 1 of 4 failed with SIGKILL (exit code -9), "
+    assert losses.lost_processes(job, 4) == (True, [1, 2])
+    assert losses.what_ended(job, [1, 2]) == ("process 1 of 4 failed with SIGKILL (exit code -9), "
                                                 "and so did process(es) 2")
     # a survivor's error (its collective's peer gone) reached the launcher before the kill did
     job = ended((0, 1), count=2)
     job.codes = {0: 1, 1: -9}
     job.started[0].killed = job.started[1].killed = False
-    assert elastic.lost_processes(job, 2) == (True, [1])
-    assert elastic.what_ended(job, [1]) == "process 0 of 2 failed with exit code 1, process(es) 1 SIGKILLed"
+    assert losses.lost_processes(job, 2) == (True, [1])
+    assert losses.what_ended(job, [1]) == "process 0 of 2 failed with exit code 1, process(es) 1 SIGKILLed"
 
 
 def test_the_next_mesh_keeps_the_global_batch_splitting_evenly(tmp_path):
     rundir.write_json(str(tmp_path / "config.json"), {"global_batch": 1000})
-    assert elastic.fitting_processes(str(tmp_path), 3, 2) == 2  # 1000 over 6 devices: no
-    assert elastic.fitting_processes(str(tmp_path), 3, 1) == 2
-    assert elastic.fitting_processes(str(tmp_path), 2, 4) == 2
+    assert losses.fitting_processes(str(tmp_path), 3, 2) == 2  # 1000 over 6 devices: no
+    assert losses.fitting_processes(str(tmp_path), 3, 1) == 2
+    assert losses.fitting_processes(str(tmp_path), 2, 4) == 2
     rundir.write_json(str(tmp_path / "config.json"), {"global_batch": 63})
-    assert elastic.fitting_processes(str(tmp_path), 3, 2) == 3  # none fits: train's error says so
+    assert losses.fitting_processes(str(tmp_path), 3, 2) == 3  # none fits: train's error says so
 
 
 def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
@@ -117,7 +118,7 @@ def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
     record = mesh_history.record(2, 1, 2, str(tmp_path), 0, job)
     assert (record["processes"], record["devices"], record["global_batch"]) == (1, 2, 64)
     assert (record["first_step"], record["last_step"]) == (4, 7)
-    assert elastic.batch_line(str(tmp_path), 2) == "global batch kept at 64 (32 per device)"
+    assert train_argv.batch_line(str(tmp_path), 2) == "global batch kept at 64 (32 per device)"
     # a generation lost before it restored (killed while joining): from the newest checkpoint
     path = tmp_path / rundir.CHECKPOINTS / "ckpt-00000009"
     path.mkdir(parents=True)
@@ -145,8 +146,9 @@ def meshes(run: str) -> list[tuple]:
 
 
 @pytest.mark.parametrize("flags, kill, stop, checkpoint", [
-    (["--processes", "3", "--max-restarts", "1", "--no-grow"], "last", "--max-restarts 1 reached",
-     "ckpt-00000002"),  # 3 -> 2 processes, then a second loss: no restart left
+    (["--processes", "3", "--max-restarts-without-progress", "1", "--no-grow"], "early",
+     "2 losses in a row without progress (no newer checkpoint to resume from): "
+     "--max-restarts-without-progress 1 reached", "its start (no checkpoint yet)"),
     (["--processes", "2", "--min-processes", "2"], "1@2", "1 process(es) left, fewer than "
      "--min-processes 2", "ckpt-00000002"),
 ])
@@ -157,17 +159,28 @@ def test_a_limit_ends_the_job_in_one_line_and_the_run_resumes(tmp_path, flags, k
     assert job.returncode == 128 + signal.SIGKILL and len(errors) == 1, job.stderr
     assert errors[0].startswith("meshfit: error: elastic launch stopped after generation") and \
         f": {stop}; continue from {checkpoint} with --resume {run}" in errors[0], errors[0]
-    newest = rundir.list_checkpoints(os.path.join(run, rundir.CHECKPOINTS))[-1]
-    assert os.path.basename(newest) == checkpoint  # committed, and nothing newer half-written
+    newest = rundir.list_checkpoints(os.path.join(run, rundir.CHECKPOINTS))
+    assert os.path.basename(newest[-1]) == checkpoint if newest else checkpoint.startswith("its start")
     before = meshes(run)
     again = stand_in_launch(["--processes", "1"], ["--resume", run])
     assert again.returncode == 0, again.stderr
     with open(os.path.join(run, rundir.CONFIG)) as f:
-        assert json.load(f)["resumed"][-1]["checkpoint"] == checkpoint
-    assert meshes(run) == before + [(1, 2, 6)]  # the run's history of meshes goes on
+        assert json.load(f)["resumed"][-1]["checkpoint"] == (checkpoint if newest else "none")
+    assert meshes(run) == before + [(1, 2 if newest else 0, 6)]  # the run's history of meshes goes on
 
 
-@pytest.mark.parametrize("flags", [["--no-grow"], ["--max-restarts", "0"]])
+def test_losses_between_saves_never_stop_the_job(tmp_path):
+    """--kill last: every generation of more than one process loses its highest process after a
+    committed step, 4 -> 2 -> 1 processes (the batch of 8 splits over no 3): each loss followed
+    progress, so a limit of 0 restarts without progress lets the run finish."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "4", "--no-grow", "--max-restarts-without-progress", "0"],
+                          ["--out", run, "--kill", "last"])
+    assert job.returncode == 0, job.stderr
+    assert [m[0] for m in meshes(run)] == [4, 2, 1]
+
+
+@pytest.mark.parametrize("flags", [["--no-grow"], ["--min-processes", "2"]])
 def test_a_hung_process_is_named_in_one_line(tmp_path, monkeypatch, flags):
     """The stall watchdog names hung process 1: a job that goes on prints only the elastic line,
     a stopped one exactly one error line (not the watchdog's line as well)."""
@@ -183,24 +196,51 @@ def test_a_hung_process_is_named_in_one_line(tmp_path, monkeypatch, flags):
     else:
         assert job.returncode == 124 and len(errors) == 1, job.stderr
         assert errors[0].startswith(f"meshfit: error: elastic launch stopped after generation 1 "
-                                    f"({hung}") and "--max-restarts 0 reached" in errors[0], errors[0]
+                                    f"({hung}") and "fewer than --min-processes 2" in errors[0], errors[0]
 
 
 def test_a_lost_process_comes_back_at_the_next_checkpoint(tmp_path):
     """2 processes, process 1 lost after step 2: step 3 runs on 1 process, whose checkpoint is the
-    boundary where the launcher stops it (an agreed save) and the mesh grows back to 2."""
+    boundary where the launcher stops it (an agreed save, at step 4: --stop-ahead) and the mesh
+    grows back to 2 from that save, which the launcher's line names."""
     run = str(tmp_path / "run")
-    job = stand_in_launch(["--processes", "2"], ["--out", run, "--kill", "1@2", "--hold-below", "2"])
+    job = stand_in_launch(["--processes", "2"], ["--out", run, "--kill", "1@2", "--hold-below", "2",
+                                                 "--stop-ahead"])
     assert job.returncode == 0, job.stderr
     assert ("meshfit launch: elastic: ckpt-00000003 committed on 1 process(es); generation 3: 2 "
-            "process(es) x 1 device(s) again (was 1 x 1)") in job.stderr, job.stderr
+            f"process(es) x 1 device(s) again (was 1 x 1), global batch kept at 8 (4 per device), "
+            f"resuming {run} from ckpt-00000004, saved as it stopped") in job.stderr, job.stderr
+    with open(os.path.join(run, rundir.CONFIG)) as f:
+        assert [r["checkpoint"] for r in json.load(f)["resumed"]] == ["ckpt-00000002", "ckpt-00000004"]
+    assert f"resuming {run} from ckpt-00000002\n" in job.stderr  # the loss's line names it too
     with open(os.path.join(run, rundir.METRICS)) as f:
         generations = json.load(f)["generations"]
-    assert meshes(run) == [(2, 0, 2), (1, 2, 3), (2, 3, 6)]  # which steps ran on which mesh
+    assert meshes(run) == [(2, 0, 2), (1, 2, 4), (2, 4, 6)]  # which steps ran on which mesh
     assert [(g["generation"], g["ended"]) for g in generations] == [
         (1, "process 1 of 2 failed with SIGKILL (exit code -9)"),
         (2, "stopped after ckpt-00000003 to grow back to 2 process(es)"), (3, "finished")]
     assert generations[1]["lost_steps"] == 0  # the stop saved where it stopped
+    assert "after 3 generations (2x1 -> 1x1 -> 2x1 devices), 0 steps run again" in job.stderr
+
+
+def test_a_loss_and_a_growth_are_one_line_each_and_the_devices_are_reported_once(tmp_path):
+    """What the user sees of an elastic job: the survivors' aborts (JAX's coordination service
+    lines) and the stopped generation's "training stopped by SIGTERM ... continue with" are held
+    back, the device report is printed in full once and then as one line a generation."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "2", "--show", "all"],
+                          ["--out", run, "--kill", "1@2", "--hold-below", "2"])
+    assert job.returncode == 0, job.stderr
+    shown = job.stdout + job.stderr
+    for noise in ("client.h:80] Terminating process", "Check failure stack trace", "coordination service",
+                  "training stopped by SIGTERM", "continue with: meshfit train"):
+        assert noise not in shown, shown
+    launcher = [line for line in job.stderr.splitlines() if line.startswith("meshfit launch: elastic")]
+    assert len(launcher) == 3 and "process 1 of 2 failed with SIGKILL" in launcher[0], job.stderr
+    assert job.stdout.count("meshfit connected\n") == 1 and job.stdout.count("devices per host 1\n") == 1
+    assert job.stdout.count("[0] meshfit connected: hosts 1 (this is process 0), devices per host 1, "
+                            "replicas 1 (the rest as reported before)") == 1, job.stdout
+    assert job.stdout.count("[0] meshfit connected: hosts 2 (this is process 0)") == 1, job.stdout
 
 
 def test_per_core_batch_kept_with_micro_batches_until_the_mesh_grows_back(tmp_path):
@@ -222,19 +262,19 @@ def test_per_core_batch_kept_with_micro_batches_until_the_mesh_grows_back(tmp_pa
 def test_per_core_micro_batches_are_the_fewest_equal_slices_no_larger(tmp_path):
     run = str(tmp_path)
     rundir.write_json(os.path.join(run, rundir.CONFIG), {"global_batch": 1000})
-    assert elastic.micro_batches_for(run, 8, 8) == 1
-    assert elastic.micro_batches_for(run, 4, 8) == 2
-    assert elastic.micro_batches_for(run, 4, 8, ["--micro-batches", "5"]) == 10  # the command's own, kept
-    assert elastic.batch_line(run, 4, 8) == "per-core batch kept at 125 (global batch 1000 in 2 micro-batches)"
+    assert train_argv.micro_batches_for(run, 8, 8) == 1
+    assert train_argv.micro_batches_for(run, 4, 8) == 2
+    assert train_argv.micro_batches_for(run, 4, 8, ["--micro-batches", "5"]) == 10  # the command's own, kept
+    assert train_argv.batch_line(run, 4, 8) == "per-core batch kept at 125 (global batch 1000 in 2 micro-batches)"
     rundir.write_json(os.path.join(run, rundir.CONFIG), {"global_batch": 1200})
-    assert elastic.micro_batches_for(run, 4, 6) == 2  # 150 rows per device at a time, not 200 at once
-    assert elastic.batch_line(run, 4, 6) == ("per-core batch 150, below the 200 kept (global batch 1200 "
+    assert train_argv.micro_batches_for(run, 4, 6) == 2  # 150 rows per device at a time, not 200 at once
+    assert train_argv.batch_line(run, 4, 6) == ("per-core batch 150, below the 200 kept (global batch 1200 "
                                              "in 2 micro-batches)")
-    assert elastic.micro_batches_for(run, 7, 8) is None  # does not split: train says so
+    assert train_argv.micro_batches_for(run, 7, 8) is None  # does not split: train says so
     argv = ["train", "--micro-batches", "5"]
-    assert elastic.with_micro_batches(argv, 5) == argv and elastic.with_micro_batches(argv, None) == argv
-    assert elastic.with_micro_batches(argv, 10) == ["train", "--micro-batches", "10"]
-    assert elastic.with_micro_batches(["train"], 1) == ["train"]
+    assert train_argv.with_micro_batches(argv, 5) == argv and train_argv.with_micro_batches(argv, None) == argv
+    assert train_argv.with_micro_batches(argv, 10) == ["train", "--micro-batches", "10"]
+    assert train_argv.with_micro_batches(["train"], 1) == ["train"]
 
 
 def test_the_mesh_grows_at_a_new_checkpoint_but_not_the_run_s_last(tmp_path):
@@ -248,7 +288,7 @@ def test_the_mesh_grows_at_a_new_checkpoint_but_not_the_run_s_last(tmp_path):
         rundir.write_json(os.path.join(path, rundir.CHECKPOINT_MANIFEST), {})
 
     commit(4)
-    boundary = elastic.NextCheckpoint(run)
+    boundary = growth.NextCheckpoint(run)
     assert not boundary()  # the checkpoint the generation resumed from
     os.makedirs(os.path.join(run, rundir.CHECKPOINTS, "ckpt-00000006"))  # being written
     assert not boundary()
@@ -305,6 +345,9 @@ def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_pat
            "process 0 of 2 failed with SIGABRT (exit code -6) because process(es) 1 stopped sending heartbeats")
     assert why in text, text[-4000:]
     assert "generation 2: 1 process(es) x 2 device(s) (was 2 x 2)" in text, text[-4000:]
+    for noise in ("Terminating process", "Check failure stack trace", "continue with: meshfit train"):
+        assert noise not in text, text[-4000:]  # the survivors' ends and the stops are held back
+    assert text.count("  devices per host") == 1, text[-4000:]  # the report once, then one line
     with open(os.path.join(run, "metrics.json")) as f:
         metrics = json.load(f)
     meshes = [(g["processes"], g["devices"]) for g in metrics["generations"]]
@@ -327,6 +370,8 @@ def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_pat
         assert resumed[0] == f"local:ckpt-{second['first_step']:08d}", resumed
         assert second["first_step"] >= copied[-1] > newer and "the local copy ckpt-" in text
         assert resumed[1] == f"ckpt-{third['first_step']:08d}"  # the agreed stop's save
+        assert f"resuming {run} from {resumed[0]}\n" in text  # the launcher names both
+        assert f"resuming {run} from {resumed[1]}, saved as it stopped" in text
         assert not os.path.exists(copies.folder)  # removed once the run finished
     with open(os.path.join(run, "history.json")) as f:
         assert [r["epoch"] for r in json.load(f)] == list(range(1, epochs + 1))  # every epoch trained
@@ -349,3 +394,101 @@ def test_goodput_counts_the_steps_each_restart_ran_again(tmp_path):
     third = goodput.Ledger()
     third.resume(path, checkpoint_step=32)
     assert third.totals()["lost_steps"] == 13 and third.totals()["sessions"] == 3
+
+
+def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery(tmp_path):
+    """tools/chaos.py's bookkeeping: a seed gives the same faults again; each fault's recovery
+    runs to the first step of a generation that started after it; the table's figures."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    import random
+
+    import chaos
+
+    def draws(seed):
+        faults = chaos.Faults(random.Random(seed), 30.0, 600.0, ["KILL", "STOP"])
+        return [(round(faults.next_gap(), 6), faults.rng.randrange(4), faults.rng.choice(faults.signals))
+                for _ in range(5)]
+
+    assert draws(7) == draws(7) and draws(7) != draws(8)
+    # faults at 10 s and 12 s (during the mesh change), 50 s; generations' first steps at 3, 19, 55 s
+    assert chaos.recoveries([10.0, 12.0, 50.0, 70.0], [3.0, 19.0, 55.0]) == [9.0, 7.0, 5.0, None]
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    faults = chaos.Faults(random.Random(3), 30.0, 600.0, ["KILL"])
+    fault = faults.strike([sleeper.pid], 12.5)
+    assert sleeper.wait(timeout=30) == -signal.SIGKILL
+    assert fault == {"at": 12.5, "process": 0, "pid": sleeper.pid, "signal": "SIGKILL"}
+    assert faults.strike([sleeper.pid], 13.0) is None and len(faults.sent) == 1  # reaped: no fault
+    metrics = {"test_accuracy": 0.9, "goodput": {"fraction": 0.8},
+               "generations": [{"lost_steps": 1}, {"lost_steps": 2, "change": {
+                   "kind": "scale down", "stop": 1.5, "restart": 20.0, "wasted": 0.5}},
+                   {"change": {"kind": "scale up", "stop": 3.0, "restart": None, "wasted": None}}]}
+    baseline = {"exit": 0, "wall": 100.0, "metrics": {"test_accuracy": 0.91}}
+    generations = [{"appeared": 0.5, "reporting": 2.0, "first_step": 3.0, "gone": 15.0},
+                   {"appeared": 15.2, "reporting": 17.0, "first_step": 20.0, "gone": None}]
+    assert chaos.change_parts(12.5, generations) == pytest.approx({"stop": 2.5, "start": 1.8,
+                                                                   "first step": 3.0})
+    assert chaos.change_parts(21.0, generations) is None  # no generation after it
+    text = chaos.table(baseline, {"exit": 0, "wall": 125.0, "metrics": metrics, "faults": [fault],
+                                  "first_steps": [3.0, 20.0], "generations": generations})
+    assert "| of which stop (median s) | 2.5 |" in text
+    assert "| scale downs (launcher's record) | 1: stop 1.5 s, restart 20.0 s, wasted progress 0.5 s |" in text
+    assert "| scale ups (launcher's record) | 1: stop 3.0 s, restart 0.0 s, wasted progress 0.0 s |" in text
+    seen, folder = {}, str(tmp_path / "meshfit-launch-1")
+    os.makedirs(folder)
+    chaos.watch_generations(seen, [folder], 1.0)
+    (tmp_path / "meshfit-launch-1" / "progress-0").write_text("0 1 0 python")
+    chaos.watch_generations(seen, [folder], 2.0)
+    (tmp_path / "meshfit-launch-1" / "progress-0").write_text("1 3 1 device")
+    chaos.watch_generations(seen, [folder], 3.5)
+    chaos.watch_generations(seen, [], 9.0)
+    assert seen[folder] == {"appeared": 1.0, "reporting": 2.0, "first_step": 3.5, "gone": 9.0}
+    assert "| faults | 1 (1 SIGKILL, 0 SIGSTOP; process 0 1 times) |" in text
+    assert "| recovery, fault to next first step (s) | median 7.5, max 7.5 (1 measured) |" in text
+    assert "| steps run again | 3 |" in text and "| throughput ratio to the baseline | 0.80 |" in text
+
+
+def test_a_job_that_lost_every_process_starts_them_again(tmp_path):
+    """One process, lost after step 2: its slot is free again at once, so the job goes on (a
+    loss after a save is no loss without progress)."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "1"], ["--out", run, "--kill", "0@2"])
+    assert job.returncode == 0, job.stderr
+    assert meshes(run) == [(1, 0, 2), (1, 2, 6)]
+    assert "process 0 of 1 failed with SIGKILL (exit code -9); generation 2: 1 process(es)" in job.stderr
+    with open(os.path.join(run, mesh_history.GENERATIONS)) as f:
+        change = json.load(f)[1]["change"]
+    assert change["kind"] == "restart" and change["stop"] >= 0 and set(change) == {"kind", "stop", "restart", "wasted"}
+
+
+def test_the_mesh_grows_back_only_when_the_steps_left_repay_the_change(tmp_path, capsys):
+    assert growth.pays(100, 0.5, 0.3, 15.0)  # 100 x 0.2 s saved > 15 s
+    assert not growth.pays(50, 0.5, 0.3, 15.0) and not growth.pays(100, 0.3, 0.3, 1.0)
+    assert growth.pays(None, 0.5, 0.3, 15.0) and growth.pays(100, None, 0.3, 15.0)  # not known: grow
+    run = str(tmp_path)
+    rundir.write_json(os.path.join(run, rundir.CONFIG), {"epochs": 2, "global_batch": 8})
+    plan = elastic.Plan([], run, elastic.Local(), 2, 4, 1, 3, True, "first", None, 1.0, False)
+    loop = elastic.Generations(plan)
+    loop.count = 1
+    loop.generations = [{"processes": 2, "step_seconds": 0.3},
+                        {"processes": 1, "change": {"stop": 4.0, "restart": 11.0}}]
+    assert loop.growth_pays(0.5, 100) and not loop.growth_pays(0.5, 50) and not loop.growth_pays(0.4, 60)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["meshfit launch: elastic: staying on 1 process(es): growing back would save about "
+                     "10 s over the 50 steps left (0.50 s a step now, 0.30 s on 2) and cost about 15 s "
+                     "(a mesh change); asking again at each checkpoint"]  # once a generation
+    path = os.path.join(run, rundir.CHECKPOINTS, "ckpt-00000006")
+    os.makedirs(path)
+    rundir.write_json(os.path.join(path, "state.json"), {"global_step": 6, "steps_per_epoch": 4})
+    assert growth.steps_left(run, path) == 2 and growth.steps_left(run, run) is None
+
+
+def test_a_stopped_process_is_noticed_in_bounded_time_even_alone(tmp_path, monkeypatch):
+    """A job of one process has no peer to notice it stopped (no coordination service): the
+    launcher sees its state and counts it lost after MESHFIT_HEARTBEAT_TIMEOUT."""
+    monkeypatch.setenv("MESHFIT_HEARTBEAT_TIMEOUT", "1")
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "1"], ["--out", run, "--freeze", "0@2"])
+    assert job.returncode == 0, job.stderr
+    assert ("meshfit launch: elastic: process(es) 0 of 1 stopped (SIGSTOP) for 1 s "
+            "(MESHFIT_HEARTBEAT_TIMEOUT); generation 2: 1 process(es)") in job.stderr, job.stderr
+    assert meshes(run) == [(1, 0, 2), (1, 2, 6)]

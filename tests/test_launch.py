@@ -23,7 +23,7 @@ from helpers import assert_same_weights, model_weights, run_meshfit, write_idx_d
 from meshfit import env
 from meshfit.fit import hosts
 from meshfit.parallel import cluster
-from meshfit.commands import launch, launch_watch
+from meshfit.launch import local, watchdog
 from meshfit.run import rundir
 from meshfit.errors import MeshfitError
 
@@ -153,11 +153,11 @@ print("python", flush=True)
 # ---------------------------------------------------------------------------------- the launcher
 
 def test_command_line_runs_meshfit_with_this_python():
-    assert launch.command_line(["--", "meshfit", "train"]) == [sys.executable, "-m", "meshfit", "train"]
-    assert launch.command_line(["python", "x.py"]) == ["python", "x.py"]
+    assert local.command_line(["--", "meshfit", "train"]) == [sys.executable, "-m", "meshfit", "train"]
+    assert local.command_line(["python", "x.py"]) == ["python", "x.py"]
     with pytest.raises(MeshfitError, match="no command to launch"):
-        launch.command_line(["--"])
-    env = launch.process_environment(1, 2, 1234, 4, base={"MESHFIT_LOCAL_DEVICE_IDS": "0"})
+        local.command_line(["--"])
+    env = local.process_environment(1, 2, 1234, 4, base={"MESHFIT_LOCAL_DEVICE_IDS": "0"})
     assert env["MESHFIT_COORDINATOR"] == "127.0.0.1:1234" and env["MESHFIT_PROCESS_ID"] == "1"
     assert env["MESHFIT_NUM_PROCESSES"] == "2" and env["MESHFIT_SIMULATE_DEVICES"] == "4"
     assert "MESHFIT_LOCAL_DEVICE_IDS" not in env
@@ -268,7 +268,7 @@ def test_coordinator_bind_address(monkeypatch):
     assert cluster.bind_address("10.0.0.1:1234", {"MESHFIT_COORDINATOR_BIND": "10.0.0.1:1234"}) == "10.0.0.1:1234"
     with pytest.raises(MeshfitError, match="MESHFIT_COORDINATOR_BIND='10.0.0.1' is not host:port"):
         cluster.bind_address("10.0.0.1:1234", {"MESHFIT_COORDINATOR_BIND": "10.0.0.1"})
-    assert launch.process_environment(0, 2, 1234, 1, base={})["MESHFIT_COORDINATOR_BIND"] == "127.0.0.1:1234"
+    assert local.process_environment(0, 2, 1234, 1, base={})["MESHFIT_COORDINATOR_BIND"] == "127.0.0.1:1234"
 
 
 def test_vote_gives_every_call_the_maximum_of_the_call_before(strategy):
@@ -280,9 +280,9 @@ def test_vote_gives_every_call_the_maximum_of_the_call_before(strategy):
 def test_jax_fatal_messages_name_the_silent_process():
     tail = ["E1123 coordination_service.cc] ... The following tasks are unhealthy (stopped sending heartbeats):",
             "1", "The tasks have crashed.", "*** Check failure stack trace: ***"]
-    assert launch_watch.diagnosis(tail).startswith(" because process(es) 1 sent no heartbeat for")
-    assert "not every process joined" in launch_watch.diagnosis(["RPC: /xla.coordination.CoordinationService/RegisterTask"])
-    assert launch_watch.diagnosis(["Traceback", "ValueError"]) == ""
+    assert watchdog.diagnosis(tail).startswith(" because process(es) 1 sent no heartbeat for")
+    assert "not every process joined" in watchdog.diagnosis(["RPC: /xla.coordination.CoordinationService/RegisterTask"])
+    assert watchdog.diagnosis(["Traceback", "ValueError"]) == ""
 
 
 def alive(pid):
@@ -356,7 +356,7 @@ def test_second_ctrl_c_kills_the_processes_instead_of_abandoning_them(sigint_ign
 # ------------------------------------------------------------- processes that never join or hang
 
 def test_watch_names_the_process_furthest_behind_once_none_progresses(tmp_path):
-    watch = launch_watch.Watch(str(tmp_path), 3, init_timeout=5, stall_timeout=30)
+    watch = watchdog.Watch(str(tmp_path), 3, init_timeout=5, stall_timeout=30)
     for i in range(3):  # in the first dispatch (compiling) for a long time: not armed yet
         (tmp_path / f"progress-{i}").write_text("1 2 1 compiling\n")  # steps, reports, dispatches, doing
     assert watch.poll(0.0) is None and watch.poll(1000.0) is None
@@ -379,11 +379,11 @@ def test_watch_names_the_process_furthest_behind_once_none_progresses(tmp_path):
 
 
 def test_watch_names_processes_that_never_joined(tmp_path):
-    watch = launch_watch.Watch(str(tmp_path), 3, init_timeout=5, stall_timeout=0)
+    watch = watchdog.Watch(str(tmp_path), 3, init_timeout=5, stall_timeout=0)
     assert watch.poll(0.0) is None and watch.missing() == []  # none has begun joining yet
     (tmp_path / "joining-0").touch()
     assert watch.poll(1.0) is None and watch.missing() == [1, 2]
-    assert watch.poll(1.0 + 5 + launch.GRACE_SECONDS + 0.5) == (
+    assert watch.poll(1.0 + 5 + local.GRACE_SECONDS + 0.5) == (
         "processes 1, 2 of 3 never joined the job (they did not reach meshfit.connect within 5 s; "
         "MESHFIT_INIT_TIMEOUT)")
     for i in (1, 2):
@@ -435,7 +435,7 @@ def test_a_process_that_never_joins_is_named_and_the_job_ends():
     assert out.stderr.strip().splitlines()[-1].startswith(
         "meshfit: error: process 1 of 2 never joined the job (it did not reach meshfit.connect within 3 s; "
         "MESHFIT_INIT_TIMEOUT); process 0 gave up waiting"), out.stderr[-3000:]
-    assert seconds < 3 + launch.GRACE_SECONDS + 45  # the join timeout, the grace, start-up
+    assert seconds < 3 + local.GRACE_SECONDS + 45  # the join timeout, the grace, start-up
     pids = [int(p) for p in re.search(r"pids (\d+) (\d+)", out.stderr).groups()]
     assert not [p for p in pids if alive(p)]
 
@@ -457,7 +457,7 @@ for step in range(1000):
     vote.cast(1)
     vote.settle()
 """
-LAUNCH_WITH_SHORT_GRACE = ("import sys; from meshfit.commands.launch import launch; "
+LAUNCH_WITH_SHORT_GRACE = ("import sys; from meshfit.launch.local import launch; "
                            "sys.exit(launch(sys.argv[1:], 2, grace=2))")
 
 
@@ -486,7 +486,7 @@ def test_a_hung_process_is_named_and_the_job_ends_after_the_stall_timeout(tmp_pa
         "computation, process 1 at step 5 in Python); stopped all 2 processes (see "
         "docs/troubleshooting.md#a-job-hangs)")
     # the stall timeout, the progress files' and the launcher's 1 s periods, SIGTERM to SIGKILL
-    assert seconds < stall + 2 * launch.POLL_SECONDS + grace + 10
+    assert seconds < stall + 2 * local.POLL_SECONDS + grace + 10
     pids = [int(p) for p in re.search(r"pids (\d+) (\d+)", text).groups()]
     assert not [p for p in pids if alive(p)]
 
@@ -603,7 +603,7 @@ def test_killed_process_ends_the_launch_and_the_run_resumes(data_dir, single_pro
         if job.poll() is None:
             job.kill()
     reader.join(timeout=10)
-    assert stopped_after < launch.GRACE_SECONDS + 30
+    assert stopped_after < local.GRACE_SECONDS + 30
     assert job.returncode != 0
     assert "meshfit: error: process 1 of 2 failed with SIGKILL (exit code -9)" in "".join(output)
 
@@ -711,3 +711,19 @@ def test_a_run_of_one_process_resumes_on_two(data_dir, single_process_run, tmp_p
     # test_two_processes_train_the_same_model_as_one, stays within 1e-6)
     assert_same_weights(model_weights(os.path.join(run, "model.keras")),
                         model_weights(os.path.join(single_process_run, "model.keras")), atol=1e-5)
+
+
+def test_a_process_stopped_while_the_job_stops_ends_the_wait(tmp_path):
+    """A stop at an agreed step waits for every process; one frozen (SIGSTOP) meanwhile ends the
+    wait after local.FROZEN_SECONDS rather than the whole patience."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        process = type("P", (), {"index": 0, "popen": sleeper})()
+        process.stopped = lambda: open(f"/proc/{sleeper.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        local._wait_all([process], 100.0)
+        assert time.monotonic() - began < 60 and sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()

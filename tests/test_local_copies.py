@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from meshfit import env
-from meshfit.commands import elastic, mesh_history
+from meshfit.launch import mesh_history, train_argv
 from meshfit.run import checkpoint_format, local_copies, rundir
 
 STEPS = 10  # steps per epoch of the copies here
@@ -224,9 +224,9 @@ def test_resuming_drops_newer_copies_and_the_finished_run_removes_them(host):
 
 
 def test_elastic_launch_turns_local_copies_on_unless_given():
-    argv, _ = elastic.train_command(["python", "-m", "meshfit", "train", "x", "--out", "r"])
-    assert argv[argv.index("--local-copy-every") + 1] == elastic.ELASTIC_LOCAL_COPY_EVERY
-    argv, _ = elastic.train_command(["python", "-m", "meshfit", "train", "--local-copy-every=0"])
+    argv, _ = train_argv.train_command(["python", "-m", "meshfit", "train", "x", "--out", "r"])
+    assert argv[argv.index("--local-copy-every") + 1] == train_argv.ELASTIC_LOCAL_COPY_EVERY
+    argv, _ = train_argv.train_command(["python", "-m", "meshfit", "train", "--local-copy-every=0"])
     assert argv.count("--local-copy-every") == 0 and "--local-copy-every=0" in argv
 
 

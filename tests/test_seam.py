@@ -17,7 +17,7 @@ PACKAGE = os.path.dirname(meshfit.__file__)
 SEAMS = {"fit/keras_internals.py", "parallel/jax_internals.py"}
 PRIVATE = ("keras.src", "jax._src", "jaxlib", "ctypes")
 # ctypes elsewhere only for a public C function, never a library's internals: each with its reason.
-PUBLIC_C_CALLS = {"commands/launch.py": "libc's prctl(PR_SET_PDEATHSIG): launched processes die "
+PUBLIC_C_CALLS = {"launch/process.py": "libc's prctl(PR_SET_PDEATHSIG): launched processes die "
                                         "with the launcher"}
 
 

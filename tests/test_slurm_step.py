@@ -1,4 +1,4 @@
-"""`meshfit launch --elastic --via srun` (meshfit.commands.slurm_step): what the launcher reads of
+"""`meshfit launch --elastic --via srun` (meshfit.launch.slurm_step): what the launcher reads of
 srun's lines, and which nodes it leaves out of the next step. The real runs, on a one-node SLURM
 cluster, are in test_schedulers.py; a one-node cluster cannot lose a node, so that logic is here,
 with scontrol and sinfo's answers stood in for.
@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshfit.commands import elastic, launch, slurm_step
+from meshfit.launch import elastic, growth, local, slurm_step
+from meshfit.launch.output import Output
 from meshfit.errors import MeshfitError
 
 
@@ -32,7 +33,8 @@ def step(tmp_path, tasks=4, show="all"):
     s = object.__new__(slurm_step.Step)
     s.job, s.name, s.status, s.show, s.exits = "7", "meshfit-generation-1", str(tmp_path), show, queue.Queue()
     s.signalled, s.failed_nodes, s.lock, s.pumps = set(), set(), threading.Lock(), []
-    s.tasks = [slurm_step.Task(i, s) for i in range(tasks)]
+    s.output = Output()
+    s.tasks = s.output.processes = [slurm_step.Task(i, s) for i in range(tasks)]
     return s
 
 
@@ -45,6 +47,8 @@ def test_a_step_s_lines_go_to_their_task_and_its_end_to_the_launcher(tmp_path):
     assert list(s.tasks[1].tail) == ["epoch 1/4  loss 2.3"]
     assert s.exits.get_nowait() == (1, -signal.SIGKILL) and s.tasks[1].node == "n1"
     assert s.tasks[1].poll() == -signal.SIGKILL and s.tasks[0].poll() is None
+    s.line("0: a survivor's error after its peer's end", out)  # kept out of sight: the launcher's
+    assert out.getvalue() == "[1] epoch 1/4  loss 2.3\n" and s.tasks[0].tail[-1].startswith("a survivor")
     s.line("srun: error: n1: tasks 0-1: Killed", out)  # a task's first end counts
     assert s.exits.get_nowait() == (0, -signal.SIGKILL) and s.exits.empty()
 
@@ -71,7 +75,7 @@ def srun_runner(monkeypatch, nodes, up):
 
 def ended_on(nodes, failed=()):
     tasks = [SimpleNamespace(node=node, failed_nodes=set(failed)) for node in nodes]
-    return launch.Ended(tasks, None, {}, (2, -signal.SIGKILL), [], "", 15, [], {}, 1.0)
+    return local.Ended(tasks, None, {}, (2, -signal.SIGKILL), [], "", 15, [], {}, 1.0)
 
 
 def test_a_lost_node_is_excluded_and_its_tasks_come_back_only_with_it(monkeypatch):
@@ -101,7 +105,7 @@ def test_the_growing_boundary_waits_for_room(tmp_path):
     run = str(tmp_path)
     path = os.path.join(run, "checkpoints", "ckpt-00000004")
     room = []
-    boundary = elastic.NextCheckpoint(run, lambda: bool(room))
+    boundary = growth.NextCheckpoint(run, lambda: bool(room))
     os.makedirs(path)
     with open(os.path.join(path, "manifest.json"), "w") as f:
         f.write("{}")

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from helpers import environment
 
-from meshfit.commands.launch import free_port
+from meshfit.launch.local import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDE = os.path.join(ROOT, "docs", "guides", "schedulers.md")

@@ -100,7 +100,7 @@ def main() -> int:
         while job.poll() is None and len(re.findall(r"pids ([\d ]+)", "".join(output))) < 3:
             time.sleep(0.05)
         while job.poll() is None and not any(
-                os.path.isfile(os.path.join(folder, f"joining-{victims[0]}")) for folder in _status(status)):
+                os.path.isfile(os.path.join(folder, f"joining-{victims[0]}")) for folder in status_folders(status)):
             time.sleep(0.005)
         when = "while generation 3 joined (its joining marker written)"
     _kill(job, output, victims, args.signal, when, began)
@@ -112,11 +112,7 @@ def _report(job, reader: threading.Thread, run: str, checkpoints: str, began: fl
     code = job.wait()
     reader.join(timeout=10)
     wall = time.monotonic() - began
-    try:
-        with open(os.path.join(run, "metrics.json")) as f:
-            metrics = json.load(f)
-    except OSError:
-        metrics = {}
+    metrics = run_metrics(run)
     goodput = metrics.get("goodput", {})
     print(f"DRILL: exit {code}, wall {wall:.1f} s, test accuracy {metrics.get('test_accuracy')}, "
           f"goodput {goodput.get('fraction')}, lost {goodput.get('seconds', {}).get('lost')} s "
@@ -132,6 +128,15 @@ def _report(job, reader: threading.Thread, run: str, checkpoints: str, began: fl
           flush=True)
     print(f"DRILL: run directory {run}", flush=True)
     return code
+
+
+def run_metrics(run: str) -> dict:
+    """The run's metrics.json ({} when it wrote none)."""
+    try:
+        with open(os.path.join(run, "metrics.json")) as f:
+            return json.load(f)
+    except OSError:
+        return {}
 
 
 def _kill(job, output: list[str], victims: list[int], signame: str, when: str, began: float) -> None:
@@ -161,13 +166,13 @@ def _random_step(job, tmp: str, run: str, victim: int, seed: int | None) -> str:
     step = random.Random(seed).randint(1, settings["epochs"] * settings["steps_per_epoch"] - 1)
     print(f"DRILL: --seed {seed}: the kill comes as process {victim} starts step {step}", flush=True)
     while job.poll() is None:  # one generation's status folder at a time: the first's until it ends
-        if any(heartbeat.progress(folder).get(victim, (0,))[0] >= step for folder in _status(tmp)):
+        if any(heartbeat.progress(folder).get(victim, (0,))[0] >= step for folder in status_folders(tmp)):
             return f"as it started step {step} (drawn with --seed {seed})"
         time.sleep(0.005)
     return "never (the job ended first)"
 
 
-def _status(tmp: str) -> list[str]:
+def status_folders(tmp: str) -> list[str]:
     """The status folders of the job's generations (one at a time: the launcher removes each)."""
     names = os.listdir(tmp) if os.path.isdir(tmp) else []
     return [os.path.join(tmp, n) for n in names if n.startswith("meshfit-launch-")]
@@ -183,7 +188,7 @@ def _eval_started(job, tmp: str, victim: int, checkpoints: str, committed: list[
         per_epoch = json.load(f)["steps_per_epoch"]
     first_seen: dict[int, int] = {}  # steps: beats when first seen at that many steps
     while job.poll() is None:
-        for folder in _status(tmp):
+        for folder in status_folders(tmp):
             if victim not in (found := heartbeat.progress(folder)):
                 continue
             steps, beats, _, doing = found[victim]

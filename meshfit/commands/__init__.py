@@ -1,6 +1,6 @@
 """The command line's tools beyond training: bench (train-step and input timing), plan (the
-memory plan of a recipe), runs (list and plot runs) and launch (start a job of several processes
-on this host); and ctrl_c, how a Ctrl-C ends any command.
+memory plan of a recipe), runs (list and plot runs) and launch_command (`meshfit launch`'s flags;
+the processes' side it runs is meshfit.launch); and ctrl_c, how a Ctrl-C ends any command.
 """
 
 from meshfit.parallel import engine as _engine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshfit.commands import launch
+from meshfit.launch import local
 from meshfit.errors import MeshfitError
 
 
@@ -27,8 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "from its newest checkpoint (same global batch), until it finishes")
     parser.add_argument("--min-processes", type=int, default=1, metavar="N",
                         help="with --elastic: stop instead when fewer would be left (default: 1)")
-    parser.add_argument("--max-restarts", type=int, default=3, metavar="K",
-                        help="with --elastic: restart at most K times (default: 3)")
+    parser.add_argument("--max-restarts-without-progress", type=int, default=3, metavar="K",
+                        help="with --elastic: stop once more than K restarts came in a row without "
+                             "a newer checkpoint to resume from (default: 3; losses between saves "
+                             "do not count, however many)")
     parser.add_argument("--no-grow", action="store_true", help="with --elastic: stay on the survivors "
                         "(default: lost processes start again at the next checkpoint)")
     parser.add_argument("--keep-batch", choices=("global", "per-core"), default="global", help="with "
@@ -42,11 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`meshfit launch`: one job (meshfit.commands.launch), or with --elastic generations of them
-    (meshfit.commands.elastic); the elastic flags without --elastic are a one-line error."""
-    elastic_only = ("min_processes", "max_restarts", "no_grow", "keep_batch", "via")
+    """`meshfit launch`: one job (meshfit.launch.local), or with --elastic generations of them
+    (meshfit.launch.elastic); the elastic flags without --elastic are a one-line error."""
+    elastic_only = ("min_processes", "max_restarts_without_progress", "no_grow", "keep_batch", "via")
     if args.elastic:
-        from meshfit.commands import elastic  # start-up: only --elastic reads run directories
+        from meshfit.launch import elastic  # start-up: only --elastic reads run directories
 
         if args.port:
             raise MeshfitError("--port goes without --elastic: each generation of an elastic job "
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     defaults = argparse.ArgumentParser()
     add_arguments(defaults)
     if any(getattr(args, k) != defaults.get_default(k) for k in elastic_only):
-        raise MeshfitError("--min-processes, --max-restarts, --no-grow, --keep-batch and --via go "
-                           "with --elastic")
-    return launch.launch(args.job_command, args.processes, args.devices_per_process or 1,
-                         port=args.port, show=args.show, timeout=args.timeout)
+        raise MeshfitError("--min-processes, --max-restarts-without-progress, --no-grow, --keep-batch "
+                           "and --via go with --elastic")
+    return local.launch(args.job_command, args.processes, args.devices_per_process or 1,
+                        port=args.port, show=args.show, timeout=args.timeout)

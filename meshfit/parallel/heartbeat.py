@@ -2,7 +2,7 @@
 
 `meshfit launch` gives every process a folder in MESHFIT_LAUNCH_STATUS; without that variable (a
 real cluster, a plain run) everything here does nothing. Process i is MESHFIT_PROCESS_ID, or
-SLURM_PROCID for the tasks of `meshfit launch --elastic --via srun` (meshfit.commands.slurm_step),
+SLURM_PROCID for the tasks of `meshfit launch --elastic --via srun` (meshfit.launch.slurm_step),
 whose folder is on storage every node reads. In the folder, for process i:
 
   joining-<i>    created when process i starts joining the job (`meshfit.parallel.cluster.join`), so that

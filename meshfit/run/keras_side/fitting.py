@@ -333,7 +333,7 @@ def _build_metrics(model, labels: np.ndarray, classes: int | None) -> None:
 
 def resumed_from(resume_state: dict[str, Any]) -> str:
     """What config.json's "resumed" record names: ckpt-<step>, or local:ckpt-<step> for a local
-    copy (meshfit.commands.elastic reads the step after the last '-')."""
+    copy (meshfit.launch.elastic reads the step after the last '-')."""
     name = os.path.basename(resume_state["path"])
     return local_copies.PREFIX + name if resume_state.get("local") else name
 

@@ -14,6 +14,7 @@ from meshfit.parallel import heartbeat, stall
 
 GRACE_SECONDS = 10.0  # between SIGTERM and SIGKILL when stopping the other processes
 INIT_TIMEOUT_SECONDS = 120  # local processes start together, so joining should be quick
+HEARTBEAT_TIMEOUT_SECONDS = 60  # meshfit.parallel.cluster's default of MESHFIT_HEARTBEAT_TIMEOUT
 WHERE = {"device": "in a device computation", "input": "waiting for input", "checkpoint":
          "on a checkpoint", "compiling": "compiling", "thread": "waiting for another thread",
          "python": "in Python"}  # heartbeat.where()'s kinds
@@ -44,6 +45,8 @@ class Watch:
         self.last_progress: float | None = None  # when any process last progressed, once armed
         self.behind: list[int] = []  # once the job hung: the processes furthest behind
         self.timed_out = False  # the job ran past launch's --timeout
+        self.stopped_since: dict[int, float] = {}  # processes seen stopped (SIGSTOP), since when
+        self.first_step: float | None = None  # when a process was first seen training (the poll's time)
 
     def missing(self) -> list[int]:
         """The processes that never began joining while others did (else [])."""
@@ -59,6 +62,8 @@ class Watch:
             return never_joined(missing, self.processes, self.init_timeout)
         found = heartbeat.progress(self.directory)
         progress = {i: counts[:2] for i, counts in found.items()}
+        if self.first_step is None and any(c[0] > 0 for c in progress.values()):
+            self.first_step = now
         armed = self.last_progress is not None or any(c[2] > 1 for c in found.values())
         if armed and progress != self.progress:  # from a second dispatch: the first compiled
             self.last_progress = now
@@ -67,6 +72,35 @@ class Watch:
                 now - self.last_progress > self.stall_timeout:
             return self.hung()
         return None
+
+    def frozen(self, processes: Sequence, now: float) -> str | None:
+        """A reason to stop the job: a process stopped (SIGSTOP: `stopped()`) for the
+        MESHFIT_HEARTBEAT_TIMEOUT seconds after which JAX counts a silent process as dead. JAX's
+        own check needs a peer's coordination service (a job of one process has none, and a
+        stopped process 0 is that service) and the stall watchdog a first step: this one bounds
+        the wait on this machine, where the launcher sees its processes' states. None while none is."""
+        limit = float(os.environ.get(env.HEARTBEAT_TIMEOUT) or HEARTBEAT_TIMEOUT_SECONDS)
+        for p in processes:
+            if getattr(p, "stopped", lambda: False)():
+                self.stopped_since.setdefault(p.index, now)
+            else:
+                self.stopped_since.pop(p.index, None)
+        frozen = sorted(i for i, since in self.stopped_since.items() if now - since >= limit)
+        if not frozen:
+            return None
+        self.behind = frozen
+        who = ", ".join(map(str, frozen))
+        return (f"process(es) {who} of {self.processes} stopped (SIGSTOP) for {limit:g} s "
+                f"({env.HEARTBEAT_TIMEOUT})")
+
+    def step_seconds(self, now: float) -> float | None:
+        """Seconds a training step takes in this job so far (the furthest process's steps since
+        the first was seen, over the time since; 1 s resolution: the progress files'), None
+        before a step was seen again."""
+        steps = max((c[0] for c in self.progress.values()), default=0)
+        if self.first_step is None or steps < 2 or now <= self.first_step:
+            return None
+        return (now - self.first_step) / (steps - 1)
 
     def positions(self) -> str:
         """Where each process is: 'process 0 at step 12 in a device computation, process 1 ...'."""

@@ -1,7 +1,8 @@
 """A run's history of meshes under `meshfit launch --elastic`: RUN/generations.json, one record
 per generation (its processes, devices, global batch, the first global step, from the checkpoint
-it resumed, and about the last it started, its seconds, why it ended, the steps the next one ran
-again), and metrics.json's "generations" once the run finished."""
+it resumed, and about the last it started, its seconds: in all, to its first step, stopping, a
+step; why it ended, the steps the next one ran again, and the mesh change that began it, its
+seconds in parts), and metrics.json's "generations" once the run finished."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import os
 from typing import Any
 
-from meshfit.commands import launch
+from meshfit.launch import local
 from meshfit.errors import MeshfitError
 from meshfit.run import rundir
 
@@ -17,7 +18,7 @@ GENERATIONS = "generations.json"  # in the run directory
 
 
 def record(number: int, processes: int, devices_per_process: int, run: str, resumed_before: int,
-           ended: launch.Ended) -> dict[str, Any]:
+           ended: local.Ended) -> dict[str, Any]:
     """What RUN/generations.json keeps of one generation: its mesh, global batch, the global step
     it started from (its checkpoint's) and about the last it started (its progress reports are
     written once a second), and its wall seconds."""
@@ -32,10 +33,15 @@ def record(number: int, processes: int, devices_per_process: int, run: str, resu
         newest = rundir.list_checkpoints(os.path.join(run, rundir.CHECKPOINTS))
         first_step = checkpoint_step(os.path.basename(newest[-1])) if newest else 0
     started = max(ended.steps.values(), default=0)
+    start = ended.start_seconds
+    training = None if start is None else ended.seconds - start - ended.stop_seconds
     return {"generation": number, "processes": processes, "devices_per_process": devices_per_process,
             "devices": processes * devices_per_process, "global_batch": config.get("global_batch"),
             "first_step": first_step, "last_step": first_step + started,
-            "seconds": round(ended.seconds, 1), "ended": None}
+            "seconds": round(ended.seconds, 1), "ended": None,
+            "start_seconds": None if start is None else round(start, 1),
+            "stop_seconds": round(ended.stop_seconds, 1),
+            "step_seconds": round(training / started, 4) if training and started > 1 else None}
 
 
 def continued(last: dict[str, Any], record: dict[str, Any]) -> None:
@@ -44,6 +50,20 @@ def continued(last: dict[str, Any], record: dict[str, Any]) -> None:
     and the steps the next one runs again."""
     last["last_step"] = max(last["last_step"], record["first_step"])
     last["lost_steps"] = last["last_step"] - record["first_step"]
+    record["change"] = change(last, record)
+
+
+def change(last: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+    """The mesh change from generation `last` to `record`, its seconds in parts: stop (from the
+    launcher noticing the end to the last process's exit), restart (the new processes' start to
+    their first training step: start-up, joining, restore and compile together; the run's
+    goodput splits them, summed over the run), wasted (the steps run again, at `last`'s seconds
+    a step). kind: scale down, scale up, or restart (as many processes again)."""
+    before, after = last.get("processes", 0), record.get("processes", 0)
+    kind = "scale down" if after < before else "scale up" if after > before else "restart"
+    step = last.get("step_seconds")
+    return {"kind": kind, "stop": last.get("stop_seconds"), "restart": record.get("start_seconds"),
+            "wasted": None if step is None else round(last["lost_steps"] * step, 1)}
 
 
 def checkpoint_step(name: str) -> int:

@@ -4,11 +4,11 @@
         -- meshfit train cifar10-cnn --out /shared/runs/c10
 
 Inside an allocation (sbatch or salloc: SLURM_JOB_ID set) the elastic launcher
-(meshfit.commands.elastic, its generation loop unchanged) runs each generation as one step,
+(meshfit.launch.elastic, its generation loop unchanged) runs each generation as one step,
 `srun --ntasks=N --nodes=1-K --kill-on-bad-exit=0 --label [--exclude=NODES] meshfit train ...`:
 SLURM starts the tasks and JAX's SLURM detection joins them (meshfit.parallel.cluster). The
 launcher learns of the step what `meshfit launch` learns of its own processes, so that
-launch.run_job (watchdog, stops, Ended) and the loop's lost_processes decide as they do locally:
+local.run_job (watchdog, stops, Ended) and the loop's lost_processes decide as they do locally:
 - each task's exit: srun prints a line as a task ends non-zero ("srun: error: NODE: task 1:
   Killed", "...: tasks 0-1: Exited with exit code 143"); a task it names in none exited 0;
 - joining, progress and each task's node: the status files the tasks write into a folder beside
@@ -45,7 +45,8 @@ import threading
 from typing import Callable, IO
 
 from meshfit import env
-from meshfit.commands import launch
+from meshfit.launch import local
+from meshfit.launch.output import Output
 from meshfit.errors import MeshfitError
 from meshfit.parallel import heartbeat
 
@@ -131,7 +132,7 @@ def srun_command(count: int, name: str, nodes: list[str], lost: set[str]) -> lis
 
 
 class Srun:
-    """meshfit.commands.elastic's runner inside a SLURM allocation: one srun step a generation
+    """meshfit.launch.elastic's runner inside a SLURM allocation: one srun step a generation
     (see the module). tasks: the allocation's tasks (SLURM_NTASKS), the default --processes."""
 
     def __init__(self, run: str):
@@ -155,7 +156,7 @@ class Srun:
                 del self.lost_nodes[node]
         return max(processes - sum(self.lost_nodes.values()), 0)
 
-    def note_lost(self, ended: launch.Ended, lost: list[int]) -> None:
+    def note_lost(self, ended: local.Ended, lost: list[int]) -> None:
         """Remember the nodes of the `lost` tasks that srun reported failed or that are down or
         gone from the allocation now (a task lost on a node that is up was a crash)."""
         on = {i: getattr(task, "node", None) for i, task in enumerate(ended.started)}
@@ -168,36 +169,41 @@ class Srun:
             if node in failed or node not in up:
                 self.lost_nodes[node] = sum(1 for i in on if on[i] == node)
 
+    def resume_point(self, run: str) -> str | None:
+        """The checkpoint the next step resumes from: not known here (each node's local copies
+        are its own, meshfit.run.local_copies), None."""
+        return None
+
     def __call__(self, argv: list[str], count: int, devices_per_process: int, show: str,
                  timeout: float | None, grace: float,
-                 boundary: Callable[[], bool] | None) -> launch.Ended:
-        """One generation: `count` tasks of `argv` as an srun step; how it ended (launch.Ended)."""
+                 boundary: Callable[[], bool] | None, output: Output | None = None) -> local.Ended:
+        """One generation: `count` tasks of `argv` as an srun step; how it ended (local.Ended)."""
         self.generation += 1
         name = f"meshfit-generation-{self.generation}"  # scancel finds the step by it
         srun = srun_command(count, name, allocation_nodes(self.job), set(self.lost_nodes))
         parent = os.path.dirname(os.path.abspath(self.run))
         os.makedirs(parent, exist_ok=True)
 
-        def start(started, argv, processes, status, show, exits):
-            Step(started, srun, argv, processes, status, show, exits, self.job, name)
+        def start(started, argv, processes, status, show, exits, output):
+            Step(started, srun, argv, processes, status, show, exits, self.job, name, output)
 
-        return launch.run_job(argv, count, devices_per_process, None, show, timeout, grace,
-                              boundary, start=start, status_in=parent)
+        return local.run_job(argv, count, devices_per_process, None, show, timeout, grace,
+                             boundary, start=start, status_in=parent, output=output)
 
 
 class Step:
     """One srun step whose tasks stand in `started` for launch's processes: each a `Task`."""
 
     def __init__(self, started: list, srun: list[str], argv: list[str], processes: int, status: str,
-                 show: str, exits: queue.Queue, job: str, name: str):
-        self.job, self.name, self.status = job, name, status
+                 show: str, exits: queue.Queue, job: str, name: str, output: Output):
+        self.job, self.name, self.status, self.output = job, name, status, output
         self.show, self.exits = show, exits
         self.signalled: set[int] = set()
         self.failed_nodes: set[str] = set()
         self.lock = threading.Lock()
         variables = dict(os.environ)
         variables.update({env.LAUNCH_STATUS: status, "PYTHONUNBUFFERED": "1"})
-        variables.setdefault(env.INIT_TIMEOUT, str(launch.INIT_TIMEOUT_SECONDS))
+        variables.setdefault(env.INIT_TIMEOUT, str(local.INIT_TIMEOUT_SECONDS))
         try:
             self.srun = subprocess.Popen([*srun, *argv], env=variables, stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -224,8 +230,10 @@ class Step:
         if labeled and int(labeled.group(1)) < len(self.tasks):
             index, text = int(labeled.group(1)), labeled.group(2)
             self.tasks[index].tail.append(text)
-            if launch.GLOO_CONNECTED.match(text) or NOISE.search(text) or \
-                    (self.show == "first" and index != 0):
+            if index == 0 and self.output.condensed(text, lambda t: self.line(f"0: {t}", out)):
+                return
+            if local.GLOO_CONNECTED.match(text) or NOISE.search(text) or \
+                    (self.show == "first" and index != 0) or not self.output.shown(index, text):
                 return
             text = f"[{index}] {text}" if self.show == "all" else text
         else:
@@ -302,9 +310,9 @@ class Task:
     its own `popen` (returncode, poll, wait), so launch's stops and waits take it as they are."""
 
     def __init__(self, index: int, step: Step):
-        self.index, self.step = index, step
+        self.index, self.step, self.output = index, step, step.output
         self.killed = False  # the launcher killed the step while it ran
-        self.tail: collections.deque[str] = collections.deque(maxlen=launch.KEPT_LINES)
+        self.tail: collections.deque[str] = collections.deque(maxlen=local.KEPT_LINES)
         self.pumps = step.pumps
         self.popen = self
         self.returncode: int | None = None
@@ -314,6 +322,10 @@ class Task:
 
     def poll(self) -> int | None:
         return self.returncode
+
+    def failed(self) -> bool:
+        """Whether srun reported the task's end with an error or a signal (meshfit.launch.output)."""
+        return self.returncode not in (None, 0)
 
     def wait(self, timeout: float | None = None) -> int:
         if not self.ended.wait(timeout):

@@ -26,18 +26,15 @@ SIGKILL). The coordinator and gloo listen on 127.0.0.1 only. On a real multi-hos
 same command on every host instead (see README).
 
 `run_job` runs one such job and says how it ended (`Ended`); `launch --elastic`
-(meshfit.commands.elastic) runs one after another, each on the processes that survived the last.
+(meshfit.launch.elastic) runs one after another, each on the processes that survived the last.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import ctypes
 import os
 import queue
-import re
 import shutil
 import signal
 import socket
@@ -46,23 +43,21 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO, Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 from meshfit import env
 from meshfit.parallel import heartbeat, stall
-from meshfit.commands.launch_watch import GRACE_SECONDS, INIT_TIMEOUT_SECONDS, Watch, diagnosis, never_joined
+from meshfit.launch.output import Output
+from meshfit.launch.process import GLOO_CONNECTED, KEPT_LINES, Process
+from meshfit.launch.watchdog import GRACE_SECONDS, INIT_TIMEOUT_SECONDS, Watch, diagnosis, never_joined
 from meshfit.errors import MeshfitError, troubleshooting
 
 TAIL_LINES = 20  # lines of a failed process's output shown when only process 0 is shown
-KEPT_LINES = 200  # lines of each process's output kept to find why it failed
 STALL_TIMEOUT_SECONDS = 600  # no training progress in any process for this long: the job hung
 POLL_SECONDS = 1.0  # how often the launcher reads its processes' status files
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a process that stopped after saving
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 STOP_PATIENCE_SECONDS = 60  # --timeout: how long the processes get to stop at an agreed step and save
-# gloo prints such a line as devices first run a collective: noise, kept out of the output of
-# commands that join a job without meshfit (meshfit's join() turns C++'s std::cout off)
-GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+FROZEN_SECONDS = 2.0  # a process stopped (SIGSTOP) this long while the job stops is not stopping
 
 
 def free_port() -> int:
@@ -119,77 +114,31 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _death_signal():
-    """A function for Popen's preexec_fn that makes the child get SIGKILL when this process dies
-    (Linux prctl PR_SET_PDEATHSIG); None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
-    launcher = os.getpid()
-
-    def die_with_launcher() -> None:  # in the child, between fork and exec
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != launcher:  # the launcher died before the line above
-            os._exit(1)
-
-    return die_with_launcher
-
-
-class _Process:
-    """One launched process: its Popen, its output pumps and its last lines.
-
-    Start every process before calling `start_pumps` (Popen's preexec_fn must run while this
-    program has no other threads).
-    """
-
-    def __init__(self, index: int, argv: list[str], env: dict[str, str], show: bool, prefix: str,
-                 lock: threading.Lock):
-        self.index = index
-        self.killed = False  # the launcher SIGKILLed it while it ran (after the grace period)
-        self.tail: collections.deque[str] = collections.deque(maxlen=KEPT_LINES)
-        self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, start_new_session=True,
-                                      preexec_fn=_death_signal())
-        self.pumps = [threading.Thread(target=self._pump, args=(stream, out, show, prefix, lock), daemon=True)
-                      for stream, out in ((self.popen.stdout, sys.stdout), (self.popen.stderr, sys.stderr))]
-
-    def start_pumps(self, exits: queue.Queue) -> None:
-        """Copy the output as it comes; put (index, exit code) on `exits` when the process ends."""
-        for pump in self.pumps:
-            pump.start()
-        threading.Thread(target=lambda: exits.put((self.index, self.popen.wait())), daemon=True).start()
-
-    def _pump(self, stream: IO[bytes], out: IO[str], show: bool, prefix: str, lock: threading.Lock):
-        for raw in iter(stream.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\r\n")
-            self.tail.append(line)
-            if show and not GLOO_CONNECTED.match(line):
-                with lock:
-                    out.write(f"{prefix}{line}\n")
-                    out.flush()
-
-    def signal(self, signum: int) -> None:
-        """Send `signum` to the process and everything it started."""
-        # returncode, not poll(): poll() says None while the exit thread waits for the process
-        if signum == signal.SIGKILL and self.popen.returncode is None:
-            self.killed = True
-        try:
-            os.killpg(self.popen.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _wait_all(processes: list[_Process], seconds: float) -> None:
-    """Wait until every process has ended, or `seconds` have passed."""
+def _wait_all(processes: list[Process], seconds: float) -> None:
+    """Wait until every process has ended, or `seconds` have passed, or one of them has been
+    stopped (SIGSTOP) for FROZEN_SECONDS: a stop at an agreed step needs every process (a fault
+    during the stop, as a chaos drill makes, would otherwise cost the whole wait: 60 s at a
+    boundary)."""
     deadline = time.monotonic() + seconds
+    frozen: dict[int, float] = {}
     for p in processes:
-        try:
-            p.popen.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return
+        while True:
+            now = time.monotonic()
+            try:
+                p.popen.wait(max(0.0, min(deadline - now, POLL_SECONDS / 5)))
+                break
+            except subprocess.TimeoutExpired:
+                if now >= deadline:
+                    return
+            for q in processes:
+                if getattr(q, "stopped", lambda: False)():
+                    if now - frozen.setdefault(q.index, now) >= FROZEN_SECONDS:
+                        return
+                else:
+                    frozen.pop(q.index, None)
 
 
-def _stop_to_resume(processes: list[_Process], grace: float) -> bool:
+def _stop_to_resume(processes: list[Process], grace: float) -> bool:
     """SIGTERM every process (meshfit train stops all of them at one agreed step and saves, see
     meshfit.run.keras_side.checkpoints), SIGKILL what is left after `grace` seconds; True when
     every process stopped that way (exit 143)."""
@@ -197,9 +146,11 @@ def _stop_to_resume(processes: list[_Process], grace: float) -> bool:
     return all(p.popen.returncode == 128 + signal.SIGTERM for p in processes)
 
 
-def _stop(processes: list[_Process], grace: float, patience: float = 0.0) -> None:
+def _stop(processes: list[Process], grace: float, patience: float = 0.0) -> None:
     """Let the processes end by themselves for `patience` seconds, then SIGTERM those left and
     SIGKILL them after `grace` seconds. A Ctrl-C meanwhile skips to SIGKILL."""
+    for p in processes:
+        p.output.stop()
     try:
         _wait_all(processes, patience)
         for p in processes:
@@ -260,6 +211,8 @@ class Ended:
     at_boundary: bool = False
     verdict_text: str = ""
     verdict_line: str = ""
+    start_seconds: float | None = None  # from the start to the first training step seen (1 s resolution)
+    stop_seconds: float = 0.0  # from the launcher's first stop to the last process's end
 
     def report(self, show: str) -> int:
         """Print the line naming what failed (if anything did); the launch's exit code."""
@@ -276,36 +229,43 @@ class Ended:
 def run_job(argv: list[str], processes: int, devices_per_process: int, port: int | None,
             show: str, timeout: float | None, grace: float,
             boundary: Callable[[], bool] | None = None, start: Callable | None = None,
-            status_in: str | None = None) -> Ended:
+            status_in: str | None = None, output: Output | None = None) -> Ended:
     """Start `processes` copies of `argv` as one job and wait until every one has ended (see
     `launch`); nothing is left running when it returns or raises. boundary: asked once a
     POLL_SECONDS while all run; once it says True the job is stopped to resume (SIGTERM: an agreed
-    save) and ends `at_boundary` (meshfit.commands.elastic grows the mesh there). start: starts
+    save) and ends `at_boundary` (meshfit.launch.elastic grows the mesh there). start: starts
     the processes instead of this machine's `_start_processes`, called as start(started, argv,
-    processes, status, show, exits) (meshfit.commands.slurm_step: the tasks of an srun step);
-    status_in: the folder for the status files' folder (default: the temporary folder)."""
+    processes, status, show, exits, output) (meshfit.launch.slurm_step: the tasks of an srun
+    step); status_in: the folder for the status files' folder (default: the temporary folder);
+    output: which lines are shown (meshfit.launch.output; default: all but the survivors' ends)."""
     port = port or free_port()
     init_timeout, stall_timeout = _timeouts()
     _catch_stop_signals()
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
-    started: list[_Process] = []
+    started: list[Process] = []
     status = tempfile.mkdtemp(prefix="meshfit-launch-", dir=status_in)
     watch = Watch(status, processes, init_timeout, stall_timeout)
+    output = output or Output()
+    output.processes = started
     began = time.monotonic()
     try:
         if start is None:
-            _start_processes(started, argv, processes, devices_per_process, port, status, show, exits)
+            _start_processes(started, argv, processes, devices_per_process, port, status, show,
+                             exits, output)
         else:
-            start(started, argv, processes, status, show, exits)
+            start(started, argv, processes, status, show, exits, output)
         waited = _wait_for_exits(started, exits, watch, processes, timeout, grace, boundary)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
         missing, positions = watch.missing(), watch.positions()
         steps = {i: counts[0] for i, counts in heartbeat.progress(status).items()}
         shutil.rmtree(status, ignore_errors=True)
+    ended = time.monotonic()
     return Ended(started, missing=missing, positions=positions, init_timeout=watch.init_timeout,
-                 behind=watch.behind, steps=steps, seconds=time.monotonic() - began,
-                 timed_out=watch.timed_out, **waited._asdict())
+                 behind=watch.behind, steps=steps, seconds=ended - began,
+                 timed_out=watch.timed_out, **waited._asdict(),
+                 start_seconds=None if watch.first_step is None else watch.first_step - began,
+                 stop_seconds=ended - (output.stopping_at or ended))
 
 
 def check_arguments(processes: int | None, devices_per_process: int, timeout: float | None,
@@ -343,9 +303,9 @@ def _catch_stop_signals() -> None:
             signal.signal(signum, _interrupt)  # a stopped launch stops its processes too
 
 
-def _start_processes(started: list[_Process], argv: list[str], processes: int,
+def _start_processes(started: list[Process], argv: list[str], processes: int,
                      devices_per_process: int, port: int, status: str, show: str,
-                     exits: queue.Queue) -> None:
+                     exits: queue.Queue, output: Output) -> None:
     """Start the job's processes into `started` (the caller stops what started, should one
     fail), then their output pumps, and say what runs."""
     lock = threading.Lock()
@@ -354,7 +314,7 @@ def _start_processes(started: list[_Process], argv: list[str], processes: int,
         shown = show == "all" or i == 0
         prefix = f"[{i}] " if show == "all" else ""
         try:
-            started.append(_Process(i, argv, variables, shown, prefix, lock))
+            started.append(Process(i, argv, variables, shown, prefix, lock, output))
         except OSError as e:
             raise MeshfitError(f"cannot start {argv[0]!r} ({e.strerror}); check the command after --") from None
     for p in started:  # only now: Popen's preexec_fn must run while no pump thread exists
@@ -375,7 +335,7 @@ class _Waited(NamedTuple):
     verdict_line: str = ""
 
 
-def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "Watch", processes: int,
+def _wait_for_exits(started: list[Process], exits: queue.Queue, watch: "Watch", processes: int,
                     timeout: float | None, grace: float,
                     boundary: Callable[[], bool] | None) -> _Waited:
     """Wait until every process has exited, stopping the others at the first failure. verdict:
@@ -397,9 +357,9 @@ def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "Watch",
                 watch.timed_out = True
                 stopped = _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
             elif failure is None:
-                verdict = watch.poll(now)
+                verdict = watch.poll(now) or watch.frozen(started, now)
                 stopped = verdict is not None and _stop_to_resume(started, grace)
-                if verdict is None and boundary is not None and boundary():
+                if verdict is None and boundary is not None and boundary(watch.step_seconds(now)):
                     # SIGTERM: the processes agree on a step and save there (exit 143), so the
                     # next job resumes without running any step again
                     _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
@@ -418,7 +378,7 @@ def _wait_for_exits(started: list[_Process], exits: queue.Queue, watch: "Watch",
     return _Waited(None, codes, failure)
 
 
-def _report_failure(started: list[_Process], codes: dict[int, int], failure: tuple[int, int],
+def _report_failure(started: list[Process], codes: dict[int, int], failure: tuple[int, int],
                     show: str, missing: list[int], positions: str, init_timeout: float) -> int:
     """Print the one line naming the failed process and why; return the launch's exit code."""
     processes = len(started)
@@ -428,9 +388,7 @@ def _report_failure(started: list[_Process], codes: dict[int, int], failure: tup
         print(f"meshfit launch: all {processes} processes stopped together on {name} after saving "
               f"(exit code {code}); continue with --resume", file=sys.stderr, flush=True)
         return code
-    if show == "first" and index != 0:
-        for line in list(started[index].tail)[-TAIL_LINES:]:
-            print(f"[{index}] {line}", file=sys.stderr)
+    held_back(started[index], show)
     others = processes - 1
     if missing and index not in missing:  # it was waiting for processes that never came
         what = (never_joined(missing, processes, init_timeout)
@@ -443,6 +401,16 @@ def _report_failure(started: list[_Process], codes: dict[int, int], failure: tup
     print(f"meshfit: error: {what}" + (f"; stopped the other {others} process(es)" if others else "")
           + (troubleshooting("a-job-hangs") if code == stall.EXIT_CODE else ""), file=sys.stderr, flush=True)
     return code if code > 0 else 128 - code
+
+
+def held_back(process: Process, show: str) -> None:
+    """Print the last lines of a failed process that were not shown (with --show first, any
+    other than process 0's; else those meshfit.launch.output held), before the line naming it."""
+    lines = process.output.held_lines.get(process.index, ())
+    if show == "first" and process.index != 0:
+        lines = process.tail
+    for line in list(lines)[-TAIL_LINES:]:
+        print(f"[{process.index}] {line}", file=sys.stderr)
 
 
 def _interrupt(signum, frame) -> None:
@@ -463,7 +431,7 @@ def _interrupts_ignored() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def finish(processes: list[_Process]) -> None:
+def finish(processes: list[Process]) -> None:
     """Wait (briefly) until every output line of the processes is printed."""
     for p in processes:
         for pump in p.pumps:
