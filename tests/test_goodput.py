@@ -73,6 +73,8 @@ def test_the_slowest_host_and_the_input_bound_advice():
     job = goodput.slowest([goodput.summary(dict(zip(goodput.PARTS, r[:-1])), r[-1]) for r in rows])
     assert job["host"] == 1 and job["fraction"] == pytest.approx(0.6) and len(job["hosts"]) == 2
     assert json.loads(json.dumps(job))["hosts"][0]["seconds"]["train"] == 8.0
+    first = goodput.format_block(job).splitlines()[0]
+    assert first.endswith("wall time; host 1, the slowest of 2")  # the block says whose it is
     assert goodput.input_bound_line(0.5, 10.0, "generator") is None  # 5%: not input-bound
     line = goodput.input_bound_line(3.0, 10.0, "generator")
     assert line.startswith("meshfit: input-bound:") and "30%" in line and "PyDataset" in line

@@ -332,6 +332,8 @@ def format_block(goodput: dict[str, Any], mfu: float | None = None,
     wall, seconds = goodput["wall_seconds"], goodput["seconds"]
     sessions = goodput.get("sessions", 1)
     over = f", {sessions} sessions" if sessions > 1 else ""
+    if "hosts" in goodput:  # the job's figure is one host's: say which (the epoch lines are host 0's)
+        over += f"; host {goodput['host']}, the slowest of {len(goodput['hosts'])}"
     fraction = goodput["fraction"] or 0.0
     lines = [f"goodput {fraction:.1%}: training steps took {seconds['train']:.1f} s of "
              f"{wall:.1f} s wall time{over}"]

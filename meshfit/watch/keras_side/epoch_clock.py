@@ -11,10 +11,22 @@ checkpoint. So the epochs' train seconds add up to the ledger's train part exact
 one fit or several), whatever the process did between them, and no second stopwatch can drift
 from it.
 
-Why a window and not the whole fit: on TensorFlow the whole `fit` used to be charged to train,
-while the epoch line timed only its epochs; fit's set-up and tear-down (its tf.data pipeline
-built over the batches, and torn down when fit returns: 1.8 s seen in one run on a loaded 2-core
-CPU, nothing in the next) were training in the goodput block and in no epoch line.
+The cause this replaces (issue 50): on TensorFlow the whole of Keras' `fit` was charged to train
+while the epoch line timed its epochs with a stopwatch of its own; what fit does outside its
+epochs (building the tf.data pipeline over the batches, the callbacks between epochs:
+TensorBoard's flush with its fsync, the progress bar's terminal writes, and the tear-down when
+fit returns) was training in the goodput block and in no epoch line. It is small on a quiet
+machine and grows with load: 0.3-0.6 s of 5 epochs in 12 traced runs of `meshfit train
+fashion-mnist-cnn` on a loaded 2-vCPU VM, 1.8 s in another (fit's tear-down), 9 s in another,
+where the lines summed to 25.4 s against the block's 33.4 s (2026-11-28). On JAX the time between
+epochs was train too.
+
+Why this is sufficient: the ledger charges one part at a time, and train only inside a window:
+the clock switches the base part to train at an epoch's begin and away from it when its training
+ends; the timed JAX dispatches run inside windows; a checkpoint's wait for the dispatched steps is
+charged to train only inside one (fit_and_score.charged_to_checkpoint); a stop switches away at
+the save (checkpoints.Checkpointer._stop). So the epochs' train seconds are the ledger's train,
+whatever runs between them and however long load makes it.
 """
 
 from __future__ import annotations
