@@ -14,12 +14,12 @@ from it.
 The cause this replaces (issue 50): on TensorFlow the whole of Keras' `fit` was charged to train
 while the epoch line timed its epochs with a stopwatch of its own; what fit does outside its
 epochs (building the tf.data pipeline over the batches, the callbacks between epochs:
-TensorBoard's flush with its fsync, the progress bar's terminal writes, and the tear-down when
-fit returns) was training in the goodput block and in no epoch line. It is small on a quiet
-machine and grows with load: 0.3-0.6 s of 5 epochs in 12 traced runs of `meshfit train
-fashion-mnist-cnn` on a loaded 2-vCPU VM, 1.8 s in another (fit's tear-down), 9 s in another,
-where the lines summed to 25.4 s against the block's 33.4 s (2026-11-28). On JAX the time between
-epochs was train too.
+TensorBoard's flush with its fsync, the progress bar's terminal writes, and above all the
+tear-down when fit returns, where that pipeline is destroyed) was training in the goodput block
+and in no epoch line. The tear-down took 9-58 s in 7 of 12 runs of `meshfit train
+fashion-mnist-cnn` (5 epochs) on a 2-vCPU VM loaded by parallel work, 0-1.8 s in the others
+(2026-11-28): the lines summed to 40.9 s against the block's 71.0 s in one. It now counts as
+other. On JAX the time between epochs was train too.
 
 Why this is sufficient: the ledger charges one part at a time, and train only inside a window:
 the clock switches the base part to train at an epoch's begin and away from it when its training
