@@ -16,8 +16,8 @@ while the epoch line timed its epochs with a stopwatch of its own; what fit does
 epochs (building the tf.data pipeline over the batches, the callbacks between epochs:
 TensorBoard's flush with its fsync, the progress bar's terminal writes, and above all the
 tear-down when fit returns, where that pipeline is destroyed) was training in the goodput block
-and in no epoch line. The tear-down took 9-58 s in 7 of 12 runs of `meshfit train
-fashion-mnist-cnn` (5 epochs) on a 2-vCPU VM loaded by parallel work, 0-1.8 s in the others
+and in no epoch line. The tear-down took 9-58 s in 8 of 14 runs of `meshfit train
+fashion-mnist-cnn` (5 epochs) on a 2-vCPU VM loaded by parallel work, under 2 s in the others
 (2026-11-28): the lines summed to 40.9 s against the block's 71.0 s in one. It now counts as
 other. On JAX the time between epochs was train too.
 
