@@ -19,11 +19,13 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   the deadlock of several CPU devices that once made meshfit finish each dispatch before the next
   is prevented at its cause, XLA:CPU's thread pool (meshfit.parallel.devices, THREADS_PER_DEVICE),
   for every computation, Keras' or not.
-- Goodput (meshfit.watch.goodput): the time of every train dispatch is charged to the ledger of
-  the process, compilations (JAX's compile events) apart, and the time spent fetching a batch
-  while the devices had nothing left to run as input wait (see `_TimedBatches`; on TensorFlow
-  `_tensorflow_timed`); evaluate is charged as eval. $MESHFIT_GOODPUT=0 turns the timing off. After fit, the History returned carries `history.goodput` (the parts, MFU
-  and its peak) and, where fit printed its report, the goodput block is printed once.
+- Goodput (meshfit.watch.goodput): each epoch's training window is charged to the ledger of the
+  process as train (an EpochClock first among fit's callbacks, which the epoch report reads too),
+  compilations (JAX's compile events) apart, and the time spent fetching a batch while the
+  devices had nothing left to run as input wait (see `_TimedBatches`; on TensorFlow
+  `_tensorflow_timed`); evaluate is charged as eval. $MESHFIT_GOODPUT=0 turns the timing off.
+  After fit, the History returned carries `history.goodput` (the parts, MFU and its peak) and,
+  where fit printed its report, the goodput block is printed once.
 - `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given; in a Jupyter
   kernel with verbose left at "auto", meshfit's live bar and Keras' one line per epoch) and, on JAX,
   meshfit's on-device k-step loop (`meshfit.fit.jax_loop`), as `Strategy.fit` has them.
@@ -40,6 +42,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import itertools
 import os
 import threading
 import time
@@ -55,6 +58,7 @@ from meshfit.fit import jax_loop, keras_internals, memory_plan, sharded_init, so
 from meshfit.parallel import heartbeat, stall
 from meshfit.watch import goodput
 from meshfit.watch.keras_side import progress_bar
+from meshfit.watch.keras_side.epoch_clock import EpochClock
 from meshfit.watch.keras_side.report import EpochReport
 
 _active = None  # the Strategy activated last, or None
@@ -100,6 +104,7 @@ def _install() -> None:
     """Wrap Keras' trainer and its JAX placement and variables (keras_internals.PATCHES)."""
     if keras.backend.backend() == "jax" and accounting():
         jax.monitoring.register_event_time_span_listener(_on_compile_span)
+        goodput.compile_events = True
     keras_internals.apply_patches({
         "fit: report and loop": _fit_hook,
         "make_train_function: timed (TensorFlow)": _tensorflow_timed if accounting() else None,
@@ -362,7 +367,11 @@ def _tensorflow_timed(make: Callable) -> Callable:
         def train(iterator):
             batches = _TimedBatches(iterator, _InputClock())  # no dispatch in flight: all wait
             first = next(batches)  # the end of the data raises StopIteration, as Keras expects
-            return function(_Prepended(first, batches))
+            logs = function(itertools.chain([first], batches))  # read in Python: no tf.data
+            ledger = goodput.ledger()
+            ledger.steps += batches.count  # as on JAX: a resume counts the steps run again
+            ledger.tick()
+            return logs
 
         train._meshfit_timed = True
         train.__wrapped__ = function
@@ -370,20 +379,6 @@ def _tensorflow_timed(make: Callable) -> Callable:
         return train
 
     return make_train_function
-
-
-class _Prepended:
-    """An iterator yielding `first`, then the rest of `rest` (not a tf.data iterator, so Keras'
-    TensorFlow train function reads it in Python)."""
-
-    def __init__(self, first, rest):
-        self.first, self.rest = [first], rest
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self.first.pop() if self.first else next(self.rest)
 
 
 def input_source(x) -> str:
@@ -447,9 +442,8 @@ def _fit_hook(fit: Callable) -> Callable:
         report = next((c for c in arguments.get("callbacks") or [] if isinstance(c, EpochReport)), None)
         if report is not None and report.input_source is None:
             report.input_source = input_source(arguments.get("x"))
+        _with_epoch_clock(arguments, report)
         ledger = goodput.ledger()
-        if strategy.engine != "jax":  # no timed train function there: the whole fit is training
-            ledger.switch("train")
         try:
             history = fit(*bound.args, **bound.kwargs)
         finally:
@@ -464,6 +458,18 @@ def _fit_hook(fit: Callable) -> Callable:
         return history
 
     return hooked_fit
+
+
+def _with_epoch_clock(arguments: dict[str, Any], report: EpochReport | None) -> None:
+    """An EpochClock first among fit's callbacks (unless the caller gave a CallbackList), read by
+    `report`: the ledger charges each epoch's training window to train, nothing else of fit
+    (meshfit.watch.keras_side.epoch_clock); first, so the window ends before any epoch end runs."""
+    callbacks = arguments.get("callbacks")
+    if callbacks is None or isinstance(callbacks, list):
+        clock = EpochClock()
+        arguments["callbacks"] = [clock, *(callbacks or [])]
+        if report is not None:
+            report.use_clock(clock)
 
 
 def _progress_bar_first(callbacks: list, verbose) -> None:

@@ -35,7 +35,9 @@ def plot_curves(history: list[dict[str, Any]], path: str, title: str,
 
 def totals(history: list[dict[str, Any]]) -> dict[str, Any]:
     """The last epoch's training loss and accuracy (a model that is no classifier: its mean
-    absolute error instead), and time and speed summed over all epochs."""
+    absolute error instead), and the training steps' time and speed over all epochs (every
+    session's: a resumed run's history holds them). Its compile_seconds is replaced by the
+    whole run's where the run's goodput is known (fit_and_score.score_and_write)."""
     final = history[-1] if history else {}
     train_seconds = sum(r.get("train_seconds") or 0.0 for r in history)
     samples = sum(r.get("samples") or 0 for r in history)

@@ -123,15 +123,23 @@ class Ledger:
                 self._charge(time.time())
                 self._stack.pop()
 
-    def move(self, seconds: float, to: str) -> None:
-        """Re-label `seconds` just spent in the current part as `to` (e.g. a compilation)."""
+    def move(self, seconds: float, to: str, source: str | None = None) -> None:
+        """Re-label `seconds` just spent in the current part (or in `source`) as `to` (e.g. a
+        compilation)."""
         if seconds <= 0:
             return
         with self._lock:
-            current = self._stack[-1] if self._stack else self._base
+            current = source or (self._stack[-1] if self._stack else self._base)
             if current != to:
                 self.seconds[to] += seconds
                 self.seconds[current] -= seconds
+
+    def charged(self) -> dict[str, float]:
+        """This process's parts charged up to now (seconds; the earlier sessions' not added): the
+        epoch report reads its figures as differences of these (meshfit.watch.keras_side.epoch_clock)."""
+        with self._lock:
+            self._charge(time.time())
+            return dict(self.seconds)
 
     # ------------------------------------------------------------------------- reading it
     def totals(self, now: float | None = None) -> dict[str, Any]:
@@ -212,6 +220,9 @@ def summary(seconds: dict[str, float], wall: float, sessions: int = 1,
 
 
 _ledger: Ledger | None = None
+# Whether this process's engine reports its compilations to the ledger (JAX's compile events, set
+# by meshfit.fit.hooks); where not (TensorFlow), the epoch report estimates them from the first step.
+compile_events = False
 
 
 def ledger() -> Ledger:
@@ -321,6 +332,8 @@ def format_block(goodput: dict[str, Any], mfu: float | None = None,
     wall, seconds = goodput["wall_seconds"], goodput["seconds"]
     sessions = goodput.get("sessions", 1)
     over = f", {sessions} sessions" if sessions > 1 else ""
+    if "hosts" in goodput:  # the job's figure is one host's: say which (the epoch lines are host 0's)
+        over += f"; host {goodput['host']}, the slowest of {len(goodput['hosts'])}"
     fraction = goodput["fraction"] or 0.0
     lines = [f"goodput {fraction:.1%}: training steps took {seconds['train']:.1f} s of "
              f"{wall:.1f} s wall time{over}"]

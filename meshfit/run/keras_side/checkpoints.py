@@ -44,6 +44,7 @@ from meshfit.run.keras_side.checkpoint_restore import check_fits
 from meshfit.run.keras_side.checkpoint_save import (PendingSave, begin_save, not_whole_here,
                                                     sync_variables)
 from meshfit.run.local_copies import KEEP as LOCAL_KEEP
+from meshfit.watch import goodput
 from meshfit.watch.keras_side import report
 
 
@@ -275,6 +276,9 @@ class Checkpointer(keras.callbacks.Callback):
             self._writer = None
 
     def _stop(self, path: str | None, global_step: int):
+        # Training ends here: Keras' unwinding of fit is no step's time (the epoch's training
+        # seconds kept in the checkpoint end at the save, so the goodput ledger's end there too).
+        goodput.ledger().switch("other")
         cluster.barrier("meshfit: stop saved")  # no process exits before process 0 has saved
         name = signal.Signals(self.stop_signal).name
         run = os.path.dirname(os.path.abspath(self.directory))

@@ -53,9 +53,10 @@ class _EpochEnd:
 
 
 class _EarlierSessions(keras.callbacks.Callback):
-    """The steps and training seconds that the earlier sessions of a run resumed in mid-epoch
-    trained of that epoch (each checkpoint keeps them, "epoch_so_far"): its record counts every
-    session's steps, not only the last one's (train_seconds, samples, hence `meshfit runs`)."""
+    """The steps, training and input wait seconds that the earlier sessions of a run resumed in
+    mid-epoch trained of that epoch (each checkpoint keeps them, "epoch_so_far"): the epoch
+    report counts them in that epoch's figures (its line, its record: samples, train_seconds,
+    hence `meshfit runs`), not only the last sitting's."""
 
     def __init__(self, report, resume_state: dict | None):
         super().__init__()
@@ -68,38 +69,39 @@ class _EarlierSessions(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._current = epoch
 
-    def of(self, epoch: int | None) -> tuple[int, float]:
-        """(steps, training seconds) the earlier sessions trained of `epoch`."""
+    def of(self, epoch: int | None) -> tuple[int, float, float]:
+        """(steps, training seconds, input wait seconds) the earlier sessions trained of `epoch`."""
         if epoch is None or epoch != self.epoch:
-            return 0, 0.0
-        return int(self.carried.get("steps") or 0), float(self.carried.get("train_seconds") or 0.0)
+            return 0, 0.0, 0.0
+        return (int(self.carried.get("steps") or 0), float(self.carried.get("train_seconds") or 0.0),
+                float(self.carried.get("input_wait_seconds") or 0.0))
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps: the epoch in progress' steps and seconds so far, every session's."""
-        steps, seconds = self.of(self._current)
-        mine_steps, mine_seconds = self.report.so_far()
-        return {"steps": steps + mine_steps, "train_seconds": seconds + mine_seconds}
+        steps, seconds, waited = self.of(self._current)
+        mine = self.report.so_far()
+        return {"steps": steps + mine.get("steps", 0),
+                "train_seconds": seconds + mine.get("train_seconds", 0.0),
+                "input_wait_seconds": waited + mine.get("input_wait_seconds", 0.0)}
 
 
 class _History:
-    """At each epoch end: one record of the epoch's metrics and the EpochReport's figures."""
+    """At each epoch end: one record of the epoch's metrics and the EpochReport's figures (of the
+    whole epoch: a cut epoch's earlier sittings are in them, see _EarlierSessions)."""
 
-    def __init__(self, records: list[dict[str, Any]], report, global_batch: int,
-                 earlier: _EarlierSessions | None = None):
+    def __init__(self, records: list[dict[str, Any]], report, global_batch: int):
         self.records, self.report, self.global_batch = records, report, global_batch
-        self.earlier = earlier
 
     def __call__(self, epoch, logs):
         stats = self.report.epochs[-1] if self.report.epochs else {}
         record = {"epoch": epoch + 1}
         record.update({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
         record.update({k: stats.get(k) for k in ("train_seconds", "compile_seconds", "ms_per_step",
-                                                  "samples_per_second", "mfu", "input_wait_seconds")})
+                                                  "samples_per_second", "mfu", "input_wait_seconds",
+                                                  "checkpoint_seconds")})
         record["samples"] = stats.get("steps", 0) * self.global_batch
-        steps, seconds = self.earlier.of(epoch) if self.earlier else (0, 0.0)
-        if steps:  # a cut epoch: the steps its earlier sessions trained count too
-            record["samples"] += steps * self.global_batch
-            record["train_seconds"] = (record["train_seconds"] or 0.0) + seconds
+        if stats.get("sitting"):  # resumed in its middle: what the last sitting trained of it
+            record["sitting"] = stats["sitting"]
         self.records.append(record)
 
 
@@ -213,14 +215,17 @@ _CHECKPOINT_HOOKS = ("on_train_begin", "on_epoch_begin", "on_train_batch_begin",
 def charged_to_checkpoint(checkpointer: checkpoints.Checkpointer) -> checkpoints.Checkpointer:
     """The checkpointer, its hooks' time (saves, waits for a background save) charged to the
     goodput ledger's checkpoint part, but a save's wait for the steps already dispatched and
-    the stop vote's (Checkpointer.vote) charged to train: that is the devices' training work,
-    which the save or the vote only waited for (the instance's methods wrapped: Keras and
-    stop_on_signals keep the same object)."""
+    the stop vote's (Checkpointer.vote) charged to train inside an epoch's training window:
+    that is the devices' training work, which the save or the vote only waited for. Outside
+    one (the save at an epoch's end) the steps were waited for when the window closed
+    (meshfit.watch.keras_side.epoch_clock), and what remains is the save's: no train is charged
+    where no epoch line counts it. (The instance's methods are wrapped: Keras and
+    stop_on_signals keep the same object.)"""
     ledger = goodput.ledger()
 
     def charged(method, part):
         def hook(*args, **kwargs):
-            with ledger.part(part):
+            with ledger.part(part if part != "train" or ledger.base == "train" else "checkpoint"):
                 return method(*args, **kwargs)
         return hook
 
@@ -270,6 +275,7 @@ def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
                          stream=None if chief else io.StringIO())  # one epoch line per job
     report.input_source = input_source(batches)
     earlier = _EarlierSessions(report, resume_state)
+    report.earlier = earlier.of
     checkpointer = charged_to_checkpoint(
         make_checkpointer(run, run_spec, history, own_callbacks, resume_state, chief, earlier,
                           local_folder))
@@ -282,8 +288,7 @@ def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
         *watch.before, *epoch_evaluation(model, dataset, asked.recipe, global_batch, report,
                                           bool(run_spec.class_names)),
         report, *watch.after,
-        earlier, keras.callbacks.LambdaCallback(on_epoch_end=_History(history, report, global_batch,
-                                                                      earlier)),
+        earlier, keras.callbacks.LambdaCallback(on_epoch_end=_History(history, report, global_batch)),
         *([own_callbacks] if own_callbacks else []), checkpointer, *(o.callbacks or [])]
     start = (resume_state["epoch"], resume_state["step"]) if resume_state else (0, 0)
     try:
@@ -326,7 +331,14 @@ def score_and_write(asked, model, history: list, dataset, run_spec: RunSpec, chi
     with ledger.part("other"):  # the model, history and curves written count as part of the run
         if chief:
             write_results(run, model, history, metrics)
-    metrics["goodput"] = job_goodput(ledger.totals())  # every process: a collective on several
+    mine = ledger.totals()
+    metrics["goodput"] = job_goodput(mine)  # every process: a collective on several
+    # One figure for compilation: this process's goodput compile part (every session's, and every
+    # compilation's: training, evaluation, planning), not the sum of the epoch lines' "(+N s
+    # compile)", which count only what compiled inside each epoch's training. A run whose train
+    # step came from JAX's compile cache or the memory plan once wrote 0.0 here against
+    # goodput's 4.2 s. On one host it is the goodput block's compile; on several, host 0's.
+    metrics["compile_seconds"] = mine["seconds"]["compile"]
     ledger.finished = True
     ledger.write()
     if chief:

@@ -15,7 +15,6 @@ import inspect
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import jax
@@ -24,6 +23,7 @@ import keras
 from meshfit.parallel import modes
 from meshfit.parallel.sharding import format_bytes
 from meshfit.watch import goodput, kept, peak
+from meshfit.watch.keras_side.epoch_clock import EpochClock, wait_for_device  # noqa: F401 (theirs)
 
 
 def train_step_flops(model, global_batch: int) -> float | None:
@@ -162,20 +162,6 @@ def _tensorflow_step_flops(model, global_batch: int) -> float | None:
         return None
 
 
-def wait_for_device(model) -> None:
-    """Wait until the dispatched steps have finished, so clocks read real time."""
-    if keras.backend.backend() != "jax":
-        keras.ops.convert_to_numpy(model.trainable_variables[0])  # TensorFlow runs each step to the end
-        return
-    state = getattr(model, "_jax_state", None)
-    # Keras keeps fit's state in a TrackedDict of TrackedLists, which JAX's tree functions take
-    # for leaves (only exact dicts and lists are its nodes): block_until_ready(state) would wait
-    # for nothing, so its arrays are taken out here.
-    leaves = ([v for group in state.values() for v in group] if state
-              else [v.value for v in model.trainable_variables[:1]])
-    jax.block_until_ready(leaves)
-
-
 def discovery_text(d: dict[str, Any]) -> str:
     """The discovery report (Strategy.describe()'s dict) as text, like the tutorials' TPU log."""
     sim = " (simulated on the CPU)" if d["simulated"] else ""
@@ -220,112 +206,157 @@ def sharding_text(d: dict[str, Any]) -> str:
 
 
 def format_epoch_line(epoch: int, epochs: int, logs: dict[str, Any], stats: dict[str, Any]) -> str:
-    """One line per epoch: metrics, then time, ms/step, samples/s, MFU and compile time."""
+    """One line per epoch: metrics, then the training steps' time, ms/step, samples/s, MFU, and
+    apart the epoch's compile time, input wait, and for an epoch resumed in its middle, the part
+    trained in this sitting."""
     metrics = " ".join(f"{k} {v:.4f}" for k, v in logs.items() if isinstance(v, (int, float)))
     mfu = f"{stats['mfu'] * 100:.1f}%" if stats.get("mfu") is not None else "n/a"
     sps = f"{stats['samples_per_second']:,.0f}" if stats.get("samples_per_second") else "n/a"
     line = (f"epoch {epoch + 1}/{epochs}  {metrics}  |  {stats['train_seconds']:.2f} s  "
             f"{stats['ms_per_step']:.1f} ms/step  {sps} samples/s  MFU {mfu}")
-    if stats.get("compile_seconds"):
+    if stats.get("compile_seconds", 0.0) >= 0.005:
         line += f"  (+{stats['compile_seconds']:.2f} s compile)"
+    if stats.get("input_wait_seconds", 0.0) >= 0.005:
+        line += f"  (+{stats['input_wait_seconds']:.2f} s input wait)"
+    sitting = stats.get("sitting")
+    if sitting:
+        line += (f"  (resumed: {sitting['steps']} of its {stats['steps']} steps in this sitting, "
+                 f"{sitting['train_seconds']:.2f} s)")
     return line
 
 
 class EpochReport(keras.callbacks.Callback):
     """Prints the per-epoch line and keeps the figures in `self.epochs` (a list of dicts).
 
+    Every time figure is read from the goodput ledger over the epoch's training window (see
+    meshfit.watch.keras_side.epoch_clock): `train_seconds` is the ledger's train part in it (the
+    training steps, less compilation, input wait and mid-epoch saves, which are shown or counted
+    apart), so the epochs add up to the goodput block's train. The same window's compile, input
+    wait and checkpoint seconds are kept beside it.
+
     global_batch: samples per step over all replicas, for samples/s and MFU (None: samples/s is
     "n/a"); the older keyword `batch_size` is still accepted.
     strategy: the meshfit Strategy in use, for the devices' peak FLOP/s.
+    earlier: for a run resumed in the middle of an epoch, `earlier(epoch) -> (steps, seconds,
+    input wait seconds)` the earlier sittings trained of that epoch: its figures then cover the
+    whole epoch, and its line says what this sitting trained.
     """
 
     def __init__(self, global_batch: int | None = None, strategy=None, stream=None, *,
-                 batch_size: int | None = None):
+                 batch_size: int | None = None, earlier=None):
         super().__init__()
         self.global_batch = global_batch if batch_size is None else batch_size
         self.strategy = strategy
         self.stream = stream or sys.stdout
+        self.earlier = earlier
         self.epochs: list[dict[str, Any]] = []
         self.flops_per_step: float | None = None
-        self.compile_seconds = 0.0
-        self._first_step_seconds: float | None = None
+        self.clock: EpochClock | None = None  # fit's (meshfit.fit.hooks), else one of its own
+        self._own_clock = False
+        self._first_call: float | None = None
         self._compile_counted = False
         self.input_source: str | None = None  # the kind of data source (goodput.input_fix)
         self.peak: dict[str, Any] | None = None  # peak.peak_of(strategy), found at the first epoch end
         self.input_bound: str | None = None  # the input-bound line, once printed
         self._probed_again = False
 
+    def use_clock(self, clock: EpochClock) -> None:
+        """Read the windows of `clock`, which fit calls before this report (meshfit.fit.hooks)."""
+        self.clock, self._own_clock = clock, False
+
+    def set_model(self, model):
+        super().set_model(model)
+        if self.clock is None:  # no meshfit hook put one first among the callbacks: keep our own
+            self.clock, self._own_clock = EpochClock(), True
+        if self._own_clock:
+            self.clock.set_model(model)
+
     def on_train_begin(self, logs=None):
-        self._first_step_seconds = None
-        self.compile_seconds = 0.0
+        self._first_call = None
         self._compile_counted = False
         self.input_bound = None
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self._own_clock:
+            self.clock.on_epoch_begin(epoch)
         self._steps = 0
-        self._start = time.perf_counter()
-        self._train_end = None
         self._skipped = 0
-        self._waited = goodput.ledger().seconds["input_wait"]
+        self._moved = 0.0  # of this epoch's train, moved to compile so far (the estimate below)
+
+    def _estimates_compile(self) -> bool:
+        """True where no compile events reach the ledger (TensorFlow; JAX with accounting off):
+        the first call's extra time is then taken for its compilation (_compile_estimate)."""
+        return not goodput.compile_events and not self._compile_counted
 
     def on_train_batch_begin(self, batch, logs=None):
         # `batch` is the index of the call's first step, so the steps done so far (k per call with
         # steps_per_execution). No on_train_batch_end: defining it makes Keras sync every step.
-        now = time.perf_counter()
         self._steps = batch
-        if self._first_step_seconds is None and batch >= 1:
-            wait_for_device(self.model)  # the first call (1 step, or k with steps_per_execution) holds the compilation
-            now = time.perf_counter()
-            self._first_step_seconds = now - self._start
-            self._start = now
+        if self._first_call is None and batch >= 1 and self._estimates_compile():
+            wait_for_device(self.model)  # the first call (1 step, or k) holds the compilation
+            self._first_call = self.clock.spent()["train"] + self._moved
             self._skipped = batch
 
-    def so_far(self) -> tuple[int, float]:
-        """The epoch in progress: its steps trained so far in this fit and their training seconds
-        (as its epoch end would count them); (0, 0.0) before the first call has been timed and
-        once the epoch's training has ended. A checkpoint in mid-epoch keeps them
-        (meshfit.run.keras_side.fitting)."""
-        if self._first_step_seconds is None or not self._steps or self._train_end is not None:
-            return 0, 0.0
+    def _settle_compile(self, train: float, steps: int) -> float:
+        """Charge the first call's compilation, as estimated now, to the ledger's compile (the
+        epoch's train so far: `train` seconds, before any such move, over `steps` steps) and
+        return it. The estimate: the first call's time beyond its `_skipped` ordinary steps,
+        each taken at the mean of the later ones. Settled again at each look (a mid-epoch
+        checkpoint's, the epoch end's), so the ledger and the figures always hold the same one."""
+        estimate = 0.0
+        if self._first_call is not None and self._skipped and self._estimates_compile():
+            later = max(train - self._first_call, 0.0) / max(steps - self._skipped, 1)
+            estimate = min(max(self._first_call - self._skipped * later, 0.0), self._first_call)
+        ledger, change = goodput.ledger(), estimate - self._moved
+        if change > 0:
+            ledger.move(change, "compile", source="train")
+        else:
+            ledger.move(-change, "train", source="compile")
+        self._moved = estimate
+        return estimate
+
+    def so_far(self) -> dict[str, Any]:
+        """This sitting's part of the epoch in progress, as its epoch end would count it: steps,
+        train and input wait seconds ({} before the first step and once its training has ended).
+        A checkpoint in mid-epoch keeps them (meshfit.run.keras_side.fit_and_score)."""
+        if self.clock is None or not self.clock.training() or not self._steps:
+            return {}
         wait_for_device(self.model)
-        seconds = time.perf_counter() - self._start
-        if self._skipped and not self._compile_counted:  # the first call's steps, as on_epoch_end
-            seconds += min(self._first_step_seconds,
-                           self._skipped * seconds / max(self._steps - self._skipped, 1))
-        return self._steps, seconds
+        self._settle_compile(self.clock.spent()["train"] + self._moved, self._steps)
+        spent = self.clock.spent()
+        return {"steps": self._steps, "train_seconds": spent["train"],
+                "input_wait_seconds": spent["input_wait"]}
 
     def on_test_begin(self, logs=None):
-        if self._train_end is None and hasattr(self, "_start"):
-            wait_for_device(self.model)
-            self._train_end = time.perf_counter()
+        """The epoch's training ends (meshfit's own validation calls this before it begins)."""
+        if self.clock is not None:
+            self.clock.end_training()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._train_end is None:
-            wait_for_device(self.model)
-            self._train_end = time.perf_counter()
-        steps = self.params.get("steps") or self._steps + 1
-        timed_steps = steps - self._skipped
-        train_seconds = self._train_end - self._start
-        step_seconds = train_seconds / max(timed_steps, 1)
-        compile_seconds = 0.0
-        if self._first_step_seconds is not None and not self._compile_counted:
-            self._compile_counted = True
-            # The first call = compilation + its ordinary step(s); count only the latter as training.
-            first = self._skipped * step_seconds
-            compile_seconds = self.compile_seconds = max(self._first_step_seconds - first, 0.0)
-            train_seconds += min(self._first_step_seconds, first)
-        self._skipped = 0
+        self.clock.end_training()  # done already where the clock comes first among the callbacks
         ledger = goodput.ledger()
-        if compile_seconds and keras.backend.backend() != "jax":  # JAX reports its own compile events
-            ledger.move(compile_seconds, "compile")
-        waited = ledger.seconds["input_wait"] - self._waited
+        steps = self.params.get("steps") or self._steps + 1
+        spent = self.clock.spent()  # at the window's end, with the compile moved by then
+        before = self._moved
+        # TensorFlow reports no compilation: the first call's extra time is its compile, charged
+        # to compile on the ledger too, so that the line and the goodput block keep agreeing.
+        change = self._settle_compile(spent["train"] + before, steps) - before
+        if self._first_call is not None:
+            self._compile_counted = True
+        train, compile_seconds = spent["train"] - change, spent["compile"] + change
+        waited = spent["input_wait"]
+        sitting = {"steps": steps, "train_seconds": train, "input_wait_seconds": waited}
+        earlier_steps, earlier_seconds, earlier_wait = self.earlier(epoch) if self.earlier else (0, 0.0, 0.0)
+        steps, train, waited = steps + earlier_steps, train + earlier_seconds, waited + earlier_wait
+        step_seconds = train / max(steps, 1)
         with ledger.part("setup"):  # once per fit; a CPU's peak kept per machine (meshfit.watch.peak)
             if self.flops_per_step is None and self.global_batch:
                 self.flops_per_step = train_step_flops(self.model, self.global_batch) or 0.0
             if self.peak is None and self.strategy is not None:
                 self.peak = peak.peak_of(self.strategy)
         peak_flops = (self.peak or {}).get("flops")
-        if (peak_flops and self.flops_per_step and self.flops_per_step / step_seconds > peak_flops
+        if (peak_flops and self.flops_per_step and step_seconds
+                and self.flops_per_step / step_seconds > peak_flops
                 and "probe" in self.peak["source"] and not self._probed_again):
             # Above 100%: the cached probe ran while other work shared the cores; probe again.
             self._probed_again = True
@@ -335,20 +366,23 @@ class EpochReport(keras.callbacks.Callback):
         stats = {
             "epoch": epoch + 1,
             "steps": steps,
-            "train_seconds": train_seconds,
+            "train_seconds": train,
             "ms_per_step": 1000 * step_seconds,
-            "samples_per_second": (self.global_batch / step_seconds) if self.global_batch else None,
+            "samples_per_second": (self.global_batch / step_seconds)
+                                  if self.global_batch and step_seconds else None,
             "flops_per_step": self.flops_per_step or None,
             "mfu": (self.flops_per_step / step_seconds / peak_flops)
-                   if (peak_flops and self.flops_per_step) else None,
+                   if (peak_flops and self.flops_per_step and step_seconds) else None,
             "compile_seconds": compile_seconds,
             "input_wait_seconds": waited,
+            "checkpoint_seconds": spent["checkpoint"],
+            "sitting": sitting if earlier_steps else None,
             "goodput": ledger.totals(),
         }
         self.epochs.append(stats)
         print(format_epoch_line(epoch, self.params.get("epochs", epoch + 1), logs or {}, stats),
               file=self.stream, flush=True)
-        line = goodput.input_bound_line(waited, train_seconds, self.input_source,
+        line = goodput.input_bound_line(waited, train + waited, self.input_source,
                                         getattr(self.model, "steps_per_execution", 1) or 1,
                                         self.strategy.platform if self.strategy else "cpu")
         if line and self.input_bound is None:
