@@ -54,6 +54,17 @@ class Configuration:
         return ", ".join(words)
 
 
+@dataclass(frozen=True)
+class RecipeModel:
+    """A recipe's model as `meshfit verify` builds it: the recipe's build, prepare, optimizer and
+    compile for this data (meshfit.run.keras_side.fitting.build), one step per dispatch."""
+
+    recipe: Any
+    dataset: Any
+    steps_per_epoch: int
+    epochs: int
+
+
 def parse_counts(text: str | Sequence[int], what: str) -> tuple[int, ...]:
     """'1,2,8' (or a sequence) as positive integers, in order, once each."""
     words = text.split(",") if isinstance(text, str) else list(text)
@@ -137,7 +148,7 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
     asked, from the same weights and batches, and compare: a meshfit.run.verify_report.Verdicts
     (`.ok`, `.exit_code`, `.lines()`, `.as_dict()`); `plot`: also write that PNG.
 
-    build_model: a function returning a compiled Keras model (called once per run, under its
+    build_model: a function returning a compiled Keras model (or a RecipeModel) (called once per run, under its
     devices, as one builds inside `strategy.scope()`). x, y: arrays (or dicts of arrays) taken in
     order, `batch_size` samples a step (the global batch, split over the devices); or x a function
     `x(first_step)` yielding (x, y) global batches from that step on (a resume reads from the
@@ -174,6 +185,7 @@ def compare_runs(devices: int, precision: str, build, source, runs: list[Configu
     from meshfit.run.keras_side import verify_training as training  # the engine line: connected
 
     base = training.base_strategy(precision)
+    build = training.builder(build)
     reference_strategy = training.strategy_on(base, 1, "data")
     first = next(iter(source(0)))
     start = training.initial_weights(reference_strategy, build, seed, first)

@@ -21,6 +21,7 @@ import meshfit
 from meshfit.errors import MeshfitError
 from meshfit.fit import hooks
 from meshfit.fit.strategy import Strategy
+from meshfit.run.keras_side import fitting
 
 # The unit roundoff of each compute dtype: the floor run's weights are moved by this much
 # (relative, random sign per element), one rounding of the arithmetic the model runs in.
@@ -46,7 +47,17 @@ def base_strategy(precision: str) -> Strategy:
     active = hooks.active() or meshfit.connect(engine="jax", precision=precision, verbose=False)
     if active.engine != "jax":
         raise MeshfitError("meshfit verify compares device counts on JAX; connect(engine='jax')")
-    return active if active.precision == precision else Strategy(active.info, "jax", precision)
+    if precision in ("auto", active.precision):
+        return active
+    return Strategy(active.info, "jax", precision)
+
+
+def builder(build) -> Callable[[], Any]:
+    """The function that builds a run's model: `build` itself, or a recipe's (a
+    meshfit.run.verify.RecipeModel) as `meshfit train` builds it."""
+    if callable(build):
+        return build
+    return lambda: fitting.build(build.recipe, build.dataset, build.steps_per_epoch, build.epochs, 1)
 
 
 def strategy_on(base: Strategy, devices: int, sharding: str, model_parallel: int = 1) -> Strategy:
@@ -79,6 +90,7 @@ def new_model(strategy: Strategy, build: Callable[[], Any], seed: int, first_bat
     """`build()` in a fresh Keras session under `strategy`, seeded; its variables made (a
     subclassed model is called once on the first batch's inputs)."""
     keras.backend.clear_session()  # the same layer names (variable paths) in every run
+    strategy.activate()  # for the whole run: the data is read under it too, as after connect()
     with strategy.scope():
         keras.utils.set_random_seed(seed)
         model = build()
