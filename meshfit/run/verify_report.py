@@ -2,8 +2,9 @@
 step by step and variable by variable, as a multiple of the rounding floor; its verdict lines,
 JSON and picture.
 
-Distances are relative: a variable's is ||w - w_ref|| / ||w_ref|| (an integer variable's is 0
-when equal, else infinite), a log's (loss, metric) |v - v_ref| / |v_ref|; a step's is the largest
+Distances are relative: a float variable's is ||w - w_ref|| / ||w_ref|| (integer variables,
+random generators' counters, are not compared: micro-batches advance a dropout layer's counter
+once per slice while drawing the one-device masks), a log's (loss, metric) |v - v_ref| / |v_ref|; a step's is the largest
 over variables (weights) and over logs. The floor at each step is the same distance between the
 reference and the reference trained again from weights moved by one rounding unit of the compute
 dtype (meshfit.run.keras_side.verify_training.perturbed): how far rounding alone carries two
@@ -121,7 +122,7 @@ def _variable_distances(weights, reference) -> list[float]:
     out = []
     for a, r in zip(weights, reference, strict=True):
         if not np.issubdtype(r.dtype, np.floating):
-            out.append(0.0 if np.array_equal(a, r) else math.inf)
+            out.append(0.0)  # a counter (see the module docstring)
             continue
         a64, r64 = a.astype(np.float64), r.astype(np.float64)
         out.append(float(np.linalg.norm(a64 - r64) / max(np.linalg.norm(r64), _TINY)))

@@ -94,7 +94,7 @@ def new_model(strategy: Strategy, build: Callable[[], Any], seed: int, first_bat
     with strategy.scope():
         keras.utils.set_random_seed(seed)
         model = build()
-        if not isinstance(model, keras.Model) or model.optimizer is None:
+        if not isinstance(model, keras.Model) or getattr(model, "optimizer", None) is None:
             raise MeshfitError("meshfit.verify: build_model must return a compiled Keras model "
                                "(call model.compile(...) in it)")
         if not model.built or not model.variables:
