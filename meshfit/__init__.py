@@ -106,7 +106,7 @@ def __getattr__(name: str):
 
         return EpochReport
     if name == "verify":  # loads numpy; the Keras side only once it has connected
-        from meshfit.run.verify import verify
+        from meshfit.run.verify import verify  # the run package: loaded when first named
 
         return verify
     if name == "Recipe":
