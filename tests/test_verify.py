@@ -235,18 +235,35 @@ def test_a_keras_hub_model_is_equal():
     assert result.exit_code == 0, result.lines()
 
 
-def test_the_tutorial_recipe_on_the_command_line(data_dir, tmp_path, capsys):
+@pytest.mark.parametrize("recipe", ["fashion-mnist-cnn", "mnist-mlp-bf16"])
+def test_the_tutorial_recipes_on_the_command_line(recipe, data_dir, tmp_path, capsys):
     from meshfit import cli
 
     picture = str(tmp_path / "fm.png")
-    code = cli.main(["verify", "fashion-mnist-cnn", "--data-dir", data_dir, "--global-batch", "32",
+    code = cli.main(["verify", recipe, "--data-dir", data_dir, "--global-batch", "32",
                      "--steps", "4", "--devices", "1,8", "--sharding", "data,fsdp", "--plot",
                      picture, "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, result
     assert [c["name"] for c in result["configurations"]] == [
         "8 devices, data", "8 devices, fsdp", "8 devices, data, resumed after step 2"]
-    assert result["recipe"] == "fashion-mnist-cnn" and os.path.getsize(picture) > 10_000
+    assert result["recipe"] == recipe and os.path.getsize(picture) > 10_000
+    assert result["precision"] == ("bfloat16" if recipe == "mnist-mlp-bf16" else "float32")
+
+
+def test_a_run_directory_is_verified_with_its_own_batch_and_seed(data_dir, tmp_path, capsys):
+    from meshfit import cli
+
+    run = str(tmp_path / "run")
+    assert cli.main(["train", "fashion-mnist-cnn", "--data-dir", data_dir, "--epochs", "1",
+                     "--steps-per-epoch", "2", "--global-batch", "16", "--seed", "3", "--out", run,
+                     "--checkpoint-every", "off"]) == 0
+    capsys.readouterr()
+    code = cli.main(["verify", run, "--steps", "2", "--sharding", "data", "--no-resume",
+                     "--plot", "", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0, result
+    assert result["global_batch"] == 16 and result["seed"] == 3 and result["recipe"] == "fashion-mnist-cnn"
 
 
 def test_a_defective_recipe_file_exits_1_on_the_command_line(data_dir, tmp_path, capsys):

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         max(counts), precision, build, lambda start: batches.iterate(0, start), runs,
         steps=args.steps, global_batch=global_batch, seed=seed, plot=plot, verbose=not args.json)
     if args.json:
-        print(json.dumps({"target": args.target, "recipe": recipe.name, "picture": plot,
+        print(json.dumps({"target": args.target, "recipe": recipe.name, "seed": seed, "picture": plot,
                           **verdicts.as_dict()}), flush=True)
     return verdicts.exit_code
 
