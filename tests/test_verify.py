@@ -202,9 +202,9 @@ def test_a_subclassed_model_with_add_loss_dropout_and_batch_norm_is_equal(tmp_pa
 
 def test_mixed_precision_is_equal():
     result = verify(lambda: compiled(mlp(layers.Dropout(0.2))), precision="bfloat16",
-                    sharding="data,fsdp")
+                    sharding="data,fsdp,model:2")
     assert result.exit_code == 0, result.lines()
-    assert "bfloat16" in result.lines()[0] and len(result.verdicts) == 2
+    assert "bfloat16" in result.lines()[0] and len(result.verdicts) == 3
 
 
 def test_micro_batches_are_equal_but_their_dropout_draws_other_numbers():
@@ -288,6 +288,23 @@ def test_a_defective_recipe_file_exits_1_on_the_command_line(data_dir, tmp_path,
     out = capsys.readouterr().out
     assert code == 1, out
     assert "8 devices, data" in out and "diverges from step 1 of 2" in out and "variable" in out
+
+
+def test_the_configurations_asked():
+    from meshfit.run.verify import configurations, parse_shardings
+
+    runs = configurations((1, 2, 8), parse_shardings("fsdp, auto, model:2"), steps=8,
+                          micro_batches=(1, 4), steps_per_dispatch=(2,))
+    assert [r.name for r in runs] == [
+        "2 devices, fsdp", "2 devices, auto", "2 devices, data x model 2", "8 devices, fsdp",
+        "8 devices, auto", "8 devices, data x model 2", "8 devices, fsdp, 4 micro-batches",
+        "8 devices, fsdp, 2 steps per dispatch", "8 devices, fsdp, resumed after step 4"]
+    with pytest.raises(meshfit.MeshfitError, match="model:3 does not divide 8 devices"):
+        configurations((8,), parse_shardings("model:3"), steps=8)
+    with pytest.raises(meshfit.MeshfitError, match="--steps-per-dispatch 3 does not divide --steps 8"):
+        configurations((8,), parse_shardings("data"), steps=8, steps_per_dispatch=(3,))
+    with pytest.raises(meshfit.MeshfitError, match="unknown sharding 'rows'"):
+        parse_shardings("data,rows")
 
 
 def test_bad_input_is_one_line(capsys):
