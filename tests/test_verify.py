@@ -186,12 +186,12 @@ class WithActivityLoss(keras.Model):
 def test_a_subclassed_model_with_add_loss_dropout_and_batch_norm_is_equal(tmp_path):
     picture = str(tmp_path / "verify.png")
     result = verify(lambda: compiled(WithActivityLoss(), keras.optimizers.Adam(1e-2)),
-                    devices=(1, 2, 8), sharding="data,fsdp", resume=True, steps_per_dispatch=(2,),
+                    devices=(1, 8), sharding="data,fsdp", resume=True, steps_per_dispatch=(2,),
                     plot=picture)
     assert result.exit_code == 0, result.lines()
     names = [v.name for v in result.verdicts]
-    assert names == ["2 devices, data", "2 devices, fsdp", "8 devices, data", "8 devices, fsdp",
-                     "8 devices, data, 2 steps per dispatch", "8 devices, data, resumed after step 2"]
+    assert names == ["8 devices, data", "8 devices, fsdp", "8 devices, data, 2 steps per dispatch",
+                     "8 devices, data, resumed after step 2"]
     assert all(0 < v.worst <= 30 for v in result.verdicts)  # measured, never trivially zero
     lines = result.lines()
     assert "rounding floor" in lines[1] and "one rounding unit" in lines[1]
@@ -216,6 +216,7 @@ def test_micro_batches_are_equal_but_their_dropout_draws_other_numbers():
     assert verdict.name == "8 devices, data, 2 micro-batches" and verdict.diverges_at == 1
 
 
+@pytest.mark.slow
 def test_a_keras_hub_model_is_equal():
     keras_hub = pytest.importorskip("keras_hub")
     vocabulary, length = 64, 8
@@ -235,7 +236,8 @@ def test_a_keras_hub_model_is_equal():
     assert result.exit_code == 0, result.lines()
 
 
-@pytest.mark.parametrize("recipe", ["fashion-mnist-cnn", "mnist-mlp-bf16"])
+@pytest.mark.parametrize("recipe", ["fashion-mnist-cnn",
+                                    pytest.param("mnist-mlp-bf16", marks=pytest.mark.slow)])
 def test_the_tutorial_recipes_on_the_command_line(recipe, data_dir, tmp_path, capsys):
     from meshfit import cli
 
@@ -251,6 +253,7 @@ def test_the_tutorial_recipes_on_the_command_line(recipe, data_dir, tmp_path, ca
     assert result["precision"] == ("bfloat16" if recipe == "mnist-mlp-bf16" else "float32")
 
 
+@pytest.mark.slow
 def test_a_run_directory_is_verified_with_its_own_batch_and_seed(data_dir, tmp_path, capsys):
     from meshfit import cli
 

@@ -71,7 +71,8 @@ def parse_counts(text: str | Sequence[int], what: str) -> tuple[int, ...]:
     try:
         counts = tuple(dict.fromkeys(int(str(w).strip()) for w in words if str(w).strip()))
     except ValueError:
-        raise MeshfitError(f"{what} {text!r}: give whole numbers separated by commas, e.g. 1,2,8") from None
+        raise MeshfitError(f"{what} {text!r}: give whole numbers separated by commas, "
+                           "e.g. 1,2,8") from None
     if not counts or min(counts) < 1:
         raise MeshfitError(f"{what} {text!r}: give whole numbers of at least 1, e.g. 1,2,8")
     return counts
@@ -104,7 +105,8 @@ def configurations(devices: Sequence[int], shardings: Sequence[tuple[str, int]],
             if count == 1:
                 continue  # one device lays nothing out: it is the reference
             if k > 1 and count % k:
-                raise MeshfitError(f"model:{k} does not divide {count} devices; use a divisor of {count}")
+                raise MeshfitError(f"model:{k} does not divide {count} devices; use a divisor "
+                                   f"of {count}")
             found.append(Configuration(count, sharding, model_parallel=k))
     most, (sharding, k) = max(devices), shardings[0]
     found += [Configuration(most, sharding, k, micro_batches=m) for m in micro_batches if m > 1]
@@ -143,20 +145,21 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
            steps: int = DEFAULT_STEPS, devices: str | Sequence[int] = DEFAULT_DEVICES,
            sharding: str | Sequence[str] = DEFAULT_SHARDING, micro_batches: Sequence[int] = (),
            steps_per_dispatch: Sequence[int] = (), resume: bool = True, seed: int = 0,
-           precision: str = "float32", plot: str | None = None, verbose: bool = True):
+           precision: str = "auto", plot: str | None = None, verbose: bool = True):
     """Train `build_model()`'s model `steps` steps on one device and under every configuration
     asked, from the same weights and batches, and compare: a meshfit.run.verify_report.Verdicts
     (`.ok`, `.exit_code`, `.lines()`, `.as_dict()`); `plot`: also write that PNG.
 
-    build_model: a function returning a compiled Keras model (or a RecipeModel) (called once per run, under its
-    devices, as one builds inside `strategy.scope()`). x, y: arrays (or dicts of arrays) taken in
-    order, `batch_size` samples a step (the global batch, split over the devices); or x a function
+    build_model: a function returning a compiled Keras model (or a RecipeModel), called once
+    per run under its devices, as one builds inside `strategy.scope()`. x, y: arrays (or dicts
+    of arrays) taken in order, `batch_size` samples a step (the global batch, split over the devices); or x a function
     `x(first_step)` yielding (x, y) global batches from that step on (a resume reads from the
     middle), y then None. devices: counts such as (1, 2, 8); sharding: modes, 'auto' and
     'model:K'. micro_batches, steps_per_dispatch: values to try on the largest device count.
     resume: also stop after steps/2 and resume from the whole state. Runs on the devices of the
     last meshfit.connect() (the first N of them per configuration); when nothing has started JAX
-    yet, on max(devices) simulated CPU devices.
+    yet, on max(devices) simulated CPU devices. precision: as connect()'s ('auto': the connected
+    strategy's, else the hardware's); every run, the reference included, trains in it.
     """
     counts = parse_counts(devices, "devices")
     shardings = parse_shardings(sharding)
@@ -171,8 +174,8 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
         raise MeshfitError("meshfit.verify: x is a function yielding (x, y) batches; give no y")
     runs = configurations(counts, shardings, steps=steps, micro_batches=micro_batches,
                           steps_per_dispatch=steps_per_dispatch, resume=resume)
-    return compare_runs(max(counts), precision, build_model, source, runs, steps=steps, global_batch=batch_size,
-                        seed=seed, plot=plot, verbose=verbose)
+    return compare_runs(max(counts), precision, build_model, source, runs, steps=steps,
+                        global_batch=batch_size, seed=seed, plot=plot, verbose=verbose)
 
 
 def compare_runs(devices: int, precision: str, build, source, runs: list[Configuration], *,

@@ -3,9 +3,9 @@ step by step and variable by variable, as a multiple of the rounding floor; its 
 JSON and picture.
 
 Distances are relative: a float variable's is ||w - w_ref|| / ||w_ref|| (integer variables,
-random generators' counters, are not compared: micro-batches advance a dropout layer's counter
-once per slice while drawing the one-device masks), a log's (loss, metric) |v - v_ref| / |v_ref|; a step's is the largest
-over variables (weights) and over logs. The floor at each step is the same distance between the
+random generators' counters, are not compared: what they drive, the numbers drawn, shows in the
+weights and logs; micro-batches advance them per slice), a log's (loss, metric)
+|v - v_ref| / |v_ref|; a step's is the largest over variables (weights) and over logs. The floor at each step is the same distance between the
 reference and the reference trained again from weights moved by one rounding unit of the compute
 dtype (meshfit.run.keras_side.verify_training.perturbed): how far rounding alone carries two
 correct runs apart through these steps of this model.
@@ -107,8 +107,10 @@ class Verdicts:
                           "weights": self.weight_floor, "logs": self.log_floor},
                 "reference_seconds": self.reference_seconds,
                 "configurations": [
-                    {"name": v.name, "ok": v.ok, "verdict": v.line(self.steps).strip()[len(v.name):].strip(),
-                     "diverges_at_step": v.diverges_at, "times_floor": v.times_floor if not v.ok else v.worst,
+                    {"name": v.name, "ok": v.ok,
+                     "verdict": v.line(self.steps).strip()[len(v.name):].strip(),
+                     "diverges_at_step": v.diverges_at,
+                     "times_floor": v.worst if v.ok else v.times_floor,
                      "variable": v.variable, "seconds": v.seconds, "steps": v.steps,
                      "weight_distance": v.weight_distance, "log_distance": v.log_distance}
                     for v in self.verdicts],

@@ -25,7 +25,8 @@ from meshfit.run.keras_side import fitting
 
 # The unit roundoff of each compute dtype: the floor run's weights are moved by this much
 # (relative, random sign per element), one rounding of the arithmetic the model runs in.
-UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11, "float64": 2.0 ** -53}
+UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11,
+                 "float64": 2.0 ** -53}
 
 
 @dataclass
@@ -83,7 +84,8 @@ def _assign(variables, values) -> None:
 
 def _join(batches: list) -> Any:
     """Several global batches (x, y) as one (their samples one after another)."""
-    return keras.tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]), *batches)
+    return keras.tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]),
+                                    *batches)
 
 
 def new_model(strategy: Strategy, build: Callable[[], Any], seed: int, first_batch) -> Any:
