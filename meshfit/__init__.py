@@ -38,7 +38,7 @@ from meshfit.parallel import planning as _planning
 from meshfit.parallel import sharding as _sharding
 
 __version__ = "0.1.0"
-__all__ = ["connect", "plan", "Strategy", "EpochReport", "Recipe", "MeshfitError", "TrainingInterrupted",
+__all__ = ["connect", "plan", "verify", "Strategy", "EpochReport", "Recipe", "MeshfitError", "TrainingInterrupted",
            "__version__"]
 
 
@@ -105,6 +105,10 @@ def __getattr__(name: str):
         from meshfit.watch.keras_side.report import EpochReport  # imports Keras: use after connect()
 
         return EpochReport
+    if name == "verify":  # loads numpy; the Keras side only once it has connected
+        from meshfit.run.verify import verify  # the run package: loaded when first named
+
+        return verify
     if name == "Recipe":
         from meshfit.recipes import Recipe  # loads the recipes and data packages
 

@@ -26,6 +26,7 @@ from typing import Callable
 
 import meshfit
 from meshfit.commands import ctrl_c, launch_command, runs
+from meshfit.commands import verify as verify_command
 from meshfit.errors import MeshfitError
 from meshfit.parallel import cluster
 from meshfit.run import options
@@ -43,6 +44,7 @@ COMMANDS = {
     "launch": "start N local processes of a multi-host job",
     "runs": "list run directories side by side: settings, progress, accuracy, speed",
     "recipe": "print a built-in recipe as a file to start one's own from",
+    "verify": "train a few steps on one device and on N, compare step by step: same model or not",
 }
 
 
@@ -340,6 +342,17 @@ def run_runs(args: argparse.Namespace) -> int:
         runs.plot_goodput(rows, args.goodput_plot)
         print(f"wrote {args.goodput_plot}", file=sys.stderr if args.json else sys.stdout, flush=True)
     return 0
+
+
+# ------------------------------------------------------------------------------------- verify
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    verify_command.add_arguments(parser)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Exit 0 when every configuration trains the one-device model within rounding, else 1."""
+    return verify_command.run(args)
 
 
 # --------------------------------------------------------------------------------------- main

@@ -1,0 +1,229 @@
+"""`meshfit.verify` and `meshfit verify`: proof that N devices train the same model as one.
+
+From the same initial weights, seed and batches, a model trains `steps` steps on one device (the
+reference) and under every configuration asked (device count, sharding, micro-batches, steps per
+dispatch, a stop and resume in the middle); meshfit.run.verify_report compares each with the
+reference, step by step and variable by variable, in multiples of the rounding floor measured in
+the same run (the reference trained again from weights moved by one rounding unit).
+
+Every configuration runs in this process on the first N of the devices JAX started (simulated
+CPU devices, as many as the largest count asked, when verify starts JAX itself): the model
+function and data need not be importable or picklable, and nothing is started twice. Code that
+reads `jax.device_count()` sees every started device; read the replica count of the run in
+progress from `keras.distribution.distribution()` instead (None on one device).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import meshfit
+from meshfit.errors import MeshfitError
+from meshfit.parallel import cluster, modes
+from meshfit.run import verify_report
+
+DEFAULT_STEPS = 8  # a few steps show a wrong gradient, statistic or order; rounding stays small
+DEFAULT_DEVICES = (1, 8)
+DEFAULT_SHARDING = ("data", "fsdp")
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One way of training to compare with the one-device reference."""
+
+    devices: int
+    sharding: str = "data"  # a mode's name, "auto"; model_parallel K: "model:K" on the command line
+    model_parallel: int = 1
+    micro_batches: int = 1
+    steps_per_dispatch: int = 1
+    resume_at: int | None = None  # stop after this many steps and resume from the state
+
+    @property
+    def name(self) -> str:
+        words = [f"{self.devices} device{'s' if self.devices > 1 else ''}", self.sharding]
+        if self.model_parallel > 1:
+            words[-1] = f"{self.sharding} x model {self.model_parallel}"
+        if self.micro_batches > 1:
+            words.append(f"{self.micro_batches} micro-batches")
+        if self.steps_per_dispatch > 1:
+            words.append(f"{self.steps_per_dispatch} steps per dispatch")
+        if self.resume_at is not None:
+            words.append(f"resumed after step {self.resume_at}")
+        return ", ".join(words)
+
+
+@dataclass(frozen=True)
+class RecipeModel:
+    """A recipe's model as `meshfit verify` builds it: the recipe's build, prepare, optimizer and
+    compile for this data (meshfit.run.keras_side.fitting.build), one step per dispatch."""
+
+    recipe: Any
+    dataset: Any
+    steps_per_epoch: int
+    epochs: int
+
+
+def parse_counts(text: str | Sequence[int], what: str) -> tuple[int, ...]:
+    """'1,2,8' (or a sequence) as positive integers, in order, once each."""
+    words = text.split(",") if isinstance(text, str) else list(text)
+    try:
+        counts = tuple(dict.fromkeys(int(str(w).strip()) for w in words if str(w).strip()))
+    except ValueError:
+        raise MeshfitError(f"{what} {text!r}: give whole numbers separated by commas, "
+                           "e.g. 1,2,8") from None
+    if not counts or min(counts) < 1:
+        raise MeshfitError(f"{what} {text!r}: give whole numbers of at least 1, e.g. 1,2,8")
+    return counts
+
+
+def parse_shardings(text: str | Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """'data,fsdp,auto,model:2' (or a sequence) as (mode or 'auto', model parallelism) pairs."""
+    words = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for word in (w.strip().lower() for w in words if w.strip()):
+        found = re.fullmatch(r"model:(\d+)", word)
+        if found:
+            out.append(("data", int(found.group(1))))
+        else:
+            out.append((modes.check_sharding(word), 1))
+    if not out:
+        raise MeshfitError("--sharding: give modes separated by commas, e.g. data,fsdp,auto,model:2")
+    return tuple(dict.fromkeys(out))
+
+
+def configurations(devices: Sequence[int], shardings: Sequence[tuple[str, int]], *, steps: int,
+                   micro_batches: Sequence[int] = (), steps_per_dispatch: Sequence[int] = (),
+                   resume: bool = True) -> list[Configuration]:
+    """Every device count but 1 (the reference) under every sharding, then the micro-batches,
+    steps per dispatch and the stop and resume, each on the largest device count under the first
+    sharding."""
+    found: list[Configuration] = []
+    for count in devices:
+        for sharding, k in shardings:
+            if count == 1:
+                continue  # one device lays nothing out: it is the reference
+            if k > 1 and count % k:
+                raise MeshfitError(f"model:{k} does not divide {count} devices; use a divisor "
+                                   f"of {count}")
+            found.append(Configuration(count, sharding, model_parallel=k))
+    most, (sharding, k) = max(devices), shardings[0]
+    found += [Configuration(most, sharding, k, micro_batches=m) for m in micro_batches if m > 1]
+    for d in steps_per_dispatch:
+        if d > 1:
+            if steps % d:
+                raise MeshfitError(f"--steps-per-dispatch {d} does not divide --steps {steps}")
+            found.append(Configuration(most, sharding, k, steps_per_dispatch=d))
+    if resume and steps >= 2:
+        found.append(Configuration(most, sharding, k, resume_at=steps // 2))
+    return list(dict.fromkeys(found))
+
+
+def array_source(x, y, global_batch: int) -> Callable[[int], Iterator]:
+    """Batches of arrays in order: batch s holds samples s*B .. s*B+B-1 (cycling past the end)."""
+    import numpy as np  # start-up: this module is read by the command line before the data
+
+    def rows(a, index):
+        return {k: v[index] for k, v in a.items()} if isinstance(a, dict) else np.asarray(a)[index]
+
+    n = len(next(iter(x.values())) if isinstance(x, dict) else x)
+    if n < 1:
+        raise MeshfitError("meshfit.verify: x has no samples")
+
+    def source(start: int) -> Iterator:
+        step = start
+        while True:
+            index = np.arange(step * global_batch, (step + 1) * global_batch) % n
+            yield rows(x, index), rows(y, index)
+            step += 1
+
+    return source
+
+
+def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
+           steps: int = DEFAULT_STEPS, devices: str | Sequence[int] = DEFAULT_DEVICES,
+           sharding: str | Sequence[str] = DEFAULT_SHARDING, micro_batches: Sequence[int] = (),
+           steps_per_dispatch: Sequence[int] = (), resume: bool = True, seed: int = 0,
+           precision: str = "auto", plot: str | None = None, verbose: bool = True):
+    """Train `build_model()`'s model `steps` steps on one device and under every configuration
+    asked, from the same weights and batches, and compare: a meshfit.run.verify_report.Verdicts
+    (`.ok`, `.exit_code`, `.lines()`, `.as_dict()`); `plot`: also write that PNG.
+
+    build_model: a function returning a compiled Keras model (or a RecipeModel), called once
+    per run under its devices, as one builds inside `strategy.scope()`. x, y: arrays (or dicts
+    of arrays) taken in order, `batch_size` samples a step (the global batch, split over the devices); or x a function
+    `x(first_step)` yielding (x, y) global batches from that step on (a resume reads from the
+    middle), y then None. devices: counts such as (1, 2, 8); sharding: modes, 'auto' and
+    'model:K'. micro_batches, steps_per_dispatch: values to try on the largest device count.
+    resume: also stop after steps/2 and resume from the whole state. Runs on the devices of the
+    last meshfit.connect() (the first N of them per configuration); when nothing has started JAX
+    yet, on max(devices) simulated CPU devices. precision: as connect()'s ('auto': the connected
+    strategy's, else the hardware's); every run, the reference included, trains in it.
+    """
+    counts = parse_counts(devices, "devices")
+    shardings = parse_shardings(sharding)
+    if steps < 1:
+        raise MeshfitError(f"steps must be at least 1, got {steps}")
+    for count in counts:
+        if batch_size % count:
+            raise MeshfitError(f"batch_size {batch_size} does not split over {count} devices; use a "
+                               f"multiple of {max(counts)}")
+    source = x if callable(x) else array_source(x, y, batch_size)
+    if callable(x) and y is not None:
+        raise MeshfitError("meshfit.verify: x is a function yielding (x, y) batches; give no y")
+    runs = configurations(counts, shardings, steps=steps, micro_batches=micro_batches,
+                          steps_per_dispatch=steps_per_dispatch, resume=resume)
+    return compare_runs(max(counts), precision, build_model, source, runs, steps=steps,
+                        global_batch=batch_size, seed=seed, plot=plot, verbose=verbose)
+
+
+def compare_runs(devices: int, precision: str, build, source, runs: list[Configuration], *,
+                 steps: int, global_batch: int, seed: int, plot: str | None, verbose: bool):
+    """Train the reference, the floor run and every configuration on the devices of the last
+    meshfit.connect() (when JAX has not started: `devices` simulated CPU devices, connected now);
+    the verdicts (printed when verbose, drawn into `plot`)."""
+    if not cluster.jax_started():
+        meshfit.connect(simulate_devices=devices, engine="jax", precision=precision, verbose=False)
+    from meshfit.run.keras_side import verify_training as training  # the engine line: connected
+
+    base = training.base_strategy(precision)
+    build = training.builder(build)
+    reference_strategy = training.strategy_on(base, 1, "data")
+    first = next(iter(source(0)))
+    start = training.initial_weights(reference_strategy, build, seed, first)
+    common = dict(steps=steps, global_batch=global_batch, seed=seed)
+    roundoff = training.UNIT_ROUNDOFF.get(_compute_dtype(base.precision), 2.0 ** -24)
+    say = print if verbose else (lambda *a, **k: None)
+    say(f"verify: {len(runs)} configuration(s) against 1 device, {steps} steps of {global_batch} "
+        f"samples, {base.precision}", flush=True)
+    reference = training.train(reference_strategy, build, source, start=start, **common)
+    floor = training.train(reference_strategy, build, source,
+                           start=training.perturbed(start, roundoff, seed), **common)
+    traces, refusals = {}, {}
+    for run in runs:
+        strategy = training.strategy_on(base, run.devices, run.sharding, run.model_parallel)
+        try:
+            traces[run.name] = training.train(
+                strategy, build, source, start=start, micro_batches=run.micro_batches,
+                steps_per_dispatch=run.steps_per_dispatch, resume_at=run.resume_at, **common)
+        except MeshfitError as refused:  # meshfit's own check of a setting (e.g. micro-batches of BN)
+            refusals[run.name] = str(refused)
+            say(f"  not run: {run.name}: {refused}", flush=True)
+            continue
+        say(f"  trained: {run.name} ({traces[run.name].seconds:.1f} s)", flush=True)
+    base.activate()
+    verdicts = verify_report.judge(reference, floor, traces, roundoff=roundoff,
+                                   precision=base.precision, global_batch=global_batch,
+                                   refusals=refusals)
+    if plot:
+        verify_report.plot(verdicts, reference, traces, plot)
+    if verbose:
+        print("\n".join(verdicts.lines()), flush=True)
+        if plot:
+            print(f"wrote {plot}", flush=True)
+    return verdicts
+
+
+def _compute_dtype(precision: str) -> str:
+    return {"bfloat16": "bfloat16", "float16": "float16"}.get(precision, "float32")

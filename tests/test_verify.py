@@ -1,0 +1,321 @@
+"""`meshfit.verify` and `meshfit verify`: seeded defects each diverge (exit 1) from the step and in
+the variable or metric they touch; correct models and configurations never do.
+
+Each defect is one a user meets when moving a model from one device to several, written as user
+code would: it reads the replica count of the run in progress (keras.distribution.distribution(),
+the devices of the active configuration), so it is invisible on one device. The tests run on the
+suite's 8 simulated devices, 4 steps of tiny models, 1 device against 8.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+from keras import layers, ops
+
+import meshfit
+from helpers import connect_eight_devices
+
+SAMPLES, BATCH, FEATURES, CLASSES, STEPS = 256, 32, 8, 3, 4
+rng = np.random.default_rng(0)
+X = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
+Y = rng.integers(0, CLASSES, SAMPLES)
+
+
+def replicas() -> int:
+    """The replica count of the run in progress, as user code reads it."""
+    distribution = keras.distribution.distribution()
+    return 1 if distribution is None else int(np.prod(distribution.device_mesh.shape))
+
+
+def compiled(model, optimizer=None, metrics=("accuracy",)):
+    model.compile(optimizer or keras.optimizers.SGD(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=list(metrics))
+    return model
+
+
+def mlp(*middle):
+    return keras.Sequential([keras.Input((FEATURES,)), layers.Dense(16, activation="relu", name="hidden"),
+                             *middle, layers.Dense(CLASSES, name="out")])
+
+
+def verify(build, x=X, y=Y, **kwargs):
+    kwargs = {"batch_size": BATCH, "steps": STEPS, "devices": (1, 8), "sharding": "data",
+              "resume": False, "verbose": False, **kwargs}
+    return meshfit.verify(build, x, y, **kwargs)
+
+
+def diverging(result):
+    """The one configuration's verdict, which must diverge (exit code 1)."""
+    assert result.exit_code == 1, result.lines()
+    (verdict,) = [v for v in result.verdicts if not v.ok]
+    return verdict
+
+
+@pytest.fixture(autouse=True)
+def eight_devices():
+    yield connect_eight_devices()
+    connect_eight_devices()
+
+
+# ------------------------------------------------------------------------ the seeded defects
+
+class ScaledLoss(keras.Model):
+    """Ported from tf.distribute: the loss multiplied by the replica count, so the gradient is
+    the devices' sum, not their mean."""
+
+    def compute_loss(self, *args, **kwargs):
+        return super().compute_loss(*args, **kwargs) * replicas()
+
+
+def test_gradients_summed_over_devices_instead_of_averaged():
+    def build():
+        inputs = keras.Input((FEATURES,))
+        hidden = layers.Dense(16, activation="relu", name="hidden")(inputs)
+        return compiled(ScaledLoss(inputs, layers.Dense(CLASSES, name="out")(hidden)))
+
+    verdict = diverging(verify(build))
+    assert verdict.name == "8 devices, data" and verdict.diverges_at == 1
+    assert verdict.variable.startswith("variable ") and verdict.times_floor > 1e3
+
+
+class PerDeviceBatchNorm(layers.Layer):
+    """Batch statistics over each device's share (tf.distribute's BatchNormalization without
+    synchronisation) where the global batch was meant."""
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        groups = ops.reshape(x, (replicas(), -1, x.shape[-1]))
+        mean = ops.mean(groups, axis=1, keepdims=True)
+        variance = ops.var(groups, axis=1, keepdims=True)
+        return ops.reshape((groups - mean) / ops.sqrt(variance + 1e-3), ops.shape(x))
+
+
+def test_batch_statistics_per_device():
+    verdict = diverging(verify(lambda: compiled(mlp(PerDeviceBatchNorm()))))
+    assert verdict.diverges_at == 1 and "layer" in verdict.variable
+
+
+class SameNoiseOnEveryDevice(layers.Layer):
+    """Noise drawn for one device's share and repeated on every device."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seeds = keras.random.SeedGenerator(7)
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        share = keras.random.normal((x.shape[0] // replicas(), x.shape[-1]), seed=self.seeds)
+        return x + 0.5 * ops.tile(share, (replicas(), 1))
+
+
+def test_noise_that_draws_the_same_numbers_on_every_device():
+    verdict = diverging(verify(lambda: compiled(mlp(SameNoiseOnEveryDevice()))))
+    assert verdict.diverges_at == 1 and "layer" in verdict.variable
+
+
+class MeanAbsoluteLogit(keras.metrics.Metric):
+    """A metric whose per-device means are summed over the devices instead of averaged (its
+    sum divided by a device's share of the batch)."""
+
+    def __init__(self, name="mean_abs_logit", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable((), initializer="zeros", name="total")
+        self.count = self.add_variable((), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        share = ops.shape(y_pred)[0] // replicas()
+        self.total.assign_add(ops.sum(ops.abs(y_pred)) / ops.cast(share * y_pred.shape[-1], "float32"))
+        self.count.assign_add(1.0)
+
+    def result(self):
+        return self.total / self.count
+
+
+def test_a_metric_summed_over_devices():
+    verdict = diverging(verify(lambda: compiled(mlp(), metrics=[MeanAbsoluteLogit()])))
+    assert verdict.diverges_at == 1 and verdict.variable == "metric mean_abs_logit"
+
+
+def test_a_data_order_that_depends_on_the_device_count():
+    def batches(start):  # shuffled with the replica count as its seed
+        order = np.random.default_rng(replicas()).permutation(SAMPLES)
+        for step in range(start, 10 ** 6):
+            rows = order[np.arange(step * BATCH, (step + 1) * BATCH) % SAMPLES]
+            yield X[rows], Y[rows]
+
+    verdict = diverging(verify(lambda: compiled(mlp()), batches, None))
+    assert verdict.diverges_at == 1 and verdict.variable.startswith("variable ")
+
+
+@pytest.mark.parametrize("offset, words", [(1, "skips"), (-1, "repeats")])
+def test_a_resume_that_skips_or_repeats_a_batch(offset, words):
+    def batches(start):  # the stream restarted one batch off where it resumes
+        for step in range(start + offset if start else 0, 10 ** 6):
+            rows = np.arange(step * BATCH, (step + 1) * BATCH) % SAMPLES
+            yield X[rows], Y[rows]
+
+    result = verify(lambda: compiled(mlp()), batches, None, resume=True)
+    verdict = diverging(result)
+    assert verdict.name == "8 devices, data, resumed after step 2", words
+    assert verdict.diverges_at == 3 and verdict.variable.startswith("variable ")
+
+
+# ---------------------------------------------------------------------- no false alarms
+
+class WithActivityLoss(keras.Model):
+    """A subclassed model with its own layers, call and add_loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = layers.Dense(16, activation="relu")
+        self.dropout = layers.Dropout(0.3)
+        self.norm = layers.BatchNormalization()
+        self.out = layers.Dense(CLASSES)
+
+    def call(self, x, training=False):
+        h = self.norm(self.dropout(self.hidden(x), training=training), training=training)
+        self.add_loss(1e-2 * ops.mean(ops.square(h)))
+        return self.out(h)
+
+
+def test_a_subclassed_model_with_add_loss_dropout_and_batch_norm_is_equal(tmp_path):
+    picture = str(tmp_path / "verify.png")
+    result = verify(lambda: compiled(WithActivityLoss(), keras.optimizers.Adam(1e-2)),
+                    devices=(1, 8), sharding="data,fsdp", resume=True, steps_per_dispatch=(2,),
+                    plot=picture)
+    assert result.exit_code == 0, result.lines()
+    names = [v.name for v in result.verdicts]
+    assert names == ["8 devices, data", "8 devices, fsdp", "8 devices, data, 2 steps per dispatch",
+                     "8 devices, data, resumed after step 2"]
+    assert all(0 < v.worst <= 30 for v in result.verdicts)  # measured, never trivially zero
+    lines = result.lines()
+    assert "rounding floor" in lines[1] and "one rounding unit" in lines[1]
+    assert all("equal within rounding" in line for line in lines[2:-1])
+    assert os.path.getsize(picture) > 10_000
+    assert json.loads(json.dumps(result.as_dict()))["ok"] is True
+
+
+def test_mixed_precision_is_equal():
+    result = verify(lambda: compiled(mlp(layers.Dropout(0.2))), precision="bfloat16",
+                    sharding="data,fsdp,model:2")
+    assert result.exit_code == 0, result.lines()
+    assert "bfloat16" in result.lines()[0] and len(result.verdicts) == 3
+
+
+def test_micro_batches_are_equal_but_their_dropout_draws_other_numbers():
+    """On JAX each micro-batch draws its own Dropout masks (meshfit.fit.jax_microbatch): the same
+    distribution, other numbers than one device draws, which verify must report."""
+    plain = verify(lambda: compiled(mlp()), micro_batches=(2,))
+    assert plain.exit_code == 0, plain.lines()
+    verdict = diverging(verify(lambda: compiled(mlp(layers.Dropout(0.2))), micro_batches=(2,)))
+    assert verdict.name == "8 devices, data, 2 micro-batches" and verdict.diverges_at == 1
+
+
+@pytest.mark.slow
+def test_a_keras_hub_model_is_equal():
+    keras_hub = pytest.importorskip("keras_hub")
+    vocabulary, length = 64, 8
+    tokens = np.random.default_rng(1).integers(1, vocabulary, (64, length + 1)).astype("int32")
+
+    def build():
+        backbone = keras_hub.models.LlamaBackbone(vocabulary_size=vocabulary, num_layers=1,
+                                                  num_query_heads=2, num_key_value_heads=1,
+                                                  hidden_dim=16, intermediate_dim=32)
+        model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((64, length), bool)}
+    result = verify(build, x, tokens[:, 1:], batch_size=16, sharding="data,fsdp")
+    assert result.exit_code == 0, result.lines()
+
+
+@pytest.mark.parametrize("recipe", ["fashion-mnist-cnn",
+                                    pytest.param("mnist-mlp-bf16", marks=pytest.mark.slow)])
+def test_the_tutorial_recipes_on_the_command_line(recipe, data_dir, tmp_path, capsys):
+    from meshfit import cli
+
+    picture = str(tmp_path / "fm.png")
+    code = cli.main(["verify", recipe, "--data-dir", data_dir, "--global-batch", "32",
+                     "--steps", "4", "--devices", "1,8", "--sharding", "data,fsdp", "--plot",
+                     picture, "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0, result
+    assert [c["name"] for c in result["configurations"]] == [
+        "8 devices, data", "8 devices, fsdp", "8 devices, data, resumed after step 2"]
+    assert result["recipe"] == recipe and os.path.getsize(picture) > 10_000
+    assert result["precision"] == ("bfloat16" if recipe == "mnist-mlp-bf16" else "float32")
+
+
+@pytest.mark.slow
+def test_a_run_directory_is_verified_with_its_own_batch_and_seed(data_dir, tmp_path, capsys):
+    from meshfit import cli
+
+    run = str(tmp_path / "run")
+    assert cli.main(["train", "fashion-mnist-cnn", "--data-dir", data_dir, "--epochs", "1",
+                     "--steps-per-epoch", "2", "--global-batch", "16", "--seed", "3", "--out", run,
+                     "--checkpoint-every", "off"]) == 0
+    capsys.readouterr()
+    code = cli.main(["verify", run, "--steps", "2", "--sharding", "data", "--no-resume",
+                     "--plot", "", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0, result
+    assert result["global_batch"] == 16 and result["seed"] == 3 and result["recipe"] == "fashion-mnist-cnn"
+
+
+def test_a_defective_recipe_file_exits_1_on_the_command_line(data_dir, tmp_path, capsys):
+    from meshfit import cli
+
+    recipe = tmp_path / "scaled.py"
+    recipe.write_text(
+        "import keras, meshfit\n"
+        "class Scaled(keras.Model):\n"
+        "    def compute_loss(self, *args, **kwargs):\n"
+        "        d = keras.distribution.distribution()\n"
+        "        n = 1 if d is None else d.device_mesh.devices.size\n"
+        "        return super().compute_loss(*args, **kwargs) * n\n"
+        "def build_model(input_shape, num_classes):\n"
+        "    x = keras.Input(input_shape)\n"
+        "    h = keras.layers.Flatten()(keras.layers.Rescaling(1 / 255)(x))\n"
+        "    return Scaled(x, keras.layers.Dense(num_classes, activation='softmax')(h))\n"
+        "RECIPE = meshfit.Recipe(name='scaled', dataset='fashion_mnist', build_model=build_model,\n"
+        "    optimizer=lambda steps, epochs: keras.optimizers.SGD(0.01), epochs=1, global_batch=32)\n")
+    code = cli.main(["verify", str(recipe), "--data-dir", data_dir, "--steps", "2", "--no-resume",
+                     "--sharding", "data", "--plot", ""])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "8 devices, data" in out and "diverges from step 1 of 2" in out and "variable" in out
+
+
+def test_the_configurations_asked():
+    from meshfit.run.verify import configurations, parse_shardings
+
+    runs = configurations((1, 2, 8), parse_shardings("fsdp, auto, model:2"), steps=8,
+                          micro_batches=(1, 4), steps_per_dispatch=(2,))
+    assert [r.name for r in runs] == [
+        "2 devices, fsdp", "2 devices, auto", "2 devices, data x model 2", "8 devices, fsdp",
+        "8 devices, auto", "8 devices, data x model 2", "8 devices, fsdp, 4 micro-batches",
+        "8 devices, fsdp, 2 steps per dispatch", "8 devices, fsdp, resumed after step 4"]
+    with pytest.raises(meshfit.MeshfitError, match="model:3 does not divide 8 devices"):
+        configurations((8,), parse_shardings("model:3"), steps=8)
+    with pytest.raises(meshfit.MeshfitError, match="--steps-per-dispatch 3 does not divide --steps 8"):
+        configurations((8,), parse_shardings("data"), steps=8, steps_per_dispatch=(3,))
+    with pytest.raises(meshfit.MeshfitError, match="unknown sharding 'rows'"):
+        parse_shardings("data,rows")
+
+
+def test_bad_input_is_one_line(capsys):
+    from meshfit import cli
+
+    assert cli.main(["verify", "fashion-mnist-cnn", "--devices", "1,x"]) == 2
+    assert "--devices '1,x': give whole numbers" in capsys.readouterr().err
+    with pytest.raises(meshfit.MeshfitError, match="does not split over 8 devices"):
+        verify(lambda: compiled(mlp()), batch_size=12)
+    with pytest.raises(meshfit.MeshfitError, match="must return a compiled Keras model"):
+        verify(lambda: mlp())
