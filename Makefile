@@ -87,4 +87,4 @@ test-next: $(NEXT_VENV)/.packages
 	$(NEXT_VENV)/bin/python -m meshfit --version  # the set's versions, for the log
 	$(NEXT_VENV)/bin/python -m pip list 2>/dev/null | grep -iE "^(keras|jax)"
 	$(NEXT_VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=10 -m "not slow" $(CORE_TESTS) tests/test_jax_loop.py; \
-	core=$$?; $(NEXT_VENV)/bin/python -m pytest -q -p no:xdist -m "not slow" tests/test_hub.py; exit $$((core || $$?))  # a crash in one keeps the other's summary
+	core=$$?; $(NEXT_VENV)/bin/python -m pytest -q -n 1 --dist load -rfE -m "not slow" tests/test_hub.py; exit $$((core || $$?))  # apart, and in a worker: a test that aborts the process is one failure, the rest still run

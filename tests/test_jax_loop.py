@@ -145,12 +145,13 @@ def test_batches_stacked_per_dispatch_train_as_one_by_one(strategy, monkeypatch)
 
     x, y = data(6 * 16)
     batches = [(x[i * 16:(i + 1) * 16], y[i * 16:(i + 1) * 16]) for i in range(6)]
+    monkeypatch.setattr(keras_internals, "stacks_dispatch_batches", lambda: False)  # as Keras 3.15
     one_by_one = small_model(strategy, 4)
     jax_loop.install(one_by_one, 4)
     state = jax_loop.training_state(one_by_one, batches[0])
     logs, state = one_by_one.train_function(state, iter(batches[:4]))  # 4 steps in one dispatch
     logs, state = one_by_one.train_function(state, iter(batches[4:]))  # then 2 single steps
-    monkeypatch.setattr(keras_internals, "stacks_dispatch_batches", lambda: True)
+    monkeypatch.setattr(keras_internals, "stacks_dispatch_batches", lambda: True)  # as Keras 3.16
     model = small_model(strategy, 4)
     jax_loop.install(model, 4)
     stacked = jax.tree.map(lambda *parts: np.stack(parts), *batches[:4])
