@@ -41,6 +41,22 @@ $(NEWEST_VENV)/.installed: $(NEWEST_VENV)/.packages
 	$(NEWEST_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
+# `make test-next` (not in `make test`, not in CI): one release ahead. Python 3.13 (pyenv's, else
+# python3.13 on the PATH, else `make test-next PYTHON_NEXT=/path/to/python3.13`) with the newest
+# set's packages, then Keras' and keras-hub's nightly builds in place of their releases, and the
+# core of the suite plus tests/test_hub.py (docs/installation.md, "Compatibility").
+NEXT_VENV ?= .venv-next
+PYTHON_NEXT ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.13*/bin/python) $(shell command -v python3.13))
+
+$(NEXT_VENV)/.packages: pyproject.toml
+	@test -n "$(PYTHON_NEXT)" || { echo "make test-next: needs Python 3.13: none in $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions or on the PATH; install one (pyenv install 3.13) or name it: make test-next PYTHON_NEXT=/path/to/python3.13"; exit 1; }
+	$(PYTHON_NEXT) -m venv $(NEXT_VENV)
+	$(NEXT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(NEXT_VENV)/bin/python tools/requirements.py cpu,test-core,hub > $(NEXT_VENV)/requirements.txt
+	$(NEXT_VENV)/bin/python -m pip install -q --upgrade -r $(NEXT_VENV)/requirements.txt
+	$(NEXT_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
 .PHONY: install train test test-current test-newest
 install: $(VENV)/.installed
 
@@ -60,3 +76,15 @@ test-current: $(VENV)/.installed
 test-newest: $(NEWEST_VENV)/.installed
 	$(NEWEST_VENV)/bin/python -m meshfit --version  # the set's versions, for the log
 	$(NEWEST_VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=10 -m "not slow" $(CORE_TESTS)
+
+.PHONY: test-next
+# The nightlies on every run (the newest of the day): keras-nightly installs the package `keras`
+# under another name, so the releases go first; --no-deps, as keras-hub-nightly asks for `keras`,
+# and --force-reinstall, as a later install of the releases would overwrite the same files.
+test-next: $(NEXT_VENV)/.packages
+	$(NEXT_VENV)/bin/python -m pip uninstall -q -y keras keras-hub
+	$(NEXT_VENV)/bin/python -m pip install -q --upgrade --force-reinstall --pre --no-deps keras-nightly keras-hub-nightly
+	$(NEXT_VENV)/bin/python -m meshfit --version  # the set's versions, for the log
+	$(NEXT_VENV)/bin/python -m pip list 2>/dev/null | grep -iE "^(keras|jax)"
+	$(NEXT_VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=10 -m "not slow" $(CORE_TESTS) tests/test_jax_loop.py; \
+	core=$$?; $(NEXT_VENV)/bin/python -m pytest -q -n 1 --dist load -rfE -m "not slow" tests/test_hub.py; exit $$((core || $$?))  # apart, and in a worker: a test that aborts the process is one failure, the rest still run

@@ -384,20 +384,25 @@ def _parser(command: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+# (engine, distribution) for `meshfit --version`: keras-nightly installs the package `keras` under
+# its own name (`make test-next`), as tensorflow-cpu installs `tensorflow`.
+ENGINE_DISTRIBUTIONS = (("JAX", "jax"), ("Keras", "keras"), ("Keras", "keras-nightly"),
+                        ("TensorFlow", "tensorflow"), ("TensorFlow", "tensorflow-cpu"))
+
+
 def version_text() -> str:
     """`meshfit --version`: meshfit's version and those of Python and the engines installed
     (read from the packages' metadata: nothing heavy is imported)."""
     from importlib import metadata  # not at the top: it costs the other commands' start-up
 
-    found = []
-    for name, package in (("JAX", "jax"), ("Keras", "keras"), ("TensorFlow", "tensorflow"),
-                          ("TensorFlow", "tensorflow-cpu")):
+    found = {}  # each engine's version, from the first of its distributions installed
+    for name, package in ENGINE_DISTRIBUTIONS:
         try:
-            found.append(f"{name} {metadata.version(package)}")
+            found.setdefault(name, f"{name} {metadata.version(package)}")
         except metadata.PackageNotFoundError:
             pass
     python = ".".join(map(str, sys.version_info[:3]))
-    return f"meshfit {meshfit.__version__} (Python {python}; {', '.join(dict.fromkeys(found)) or 'no engine installed'})"
+    return f"meshfit {meshfit.__version__} (Python {python}; {', '.join(found.values()) or 'no engine installed'})"
 
 
 def _did_you_mean(word: str, choices) -> str:

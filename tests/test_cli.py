@@ -31,6 +31,21 @@ def test_version_names_meshfit_python_and_the_engines(capsys):
     assert line.startswith(f"meshfit {__version__} (Python 3.") and "JAX 0." in line, line
 
 
+def test_version_names_keras_nightly_as_keras(monkeypatch):
+    from importlib import metadata
+
+    installed = {"jax": "0.12.0.1", "keras-nightly": "3.16.0.dev2026102704", "tensorflow": "2.21.0",
+                 "tensorflow-cpu": "2.21.0"}
+
+    def version(package):
+        if package not in installed:
+            raise metadata.PackageNotFoundError(package)
+        return installed[package]
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert cli.version_text().endswith("; JAX 0.12.0.1, Keras 3.16.0.dev2026102704, TensorFlow 2.21.0)")
+
+
 @pytest.mark.parametrize("argv,line", [
     (["train", "--epoch", "1"], "meshfit: error: unrecognized argument --epoch for meshfit train; "
                                 "did you mean --epochs? (see meshfit train --help)"),

@@ -301,3 +301,31 @@ def test_the_requirements_make_installs_are_pyprojects_with_the_extras_expanded(
     assert {"keras", "jax", "orbax-checkpoint", "tensorflow-cpu", "grain", "pytest", "pytest-xdist"} <= set(names)
     assert len(names) == len(set(names)) and not any(line.startswith("meshfit") for line in out), out
     assert "mkdocs" not in names  # docs was not asked for
+
+
+def test_make_test_next_runs_the_core_on_keras_nightly_and_is_not_in_make_test(tmp_path):
+    """`make test-next` (docs/installation.md, "Compatibility"): a venv of the Python 3.13 it finds
+    or is given, the newest set's packages, then keras-nightly and keras-hub-nightly in place of
+    the releases (whose files they share), meshfit, and the core of the suite; `make test` (CI)
+    runs none of it; with no Python 3.13 it stops with one line saying how to give one."""
+    venvs = [f"VENV={tmp_path / 'venv'}", f"NEWEST_VENV={tmp_path / 'newest'}", f"NEXT_VENV={tmp_path / 'next'}"]
+    out = subprocess.run(["make", "-n", "test-next", "PYTHON_NEXT=/opt/py313/bin/python3.13", *venvs],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    python = f"{tmp_path / 'next'}/bin/python"
+    order = [f"/opt/py313/bin/python3.13 -m venv {tmp_path / 'next'}",
+             f"{python} tools/requirements.py cpu,test-core,hub",
+             f"{python} -m pip install -q --no-deps -e .",
+             f"{python} -m pip uninstall -q -y keras keras-hub",
+             f"{python} -m pip install -q --upgrade --force-reinstall --pre --no-deps keras-nightly keras-hub-nightly",
+             f"{python} -m meshfit --version", f"{python} -m pytest"]
+    at = [out.find(step) for step in order]
+    assert -1 not in at and at == sorted(at), out
+    assert "tests/test_sharding.py" in out and "tests/test_hub.py" in out
+    ci = subprocess.run(["make", "-n", "test", "PYTHON_NEWEST=/opt/py312/bin/python3.12", *venvs],
+                        cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "nightly" not in ci and str(tmp_path / "next") not in ci, ci
+    missing = subprocess.run(["make", "test-next", "PYTHON_NEXT=", *venvs], cwd=ROOT, capture_output=True,
+                             text=True)
+    assert missing.returncode != 0 and not (tmp_path / "next").exists()
+    assert missing.stdout.strip().splitlines()[-1].startswith("make test-next: needs Python 3.13"), missing.stdout
+    assert "PYTHON_NEXT=" in missing.stdout

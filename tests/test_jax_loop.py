@@ -100,3 +100,71 @@ def test_steps_per_dispatch_are_checked_and_fitted_to_the_epoch():
     assert planning.dividing_steps(13, 8) == 1
     with pytest.raises(meshfit.MeshfitError, match="at least 1"):
         planning.dividing_steps(60, 0)
+
+
+class Batches:
+    """A keras.utils.PyDataset of (x, y)'s batches of `size` (made when Keras is imported)."""
+
+    def __new__(cls, x, y, size):
+        import keras
+
+        class Source(keras.utils.PyDataset):
+            def __len__(self):
+                return -(-len(x) // size)
+
+            def __getitem__(self, i):
+                return x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]
+
+        return Source()
+
+
+@pytest.mark.parametrize("source", ["arrays", "pydataset"])
+def test_k_steps_per_dispatch_train_as_single_steps_from_any_source(strategy, source):
+    """5 batches an epoch with 2 per dispatch: 2 dispatches of 2, then 1 step. On Keras 3.16 its
+    iterator stacks each dispatch's batches (keras_internals.stacks_dispatch_batches), which the
+    loop and meshfit's sources take as they come."""
+    x, y = data(5 * 16)
+    trained = []
+    for steps in (1, 2):
+        model = small_model(strategy, steps)
+        fed = dict(x=x, y=y, batch_size=16) if source == "arrays" else dict(x=Batches(x, y, 16))
+        strategy.fit(model, epochs=2, shuffle=False, report=False, **fed)
+        assert int(np.asarray(model.optimizer.iterations)) == 10
+        trained.append(weights(model))
+    for a, b in zip(*trained):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_batches_stacked_per_dispatch_train_as_one_by_one(strategy, monkeypatch):
+    """As Keras 3.16 hands them: each dispatch's k batches stacked on a new leading axis, an
+    epoch's last few as a list; placed with the rows (second axis) split across the devices."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from meshfit.fit import keras_internals
+
+    x, y = data(6 * 16)
+    batches = [(x[i * 16:(i + 1) * 16], y[i * 16:(i + 1) * 16]) for i in range(6)]
+    monkeypatch.setattr(keras_internals, "stacks_dispatch_batches", lambda: False)  # as Keras 3.15
+    one_by_one = small_model(strategy, 4)
+    jax_loop.install(one_by_one, 4)
+    state = jax_loop.training_state(one_by_one, batches[0])
+    logs, state = one_by_one.train_function(state, iter(batches[:4]))  # 4 steps in one dispatch
+    logs, state = one_by_one.train_function(state, iter(batches[4:]))  # then 2 single steps
+    monkeypatch.setattr(keras_internals, "stacks_dispatch_batches", lambda: True)  # as Keras 3.16
+    model = small_model(strategy, 4)
+    jax_loop.install(model, 4)
+    stacked = jax.tree.map(lambda *parts: np.stack(parts), *batches[:4])
+    fed = iter([stacked, list(batches[4:])])
+    stacked_state = jax_loop.training_state(model, batches[0])
+    logs, stacked_state = model.train_function(stacked_state, fed)
+    logs, stacked_state = model.train_function(stacked_state, fed)
+    for a, b in zip(jax.tree.leaves(state[:2]), jax.tree.leaves(stacked_state[:2])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    import keras
+
+    with strategy.scope():
+        mesh = keras.distribution.distribution().device_mesh.backend_mesh
+        place = keras_internals._jax_distribution_lib().distribute_data_input  # meshfit's hook
+        placed = place(stacked[0], NamedSharding(mesh, PartitionSpec(None, "batch")), "batch")
+    assert tuple(placed.sharding.spec)[:2] == (None, "batch")  # rows split, not held whole on each device

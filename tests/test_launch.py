@@ -121,6 +121,69 @@ def test_each_process_feeds_its_devices_rows():
         assert len(cluster.local_rows(11, 8, devices, 0)) == 4
 
 
+# Each process prints, per source, the job's steps per epoch and how often it trained on each
+# sample (a count per sample id kept on the devices, summed over every global batch).
+SAMPLES_SEEN = """
+import json
+import meshfit
+import numpy as np
+
+strategy = meshfit.connect(verbose=False)
+import keras
+
+SAMPLES, BATCH, EPOCHS = 64, 16, 2
+
+
+class Seen(keras.layers.Layer):
+    def build(self, shape):
+        self.counts = self.add_weight(shape=(SAMPLES,), initializer="zeros", trainable=False)
+
+    def call(self, ids, training=False):
+        if training:
+            hits = keras.ops.one_hot(keras.ops.cast(ids[:, 0], "int32"), SAMPLES)
+            self.counts.assign(self.counts + keras.ops.sum(hits, axis=0))
+        return ids
+
+
+class Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return SAMPLES // BATCH
+
+    def __getitem__(self, i):
+        ids = np.arange(i * BATCH, (i + 1) * BATCH, dtype="float32")[:, None]
+        return ids, np.zeros_like(ids)
+
+
+ids = np.arange(SAMPLES, dtype="float32")[:, None]
+for name, data in [("arrays", dict(x=ids, y=np.zeros_like(ids), batch_size=BATCH)),
+                   ("pydataset", dict(x=Batches()))]:
+    with strategy.scope():
+        seen = Seen()
+        model = keras.Sequential([keras.Input((1,)), seen, keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    strategy.fit(model, epochs=EPOCHS, report=False, shuffle=False, **data)
+    counts = np.asarray(seen.counts.value.addressable_data(0)).astype(int)
+    steps = int(np.asarray(model.optimizer.iterations.value.addressable_data(0)))
+    print(json.dumps({"source": name, "steps": steps, "counts": counts.tolist()}), flush=True)
+"""
+
+
+def test_each_sample_is_trained_once_per_epoch_over_all_processes(tmp_path):
+    """Exactly one per-process sharding applies: meshfit's (each process feeds its rows of every
+    global batch). Keras from 3.16 (keras-team/keras#23044, #23046) also shards arrays and
+    PyDatasets across processes where the distribution's auto_shard_dataset is on; both at once
+    would train each process on a half of its half (and Keras refuses arrays so)."""
+    script = tmp_path / "samples_seen.py"
+    script.write_text(SAMPLES_SEEN)
+    out = run_meshfit(*launch_args(sys.executable, str(script)), timeout=SAFETY_SECONDS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = [json.loads(line.split(" ", 1)[1]) for line in out.stdout.splitlines() if " {" in line]
+    assert sorted((f["source"], f["steps"]) for f in found) == [("arrays", 8), ("arrays", 8),
+                                                                ("pydataset", 8), ("pydataset", 8)]
+    for f in found:  # 2 epochs of 4 global batches of 16: every one of the 64 samples twice
+        assert f["counts"] == [2] * 64, f
+
+
 def test_unreachable_coordinator_is_a_bounded_one_line_error():
     start = time.monotonic()
     out = run_meshfit("info", env={"MESHFIT_COORDINATOR": "127.0.0.1:9", "MESHFIT_NUM_PROCESSES": "2",

@@ -161,6 +161,30 @@ def test_a_keras_lacking_a_private_name_is_one_line(monkeypatch):
     assert "has no keras.src.utils.rng_utils.get_random_seed, which meshfit relies on" in _one_line(error)
 
 
+def test_a_name_a_later_keras_moved_is_read_where_it_went(monkeypatch):
+    """Keras 3.16 moved the JAX variable class to keras.src.backend.jax.ops.core (as `Variable`,
+    or `JaxVariable` under Flax NNX); a Keras with neither place is named by the first."""
+    import sys
+    import types
+
+    from meshfit.fit import keras_internals
+
+    old, new = (types.ModuleType(f"keras.src.backend.jax.{name}") for name in ("core", "ops.core"))
+    monkeypatch.setitem(sys.modules, old.__name__, old)  # without JaxVariable, as in Keras 3.16
+    monkeypatch.setitem(sys.modules, new.__name__, new)
+    new.Variable = type("Variable", (), {})
+    assert keras_internals._name("JaxVariable") is new.Variable
+    new.JaxVariable = type("JaxVariable", (), {})  # NNX on: `Variable` is its subclass
+    assert keras_internals._name("JaxVariable") is new.JaxVariable
+    old.JaxVariable = type("JaxVariable", (), {})  # Keras 3.15: its own place first
+    assert keras_internals._name("JaxVariable") is old.JaxVariable
+    del old.JaxVariable
+    monkeypatch.setitem(sys.modules, new.__name__, None)  # no such module
+    with pytest.raises(MeshfitError) as error:
+        keras_internals._name("JaxVariable")
+    assert "has no keras.src.backend.jax.core.JaxVariable, which meshfit relies on" in _one_line(error)
+
+
 def test_the_abstract_optimizer_patch_is_undone_after_its_block():
     import keras
 

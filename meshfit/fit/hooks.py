@@ -147,11 +147,15 @@ def _placement_hook(place: Callable) -> Callable:
         shape = getattr(per_process_batch, "shape", ())
         if not shape or not _distributed(strategy) or strategy.hosts > 1:
             return place(per_process_batch, layout, batch_dim_name)
-        splits = shape[0] % strategy.replicas == 0 and shape[0] > 0
-        _note_batch(shape[0], splits, strategy.replicas)
+        sharding = getattr(layout, "backend_layout", layout)
+        # Keras 3.16 stacks a dispatch's k batches on a new leading axis, which its layout leaves
+        # whole: the rows are then the second axis.
+        stacked = tuple(getattr(sharding, "spec", ()))[:1] == (None,) and len(shape) > 1
+        rows = shape[1 if stacked else 0]
+        splits = rows % strategy.replicas == 0 and rows > 0
+        _note_batch(rows, splits, strategy.replicas)
         if splits:
             return place(per_process_batch, layout, batch_dim_name)
-        sharding = getattr(layout, "backend_layout", layout)
         return jax.device_put(per_process_batch, NamedSharding(sharding.mesh, PartitionSpec()))
 
     return distribute_data_input

@@ -28,17 +28,20 @@ import jax.numpy as jnp
 import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshfit.fit import keras_internals
 from meshfit.parallel import heartbeat
 from meshfit.parallel.planning import check_steps_per_dispatch
 
 
-def make_multi_step(model, steps: int, state_placements: Any = None) -> Callable:
+def make_multi_step(model, steps: int, state_placements: Any = None, stacked: bool = False) -> Callable:
     """A jitted `fn(state, batches) -> (logs, state)` that runs `steps` train steps in one program.
 
     state: the model's JAX training state, the tuple Keras' JAX `train_function` takes:
       (trainable, non-trainable, optimizer, metrics variable values).
     batches: a sequence of `steps` batches, each `(x, y)` or `(x, y, sample_weight)` of equal
-      shapes; they are stacked on the device and scanned over in order.
+      shapes; they are stacked on the device and scanned over in order. stacked=True: one such
+      batch structure whose arrays have the `steps` batches stacked on a leading axis already
+      (as Keras 3.16's iterator gives them, keras_internals.stacks_dispatch_batches).
     state_placements: the JAX placements (jax.sharding.Sharding) the new state must keep (Keras'
       DataParallel replicates variables); None lets XLA choose.
     Returns the last step's logs (Keras metrics are running means, so these are the epoch's so
@@ -47,17 +50,20 @@ def make_multi_step(model, steps: int, state_placements: Any = None) -> Callable
     check_steps_per_dispatch(steps)
 
     def run(state, batches):
-        if len(batches) != steps:
+        if stacked:
+            together = batches
+        elif len(batches) != steps:
             raise ValueError(f"expected {steps} batches, got {len(batches)}")
-        stacked = jax.tree.map(lambda *parts: jnp.stack(parts), *batches)
-        stacked = _keep_batch_sharded(stacked)
+        else:
+            together = jax.tree.map(lambda *parts: jnp.stack(parts), *batches)
+        stacked_batches = _keep_batch_sharded(together)
 
         def one_step(carry, batch):
             logs, new_state = model.train_step(carry, batch)
             return new_state, logs
 
         # One XLA program for the k steps: no Python or launch overhead between them.
-        state, logs = jax.lax.scan(one_step, state, stacked)
+        state, logs = jax.lax.scan(one_step, state, stacked_batches)
         # Keras' metrics are running means: the last step's logs are the epoch's so far.
         return jax.tree.map(lambda t: t[-1], logs), state
 
@@ -116,13 +122,15 @@ class _TrainFunction:
         self._placements = None
         self._multi = None
         self._single = None
+        # Keras 3.16 stacks each dispatch's k batches itself (then an epoch's last few as a list).
+        self._stacked = steps > 1 and keras_internals.stacks_dispatch_batches()
 
     def _compile(self, state) -> None:
         self._placements = jax.tree.map(lambda a: a.sharding, state)
         self._single = jax.jit(self.model.train_step, donate_argnums=0,
                                out_shardings=(None, self._placements))
         if self.steps > 1:
-            self._multi = make_multi_step(self.model, self.steps, self._placements)
+            self._multi = make_multi_step(self.model, self.steps, self._placements, self._stacked)
 
     def __call__(self, state, iterator):
         if self._single is None:
@@ -130,13 +138,20 @@ class _TrainFunction:
         if not all(a.committed for a in jax.tree.leaves(state)):
             state = jax.device_put(state, self._placements)  # one compiled program, not two
         heartbeat.advance()  # for meshfit launch's watchdog: reading batches may wait for other hosts
-        batches = []
-        for batch in iterator:
-            batches.append(batch)
-            if len(batches) == self.steps:
-                break
-        if not batches:
-            raise StopIteration
+        if self._stacked:
+            together = next(iterator)  # its StopIteration ends the epoch
+            if not isinstance(together, list) and _leading_rows(together) == self.steps:
+                heartbeat.advance(self.steps)
+                return self._multi(state, together)
+            batches = list(together) if isinstance(together, list) else _unstacked(together)
+        else:
+            batches = []
+            for batch in iterator:
+                batches.append(batch)
+                if len(batches) == self.steps:
+                    break
+            if not batches:
+                raise StopIteration
         heartbeat.advance(len(batches))  # and so may the dispatch (no device sync here)
         # A short dispatch (an epoch's end) or a cut batch runs as single steps: the k-step
         # program keeps its one shape and compiles once.
@@ -146,6 +161,15 @@ class _TrainFunction:
             for batch in batches:
                 logs, state = self._single(state, batch)
         return logs, state
+
+
+def _leading_rows(stacked) -> int:
+    return jax.tree.leaves(stacked)[0].shape[0]
+
+
+def _unstacked(stacked) -> list:
+    """The batches stacked on the leading axis of `stacked`, one by one."""
+    return [jax.tree.map(lambda t, i=i: t[i], stacked) for i in range(_leading_rows(stacked))]
 
 
 def _same_shapes(batches) -> bool:

@@ -70,10 +70,25 @@ _JAX_NAMES = {  # the JAX backend's, read only on that engine
     "distribution_lib": ("keras.src.backend.jax.distribution_lib", None),
     "JaxVariable": ("keras.src.backend.jax.core", "JaxVariable"),
 }
+# Where a later Keras moved a name: read there when its place above is gone. Keras 3.16 (its
+# nightly builds, `make test-next`) moved the JAX variable to keras.src.backend.jax.ops.core as
+# `Variable`; with Flax NNX on, that name is its NNX subclass and the plain class is `JaxVariable`.
+_MOVED = {
+    "JaxVariable": (("keras.src.backend.jax.ops.core", "JaxVariable"),
+                    ("keras.src.backend.jax.ops.core", "Variable")),
+}
 
 
 def _name(key: str) -> Any:
-    return private(*{**_NAMES, **_JAX_NAMES}[key])
+    """The private name `key` from its place in Keras 3.15, else from where a later one moved it
+    (the error, where none has it, names the first place)."""
+    try:
+        return private(*{**_NAMES, **_JAX_NAMES}[key])
+    except MeshfitError:
+        for place in _MOVED.get(key, ()):
+            with contextlib.suppress(MeshfitError):
+                return private(*place)
+        raise
 
 
 def get_random_seed() -> int | None:
@@ -119,6 +134,23 @@ def draw_seed(seed: Any) -> Any:
     its next state, advanced as Keras would): meshfit.fit.sharded_init passes it to a compiled
     draw, so the values are Keras' own."""
     return _name("draw_seed")(seed)
+
+
+def stacks_dispatch_batches() -> bool:
+    """True where Keras' JAX trainer asks its data adapter for each dispatch's batches stacked
+    (`get_jax_iterator(super_batch=k)` with steps_per_execution = k: Keras 3.16, its nightly
+    builds), and runs them in its own on-device loop; Keras 3.15 takes them one by one."""
+    return "super_batch" in inspect.signature(DataAdapter.get_jax_iterator).parameters
+
+
+def super_batch_iterator(batches: Any, k: int) -> Any:
+    """Keras 3.16's stacking of `batches` for `get_jax_iterator(super_batch=k)`: every k batches of
+    equal shapes stacked on a new leading axis, the others (an epoch's last) as a list of them.
+    Only a Keras that asks for it (stacks_dispatch_batches) is asked."""
+    import jax.numpy as jnp  # the JAX engine's only (the TensorFlow engine reads no jax iterator)
+
+    return private("keras.src.trainers.data_adapters.data_adapter_utils", "super_batch_iterator")(
+        batches, k, stack_fn=jnp.stack)
 
 
 def is_backend_class(cls: type) -> bool:

@@ -119,8 +119,11 @@ class SplitBatches(keras_internals.DataAdapter):
     def get_numpy_iterator(self):
         return self._split_all(self.inner.get_numpy_iterator())
 
-    def get_jax_iterator(self):
-        return self._split_all(self.inner.get_jax_iterator())
+    def get_jax_iterator(self, super_batch: int | None = None):
+        """The cut batches; super_batch: k, where Keras 3.16 asks for every k stacked (its
+        steps_per_execution), stacked after the cut as Keras' own adapters stack theirs."""
+        batches = self._split_all(self.inner.get_jax_iterator())
+        return keras_internals.super_batch_iterator(batches, super_batch) if super_batch else batches
 
     def get_tf_dataset(self):
         """Keras' dataset: TensorFlow runs one replica, so only micro-batches need a cut, which

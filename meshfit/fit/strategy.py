@@ -50,7 +50,11 @@ class MeshParallel(keras.distribution.ModelParallel):
     'batch'. layout_map: a `keras.distribution.LayoutMap` (or a function of the mesh returning
     one, e.g. keras-hub's `Backbone.get_layout_map`) whose entries win over the rule; see
     `use_layout_map`. auto_shard_dataset is off: on several hosts each process feeds its own
-    rows (see Strategy.fit).
+    rows (see Strategy.fit), and that must be the only per-process cut. Keras shards data across
+    processes only where it is on: tf.data in 3.15 (which then refuses arrays and PyDatasets),
+    also arrays, PyDatasets and torch DataLoaders from 3.16 (keras-team/keras#23044, #23046);
+    with it off every Keras passes each process's rows through as they are (tests/test_launch.py
+    counts the samples a 2-process job trains on).
 
     spill_after: bytes (under 'auto' with the device memory known: a quarter of it), else None.
     While the mode is auto's first ('data'), variables are then laid out so until the live ones
