@@ -58,7 +58,8 @@ def float64_step(w, x, y, flip=False):
     m2 = a2 > 0
     if flip:
         m2[ROW, UNIT] = ~m2[ROW, UNIT]
-    dz = np.exp(a2 * m2 @ w[4] + w[5] - (a2 * m2 @ w[4] + w[5]).max(1, keepdims=True))
+    logits = a2 * m2 @ w[4] + w[5]
+    dz = np.exp(logits - logits.max(1, keepdims=True))
     dz /= dz.sum(1, keepdims=True)
     dz[np.arange(len(y)), y] -= 1
     dz /= len(y)
