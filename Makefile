@@ -28,18 +28,24 @@ $(VENV)/.installed: $(VENV)/.packages
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-# No TensorFlow-free shortcut: the core tests run meshfit on TensorFlow too (its one-CPU engine).
-$(NEWEST_VENV)/.packages: pyproject.toml
-	@test -n "$(PYTHON_NEWEST)" || { echo "make test: the second version set needs Python 3.13: none in $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions or on the PATH; install one (pyenv install 3.13) or name it: make test PYTHON_NEWEST=/path/to/python3.13"; exit 1; }
-	$(PYTHON_NEWEST) -m venv $(NEWEST_VENV)
-	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(NEWEST_VENV)/bin/python tools/requirements.py cpu,hub,test-core > $(NEWEST_VENV)/requirements.txt
-	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade -r $(NEWEST_VENV)/requirements.txt
-	touch $@
+# A Python 3.13 venv with a version set's packages, then meshfit: $(1) the venv, $(2) the variable
+# that names its Python, $(3) the make target that needs it, $(4) the extras. No TensorFlow-free
+# shortcut: the core tests run meshfit on TensorFlow too (its one-CPU engine).
+define python313_venv
+$(1)/.packages: pyproject.toml
+	@test -n "$$($(2))" || { echo "make $(3): needs Python 3.13: none in $$(or $$(PYENV_ROOT),$$(HOME)/.pyenv)/versions or on the PATH; install one (pyenv install 3.13) or name it: make $(3) $(2)=/path/to/python3.13"; exit 1; }
+	$$($(2)) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python tools/requirements.py $(4) > $(1)/requirements.txt
+	$(1)/bin/python -m pip install -q --upgrade -r $(1)/requirements.txt
+	touch $$@
 
-$(NEWEST_VENV)/.installed: $(NEWEST_VENV)/.packages
-	$(NEWEST_VENV)/bin/python -m pip install -q --no-deps -e .
-	touch $@
+$(1)/.installed: $(1)/.packages
+	$(1)/bin/python -m pip install -q --no-deps -e .
+	touch $$@
+endef
+SECOND_SET_EXTRAS := cpu,hub,test-core
+$(eval $(call python313_venv,$(NEWEST_VENV),PYTHON_NEWEST,test,$(SECOND_SET_EXTRAS)))
 
 # `make test-next` (not in `make test`, not in CI): one release ahead. Python 3.13 (pyenv's, else
 # python3.13 on the PATH, else `make test-next PYTHON_NEXT=/path/to/python3.13`) with the newest
@@ -48,14 +54,7 @@ $(NEWEST_VENV)/.installed: $(NEWEST_VENV)/.packages
 NEXT_VENV ?= .venv-next
 PYTHON_NEXT ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.13*/bin/python) $(shell command -v python3.13))
 
-$(NEXT_VENV)/.packages: pyproject.toml
-	@test -n "$(PYTHON_NEXT)" || { echo "make test-next: needs Python 3.13: none in $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions or on the PATH; install one (pyenv install 3.13) or name it: make test-next PYTHON_NEXT=/path/to/python3.13"; exit 1; }
-	$(PYTHON_NEXT) -m venv $(NEXT_VENV)
-	$(NEXT_VENV)/bin/python -m pip install -q --upgrade pip
-	$(NEXT_VENV)/bin/python tools/requirements.py cpu,test-core,hub > $(NEXT_VENV)/requirements.txt
-	$(NEXT_VENV)/bin/python -m pip install -q --upgrade -r $(NEXT_VENV)/requirements.txt
-	$(NEXT_VENV)/bin/python -m pip install -q --no-deps -e .
-	touch $@
+$(eval $(call python313_venv,$(NEXT_VENV),PYTHON_NEXT,test-next,$(SECOND_SET_EXTRAS)))
 
 .PHONY: install train test test-current test-newest
 install: $(VENV)/.installed
@@ -81,7 +80,7 @@ test-newest: $(NEWEST_VENV)/.installed
 # The nightlies on every run (the newest of the day): keras-nightly installs the package `keras`
 # under another name, so the releases go first; --no-deps, as keras-hub-nightly asks for `keras`,
 # and --force-reinstall, as a later install of the releases would overwrite the same files.
-test-next: $(NEXT_VENV)/.packages
+test-next: $(NEXT_VENV)/.installed
 	$(NEXT_VENV)/bin/python -m pip uninstall -q -y keras keras-hub
 	$(NEXT_VENV)/bin/python -m pip install -q --upgrade --force-reinstall --pre --no-deps keras-nightly keras-hub-nightly
 	$(NEXT_VENV)/bin/python -m meshfit --version  # the set's versions, for the log

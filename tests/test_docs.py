@@ -313,7 +313,7 @@ def test_make_test_next_runs_the_core_on_keras_nightly_and_is_not_in_make_test(t
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
     python = f"{tmp_path / 'next'}/bin/python"
     order = [f"/opt/py313/bin/python3.13 -m venv {tmp_path / 'next'}",
-             f"{python} tools/requirements.py cpu,test-core,hub",
+             f"{python} tools/requirements.py cpu,hub,test-core",
              f"{python} -m pip install -q --no-deps -e .",
              f"{python} -m pip uninstall -q -y keras keras-hub",
              f"{python} -m pip install -q --upgrade --force-reinstall --pre --no-deps keras-nightly keras-hub-nightly",
