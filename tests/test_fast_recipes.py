@@ -112,6 +112,55 @@ def test_tta_flip_evaluation_averages_each_image_with_its_mirror(prepared, image
                                rtol=1e-5, atol=1e-7)
 
 
+def test_multi_crop_tta_averages_the_mirrors_and_one_pixel_translations(prepared, images):
+    """airbench's multi-crop: half on the image and its mirror, a quarter on each translation by
+    one pixel (down-right, up-left; reflect-padded), each with its mirror; on the device as on
+    the host."""
+    from meshfit.data.arrays import EvalBatches
+    from meshfit.fit.predict import predict
+
+    x = images[:16]
+    assert recipes.get("cifar10-fast").tta_translate == 1
+
+    def both(view):
+        return (prepared.predict(view, batch_size=16, verbose=0)
+                + prepared.predict(view[:, :, ::-1], batch_size=16, verbose=0)) / 2
+
+    padded = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="reflect")
+    down_right, up_left = padded[:, :32, :32], padded[:, 2:, 2:]
+    assert np.array_equal(down_right[:, 1:, 1:], x[:, :-1, :-1]) and np.array_equal(up_left[:, :-1, :-1], x[:, 1:, 1:])
+    expected = both(x) / 2 + both(down_right) / 4 + both(up_left) / 4
+    assert np.abs(expected - both(x)).max() > 1e-4  # the translations count
+    for on_device in (False, True):
+        batches = EvalBatches(x, 16, on_device=on_device)
+        tta = predict(prepared, batches, tta_flip=True, tta_translate=1)
+        np.testing.assert_allclose(tta, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_lookahead_moves_the_weights_to_their_slow_copy_every_k_steps(strategy):
+    """airbench's lookahead in cifar10-fast's optimizer, against the same arithmetic in NumPy:
+    every 2nd step slow <- slow + (1 - decay)(w - slow), w <- slow, decay = 0.95^5 (t/T)^3;
+    after the last step w <- slow."""
+    import keras
+
+    total, every, rate = 7, 3, 0.1
+    sgd = cifar10_fast.keras_classes().BiasScaledSGD(learning_rate=rate, momentum=0.0,
+                                                      lookahead_every=every, total_steps=total)
+    kernel = keras.Variable(np.array([1.0, -2.0], "float32"), name="kernel")
+    gradients = np.random.default_rng(0).normal(size=(total, 2)).astype("float32")
+    w = np.array([1.0, -2.0])
+    slow = w.copy()  # the weights it starts from
+    for t, gradient in enumerate(gradients, start=1):
+        sgd.apply([gradient], [kernel])
+        w = w - rate * gradient
+        if t % every == 0 or t == total:
+            decay = 1.0 if t == total else 0.95 ** 5 * (t / total) ** 3
+            slow = slow + (1 - decay) * (w - slow)
+            w = slow.copy()
+        np.testing.assert_allclose(numpy(kernel), w, rtol=1e-5, atol=1e-6)
+    assert cifar10_fast.optimizer(10, 14).get_config()["lookahead_every"] == cifar10_fast.LOOKAHEAD_EVERY
+
+
 def test_schedule_and_fast_batch_norm_biases(strategy):
     import keras
 

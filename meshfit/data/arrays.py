@@ -251,6 +251,16 @@ class TrainBatches:
         return images, labels
 
 
+def tta_views(tta_flip: bool = False, tta_translate: int = 0) -> list[tuple[bool, int, float]]:
+    """The views of each image that test-time augmentation averages: (mirrored, shift in pixels
+    down and right (negative: up and left), weight). With tta_translate, airbench's multi-crop:
+    half the weight on the image (and its mirror), half on its translations by that many pixels
+    down-right and up-left, reflect-padded at the border (and their mirrors)."""
+    flips = (False, True) if tta_flip else (False,)
+    shifts = ((0, 0.5), (tta_translate, 0.25), (-tta_translate, 0.25)) if tta_translate else ((0, 1.0),)
+    return [(flip, shift, weight / len(flips)) for shift, weight in shifts for flip in flips]
+
+
 class EvalBatches:
     """Evaluation batches covering every one of N samples once, the last batch zero-padded.
 

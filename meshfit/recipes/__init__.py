@@ -61,6 +61,8 @@ class Recipe:
     model; eval, predict and export rebuild them from the run's copy of the recipe file and load
     the trained weights (see meshfit.run.models: the copy is trusted code, it ran at training time).
     tta_flip: evaluate on each image and its mirror image, averaging the probabilities.
+    tta_translate: also on its translations by this many pixels (airbench's multi-crop; see
+    meshfit.fit.predict.tta_views); 0: none.
     dataset: a built-in name (mnist, fashion_mnist, cifar10), a folder of images with one
     sub-folder per class (a path relative to the recipe file, read from disk batch by batch; with
     train/ and test/ or val/ sub-folders used as given), or a callable `dataset(seed)` returning
@@ -97,6 +99,7 @@ class Recipe:
     prepare: Callable[..., None] | None = None
     compile: Callable[[Any, Any], None] | None = None
     tta_flip: bool = False
+    tta_translate: int = 0
     input_shape: tuple[int, ...] | None = None
     image_size: tuple[int, int] | None = None
     channels: int = 3

@@ -10,6 +10,7 @@ from typing import Any
 
 import meshfit
 from meshfit.data import datasets, folder_scan, splits as data
+from meshfit.data.arrays import tta_views
 from meshfit.errors import MeshfitError
 from meshfit.run import models, rundir, spec
 from meshfit.watch import progress
@@ -72,11 +73,12 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | No
         model = models.load_keras_model(model_path, run if saved.recipe_file else None, recipe,
                                         distributed=True)
         batches = data.eval_batches(dataset, split, global_batch)
-        passes = 2 if recipe.tta_flip else 1
+        passes = len(tta_views(recipe.tta_flip, recipe.tta_translate))
         with progress.task("evaluating", total=len(batches) * passes) as advance:
             result = scores.evaluate_model(model, batches, data.labels(split), recipe.make_loss(),
                                            recipe.tta_flip, advance,
-                                           scores.is_classifier(model, saved.class_names))
+                                           scores.is_classifier(model, saved.class_names),
+                                           recipe.tta_translate)
     return {**{f"{name}_{key}": value for key, value in result.items()}, "split": name,
             "samples": data.size(split), "data": dataset.source, "recipe": recipe.name,
             "model": model_path, "engine": strategy.engine, "replicas": strategy.replicas,

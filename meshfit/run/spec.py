@@ -58,6 +58,7 @@ class RunSpec:
     crop_padding: int = 4
     flips: str = "random"
     tta_flip: bool = False
+    tta_translate: int = 0  # pixels (meshfit.fit.predict.tta_views)
     checkpoint_every: str = DEFAULT_CHECKPOINT_EVERY
     keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
     local_copy_every: int = 0  # steps between copies on each host's local disk (0: none)

@@ -40,15 +40,15 @@ class _EpochEnd:
     """At each epoch end: evaluate on the validation split, or the test set (adds val_loss and
     val_accuracy, or a model's that is no classifier val_mae, to the logs)."""
 
-    def __init__(self, model, batches, labels, loss, tta_flip, report, classifier=True):
+    def __init__(self, model, batches, labels, loss, tta, report, classifier=True):
         self.model, self.batches, self.labels, self.loss = model, batches, labels, loss
-        self.tta_flip, self.report, self.classifier = tta_flip, report, classifier
+        self.tta, self.report, self.classifier = tta, report, classifier  # (tta_flip, tta_translate)
 
     def __call__(self, epoch, logs):
         self.report.on_test_begin()  # the epoch's training clock stops before validation
         with goodput.ledger().part("eval"):
-            scores = evaluate_model(self.model, self.batches, self.labels, self.loss, self.tta_flip,
-                                    classifier=self.classifier)
+            scores = evaluate_model(self.model, self.batches, self.labels, self.loss, self.tta[0],
+                                    classifier=self.classifier, tta_translate=self.tta[1])
         logs.update({f"val_{key}": value for key, value in scores.items()})
 
 
@@ -245,7 +245,7 @@ def epoch_evaluation(model, dataset, recipe: recipes.Recipe, global_batch: int, 
         return []
     return [keras.callbacks.LambdaCallback(on_epoch_end=_EpochEnd(
         model, data.eval_batches(dataset, per_epoch[1], global_batch), data.labels(per_epoch[1]),
-        recipe.make_loss(), recipe.tta_flip, report, classifier))]
+        recipe.make_loss(), (recipe.tta_flip, recipe.tta_translate), report, classifier))]
 
 
 @contextlib.contextmanager
@@ -321,7 +321,8 @@ def score_and_write(asked, model, history: list, dataset, run_spec: RunSpec, chi
     ledger = goodput.ledger()
     with ledger.part("eval"):
         scores = score(model, history, dataset, run_spec.global_batch, r.make_loss(), r.tta_flip,
-                       run_spec.epochs, classifier=bool(run_spec.class_names))
+                       run_spec.epochs, classifier=bool(run_spec.class_names),
+                       tta_translate=r.tta_translate)
     # metrics.json is config.json's specification plus the results (see meshfit.run.spec).
     metrics = {**scores, **totals(history), **run_spec.to_dict(),
                "resumed": asked.saved is not None, "run_dir": run}

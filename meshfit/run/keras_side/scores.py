@@ -32,12 +32,12 @@ def is_classifier(model, class_names) -> bool:
 
 
 def evaluate_model(model, batches, labels: np.ndarray, loss, tta_flip: bool = False,
-                   advance=None, classifier: bool = True) -> dict[str, float]:
+                   advance=None, classifier: bool = True, tta_translate: int = 0) -> dict[str, float]:
     """{"accuracy", "loss"}: accuracy and mean loss over every sample of `batches` (a
     arrays.EvalBatches or folders.FolderEvalBatches); for a model that is no classifier
     {"mae", "loss"}: the mean absolute error of its outputs instead (argmax would make up an
-    accuracy). advance: see meshfit.fit.predict."""
-    outputs = predict(model, batches, tta_flip=tta_flip, advance=advance)
+    accuracy). advance, tta_flip, tta_translate: see meshfit.fit.predict."""
+    outputs = predict(model, batches, tta_flip=tta_flip, advance=advance, tta_translate=tta_translate)
     if not classifier:
         outputs = np.asarray(outputs, np.float32)  # one target per output, else per sample
         shape = outputs.shape if labels.size == outputs.size else (len(outputs),) + (1,) * (outputs.ndim - 1)
@@ -51,7 +51,7 @@ def evaluate_model(model, batches, labels: np.ndarray, loss, tta_flip: bool = Fa
 
 
 def score(model, history: list[dict[str, Any]], dataset, global_batch: int, loss, tta_flip: bool,
-          epochs: int, classifier: bool = True) -> dict[str, float]:
+          epochs: int, classifier: bool = True, tta_translate: int = 0) -> dict[str, float]:
     """test_accuracy/test_loss and validation_accuracy/validation_loss (no classifier: test_mae
     and validation_mae for the accuracies), for the splits the data has: the last epoch's
     evaluation where it ran on that split, else evaluated now."""
@@ -66,7 +66,8 @@ def score(model, history: list[dict[str, Any]], dataset, global_batch: int, loss
                       if f"val_{key}" in final}
         else:
             result = evaluate_model(model, data.eval_batches(dataset, split, global_batch),
-                                    data.labels(split), loss, tta_flip, classifier=classifier)
+                                    data.labels(split), loss, tta_flip, classifier=classifier,
+                                    tta_translate=tta_translate)
         scores.update({f"{name}_{key}": value for key, value in result.items()})
         scores[f"{name}_samples"] = data.size(split)
     return scores
