@@ -160,10 +160,7 @@ ACCURACY_SCRIPT = textwrap.dedent("""
             x[i, 7 * (c // 4):7 * (c // 4) + 7, 7 * (c % 4):7 * (c % 4) + 7] = 255
         return x, y
 
-    if sys.argv[1] == "tensorflow":
-        keras.utils.set_random_seed(0)  # it imports TensorFlow when installed, whatever the backend
-    else:
-        np.random.seed(0)
+    keras.utils.set_random_seed(0)  # on JAX it leaves TensorFlow unloaded (keras_internals)
     recipe = recipes.get("fashion-mnist-cnn")
     x, y = blocks(480, 0)
     x_test, y_test = blocks(200, 1)
@@ -172,6 +169,7 @@ ACCURACY_SCRIPT = textwrap.dedent("""
         model.compile(optimizer=recipe.optimizer(15, 2), loss=recipe.loss, metrics=["accuracy"])
     strategy.fit(model, x, y, batch_size=32, epochs=2)
     scores = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
+    keras.saving.serialize_keras_object(model)  # asks Keras' TensorFlow handle too
     print(json.dumps({"engine": strategy.engine, "backend": keras.backend.backend(),
                       "accuracy": float(scores["accuracy"]), "tensorflow": "tensorflow" in sys.modules}))
 """)
@@ -194,6 +192,27 @@ def test_same_recipe_learns_the_same_on_each_engine():
         accuracy[name] = result["accuracy"]
     assert min(accuracy.values()) > 0.9, accuracy
     assert abs(accuracy["jax"] - accuracy["tensorflow"]) < 0.08, accuracy
+
+
+def test_on_jax_keras_seeds_tensorflow_only_once_something_has_loaded_it():
+    """keras.utils.set_random_seed seeds TensorFlow wherever it is installed, importing it (5-6 s
+    of a JAX run's start-up): on the JAX engine only once something (a user's tf.data) has loaded
+    it (a user's tf.data, a Keras layer that requires it), and then it is seeded as before."""
+    script = textwrap.dedent("""
+        import json, sys
+        import meshfit
+        meshfit.connect(engine="jax", verbose=False)
+        import keras
+        keras.utils.set_random_seed(3)
+        unloaded = "tensorflow" not in sys.modules
+        keras.layers.Hashing(num_bins=3)  # a layer that requires TensorFlow: Keras loads it
+        from tensorflow.python.eager import context
+        keras.utils.set_random_seed(7)
+        print(json.dumps({"unloaded": unloaded, "tf_seed": context.global_seed()}))
+    """)
+    code, out, err = finish(run_python(["-c", script], ONE_CPU))
+    assert code == 0, err[-2000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {"unloaded": True, "tf_seed": 7}
 
 
 def test_auto_never_picks_a_one_device_engine_for_several_devices(monkeypatch):

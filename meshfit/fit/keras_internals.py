@@ -25,6 +25,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -65,6 +66,7 @@ _NAMES = {
     "BaseOptimizer": ("keras.src.optimizers.base_optimizer", "BaseOptimizer"),
     "unscale_loss_for_distribution": ("keras.src.losses.loss", "unscale_loss_for_distribution"),
     "draw_seed": ("keras.src.random.seed_generator", "draw_seed"),
+    "tensorflow_handle": ("keras.src.utils.module_utils", "tensorflow"),
 }
 _JAX_NAMES = {  # the JAX backend's, read only on that engine
     "distribution_lib": ("keras.src.backend.jax.distribution_lib", None),
@@ -95,6 +97,38 @@ def get_random_seed() -> int | None:
     """Keras' global seed (keras.utils.set_random_seed's), None when unset: Keras has a public
     setter but no public getter. meshfit.fit.hosts gives every process process 0's seed."""
     return _name("get_random_seed")()
+
+
+# The Keras modules that ask whether TensorFlow is installed only to seed it or to recognise its
+# objects (isinstance of tf.TensorShape, tf.data.Dataset...), which cannot exist before TensorFlow
+# is loaded; Keras' preprocessing layers, which require it, keep Keras' own handle.
+_TENSORFLOW_IF_LOADED = ("keras.src.utils.rng_utils", "keras.src.saving.serialization_lib",
+                         "keras.src.legacy.saving.json_utils", "keras.src.distribution.distribution_lib")
+
+
+def tensorflow_counted_once_loaded() -> None:
+    """On the JAX engine: where Keras asks whether TensorFlow is installed only to seed it or to
+    recognise its objects (_TENSORFLOW_IF_LOADED), it counts as there only once something (a
+    user's tf.data) has imported it, so Keras does not import it by itself. Keras' set_random_seed
+    and serialization imported it: 5.5-6.6 s of every JAX run's start-up on a loaded 2-vCPU VM
+    (`import jax, keras` took 2.8-4.5 s, `import jax, keras, tensorflow` 9.3-9.5 s, 3 runs each,
+    2026-11-28), paid again by every generation of an elastic job. Keras has no public switch for
+    it: those modules' `tf` (Keras' lazy handle, keras.src.utils.module_utils.tensorflow) becomes
+    a handle whose `available` also requires TensorFlow in sys.modules."""
+    handle = _name("tensorflow_handle")
+    lazy = type(handle)
+    if not isinstance(getattr(lazy, "available", None), property):
+        raise lacking("keras.src.utils.module_utils.LazyModule.available")
+
+    class LoadedOnly(lazy):
+        @property
+        def available(self):
+            return "tensorflow" in sys.modules and lazy.available.fget(self)
+
+    for name in _TENSORFLOW_IF_LOADED:
+        module = private(name)
+        if getattr(module, "tf", None) is handle:  # a later Keras that no longer asks: nothing
+            module.tf = LoadedOnly(handle.name)
 
 
 def train_validation_split(arrays: tuple, validation_split: float) -> tuple:
