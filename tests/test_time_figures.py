@@ -212,10 +212,11 @@ def test_an_elastic_runs_time_figures_agree_across_a_mesh_change(tmp_path):
     assert metrics["compile_seconds"] == pytest.approx(mine["compile"], abs=ROUNDING)
     assert sum(r["compile_seconds"] for r in history) <= mine["compile"] + ROUNDING
     assert hosts[0]["sessions"] == len(generations) and mine["lost"] > 0
+    assert all(2 <= h["sessions"] <= len(generations) for h in hosts)  # each host's own
     # the block: whose parts (the slowest host's), and host 0's train and compile beside them
     block = BLOCK.findall(text)
     assert block == [(f"{spent['seconds']['train']:.1f}", f"{spent['wall_seconds']:.1f}")], text[-3000:]
-    assert f"{len(generations)} sessions" in text
+    assert f", {spent['sessions']} sessions" in text  # the sessions of the host whose parts it shows
     if "hosts" in spent:
         assert spent == {**spent["hosts"][spent["host"]], "host": spent["host"], "hosts": spent["hosts"]}
         assert f"; host {spent['host']}, the slowest of {len(hosts)}" in text
