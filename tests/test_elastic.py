@@ -223,6 +223,36 @@ def test_a_lost_process_comes_back_at_the_next_checkpoint(tmp_path):
     assert "after 3 generations (2x1 -> 1x1 -> 2x1 devices), 0 steps run again" in job.stderr
 
 
+def test_a_generation_that_finished_as_it_was_stopped_to_grow_ends_the_job(tmp_path):
+    """The smaller generation finished the run before the launcher's stop at its checkpoint
+    reached it (a short run's last steps are quick beside the launcher's poll): the job is over.
+    It once started a third generation on the finished run, which trained nothing and wrote
+    metrics.json and the goodput block again, and recorded the second as stopped to grow."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "2"], ["--out", run, "--kill", "1@2", "--hold-below", "2",
+                                                 "--finish-on-stop"])
+    assert job.returncode == 0, job.stderr
+    assert meshes(run) == [(2, 0, 2), (1, 2, 6)]
+    with open(os.path.join(run, rundir.METRICS)) as f:
+        assert [g["ended"] for g in json.load(f)["generations"]][1:] == ["finished"]
+    assert "again (was" not in job.stderr and "after 2 generations (2x1 -> 1x1 devices)" in job.stderr
+
+
+def test_a_generation_stopped_to_grow_shows_the_epoch_lines_it_finished_but_not_its_stop():
+    """The agreed stop may end an epoch the stopped generation finished: its line is the only
+    one of that epoch (history.json has its record), so it is shown; the stop's own line is not.
+    All of it was held once, and a grown-back run printed no line for that epoch."""
+    from meshfit.launch.output import Output
+
+    output = Output({}, hold_on_stop=True)
+    output.stop()
+    assert output.shown(0, "epoch 5/6  accuracy 0.80 loss 0.90  |  0.21 s  53.7 ms/step")
+    assert not output.shown(0, "training stopped by SIGTERM after step 20, saved to r/ckpt-00000020; "
+                               "continue with: meshfit train --resume r")
+    assert list(output.held_lines[0]) == ["training stopped by SIGTERM after step 20, saved to "
+                                          "r/ckpt-00000020; continue with: meshfit train --resume r"]
+
+
 def test_a_loss_and_a_growth_are_one_line_each_and_the_devices_are_reported_once(tmp_path):
     """What the user sees of an elastic job: the survivors' aborts (JAX's coordination service
     lines) and the stopped generation's "training stopped by SIGTERM ... continue with" are held

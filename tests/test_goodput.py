@@ -66,6 +66,34 @@ def test_a_resume_counts_the_steps_run_again_and_the_gap_as_lost(tmp_path):
     assert goodput.Ledger().resume(str(tmp_path / "none.json"), 0) is None  # a run from before
 
 
+def test_a_resume_keeps_the_train_its_checkpoint_holds(tmp_path):
+    """Given the training seconds of the checkpoint's history, the earlier sessions' train part
+    is exactly that: the steps after it are lost however long they took (the mean step time
+    once made train 0.024 s more than the epoch lines of an elastic run); training after the
+    ledger's last write (or in generations another process of the job ran) comes from the gap."""
+    path = str(tmp_path / "goodput.json")
+    before = goodput.Ledger(start=time.time() - 50.0)
+    before.seconds.update(train=40.0, other=10.0)
+    before.steps, before.persist_to = 100, path
+    before._since = time.time()
+    before.write()
+    written = json.load(open(path))["written_at"]
+    after = goodput.Ledger(start=written + 30.0)
+    lost = after.resume(path, checkpoint_step=90, checkpoint_train=31.0)  # the last 10 took 9 s
+    assert lost["recomputed_seconds"] == pytest.approx(9.0) and lost["recomputed_steps"] == 10
+    totals = after.totals(now=after.start)
+    assert totals["seconds"]["train"] == pytest.approx(31.0, abs=1e-3)
+    assert totals["seconds"]["lost"] == pytest.approx(39.0, abs=1e-3)
+    assert sum(totals["seconds"].values()) == pytest.approx(totals["wall_seconds"], abs=1e-3)
+    behind = goodput.Ledger(start=written + 30.0)  # the checkpoint holds 12 s more than the file
+    lost = behind.resume(path, checkpoint_step=120, checkpoint_train=52.0)
+    assert lost["recomputed_seconds"] == 0.0 and lost["gap_seconds"] == pytest.approx(18.0)
+    totals = behind.totals(now=behind.start)
+    assert totals["seconds"]["train"] == pytest.approx(52.0, abs=1e-3)
+    assert totals["seconds"]["lost"] == pytest.approx(18.0, abs=1e-3)
+    assert sum(totals["seconds"].values()) == pytest.approx(totals["wall_seconds"], abs=1e-3)
+
+
 def test_the_slowest_host_and_the_input_bound_advice():
     # As gathered from the hosts: numpy float32 rows, written to metrics.json as JSON.
     rows = np.array([[8.0 if p == "train" else 0.0 for p in goodput.PARTS] + [10.0],
@@ -73,8 +101,12 @@ def test_the_slowest_host_and_the_input_bound_advice():
     job = goodput.slowest([goodput.summary(dict(zip(goodput.PARTS, r[:-1])), r[-1]) for r in rows])
     assert job["host"] == 1 and job["fraction"] == pytest.approx(0.6) and len(job["hosts"]) == 2
     assert json.loads(json.dumps(job))["hosts"][0]["seconds"]["train"] == 8.0
-    first = goodput.format_block(job).splitlines()[0]
-    assert first.endswith("wall time; host 1, the slowest of 2")  # the block says whose it is
+    block = goodput.format_block(job).splitlines()
+    assert block[0].endswith("wall time; host 1, the slowest of 2")  # the block says whose it is
+    # and shows host 0's train and compile, which the epoch lines and metrics.json's
+    # train_seconds and compile_seconds are
+    assert block[-2] == ("  per host: 0: 80.0%, train 8.00 s, compile 0.00 s (the epoch lines'); "
+                         "1: 60.0%, train 6.00 s, compile 0.00 s (slowest)")
     assert goodput.input_bound_line(0.5, 10.0, "generator") is None  # 5%: not input-bound
     line = goodput.input_bound_line(3.0, 10.0, "generator")
     assert line.startswith("meshfit: input-bound:") and "30%" in line and "PyDataset" in line

@@ -1,7 +1,8 @@
 """Every time figure of a run agrees (issue 50): the epoch lines, history.json, metrics.json's
 `train_seconds` and `compile_seconds`, and the goodput block, with each other and with a
 stopwatch outside the process; on both engines (JAX on the 8 simulated devices, TensorFlow on one
-CPU), for a fresh run and for one stopped and resumed in the middle of an epoch.
+CPU), for a fresh run and for one stopped and resumed in the middle of an epoch; and those of an
+elastic run (`meshfit launch --elastic`) across a mesh change.
 
 The tolerances hold on a loaded machine: every figure is read from one clock (the goodput ledger,
 see meshfit.watch.keras_side.epoch_clock), so figures that count the same seconds are compared to
@@ -13,8 +14,10 @@ compared with another measured time of a different clock.
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -138,3 +141,93 @@ def test_a_run_resumed_mid_epoch_has_time_figures_that_agree(engine, data_dir, t
                                                    + first["sitting"]["train_seconds"], abs=1e-9)
     lines = EPOCH_LINE.findall(out.stdout)
     assert [line[0] for line in lines] == ["1", "2"] and lines[0][5] == "2" and not lines[1][5]
+
+
+# The per-host line of the goodput block on several hosts (goodput.format_block).
+PER_HOST = re.compile(r"^  per host: (.*)$", re.M)
+HOST_FIGURES = re.compile(r"(\d+): [\d.]+%, train (\d+\.\d\d) s, compile (\d+\.\d\d) s")
+
+
+def test_an_elastic_runs_time_figures_agree_across_a_mesh_change(tmp_path):
+    """`meshfit launch --elastic`, 2 processes x 2 devices, process 1 SIGKILLed once epoch 1's
+    checkpoint is committed: the run goes on on 1 process (and grows back to 2 at a later
+    checkpoint, where the launcher's stop reaches the run before it finishes). Every epoch line
+    printed is its history record; metrics.json's train_seconds is the epochs' sum and host 0's
+    goodput train, its compile_seconds host 0's compile (an elastic run once wrote 2.85 s here
+    against the block's 38.95 s: the epochs' sum, then host 0's beside the slowest host's block,
+    unnamed), the block's line names whose parts it shows and gives host 0's; every host's parts
+    add up to its wall time, which the launch's wall measured here bounds, as it bounds the
+    generations' seconds."""
+    from helpers import write_idx_dataset
+
+    from meshfit import env
+    from meshfit.run import rundir
+
+    data = tmp_path / "data"
+    write_idx_dataset(data / "fashion-mnist", n_train=256, n_test=64)  # 4 steps of 64 an epoch
+    run, epochs = str(tmp_path / "run"), 6
+    command = [sys.executable, "-m", "meshfit", "launch", "--processes", "2", "--devices-per-process",
+               "2", "--elastic", "--", "meshfit", "train", "fashion-mnist-cnn", "--global-batch", "64",
+               "--seed", "0", "--epochs", str(epochs), "--data-dir", str(data), "--out", run,
+               "--checkpoint-every", "epoch", "--local-copy-every", "0"]
+    started = time.monotonic()
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=environment({**cli_env(tmp_path / "home"), env.STALL_TIMEOUT: "180"}))
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(job.stdout), daemon=True)
+    reader.start()
+    try:
+        first = os.path.join(run, "checkpoints", "ckpt-00000004")
+        while not rundir.checkpoint_complete(first) and job.poll() is None \
+                and time.monotonic() < started + 1200:
+            time.sleep(0.01)
+        pids = re.search(r"pids (\d+) (\d+)", "".join(output)).groups()
+        os.kill(int(pids[1]), signal.SIGKILL)
+        assert job.wait(timeout=1200) == 0, "".join(output)[-4000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    outside = time.monotonic() - started
+    reader.join(timeout=10)
+    text = re.sub(r"^\[0\] ", "", "".join(output), flags=re.M)  # process 0's lines, as printed alone
+    history = json.load(open(os.path.join(run, "history.json")))
+    metrics = json.load(open(os.path.join(run, "metrics.json")))
+    generations, spent = metrics["generations"], metrics["goodput"]
+    assert [(g["processes"], g["devices"]) for g in generations][:2] == [(2, 4), (1, 2)], generations
+    assert generations[-1]["ended"] == "finished" and len(generations) in (2, 3)
+    # the epoch lines: each epoch's last line printed is its record (an epoch cut by the loss
+    # prints none; one run again prints again)
+    lines = {int(line[0]): line for line in EPOCH_LINE.findall(text)}
+    assert sorted(lines) == [r["epoch"] for r in history] == list(range(1, epochs + 1)), text[-4000:]
+    for epoch, (_, seconds, _, compiled, *_) in lines.items():
+        record = history[epoch - 1]
+        assert seconds == f"{record['train_seconds']:.2f}" and record["samples"] == 256
+        assert (compiled or None) == _two_places(record["compile_seconds"]), (epoch, compiled, record)
+    # metrics.json's figures are host 0's ledger, which the epochs' windows are
+    hosts = spent.get("hosts", [spent])
+    assert len(hosts) == generations[-1]["processes"]
+    mine = hosts[0]["seconds"]
+    assert metrics["train_seconds"] == pytest.approx(sum(r["train_seconds"] for r in history), abs=1e-9)
+    assert metrics["train_seconds"] == pytest.approx(mine["train"], abs=ROUNDING)
+    assert metrics["compile_seconds"] == pytest.approx(mine["compile"], abs=ROUNDING)
+    assert sum(r["compile_seconds"] for r in history) <= mine["compile"] + ROUNDING
+    assert hosts[0]["sessions"] == len(generations) and mine["lost"] > 0
+    assert all(2 <= h["sessions"] <= len(generations) for h in hosts)  # each host's own
+    # the block: whose parts (the slowest host's), and host 0's train and compile beside them
+    block = BLOCK.findall(text)
+    assert block == [(f"{spent['seconds']['train']:.1f}", f"{spent['wall_seconds']:.1f}")], text[-3000:]
+    assert f", {spent['sessions']} sessions" in text  # the sessions of the host whose parts it shows
+    if "hosts" in spent:
+        assert spent == {**spent["hosts"][spent["host"]], "host": spent["host"], "hosts": spent["hosts"]}
+        assert f"; host {spent['host']}, the slowest of {len(hosts)}" in text
+        shown = HOST_FIGURES.findall(PER_HOST.search(text).group(1))
+        assert shown == [(str(i), f"{h['seconds']['train']:.2f}", f"{h['seconds']['compile']:.2f}")
+                         for i, h in enumerate(hosts)], text[-2000:]
+    # every host's parts add up to its wall time, which the stopwatch here bounds
+    for host in hosts:
+        assert sum(host["seconds"].values()) == pytest.approx(host["wall_seconds"], rel=1e-3)
+        assert host["wall_seconds"] <= outside + 0.05
+        assert host["seconds"]["train"] <= host["wall_seconds"]
+    assert sum(g["seconds"] for g in generations) <= outside + 0.05 * len(generations)
+    for g in generations:
+        assert g["start_seconds"] is None or g["start_seconds"] <= g["seconds"]

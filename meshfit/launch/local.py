@@ -363,6 +363,10 @@ def _wait_for_exits(started: list[Process], exits: queue.Queue, watch: "Watch", 
                     # SIGTERM: the processes agree on a step and save there (exit 143), so the
                     # next job resumes without running any step again
                     _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
+                    if all(p.popen.returncode == 0 for p in started):
+                        # the run finished before the stop reached it (its last steps are quick
+                        # beside the launcher's poll): the job is over, no generation follows
+                        return _Waited(None, {p.index: 0 for p in started}, None)
                     return _Waited(None, codes, None, at_boundary=True)
             if verdict is None:
                 continue

@@ -10,7 +10,8 @@ that the launcher stops (SIGTERM) says "training stopped by SIGTERM ...; continu
 train --resume RUN", though an elastic launcher resumes by itself. `Output.shown` keeps a line out
 of sight (in the process's tail only: the launcher's diagnosis reads it there, and a job that
 stops for good prints the failed process's held lines before its error line) when
-- the launcher has begun stopping the job (`stopping`: a failure, its watchdog, a boundary), or
+- the launcher has begun stopping the job (`stopping`: a failure, its watchdog, a boundary),
+  unless it is an epoch's line (the agreed stop may end an epoch the generation finished), or
 - another process of the job has already ended with an error or a signal (`failed`): a survivor's
   line caused by a peer's death is written after that death, and the dead process is waitable
   from that moment (a zombie until reaped), so a check as each line comes closes the race with
@@ -38,6 +39,10 @@ ABORT = re.compile(r"^F\d{4} \d\d:\d\d:\d\d\.\d+\s|^\*\*\* Check failure stack t
 # failing): the announcement of an abort, before its F line.
 SERVICE_ERROR = re.compile(r"^E\d{4} \d\d:\d\d:\d\d\.\d+\s.*(coordination|grpc|heartbeat|"
                            r"preemption_notifier|client\.h|Terminating process)", re.IGNORECASE)
+# An epoch's line (meshfit.watch.keras_side.report): shown also while a generation stops, since
+# the agreed stop ends an epoch it finished (its record is in history.json; once, held, it was
+# in no line).
+EPOCH_LINE = re.compile(r"^epoch \d+/\d+  ")
 REPORT_START = "meshfit connected"  # meshfit.watch.keras_side.report.discovery_text's first line
 REPORT_ROW = re.compile(r"^  (\S.{16})(\S.*)$")  # its rows: "  " and a key padded to 17, a value
 HELD_LINES = 20  # of each process, printed when the job stops for good with its failure
@@ -74,7 +79,8 @@ class Output:
         and `held_lines` the last HELD_LINES held."""
         if index not in self._aborting and (ABORT.match(line) or SERVICE_ERROR.match(line)):
             self._aborting.add(index)
-        show = index not in self._aborting and not (self.hold_on_stop and self.stopping.is_set()) \
+        held_as_stopped = self.hold_on_stop and self.stopping.is_set() and not EPOCH_LINE.match(line)
+        show = index not in self._aborting and not held_as_stopped \
             and not any(p.failed() for i, p in enumerate(self.processes) if i != index)
         if not show:
             self.held_lines[index].append(line)

@@ -175,12 +175,21 @@ class Ledger:
             pass
         self._written = now
 
-    def resume(self, path: str, checkpoint_step: int) -> dict[str, float] | None:
+    def resume(self, path: str, checkpoint_step: int,
+               checkpoint_train: float | None = None) -> dict[str, float] | None:
         """Continue the ledger a stopped run left at `path`, from the global step
         `checkpoint_step` its checkpoint holds: its parts count as earlier sessions', and the
-        lost time is added (steps dispatched after the checkpoint, at their mean step time, and
-        the gap from its last write to this process's start). Returns what was lost, or None
-        where the run left no readable ledger (a run trained before meshfit counted goodput)."""
+        lost time is added (the training after the checkpoint, and the gap from its last write
+        to this process's start). Returns what was lost, or None where the run left no readable
+        ledger (a run trained before meshfit counted goodput).
+
+        checkpoint_train: the training seconds the checkpoint's history holds (its epochs' and
+        the epoch in progress'); the earlier sessions' train part is then exactly that, as the
+        epoch lines count it: what the ledger charged beyond it was trained again (lost), what
+        it lacks was trained after the ledger's last write (taken from the gap; a process of a
+        later elastic generation continues its own file, which may predate generations it had
+        no part in). Without it, the steps dispatched after the checkpoint are lost at their
+        mean step time."""
         try:
             with open(path) as f:
                 saved = json.load(f)
@@ -194,10 +203,15 @@ class Ledger:
         finished = bool(saved.get("finished"))
         gap = 0.0 if finished else max(self.start - written, 0.0)
         redone = 0 if finished else max(steps_done - checkpoint_step, 0)
-        step_seconds = seconds["train"] / train_steps if train_steps else 0.0
-        recomputed = min(redone * step_seconds, seconds["train"])
-        seconds["train"] -= recomputed
-        seconds["lost"] += recomputed + gap
+        behind = 0.0  # training in the gap, after the ledger's last write
+        if checkpoint_train is not None and not finished:
+            recomputed = max(seconds["train"] - checkpoint_train, 0.0)
+            behind = min(max(checkpoint_train - seconds["train"], 0.0), gap)
+        else:
+            step_seconds = seconds["train"] / train_steps if train_steps else 0.0
+            recomputed = min(redone * step_seconds, seconds["train"])
+        seconds["train"] += behind - recomputed
+        seconds["lost"] += recomputed + gap - behind
         with self._lock:
             self.earlier = seconds
             self.earlier_wall = wall + gap
@@ -205,7 +219,7 @@ class Ledger:
             self.sessions = int(saved.get("sessions", 1)) + 1
             self.first_step = checkpoint_step
             self.lost_steps = lost_before + redone
-        return {"gap_seconds": gap, "recomputed_steps": redone, "recomputed_seconds": recomputed}
+        return {"gap_seconds": gap - behind, "recomputed_steps": redone, "recomputed_seconds": recomputed}
 
 
 def summary(seconds: dict[str, float], wall: float, sessions: int = 1,
@@ -342,10 +356,12 @@ def format_block(goodput: dict[str, Any], mfu: float | None = None,
         share = value / wall if wall > 0 else 0.0
         lines.append(f"  {LABELS.get(part, part):<11}{value:>9.2f} s {share:>6.1%}  "
                      f"{'#' * round(40 * max(share, 0.0))}")
-    if "hosts" in goodput:
-        lines.append("  per host: " + ", ".join(f"{i}: {h['fraction'] or 0:.1%}"
-                                                for i, h in enumerate(goodput["hosts"]))
-                     + f" (slowest: host {goodput['host']})")
+    if "hosts" in goodput:  # each host's train and compile: host 0's are the epoch lines' and
+        # metrics.json's train_seconds and compile_seconds, which the parts above need not be
+        lines.append("  per host: " + "; ".join(
+            f"{i}: {h['fraction'] or 0:.1%}, train {h['seconds']['train']:.2f} s, compile "
+            f"{h['seconds']['compile']:.2f} s" + (" (the epoch lines')" if i == 0 else "")
+            + (" (slowest)" if i == goodput["host"] else "") for i, h in enumerate(goodput["hosts"])))
     lines.append(mfu_line(mfu, peak))
     return "\n".join(lines)
 

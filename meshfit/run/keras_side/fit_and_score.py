@@ -365,7 +365,11 @@ def job_goodput(mine: dict[str, Any]) -> dict[str, Any]:
     at the top (goodput.slowest)."""
     if jax.process_count() == 1:
         return mine
-    row = np.array([mine["seconds"][p] for p in goodput.PARTS] + [mine["wall_seconds"]], "float64")
+    # each host's own sessions and lost steps too: a process of an elastic generation continues
+    # its own ledger, which may have missed generations (every row once had process 0's counts)
+    row = np.array([mine["seconds"][p] for p in goodput.PARTS]
+                   + [mine["wall_seconds"], mine["sessions"], mine["lost_steps"]], "float64")
     rows = np.asarray(multihost_utils.process_allgather(row))
-    return goodput.slowest([goodput.summary(dict(zip(goodput.PARTS, r[:-1])), float(r[-1]),
-                                            mine["sessions"], mine["lost_steps"]) for r in rows])
+    n = len(goodput.PARTS)
+    return goodput.slowest([goodput.summary(dict(zip(goodput.PARTS, r[:n])), float(r[n]), int(r[n + 1]),
+                                            int(r[n + 2])) for r in rows])

@@ -92,9 +92,19 @@ def own_ledger(ledger: goodput.Ledger, run: str, process_index: int, resume_stat
     ledger.owner = "run"
     path = goodput.run_file(run, process_index)
     if resume_state is not None:
-        ledger.resume(path, resume_state["epoch"] * steps_per_epoch + resume_state["step"])
+        ledger.resume(path, resume_state["epoch"] * steps_per_epoch + resume_state["step"],
+                      checkpoint_train(resume_state))
     ledger.persist_to = path
     ledger.write()
+
+
+def checkpoint_train(resume_state: dict) -> float:
+    """The training seconds a checkpoint's history holds: its epochs' and the epoch in progress'
+    (every session's; the epoch lines count these, and the resumed ledger's train part too)."""
+    history = resume_state.get("history") or []
+    so_far = (resume_state.get("epoch_so_far") or {}) if resume_state.get("step") else {}
+    return (sum(float(r.get("train_seconds") or 0.0) for r in history)
+            + float(so_far.get("train_seconds") or 0.0))
 
 
 def start_session(strategy, seed: int) -> None:

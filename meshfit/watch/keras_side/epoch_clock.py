@@ -19,7 +19,8 @@ tear-down when fit returns, where that pipeline is destroyed) was training in th
 and in no epoch line. The tear-down took 9-58 s in 8 of 14 runs of `meshfit train
 fashion-mnist-cnn` (5 epochs) on a 2-vCPU VM loaded by parallel work, under 2 s in the others
 (2026-11-28): the lines summed to 40.9 s against the block's 71.0 s in one. It now counts as
-other. On JAX the time between epochs was train too.
+other, and its cause, tf.data's autotuning thread, is off (meshfit.fit.sources.without_autotune).
+On JAX the time between epochs was train too.
 
 Why this is sufficient: the ledger charges one part at a time, and train only inside a window:
 the clock switches the base part to train at an epoch's begin and away from it when its training
