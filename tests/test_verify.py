@@ -165,6 +165,33 @@ def test_a_resume_that_skips_or_repeats_a_batch(offset, words):
     assert verdict.diverges_at == 3 and verdict.variable.startswith("variable ")
 
 
+@pytest.mark.parametrize("lost, optimizer, middle", [
+    ("momentum", lambda: keras.optimizers.SGD(0.1, momentum=0.9), ()),
+    ("iteration", lambda: keras.optimizers.Adam(1e-2), ()),
+    ("seed_generator_state", lambda: keras.optimizers.SGD(0.1), (0.3,))])
+def test_a_checkpoint_that_loses_or_mangles_a_variable(monkeypatch, lost, optimizer, middle):
+    """The resume goes through meshfit's checkpoint files: a restore that leaves an optimizer slot
+    or the step counter as a new model has them, or mangles a seed generator's state, diverges
+    from the first step after the resume."""
+    from meshfit.run.keras_side import checkpoint_restore
+
+    def lossy(variables, arrays, group):
+        for i, v in enumerate(variables):
+            value = arrays[f"{group}/{i:05d}"]
+            if lost not in v.path:
+                v.assign(value)
+            elif "seed" in lost:
+                v.assign(np.asarray(value) + 1)  # mangled
+    monkeypatch.setattr(checkpoint_restore, "_assign", lossy)
+
+    def build():
+        return compiled(mlp(*[layers.Dropout(rate) for rate in middle]), optimizer())
+
+    verdict = diverging(verify(build, resume=True))
+    assert verdict.name == "8 devices, data, resumed after step 2" and verdict.diverges_at == 3
+    assert verdict.variable.startswith("variable ") and " of layer " in verdict.variable
+
+
 # ---------------------------------------------------------------------- no false alarms
 
 class WithActivityLoss(keras.Model):
@@ -246,7 +273,7 @@ def test_the_tutorial_recipes_on_the_command_line(recipe, data_dir, tmp_path, ca
                      "--steps", "4", "--devices", "1,8", "--sharding", "data,fsdp", "--plot",
                      picture, "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0, result
+    assert code == 0, json.dumps(result)
     assert [c["name"] for c in result["configurations"]] == [
         "8 devices, data", "8 devices, fsdp", "8 devices, data, resumed after step 2"]
     assert result["recipe"] == recipe and os.path.getsize(picture) > 10_000
@@ -265,7 +292,7 @@ def test_a_run_directory_is_verified_with_its_own_batch_and_seed(data_dir, tmp_p
     code = cli.main(["verify", run, "--steps", "2", "--sharding", "data", "--no-resume",
                      "--plot", "", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0, result
+    assert code == 0, json.dumps(result)
     assert result["global_batch"] == 16 and result["seed"] == 3 and result["recipe"] == "fashion-mnist-cnn"
 
 

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps-per-dispatch", default="", metavar="K,...",
                         help="also train K steps per dispatch on the largest device count")
     parser.add_argument("--no-resume", action="store_true",
-                        help="skip the stop and resume after half the steps")
+                        help="skip the stop, checkpoint and resume after half the steps")
     options.add_flags(parser, "global_batch", "data_dir", "seed", "precision")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="the picture: loss per step and distance per step (default: "

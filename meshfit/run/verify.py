@@ -38,7 +38,7 @@ class Configuration:
     model_parallel: int = 1
     micro_batches: int = 1
     steps_per_dispatch: int = 1
-    resume_at: int | None = None  # stop after this many steps and resume from the state
+    resume_at: int | None = None  # stop after this many steps, checkpoint, resume from the files
 
     @property
     def name(self) -> str:
@@ -156,7 +156,7 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
     `x(first_step)` yielding (x, y) global batches from that step on (a resume reads from the
     middle), y then None. devices: counts such as (1, 2, 8); sharding: modes, 'auto' and
     'model:K'. micro_batches, steps_per_dispatch: values to try on the largest device count.
-    resume: also stop after steps/2 and resume from the whole state. Runs on the devices of the
+    resume: also stop after steps/2 and resume from a checkpoint. Runs on the devices of the
     last meshfit.connect() (the first N of them per configuration); when nothing has started JAX
     yet, on max(devices) simulated CPU devices. precision: as connect()'s ('auto': the connected
     strategy's, else the hardware's); every run, the reference included, trains in it.
