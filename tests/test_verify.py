@@ -243,6 +243,48 @@ def test_micro_batches_are_equal_but_their_dropout_draws_other_numbers():
     assert verdict.name == "8 devices, data, 2 micro-batches" and verdict.diverges_at == 1
 
 
+IMAGES = rng.random((64, 12, 12, 1)).astype("float32")
+LABELS = rng.integers(0, CLASSES, 64)
+
+
+def small_cnn(dropout: float = 0.0):
+    """fashion-mnist-cnn in miniature, at the top level of this module: another engine's
+    process imports it by reference to rebuild the model."""
+    model = keras.Sequential([keras.Input((12, 12, 1)), layers.Conv2D(4, 3, activation="relu"),
+                              layers.MaxPooling2D(), layers.Flatten(), layers.Dropout(dropout),
+                              layers.Dense(CLASSES)])
+    return compiled(model, keras.optimizers.Adam(1e-2))
+
+
+def small_cnn_with_dropout():
+    return small_cnn(0.3)
+
+
+def test_the_tensorflow_engine_trains_the_same_model_as_jax():
+    """TensorFlow, in a process of its own, from the same weights on the same batches."""
+    result = verify(small_cnn, IMAGES, LABELS, batch_size=16, devices=(1,),
+                    engines="jax,tensorflow")
+    assert result.exit_code == 0, result.lines()
+    (verdict,) = result.verdicts
+    assert verdict.name == "1 device, tensorflow engine" and verdict.steps == [1, 2, 3, 4]
+    assert 0 < verdict.worst <= 30, result.lines()  # measured, never trivially zero
+
+
+def test_engines_on_a_model_that_draws_random_numbers_are_not_comparable():
+    result = verify(small_cnn_with_dropout, IMAGES, LABELS, batch_size=16, devices=(1,),
+                    engines=("jax", "tensorflow"))
+    assert result.exit_code == 0 and not result.verdicts, result.lines()
+    (line,) = [line for line in result.lines() if "tensorflow engine" in line]
+    assert "not comparable: the model draws random numbers" in line
+
+
+def test_engines_need_a_build_function_another_process_can_import():
+    with pytest.raises(meshfit.MeshfitError, match="top level of an importable module"):
+        verify(lambda: small_cnn(), IMAGES, LABELS, batch_size=16, engines="tensorflow")
+    with pytest.raises(meshfit.MeshfitError, match="unknown engine 'torch'"):
+        verify(small_cnn, IMAGES, LABELS, batch_size=16, engines="jax,torch")
+
+
 @pytest.mark.slow
 def test_a_keras_hub_model_is_equal():
     keras_hub = pytest.importorskip("keras_hub")
@@ -271,11 +313,15 @@ def test_the_tutorial_recipes_on_the_command_line(recipe, data_dir, tmp_path, ca
     picture = str(tmp_path / "fm.png")
     code = cli.main(["verify", recipe, "--data-dir", data_dir, "--global-batch", "32",
                      "--steps", "4", "--devices", "1,8", "--sharding", "data,fsdp", "--plot",
-                     picture, "--json"])
+                     picture, "--engines", "jax,tensorflow", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, json.dumps(result)
-    assert [c["name"] for c in result["configurations"]] == [
-        "8 devices, data", "8 devices, fsdp", "8 devices, data, resumed after step 2"]
+    names = ["8 devices, data", "8 devices, fsdp", "8 devices, data, resumed after step 2"]
+    if recipe == "fashion-mnist-cnn":  # the recipe rebuilt from its name in TensorFlow's process
+        names.append("1 device, tensorflow engine")
+    else:  # Dropout
+        assert "not comparable" in result["not_run"]["1 device, tensorflow engine"]
+    assert [c["name"] for c in result["configurations"]] == names
     assert result["recipe"] == recipe and os.path.getsize(picture) > 10_000
     assert result["precision"] == ("bfloat16" if recipe == "mnist-mlp-bf16" else "float32")
 

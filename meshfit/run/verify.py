@@ -15,6 +15,7 @@ progress from `keras.distribution.distribution()` instead (None on one device).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -22,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 import meshfit
 from meshfit.errors import MeshfitError
 from meshfit.parallel import cluster, modes
-from meshfit.run import verify_report
+from meshfit.run import options, spec, verify_engines, verify_report
 
 DEFAULT_STEPS = 8  # a few steps show a wrong gradient, statistic or order; rounding stays small
 DEFAULT_DEVICES = (1, 8)
@@ -39,9 +40,12 @@ class Configuration:
     micro_batches: int = 1
     steps_per_dispatch: int = 1
     resume_at: int | None = None  # stop after this many steps, checkpoint, resume from the files
+    engine: str = "jax"  # another: one device, in a child process (meshfit.run.verify_engines)
 
     @property
     def name(self) -> str:
+        if self.engine != "jax":
+            return f"1 device, {self.engine} engine"
         words = [f"{self.devices} device{'s' if self.devices > 1 else ''}", self.sharding]
         if self.model_parallel > 1:
             words[-1] = f"{self.sharding} x model {self.model_parallel}"
@@ -63,6 +67,7 @@ class RecipeModel:
     dataset: Any
     steps_per_epoch: int
     epochs: int
+    rebuild: dict | None = None  # for another engine's process: target, data_dir, seed (+ the above)
 
 
 def parse_counts(text: str | Sequence[int], what: str) -> tuple[int, ...]:
@@ -95,10 +100,10 @@ def parse_shardings(text: str | Sequence[str]) -> tuple[tuple[str, int], ...]:
 
 def configurations(devices: Sequence[int], shardings: Sequence[tuple[str, int]], *, steps: int,
                    micro_batches: Sequence[int] = (), steps_per_dispatch: Sequence[int] = (),
-                   resume: bool = True) -> list[Configuration]:
+                   resume: bool = True, engines: Sequence[str] = ("jax",)) -> list[Configuration]:
     """Every device count but 1 (the reference) under every sharding, then the micro-batches,
     steps per dispatch and the stop and resume, each on the largest device count under the first
-    sharding."""
+    sharding, then every engine but JAX on one device."""
     found: list[Configuration] = []
     for count in devices:
         for sharding, k in shardings:
@@ -117,7 +122,21 @@ def configurations(devices: Sequence[int], shardings: Sequence[tuple[str, int]],
             found.append(Configuration(most, sharding, k, steps_per_dispatch=d))
     if resume and steps >= 2:
         found.append(Configuration(most, sharding, k, resume_at=steps // 2))
+    found += [Configuration(1, engine=engine) for engine in engines if engine != "jax"]
     return list(dict.fromkeys(found))
+
+
+def target_recipe(target: str, devices: int, engine: str = "jax"):
+    """The recipe TARGET names and, for a run directory, its RunSpec (else None); a recipe file
+    runs once `devices` simulated devices have started on `engine` (it may import Keras at its
+    top)."""
+    if os.path.isdir(target):
+        saved, _ = spec.read(target)
+        if saved.recipe_file:
+            meshfit.run.train.start_engine_for_file(devices, engine, None)
+        return meshfit.run.models.recipe_of_run(target, saved), saved
+    the_options = options.TrainOptions(simulate_devices=devices, engine=engine)
+    return meshfit.run.train.load_recipe(target, the_options), None
 
 
 def array_source(x, y, global_batch: int) -> Callable[[int], Iterator]:
@@ -144,8 +163,9 @@ def array_source(x, y, global_batch: int) -> Callable[[int], Iterator]:
 def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
            steps: int = DEFAULT_STEPS, devices: str | Sequence[int] = DEFAULT_DEVICES,
            sharding: str | Sequence[str] = DEFAULT_SHARDING, micro_batches: Sequence[int] = (),
-           steps_per_dispatch: Sequence[int] = (), resume: bool = True, seed: int = 0,
-           precision: str = "auto", plot: str | None = None, verbose: bool = True):
+           steps_per_dispatch: Sequence[int] = (), resume: bool = True,
+           engines: str | Sequence[str] = ("jax",), seed: int = 0, precision: str = "auto",
+           plot: str | None = None, verbose: bool = True):
     """Train `build_model()`'s model `steps` steps on one device and under every configuration
     asked, from the same weights and batches, and compare: a meshfit.run.verify_report.Verdicts
     (`.ok`, `.exit_code`, `.lines()`, `.as_dict()`); `plot`: also write that PNG.
@@ -156,7 +176,10 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
     `x(first_step)` yielding (x, y) global batches from that step on (a resume reads from the
     middle), y then None. devices: counts such as (1, 2, 8); sharding: modes, 'auto' and
     'model:K'. micro_batches, steps_per_dispatch: values to try on the largest device count.
-    resume: also stop after steps/2 and resume from a checkpoint. Runs on the devices of the
+    resume: also stop after steps/2 and resume from a checkpoint. engines: also train on one
+    device of each engine named besides 'jax' ('tensorflow'), in a process of its own that
+    rebuilds the model: build_model then must be a function at the top level of an importable
+    module; a model that draws random numbers is reported not comparable. Runs on the devices of the
     last meshfit.connect() (the first N of them per configuration); when nothing has started JAX
     yet, on max(devices) simulated CPU devices. precision: as connect()'s ('auto': the connected
     strategy's, else the hardware's); every run, the reference included, trains in it.
@@ -172,8 +195,11 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
     source = x if callable(x) else array_source(x, y, batch_size)
     if callable(x) and y is not None:
         raise MeshfitError("meshfit.verify: x is a function yielding (x, y) batches; give no y")
+    engine_names = verify_engines.parse_engines(engines)
+    if any(name != "jax" for name in engine_names):
+        verify_engines.check_rebuildable(build_model)
     runs = configurations(counts, shardings, steps=steps, micro_batches=micro_batches,
-                          steps_per_dispatch=steps_per_dispatch, resume=resume)
+                          steps_per_dispatch=steps_per_dispatch, resume=resume, engines=engine_names)
     return compare_runs(max(counts), precision, build_model, source, runs, steps=steps,
                         global_batch=batch_size, seed=seed, plot=plot, verbose=verbose)
 
@@ -188,7 +214,7 @@ def compare_runs(devices: int, precision: str, build, source, runs: list[Configu
     from meshfit.run.keras_side import verify_training as training  # the engine line: connected
 
     base = training.base_strategy(precision)
-    build = training.builder(build)
+    build_spec, build = build, training.builder(build)
     reference_strategy = training.strategy_on(base, 1, "data")
     first = next(iter(source(0)))
     start = training.initial_weights(reference_strategy, build, seed, first)
@@ -202,6 +228,17 @@ def compare_runs(devices: int, precision: str, build, source, runs: list[Configu
                            start=training.perturbed(start, roundoff, seed), **common)
     traces, refusals = {}, {}
     for run in runs:
+        if run.engine != "jax":
+            found = _other_engine(run.engine, build_spec, reference, start, source, base.precision,
+                                  **common)
+            if "refused" in found:
+                refusals[run.name] = found["refused"]
+                say(f"  {run.name}: {found['refused']}", flush=True)
+            else:
+                traces[run.name] = training.Trace(**found)
+                say(f"  trained: {run.name} ({found['seconds']:.1f} s, in a process of its own)",
+                    flush=True)
+            continue
         strategy = training.strategy_on(base, run.devices, run.sharding, run.model_parallel)
         try:
             traces[run.name] = training.train(
@@ -223,6 +260,18 @@ def compare_runs(devices: int, precision: str, build, source, runs: list[Configu
         if plot:
             print(f"wrote {plot}", flush=True)
     return verdicts
+
+
+def _other_engine(engine: str, build, reference, start, source, precision: str, *, steps: int,
+                  global_batch: int, seed: int) -> dict:
+    """The trace of another engine's run (meshfit.run.verify_engines), or {"refused": why}."""
+    why = verify_engines.not_comparable(engine, reference.paths)
+    if why is not None:
+        return {"refused": why}
+    if isinstance(build, RecipeModel):
+        build = build.rebuild
+    return verify_engines.train_in_child(engine, build, start, source, steps=steps,
+                                         global_batch=global_batch, seed=seed, precision=precision)
 
 
 def _compute_dtype(precision: str) -> str:

@@ -93,7 +93,8 @@ class Verdicts:
         head = (f"reference: 1 device, {self.steps} steps of {self.global_batch} samples, "
                 f"{self.precision} ({self.reference_seconds:.1f} s)")
         body = [v.line(self.steps) for v in self.verdicts]
-        body += [f"  {name:42s} not run: {reason}" for name, reason in self.refusals.items()]
+        body += [f"  {name:42s} {'' if reason.startswith('not comparable') else 'not run: '}{reason}"
+                 for name, reason in self.refusals.items()]
         bad = sum(not v.ok for v in self.verdicts)
         tail = ("every configuration trains the reference's model" if not bad else
                 f"{bad} of {len(self.verdicts)} configuration(s) diverge: see docs/guides/verify.md")
