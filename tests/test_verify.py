@@ -234,6 +234,26 @@ def test_mixed_precision_is_equal():
     assert "bfloat16" in result.lines()[0] and len(result.verdicts) == 3
 
 
+def test_several_precisions_each_against_its_own_reference_and_floor():
+    result = verify(lambda: compiled(mlp(layers.Dropout(0.2))), precision="float32,mixed_bfloat16")
+    assert result.exit_code == 0, result.lines()
+    (bf16,) = result.more
+    assert result.precision == "float32" and bf16.precision == "bfloat16"
+    assert bf16.roundoff == 2.0 ** -9 and bf16.weight_floor[-1] > 100 * result.weight_floor[-1]
+    assert [v.name for v in bf16.verdicts] == ["8 devices, data"] and 0 < bf16.verdicts[0].worst <= 30
+    lines = result.lines()
+    assert any(line.startswith("bfloat16: its own reference on 1 device") for line in lines)
+    assert any("8 devices, data, bfloat16" in line and "equal within rounding" in line
+               for line in lines)
+    assert result.as_dict()["precisions"][0]["precision"] == "bfloat16"
+
+
+def test_a_defect_in_a_further_precision_fails_verify():
+    result = verify(lambda: compiled(mlp(SameNoiseOnEveryDevice())), precision=["float32", "bf16"])
+    assert result.exit_code == 1 and not result.more[0].ok, result.lines()
+    assert "2 of 2 configuration(s) diverge" in result.lines()[-1]
+
+
 def test_micro_batches_are_equal_but_their_dropout_draws_other_numbers():
     """On JAX each micro-batch draws its own Dropout masks (meshfit.fit.jax_microbatch): the same
     distribution, other numbers than one device draws, which verify must report."""

@@ -43,7 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(tensorflow), in a process of its own (default: %(default)s)")
     parser.add_argument("--no-resume", action="store_true",
                         help="skip the stop, checkpoint and resume after half the steps")
-    options.add_flags(parser, "global_batch", "data_dir", "seed", "precision")
+    options.add_flags(parser, "global_batch", "data_dir", "seed")
+    parser.add_argument("--precision", default=planning.DEFAULT_PRECISION, metavar="P,...",
+                        help=f"one or several of {', '.join(planning.PRECISIONS)} (default: "
+                             "%(default)s: the recipe's or run's, else the hardware's); every "
+                             "configuration in the first, each further one against its own "
+                             "one-device reference and floor on the largest device count")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="the picture: loss per step and distance per step (default: "
                              "verify-<recipe>.png; '' for none)")
@@ -57,9 +62,9 @@ def run(args: argparse.Namespace) -> int:
              if getattr(args, name) else () for name in ("micro_batches", "steps_per_dispatch")}
     recipe, saved = verify_lib.target_recipe(args.target, max(counts))
     seed = spec.check_seed(args.seed if args.seed is not None else saved.seed if saved else None)
-    precision = planning.asked_precision(
-        saved.precision if saved and args.precision == planning.DEFAULT_PRECISION else args.precision,
-        recipe.precision)
+    precision = [planning.asked_precision(
+        saved.precision if saved and asked == planning.DEFAULT_PRECISION else asked, recipe.precision)
+        for asked in verify_lib.parse_precisions(args.precision)]
     data_dir = args.data_dir or (saved.data_dir if saved else None)
     dataset = meshfit.data.splits.load(recipe, data_dir, seed, saved.dataset if saved else None)
     if dataset.streamed:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import meshfit
 from meshfit.errors import MeshfitError
-from meshfit.parallel import cluster, modes
+from meshfit.parallel import cluster, modes, planning
 from meshfit.run import options, spec, verify_engines, verify_report
 
 DEFAULT_STEPS = 8  # a few steps show a wrong gradient, statistic or order; rounding stays small
@@ -164,8 +164,8 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
            steps: int = DEFAULT_STEPS, devices: str | Sequence[int] = DEFAULT_DEVICES,
            sharding: str | Sequence[str] = DEFAULT_SHARDING, micro_batches: Sequence[int] = (),
            steps_per_dispatch: Sequence[int] = (), resume: bool = True,
-           engines: str | Sequence[str] = ("jax",), seed: int = 0, precision: str = "auto",
-           plot: str | None = None, verbose: bool = True):
+           engines: str | Sequence[str] = ("jax",), seed: int = 0,
+           precision: str | Sequence[str] = "auto", plot: str | None = None, verbose: bool = True):
     """Train `build_model()`'s model `steps` steps on one device and under every configuration
     asked, from the same weights and batches, and compare: a meshfit.run.verify_report.Verdicts
     (`.ok`, `.exit_code`, `.lines()`, `.as_dict()`); `plot`: also write that PNG.
@@ -182,7 +182,9 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
     module; a model that draws random numbers is reported not comparable. Runs on the devices of the
     last meshfit.connect() (the first N of them per configuration); when nothing has started JAX
     yet, on max(devices) simulated CPU devices. precision: as connect()'s ('auto': the connected
-    strategy's, else the hardware's); every run, the reference included, trains in it.
+    strategy's, else the hardware's); every run, the reference included, trains in it. Several
+    ('float32,bfloat16'): every configuration in the first; each further one trains its own
+    reference and floor and is compared on the largest device count under the first sharding.
     """
     counts = parse_counts(devices, "devices")
     shardings = parse_shardings(sharding)
@@ -195,6 +197,7 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
     source = x if callable(x) else array_source(x, y, batch_size)
     if callable(x) and y is not None:
         raise MeshfitError("meshfit.verify: x is a function yielding (x, y) batches; give no y")
+    parse_precisions(precision)
     engine_names = verify_engines.parse_engines(engines)
     if any(name != "jax" for name in engine_names):
         verify_engines.check_rebuildable(build_model)
@@ -204,25 +207,63 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
                         global_batch=batch_size, seed=seed, plot=plot, verbose=verbose)
 
 
-def compare_runs(devices: int, precision: str, build, source, runs: list[Configuration], *,
-                 steps: int, global_batch: int, seed: int, plot: str | None, verbose: bool):
+def parse_precisions(text: str | Sequence[str]) -> tuple[str, ...]:
+    """'float32,mixed_bfloat16' (or a sequence) as precision names ('auto' allowed), in order,
+    once each."""
+    words = text.split(",") if isinstance(text, str) else list(text)
+    names = tuple(dict.fromkeys(planning.precision_name(w.strip()) for w in words if w.strip()))
+    return names or (planning.DEFAULT_PRECISION,)
+
+
+def compare_runs(devices: int, precision: str | Sequence[str], build, source,
+                 runs: list[Configuration], *, steps: int, global_batch: int, seed: int,
+                 plot: str | None, verbose: bool):
     """Train the reference, the floor run and every configuration on the devices of the last
-    meshfit.connect() (when JAX has not started: `devices` simulated CPU devices, connected now);
-    the verdicts (printed when verbose, drawn into `plot`)."""
+    meshfit.connect() (when JAX has not started: `devices` simulated CPU devices, connected now)
+    in the first precision; in each further one, its own reference and floor and the first
+    configuration on the most devices (verdicts.more). The verdicts (printed when verbose, the
+    first precision's drawn into `plot`)."""
+    precisions = parse_precisions(precision)
     if not cluster.jax_started():
-        meshfit.connect(simulate_devices=devices, engine="jax", precision=precision, verbose=False)
+        meshfit.connect(simulate_devices=devices, engine="jax", precision=precisions[0], verbose=False)
     from meshfit.run.keras_side import verify_training as training  # the engine line: connected
 
-    base = training.base_strategy(precision)
-    build_spec, build = build, training.builder(build)
+    say = print if verbose else (lambda *a, **k: None)
+    bases = []
+    for name in precisions:  # each once ('auto' may be another one asked), in the order asked
+        base = training.base_strategy(name)
+        if base.precision not in [b.precision for b in bases]:
+            bases.append(base)
+    widest = [Configuration(r.devices, r.sharding, r.model_parallel) for r in runs
+              if r.devices == devices and r.engine == "jax"][:1]
+    say(f"verify: {len(runs)} configuration(s) against 1 device, {steps} steps of {global_batch} "
+        f"samples, {bases[0].precision}" + "".join(f"; {len(widest)} in {b.precision}"
+                                                   for b in bases[1:]), flush=True)
+    verdicts, reference, traces = _judged(training, bases[0], build, source, runs, steps=steps,
+                                          global_batch=global_batch, seed=seed, say=say)
+    for base in bases[1:]:
+        verdicts.more.append(_judged(training, base, build, source, widest, steps=steps,
+                                     global_batch=global_batch, seed=seed, say=say)[0])
+    bases[0].activate()
+    if plot:
+        verify_report.plot(verdicts, reference, traces, plot)
+    if verbose:
+        print("\n".join(verdicts.lines()), flush=True)
+        if plot:
+            print(f"wrote {plot}", flush=True)
+    return verdicts
+
+
+def _judged(training, base, build_spec, source, runs: list[Configuration], *, steps: int,
+            global_batch: int, seed: int, say):
+    """The reference, floor run and `runs` in `base`'s precision, judged: (verdicts, the
+    reference's trace, each run's trace)."""
+    build = training.builder(build_spec)
     reference_strategy = training.strategy_on(base, 1, "data")
     first = next(iter(source(0)))
     start = training.initial_weights(reference_strategy, build, seed, first)
     common = dict(steps=steps, global_batch=global_batch, seed=seed)
     roundoff = training.UNIT_ROUNDOFF.get(_compute_dtype(base.precision), 2.0 ** -24)
-    say = print if verbose else (lambda *a, **k: None)
-    say(f"verify: {len(runs)} configuration(s) against 1 device, {steps} steps of {global_batch} "
-        f"samples, {base.precision}", flush=True)
     reference = training.train(reference_strategy, build, source, start=start, **common)
     floor = training.train(reference_strategy, build, source,
                            start=training.perturbed(start, roundoff, seed), **common)
@@ -248,18 +289,11 @@ def compare_runs(devices: int, precision: str, build, source, runs: list[Configu
             refusals[run.name] = str(refused)
             say(f"  not run: {run.name}: {refused}", flush=True)
             continue
-        say(f"  trained: {run.name} ({traces[run.name].seconds:.1f} s)", flush=True)
-    base.activate()
+        say(f"  trained: {run.name}, {base.precision} ({traces[run.name].seconds:.1f} s)", flush=True)
     verdicts = verify_report.judge(reference, floor, traces, roundoff=roundoff,
                                    precision=base.precision, global_batch=global_batch,
                                    refusals=refusals)
-    if plot:
-        verify_report.plot(verdicts, reference, traces, plot)
-    if verbose:
-        print("\n".join(verdicts.lines()), flush=True)
-        if plot:
-            print(f"wrote {plot}", flush=True)
-    return verdicts
+    return verdicts, reference, traces
 
 
 def _other_engine(engine: str, build, reference, start, source, precision: str, *, steps: int,
