@@ -407,6 +407,10 @@ def test_bad_input_is_one_line(capsys):
 
     assert cli.main(["verify", "fashion-mnist-cnn", "--devices", "1,x"]) == 2
     assert "--devices '1,x': give whole numbers" in capsys.readouterr().err
+    assert cli.main(["verify", "fashion-mnist-cnn", "--engines", "jax,torch"]) == 2
+    assert "unknown engine 'torch' for --engines" in capsys.readouterr().err
+    assert cli.main(["verify", "fashion-mnist-cnn", "--precision", "float32,fp8"]) == 2
+    assert "unknown precision 'fp8'" in capsys.readouterr().err
     with pytest.raises(meshfit.MeshfitError, match="does not split over 8 devices"):
         verify(lambda: compiled(mlp()), batch_size=12)
     with pytest.raises(meshfit.MeshfitError, match="must return a compiled Keras model"):

@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     counts = verify_lib.parse_counts(args.devices, "--devices")
     shardings = verify_lib.parse_shardings(args.sharding)
+    engines = verify_engines.parse_engines(args.engines)
     extra = {name: verify_lib.parse_counts(getattr(args, name), f"--{name.replace('_', '-')}")
              if getattr(args, name) else () for name in ("micro_batches", "steps_per_dispatch")}
     recipe, saved = verify_lib.target_recipe(args.target, max(counts))
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         augment=recipe.augment, on_device=False, crop_padding=recipe.crop_padding, flips=recipe.flips)
     plot = f"verify-{recipe.name}.png" if args.plot is None else args.plot or None
     runs = verify_lib.configurations(counts, shardings, steps=args.steps, resume=not args.no_resume,
-                                     engines=verify_engines.parse_engines(args.engines), **extra)
+                                     engines=engines, **extra)
     for count in counts:
         if global_batch % count:
             raise MeshfitError(f"global batch {global_batch} does not split over {count} devices; "
