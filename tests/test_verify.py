@@ -305,6 +305,34 @@ def test_engines_need_a_build_function_another_process_can_import():
         verify(small_cnn, IMAGES, LABELS, batch_size=16, engines="jax,torch")
 
 
+def plain_mlp():
+    """At the top level of this module: a job of several processes imports it by reference."""
+    return compiled(mlp())
+
+
+def batches_by_process_count(start):
+    """Shuffled with the process count as its seed (read in each process of the job)."""
+    import jax
+
+    order = np.random.default_rng(jax.process_count()).permutation(SAMPLES)
+    for step in range(start, 10 ** 6):
+        rows = order[np.arange(step * BATCH, (step + 1) * BATCH) % SAMPLES]
+        yield X[rows], Y[rows]
+
+
+@pytest.mark.slow  # two jobs of `meshfit launch`, each ~20 s of starting JAX twice on 2 loaded cores
+def test_two_processes_train_the_same_model_as_one_device():
+    """2 processes x 2 devices, a job of `meshfit launch`; and a data order that depends on the
+    process count diverges from step 1."""
+    result = verify(plain_mlp, devices=(1, 4), processes=(2,))
+    assert result.exit_code == 0, result.lines()
+    assert [v.name for v in result.verdicts] == ["4 devices, data", "2 processes x 2 devices, data"]
+    assert all(0 < v.worst <= 30 for v in result.verdicts), result.lines()
+    result = verify(plain_mlp, batches_by_process_count, None, devices=(1, 4), processes=(2,))
+    verdict = diverging(result)
+    assert verdict.name == "2 processes x 2 devices, data" and verdict.diverges_at == 1
+
+
 @pytest.mark.slow
 def test_a_keras_hub_model_is_equal():
     keras_hub = pytest.importorskip("keras_hub")

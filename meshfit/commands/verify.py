@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", default="jax", metavar="ENGINE,...",
                         help="also train on one device of each engine named besides jax "
                              "(tensorflow), in a process of its own (default: %(default)s)")
+    parser.add_argument("--processes", default="", metavar="P,...",
+                        help="also split the largest device count over P processes, a job of "
+                             "meshfit launch (e.g. 2: 2 processes x N/2 devices)")
     parser.add_argument("--no-resume", action="store_true",
                         help="skip the stop, checkpoint and resume after half the steps")
     options.add_flags(parser, "global_batch", "data_dir", "seed")
@@ -60,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     shardings = verify_lib.parse_shardings(args.sharding)
     engines = verify_engines.parse_engines(args.engines)
     extra = {name: verify_lib.parse_counts(getattr(args, name), f"--{name.replace('_', '-')}")
-             if getattr(args, name) else () for name in ("micro_batches", "steps_per_dispatch")}
+             if getattr(args, name) else () for name in ("micro_batches", "steps_per_dispatch",
+                                                           "processes")}
     recipe, saved = verify_lib.target_recipe(args.target, max(counts))
     seed = spec.check_seed(args.seed if args.seed is not None else saved.seed if saved else None)
     precision = [planning.asked_precision(

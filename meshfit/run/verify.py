@@ -2,13 +2,16 @@
 
 From the same initial weights, seed and batches, a model trains `steps` steps on one device (the
 reference) and under every configuration asked (device count, sharding, micro-batches, steps per
-dispatch, a stop and resume in the middle); meshfit.run.verify_report compares each with the
+dispatch, a stop and resume through a checkpoint in the middle, other engines, several
+processes, several precisions); meshfit.run.verify_report compares each with the
 reference, step by step and variable by variable, in multiples of the rounding floor measured in
 the same run (the reference trained again from weights moved by one rounding unit).
 
-Every configuration runs in this process on the first N of the devices JAX started (simulated
-CPU devices, as many as the largest count asked, when verify starts JAX itself): the model
-function and data need not be importable or picklable, and nothing is started twice. Code that
+Every configuration but another engine's and several processes' (meshfit.run.verify_engines:
+child processes, which rebuild the model) runs in this process on the first N of the devices JAX
+started (simulated CPU devices, as many as the largest count asked, when verify starts JAX
+itself): the model function and data need not be importable or picklable, and nothing is
+started twice. Code that
 reads `jax.device_count()` sees every started device; read the replica count of the run in
 progress from `keras.distribution.distribution()` instead (None on one device).
 """
@@ -41,12 +44,15 @@ class Configuration:
     steps_per_dispatch: int = 1
     resume_at: int | None = None  # stop after this many steps, checkpoint, resume from the files
     engine: str = "jax"  # another: one device, in a child process (meshfit.run.verify_engines)
+    processes: int = 1  # several: the devices split over a job of `meshfit launch` (verify_engines)
 
     @property
     def name(self) -> str:
         if self.engine != "jax":
             return f"1 device, {self.engine} engine"
         words = [f"{self.devices} device{'s' if self.devices > 1 else ''}", self.sharding]
+        if self.processes > 1:
+            words[0] = f"{self.processes} processes x {self.devices // self.processes} devices"
         if self.model_parallel > 1:
             words[-1] = f"{self.sharding} x model {self.model_parallel}"
         if self.micro_batches > 1:
@@ -100,10 +106,11 @@ def parse_shardings(text: str | Sequence[str]) -> tuple[tuple[str, int], ...]:
 
 def configurations(devices: Sequence[int], shardings: Sequence[tuple[str, int]], *, steps: int,
                    micro_batches: Sequence[int] = (), steps_per_dispatch: Sequence[int] = (),
-                   resume: bool = True, engines: Sequence[str] = ("jax",)) -> list[Configuration]:
+                   resume: bool = True, engines: Sequence[str] = ("jax",),
+                   processes: Sequence[int] = ()) -> list[Configuration]:
     """Every device count but 1 (the reference) under every sharding, then the micro-batches,
-    steps per dispatch and the stop and resume, each on the largest device count under the first
-    sharding, then every engine but JAX on one device."""
+    steps per dispatch, the stop and resume and each count of processes, on the largest device
+    count under the first sharding, then every engine but JAX on one device."""
     found: list[Configuration] = []
     for count in devices:
         for sharding, k in shardings:
@@ -122,6 +129,12 @@ def configurations(devices: Sequence[int], shardings: Sequence[tuple[str, int]],
             found.append(Configuration(most, sharding, k, steps_per_dispatch=d))
     if resume and steps >= 2:
         found.append(Configuration(most, sharding, k, resume_at=steps // 2))
+    for count in processes:
+        if count > 1:
+            if most % count:
+                raise MeshfitError(f"--processes {count} does not divide {most} devices; give "
+                                   f"--devices with a multiple of {count}")
+            found.append(Configuration(most, sharding, k, processes=count))
     found += [Configuration(1, engine=engine) for engine in engines if engine != "jax"]
     return list(dict.fromkeys(found))
 
@@ -164,7 +177,7 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
            steps: int = DEFAULT_STEPS, devices: str | Sequence[int] = DEFAULT_DEVICES,
            sharding: str | Sequence[str] = DEFAULT_SHARDING, micro_batches: Sequence[int] = (),
            steps_per_dispatch: Sequence[int] = (), resume: bool = True,
-           engines: str | Sequence[str] = ("jax",), seed: int = 0,
+           engines: str | Sequence[str] = ("jax",), processes: Sequence[int] = (), seed: int = 0,
            precision: str | Sequence[str] = "auto", plot: str | None = None, verbose: bool = True):
     """Train `build_model()`'s model `steps` steps on one device and under every configuration
     asked, from the same weights and batches, and compare: a meshfit.run.verify_report.Verdicts
@@ -179,7 +192,9 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
     resume: also stop after steps/2 and resume from a checkpoint. engines: also train on one
     device of each engine named besides 'jax' ('tensorflow'), in a process of its own that
     rebuilds the model: build_model then must be a function at the top level of an importable
-    module; a model that draws random numbers is reported not comparable. Runs on the devices of the
+    module; a model that draws random numbers is reported not comparable. processes: counts
+    of processes (e.g. (2,)) the largest device count is split over, each a job of `meshfit
+    launch` rebuilding the model as for engines (and `x`, when a function). Runs on the devices of the
     last meshfit.connect() (the first N of them per configuration); when nothing has started JAX
     yet, on max(devices) simulated CPU devices. precision: as connect()'s ('auto': the connected
     strategy's, else the hardware's); every run, the reference included, trains in it. Several
@@ -198,11 +213,15 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
     if callable(x) and y is not None:
         raise MeshfitError("meshfit.verify: x is a function yielding (x, y) batches; give no y")
     parse_precisions(precision)
+    processes = parse_counts(processes, "processes") if processes else ()
     engine_names = verify_engines.parse_engines(engines)
-    if any(name != "jax" for name in engine_names):
+    if any(name != "jax" for name in engine_names) or any(p > 1 for p in processes):
         verify_engines.check_rebuildable(build_model)
+        if callable(x) and any(p > 1 for p in processes):
+            verify_engines.check_rebuildable(x)
     runs = configurations(counts, shardings, steps=steps, micro_batches=micro_batches,
-                          steps_per_dispatch=steps_per_dispatch, resume=resume, engines=engine_names)
+                          steps_per_dispatch=steps_per_dispatch, resume=resume, engines=engine_names,
+                          processes=processes)
     return compare_runs(max(counts), precision, build_model, source, runs, steps=steps,
                         global_batch=batch_size, seed=seed, plot=plot, verbose=verbose)
 
@@ -269,16 +288,16 @@ def _judged(training, base, build_spec, source, runs: list[Configuration], *, st
                            start=training.perturbed(start, roundoff, seed), **common)
     traces, refusals = {}, {}
     for run in runs:
-        if run.engine != "jax":
-            found = _other_engine(run.engine, build_spec, reference, start, source, base.precision,
-                                  **common)
+        if run.engine != "jax" or run.processes > 1:
+            found = _other_process(run, build_spec, reference, start, source, base.precision,
+                                   **common)
             if "refused" in found:
                 refusals[run.name] = found["refused"]
                 say(f"  {run.name}: {found['refused']}", flush=True)
             else:
                 traces[run.name] = training.Trace(**found)
-                say(f"  trained: {run.name} ({found['seconds']:.1f} s, in a process of its own)",
-                    flush=True)
+                where = "a job of meshfit launch" if run.processes > 1 else "a process of its own"
+                say(f"  trained: {run.name} ({found['seconds']:.1f} s, in {where})", flush=True)
             continue
         strategy = training.strategy_on(base, run.devices, run.sharding, run.model_parallel)
         try:
@@ -296,16 +315,19 @@ def _judged(training, base, build_spec, source, runs: list[Configuration], *, st
     return verdicts, reference, traces
 
 
-def _other_engine(engine: str, build, reference, start, source, precision: str, *, steps: int,
-                  global_batch: int, seed: int) -> dict:
-    """The trace of another engine's run (meshfit.run.verify_engines), or {"refused": why}."""
-    why = verify_engines.not_comparable(engine, reference.paths)
+def _other_process(run: Configuration, build, reference, start, source, precision: str, *,
+                   steps: int, global_batch: int, seed: int) -> dict:
+    """The trace of a run in other processes (another engine's, or a job of several processes:
+    meshfit.run.verify_engines), or {"refused": why}."""
+    why = verify_engines.not_comparable(run.engine, reference.paths) if run.engine != "jax" else None
     if why is not None:
         return {"refused": why}
     if isinstance(build, RecipeModel):
         build = build.rebuild
-    return verify_engines.train_in_child(engine, build, start, source, steps=steps,
-                                         global_batch=global_batch, seed=seed, precision=precision)
+    return verify_engines.train_in_child(
+        run.engine, build, start, source, steps=steps, global_batch=global_batch, seed=seed,
+        precision=precision, processes=run.processes, devices=run.devices, sharding=run.sharding,
+        model_parallel=run.model_parallel)
 
 
 def _compute_dtype(precision: str) -> str:

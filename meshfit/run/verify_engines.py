@@ -1,11 +1,13 @@
-"""`meshfit verify --engines jax,tensorflow`: the one-device reference (JAX) against the same
-steps on another engine, trained in a child process of its own (Keras fixes its backend once per
-process): meshfit.run.keras_side.verify_worker.
+"""`meshfit verify --engines jax,tensorflow` and `--processes P`: the one-device reference (JAX)
+against the same steps on another engine, trained in a child process of its own (Keras fixes its
+backend once per process), or on a job of P processes started by `meshfit launch`, each running
+meshfit.run.keras_side.verify_worker.
 
 The child gets everything through files in a temporary folder: job.pkl (how to build the model:
 the user's function, pickled by reference, or the recipe's TARGET; steps, batch, seed,
-precision), arrays.npz (the reference's initial weights and every global batch). It trains the
-same steps from the same weights on the same batches and writes its trace back (trace.npz,
+precision; for a job, the user's batch function when importable), arrays.npz (the reference's
+initial weights and every global batch). It trains the same steps from the same weights on the
+same batches and writes its trace back (process 0 of a job: trace.npz,
 trace.json), which meshfit.run.verify_report judges like any configuration's.
 """
 
@@ -41,21 +43,22 @@ def parse_engines(text: str | Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-def check_rebuildable(build: Callable[[], Any]) -> None:
-    """A one-line MeshfitError unless `build` can be rebuilt in a child process: a function at
-    the top level of an importable module (pickled by reference)."""
+def check_rebuildable(build: Callable) -> None:
+    """A one-line MeshfitError unless `build` (the model's function, or the batches') can be
+    rebuilt in a child process: a function at the top level of an importable module (pickled by
+    reference)."""
     module = getattr(build, "__module__", None)
     fix = ("define the function that builds the model at the top level of an importable module "
            "(not a lambda, a nested function or in __main__) and pass that")
     if module in (None, "__main__"):
-        raise MeshfitError(f"meshfit.verify(engines=...): the other engine trains in a process of "
-                           f"its own, which must rebuild the model; {fix}")
+        raise MeshfitError(f"meshfit.verify: another engine (engines=...) or a job of several "
+                           f"processes (processes=...) trains in processes of its own, which must "
+                           f"rebuild {getattr(build, '__qualname__', 'the model')}; {fix}")
     try:
         pickle.dumps(build)
     except (pickle.PicklingError, AttributeError, TypeError) as e:
-        raise MeshfitError(f"meshfit.verify(engines=...): {getattr(build, '__qualname__', build)} "
-                           f"cannot be rebuilt in another process ({str(e).splitlines()[0]}); "
-                           f"{fix}") from None
+        raise MeshfitError(f"meshfit.verify: {getattr(build, '__qualname__', build)} cannot be "
+                           f"rebuilt in another process ({str(e).splitlines()[0]}); {fix}") from None
 
 
 def random_state(paths: Sequence[str]) -> str | None:
@@ -92,25 +95,40 @@ def unflat(arrays, prefix: str):
     return {key[len(prefix) + 1:]: arrays[key] for key in arrays if key.startswith(prefix + "/")}
 
 
+def importable(function) -> bool:
+    """Whether another process can rebuild `function` (see check_rebuildable)."""
+    try:
+        check_rebuildable(function)
+        return True
+    except MeshfitError:
+        return False
+
+
 def train_in_child(engine: str, build, start: list, source: Callable[[int], Iterator], *,
-                   steps: int, global_batch: int, seed: int, precision: str) -> dict[str, Any]:
-    """`steps` steps of the model on `engine` in a child process from the weights `start`, on
-    `source(0)`'s first `steps` batches: the trace's fields (steps, logs, weights, paths,
-    seconds), or {"refused": why} when the model there cannot be compared."""
+                   steps: int, global_batch: int, seed: int, precision: str, processes: int = 1,
+                   devices: int = 1, sharding: str = "data", model_parallel: int = 1) -> dict[str, Any]:
+    """`steps` steps of the model on `engine` in a child process (with `processes` > 1: a job of
+    `meshfit launch`, `devices` split over them, under `sharding`) from the weights `start`, on
+    `source(0)`'s first `steps` batches (`source` itself when importable, so that an order that
+    depends on the job shows): the trace's fields (steps, logs, weights, paths, seconds), or
+    {"refused": why} when the model there cannot be compared."""
     import numpy as np  # start-up: this module is read by the command line before the data
 
     arrays: dict[str, Any] = {f"start/{j}": value for j, value in enumerate(start)}
+    by_reference = processes > 1 and importable(source)
     batches = source(0)
-    for step in range(steps):
+    for step in range(0 if by_reference else steps):
         x, y = next(batches)
         _flat(f"x/{step}", x, arrays)
         _flat(f"y/{step}", y, arrays)
     with tempfile.TemporaryDirectory(prefix="meshfit-verify-engine-") as folder:
         with open(os.path.join(folder, JOB), "wb") as f:
             pickle.dump({"build": build, "steps": steps, "global_batch": global_batch,
-                         "seed": seed, "precision": precision}, f)
+                         "seed": seed, "precision": precision, "sharding": sharding,
+                         "model_parallel": model_parallel,
+                         "source": source if by_reference else None}, f)
         np.savez(os.path.join(folder, ARRAYS), **arrays)
-        _run_child(engine, folder)
+        _run_child(engine, folder, processes, devices)
         with open(os.path.join(folder, TRACE_JSON)) as f:
             found = json.load(f)
         if "refused" in found:
@@ -121,21 +139,27 @@ def train_in_child(engine: str, build, start: list, source: Callable[[int], Iter
     return found
 
 
-def _run_child(engine: str, folder: str) -> None:
-    """Run the worker on `engine` over `folder`; a one-line MeshfitError when it fails."""
+def _run_child(engine: str, folder: str, processes: int = 1, devices: int = 1) -> None:
+    """Run the worker on `engine` over `folder` (in a job of `processes`, through `meshfit
+    launch`); a one-line MeshfitError when it fails."""
     environment = dict(os.environ, KERAS_BACKEND=engine, MESHFIT_ENGINE=engine,
                        TF_ENABLE_ONEDNN_OPTS=os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1"),
                        PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the build's module
     # The simulated devices of this process are JAX's; the child's engine runs on one CPU.
     flags = [f for f in environment.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
     environment["XLA_FLAGS"] = " ".join(flags)
+    command = [sys.executable, "-m", WORKER, folder]
+    if processes > 1:
+        command = [sys.executable, "-m", "meshfit", "launch", "--processes", str(processes),
+                   "--devices-per-process", str(devices // processes), "--", *command]
     try:
-        done = subprocess.run([sys.executable, "-m", WORKER, folder], env=environment,
-                              capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
+        done = subprocess.run(command, env=environment, capture_output=True, text=True,
+                              timeout=TIMEOUT_SECONDS)
     except subprocess.TimeoutExpired:
         raise MeshfitError(f"the {engine} engine's run did not finish in {TIMEOUT_SECONDS} s; "
                            "verify fewer --steps or a smaller --global-batch") from None
     if done.returncode or not os.path.exists(os.path.join(folder, TRACE_JSON)):
-        lines = [line for line in done.stderr.splitlines() if line.strip()]
-        raise MeshfitError(f"the {engine} engine's run failed (exit {done.returncode}): "
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        what = f"the {processes} processes' job" if processes > 1 else f"the {engine} engine's run"
+        raise MeshfitError(f"{what} failed (exit {done.returncode}): "
                            f"{lines[-1] if lines else 'no message'}")

@@ -79,7 +79,17 @@ def strategy_on(base: Strategy, devices: int, sharding: str, model_parallel: int
 
 
 def _values(variables) -> list[np.ndarray]:
-    return [np.array(keras.ops.convert_to_numpy(v.value)) for v in variables]
+    """The variables' values on the host, whole: of an array spread over several processes (a job
+    of `meshfit verify --processes`) gathered from all, so every process calls this together."""
+    return [_whole(v.value) for v in variables]
+
+
+def _whole(value) -> np.ndarray:
+    if getattr(value, "is_fully_addressable", True):
+        return np.array(keras.ops.convert_to_numpy(value))
+    from jax.experimental import multihost_utils  # only in a job of several processes
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 def _assign(variables, values) -> None:

@@ -1,6 +1,7 @@
 """The child process of `meshfit verify --engines`: `python -m meshfit.run.keras_side.verify_worker
 FOLDER` trains the job in FOLDER (meshfit.run.verify_engines writes it) on the engine its parent
-set in KERAS_BACKEND and MESHFIT_ENGINE, and writes the trace back into FOLDER.
+set in KERAS_BACKEND and MESHFIT_ENGINE, and writes the trace back into FOLDER: TensorFlow in one
+process, or JAX in each process of a job of `meshfit launch` (process 0 writes the trace).
 
 Started by verify_engines only, with KERAS_BACKEND set: this module imports Keras at its top,
 which fixes the backend before meshfit.connect() runs here.
@@ -37,18 +38,24 @@ def _build(job: dict):
 def main(folder: str) -> None:
     with open(os.path.join(folder, verify_engines.JOB), "rb") as f:
         job = pickle.load(f)
+    several = keras.backend.backend() == "jax"  # a job of `meshfit launch`: its environment
     strategy = meshfit.connect(engine=keras.backend.backend(), precision=job["precision"],
+                               sharding=job["sharding"] if several else None,
+                               model_parallel=job["model_parallel"] if several else None,
                                verbose=False)
     with np.load(os.path.join(folder, verify_engines.ARRAYS)) as saved:
         arrays = {key: saved[key] for key in saved.files}
     steps = job["steps"]
     start = [arrays[f"start/{j}"] for j in range(sum(k.startswith("start/") for k in arrays))]
     batches = [(verify_engines.unflat(arrays, f"x/{s}"), verify_engines.unflat(arrays, f"y/{s}"))
-               for s in range(steps)]
+               for s in range(steps if job.get("source") is None else 0)]
 
     def source(first: int):
         yield from batches[first:]
 
+    if job.get("source") is not None:  # the user's own, read in this job's processes
+        source = job["source"]
+        batches = [next(iter(source(0)))]
     build = _build(job)
     model = training.new_model(strategy, build, job["seed"], batches[0])
     shapes = [tuple(v.shape) for v in model.variables]
@@ -59,6 +66,8 @@ def main(folder: str) -> None:
         return
     trace = training.train(strategy, build, source, steps=steps, global_batch=job["global_batch"],
                            seed=job["seed"], start=start)
+    if strategy.info.process_index:  # process 0 writes the trace
+        return
     np.savez(os.path.join(folder, verify_engines.TRACE_ARRAYS),
              **{f"{i}/{j}": value for i, values in enumerate(trace.weights)
                 for j, value in enumerate(values)})
