@@ -428,6 +428,12 @@ def test_the_configurations_asked():
         configurations((8,), parse_shardings("data"), steps=8, steps_per_dispatch=(3,))
     with pytest.raises(meshfit.MeshfitError, match="unknown sharding 'rows'"):
         parse_shardings("data,rows")
+    runs = configurations((1, 4), parse_shardings("data"), steps=4, resume=False, processes=(1, 2),
+                          engines=("jax", "tensorflow"))
+    assert [r.name for r in runs] == ["4 devices, data", "2 processes x 2 devices, data",
+                                      "1 device, tensorflow engine"]
+    with pytest.raises(meshfit.MeshfitError, match="--processes 3 does not divide 4 devices"):
+        configurations((1, 4), parse_shardings("data"), steps=4, processes=(3,))
 
 
 def test_bad_input_is_one_line(capsys):

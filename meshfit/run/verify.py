@@ -194,7 +194,8 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
     rebuilds the model: build_model then must be a function at the top level of an importable
     module; a model that draws random numbers is reported not comparable. processes: counts
     of processes (e.g. (2,)) the largest device count is split over, each a job of `meshfit
-    launch` rebuilding the model as for engines (and `x`, when a function). Runs on the devices of the
+    launch` rebuilding the model as for engines (each calls `x` itself when it is a function
+    importable by reference; otherwise the batches are read here and sent). Runs on the devices of the
     last meshfit.connect() (the first N of them per configuration); when nothing has started JAX
     yet, on max(devices) simulated CPU devices. precision: as connect()'s ('auto': the connected
     strategy's, else the hardware's); every run, the reference included, trains in it. Several
@@ -217,8 +218,6 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
     engine_names = verify_engines.parse_engines(engines)
     if any(name != "jax" for name in engine_names) or any(p > 1 for p in processes):
         verify_engines.check_rebuildable(build_model)
-        if callable(x) and any(p > 1 for p in processes):
-            verify_engines.check_rebuildable(x)
     runs = configurations(counts, shardings, steps=steps, micro_batches=micro_batches,
                           steps_per_dispatch=steps_per_dispatch, resume=resume, engines=engine_names,
                           processes=processes)
