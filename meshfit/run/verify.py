@@ -11,9 +11,9 @@ Every configuration but another engine's and several processes' (meshfit.run.ver
 child processes, which rebuild the model) runs in this process on the first N of the devices JAX
 started (simulated CPU devices, as many as the largest count asked, when verify starts JAX
 itself): the model function and data need not be importable or picklable, and nothing is
-started twice. Code that
-reads `jax.device_count()` sees every started device; read the replica count of the run in
-progress from `keras.distribution.distribution()` instead (None on one device).
+started twice. Code that reads `jax.device_count()` sees every started device; read the replica
+count of the run in progress from `keras.distribution.distribution()` instead (None on one
+device).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class RecipeModel:
     dataset: Any
     steps_per_epoch: int
     epochs: int
-    rebuild: dict | None = None  # for another engine's process: target, data_dir, seed (+ the above)
+    rebuild: dict | None = None  # for other processes (engines, a job): TARGET, data_dir, seed...
 
 
 def parse_counts(text: str | Sequence[int], what: str) -> tuple[int, ...]:
@@ -195,9 +195,9 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
     module; a model that draws random numbers is reported not comparable. processes: counts
     of processes (e.g. (2,)) the largest device count is split over, each a job of `meshfit
     launch` rebuilding the model as for engines (each calls `x` itself when it is a function
-    importable by reference; otherwise the batches are read here and sent). Runs on the devices of the
-    last meshfit.connect() (the first N of them per configuration); when nothing has started JAX
-    yet, on max(devices) simulated CPU devices. precision: as connect()'s ('auto': the connected
+    importable by reference; otherwise the batches are read here and sent). Runs on the devices
+    of the last meshfit.connect() (the first N of them per configuration); when nothing has
+    started JAX yet, on max(devices) simulated CPU devices. precision: as connect()'s ('auto': the connected
     strategy's, else the hardware's); every run, the reference included, trains in it. Several
     ('float32,bfloat16'): every configuration in the first; each further one trains its own
     reference and floor and is compared on the largest device count under the first sharding.

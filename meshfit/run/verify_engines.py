@@ -106,7 +106,8 @@ def importable(function) -> bool:
 
 def train_in_child(engine: str, build, start: list, source: Callable[[int], Iterator], *,
                    steps: int, global_batch: int, seed: int, precision: str, processes: int = 1,
-                   devices: int = 1, sharding: str = "data", model_parallel: int = 1) -> dict[str, Any]:
+                   devices: int = 1, sharding: str = "data",
+                   model_parallel: int = 1) -> dict[str, Any]:
     """`steps` steps of the model on `engine` in a child process (with `processes` > 1: a job of
     `meshfit launch`, `devices` split over them, under `sharding`) from the weights `start`, on
     `source(0)`'s first `steps` batches (`source` itself when importable, so that an order that
@@ -146,8 +147,8 @@ def _run_child(engine: str, folder: str, processes: int = 1, devices: int = 1) -
                        TF_ENABLE_ONEDNN_OPTS=os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1"),
                        PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # the build's module
     # The simulated devices of this process are JAX's; the child's engine runs on one CPU.
-    flags = [f for f in environment.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
-    environment["XLA_FLAGS"] = " ".join(flags)
+    flags = environment.get("XLA_FLAGS", "").split()
+    environment["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(_DEVICE_COUNT_FLAG))
     command = [sys.executable, "-m", WORKER, folder]
     if processes > 1:
         command = [sys.executable, "-m", "meshfit", "launch", "--processes", str(processes),

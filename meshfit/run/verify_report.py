@@ -101,8 +101,9 @@ class Verdicts:
                         f"({other.reference_seconds:.1f} s) and floor {other.weight_floor[-1]:.1e} "
                         f"(weights), {other.log_floor[-1]:.1e} (loss and metrics), one rounding "
                         f"unit 2^{round(math.log2(other.roundoff))}")
-            body += [f"  {v.name + ', ' + other.precision:42s} {v.line(self.steps).strip()[len(v.name):].strip()}"
-                     for v in other.verdicts]
+            for v in other.verdicts:
+                verdict = v.line(self.steps).strip()[len(v.name):].strip()
+                body.append(f"  {v.name + ', ' + other.precision:42s} {verdict}")
         every = self.verdicts + [v for other in self.more for v in other.verdicts]
         bad = sum(not v.ok for v in every)
         tail = ("every configuration trains the reference's model" if not bad else
