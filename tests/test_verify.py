@@ -165,6 +165,33 @@ def test_a_resume_that_skips_or_repeats_a_batch(offset, words):
     assert verdict.diverges_at == 3 and verdict.variable.startswith("variable ")
 
 
+@pytest.mark.parametrize("lost, optimizer, middle", [
+    ("momentum", lambda: keras.optimizers.SGD(0.1, momentum=0.9), ()),
+    ("iteration", lambda: keras.optimizers.Adam(1e-2), ()),
+    ("seed_generator_state", lambda: keras.optimizers.SGD(0.1), (0.3,))])
+def test_a_checkpoint_that_loses_or_mangles_a_variable(monkeypatch, lost, optimizer, middle):
+    """The resume goes through meshfit's checkpoint files: a restore that leaves an optimizer slot
+    or the step counter as a new model has them, or mangles a seed generator's state, diverges
+    from the first step after the resume."""
+    from meshfit.run.keras_side import checkpoint_restore
+
+    def lossy(variables, arrays, group):
+        for i, v in enumerate(variables):
+            value = arrays[f"{group}/{i:05d}"]
+            if lost not in v.path:
+                v.assign(value)
+            elif "seed" in lost:
+                v.assign(np.asarray(value) + 1)  # mangled
+    monkeypatch.setattr(checkpoint_restore, "_assign", lossy)
+
+    def build():
+        return compiled(mlp(*[layers.Dropout(rate) for rate in middle]), optimizer())
+
+    verdict = diverging(verify(build, resume=True))
+    assert verdict.name == "8 devices, data, resumed after step 2" and verdict.diverges_at == 3
+    assert verdict.variable.startswith("variable ") and " of layer " in verdict.variable
+
+
 # ---------------------------------------------------------------------- no false alarms
 
 class WithActivityLoss(keras.Model):
@@ -207,6 +234,26 @@ def test_mixed_precision_is_equal():
     assert "bfloat16" in result.lines()[0] and len(result.verdicts) == 3
 
 
+def test_several_precisions_each_against_its_own_reference_and_floor():
+    result = verify(lambda: compiled(mlp(layers.Dropout(0.2))), precision="float32,mixed_bfloat16")
+    assert result.exit_code == 0, result.lines()
+    (bf16,) = result.more
+    assert result.precision == "float32" and bf16.precision == "bfloat16"
+    assert bf16.roundoff == 2.0 ** -9 and bf16.weight_floor[-1] > 100 * result.weight_floor[-1]
+    assert [v.name for v in bf16.verdicts] == ["8 devices, data"] and 0 < bf16.verdicts[0].worst <= 30
+    lines = result.lines()
+    assert any(line.startswith("bfloat16: its own reference on 1 device") for line in lines)
+    assert any("8 devices, data, bfloat16" in line and "equal within rounding" in line
+               for line in lines)
+    assert result.as_dict()["precisions"][0]["precision"] == "bfloat16"
+
+
+def test_a_defect_in_a_further_precision_fails_verify():
+    result = verify(lambda: compiled(mlp(SameNoiseOnEveryDevice())), precision=["float32", "bf16"])
+    assert result.exit_code == 1 and not result.more[0].ok, result.lines()
+    assert "2 of 2 configuration(s) diverge" in result.lines()[-1]
+
+
 def test_micro_batches_are_equal_but_their_dropout_draws_other_numbers():
     """On JAX each micro-batch draws its own Dropout masks (meshfit.fit.jax_microbatch): the same
     distribution, other numbers than one device draws, which verify must report."""
@@ -214,6 +261,76 @@ def test_micro_batches_are_equal_but_their_dropout_draws_other_numbers():
     assert plain.exit_code == 0, plain.lines()
     verdict = diverging(verify(lambda: compiled(mlp(layers.Dropout(0.2))), micro_batches=(2,)))
     assert verdict.name == "8 devices, data, 2 micro-batches" and verdict.diverges_at == 1
+
+
+IMAGES = rng.random((64, 12, 12, 1)).astype("float32")
+LABELS = rng.integers(0, CLASSES, 64)
+
+
+def small_cnn(dropout: float = 0.0):
+    """fashion-mnist-cnn in miniature, at the top level of this module: another engine's
+    process imports it by reference to rebuild the model."""
+    model = keras.Sequential([keras.Input((12, 12, 1)), layers.Conv2D(4, 3, activation="relu"),
+                              layers.MaxPooling2D(), layers.Flatten(), layers.Dropout(dropout),
+                              layers.Dense(CLASSES)])
+    return compiled(model, keras.optimizers.Adam(1e-2))
+
+
+def small_cnn_with_dropout():
+    return small_cnn(0.3)
+
+
+def test_the_tensorflow_engine_trains_the_same_model_as_jax():
+    """TensorFlow, in a process of its own, from the same weights on the same batches."""
+    result = verify(small_cnn, IMAGES, LABELS, batch_size=16, devices=(1,),
+                    engines="jax,tensorflow")
+    assert result.exit_code == 0, result.lines()
+    (verdict,) = result.verdicts
+    assert verdict.name == "1 device, tensorflow engine" and verdict.steps == [1, 2, 3, 4]
+    assert 0 < verdict.worst <= 30, result.lines()  # measured, never trivially zero
+
+
+def test_engines_on_a_model_that_draws_random_numbers_are_not_comparable():
+    result = verify(small_cnn_with_dropout, IMAGES, LABELS, batch_size=16, devices=(1,),
+                    engines=("jax", "tensorflow"))
+    assert result.exit_code == 0 and not result.verdicts, result.lines()
+    (line,) = [line for line in result.lines() if "tensorflow engine" in line]
+    assert "not comparable: the model draws random numbers" in line
+
+
+def test_engines_need_a_build_function_another_process_can_import():
+    with pytest.raises(meshfit.MeshfitError, match="top level of an importable module"):
+        verify(lambda: small_cnn(), IMAGES, LABELS, batch_size=16, engines="tensorflow")
+    with pytest.raises(meshfit.MeshfitError, match="unknown engine 'torch'"):
+        verify(small_cnn, IMAGES, LABELS, batch_size=16, engines="jax,torch")
+
+
+def plain_mlp():
+    """At the top level of this module: a job of several processes imports it by reference."""
+    return compiled(mlp())
+
+
+def batches_by_process_count(start):
+    """Shuffled with the process count as its seed (read in each process of the job)."""
+    import jax
+
+    order = np.random.default_rng(jax.process_count()).permutation(SAMPLES)
+    for step in range(start, 10 ** 6):
+        rows = order[np.arange(step * BATCH, (step + 1) * BATCH) % SAMPLES]
+        yield X[rows], Y[rows]
+
+
+@pytest.mark.slow  # two jobs of `meshfit launch`, each ~20 s of starting JAX twice on 2 loaded cores
+def test_two_processes_train_the_same_model_as_one_device():
+    """2 processes x 2 devices, a job of `meshfit launch`; and a data order that depends on the
+    process count diverges from step 1."""
+    result = verify(plain_mlp, devices=(1, 4), processes=(2,))
+    assert result.exit_code == 0, result.lines()
+    assert [v.name for v in result.verdicts] == ["4 devices, data", "2 processes x 2 devices, data"]
+    assert all(0 < v.worst <= 30 for v in result.verdicts), result.lines()
+    result = verify(plain_mlp, batches_by_process_count, None, devices=(1, 4), processes=(2,))
+    verdict = diverging(result)
+    assert verdict.name == "2 processes x 2 devices, data" and verdict.diverges_at == 1
 
 
 @pytest.mark.slow
@@ -246,7 +363,7 @@ def test_the_tutorial_recipes_on_the_command_line(recipe, data_dir, tmp_path, ca
                      "--steps", "4", "--devices", "1,8", "--sharding", "data,fsdp", "--plot",
                      picture, "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0, result
+    assert code == 0, json.dumps(result)
     assert [c["name"] for c in result["configurations"]] == [
         "8 devices, data", "8 devices, fsdp", "8 devices, data, resumed after step 2"]
     assert result["recipe"] == recipe and os.path.getsize(picture) > 10_000
@@ -263,10 +380,13 @@ def test_a_run_directory_is_verified_with_its_own_batch_and_seed(data_dir, tmp_p
                      "--checkpoint-every", "off"]) == 0
     capsys.readouterr()
     code = cli.main(["verify", run, "--steps", "2", "--sharding", "data", "--no-resume",
-                     "--plot", "", "--json"])
+                     "--plot", "", "--engines", "jax,tensorflow", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert code == 0, result
+    assert code == 0, json.dumps(result)
     assert result["global_batch"] == 16 and result["seed"] == 3 and result["recipe"] == "fashion-mnist-cnn"
+    # the recipe rebuilt from the run directory in TensorFlow's process
+    assert [c["name"] for c in result["configurations"]] == ["8 devices, data",
+                                                             "1 device, tensorflow engine"]
 
 
 def test_a_defective_recipe_file_exits_1_on_the_command_line(data_dir, tmp_path, capsys):
@@ -308,6 +428,12 @@ def test_the_configurations_asked():
         configurations((8,), parse_shardings("data"), steps=8, steps_per_dispatch=(3,))
     with pytest.raises(meshfit.MeshfitError, match="unknown sharding 'rows'"):
         parse_shardings("data,rows")
+    runs = configurations((1, 4), parse_shardings("data"), steps=4, resume=False, processes=(1, 2),
+                          engines=("jax", "tensorflow"))
+    assert [r.name for r in runs] == ["4 devices, data", "2 processes x 2 devices, data",
+                                      "1 device, tensorflow engine"]
+    with pytest.raises(meshfit.MeshfitError, match="--processes 3 does not divide 4 devices"):
+        configurations((1, 4), parse_shardings("data"), steps=4, processes=(3,))
 
 
 def test_bad_input_is_one_line(capsys):
@@ -315,6 +441,10 @@ def test_bad_input_is_one_line(capsys):
 
     assert cli.main(["verify", "fashion-mnist-cnn", "--devices", "1,x"]) == 2
     assert "--devices '1,x': give whole numbers" in capsys.readouterr().err
+    assert cli.main(["verify", "fashion-mnist-cnn", "--engines", "jax,torch"]) == 2
+    assert "unknown engine 'torch' for --engines" in capsys.readouterr().err
+    assert cli.main(["verify", "fashion-mnist-cnn", "--precision", "float32,fp8"]) == 2
+    assert "unknown precision 'fp8'" in capsys.readouterr().err
     with pytest.raises(meshfit.MeshfitError, match="does not split over 8 devices"):
         verify(lambda: compiled(mlp()), batch_size=12)
     with pytest.raises(meshfit.MeshfitError, match="must return a compiled Keras model"):

@@ -19,6 +19,7 @@ from meshfit.errors import MeshfitError
 from meshfit.parallel import planning
 from meshfit.run import options, spec
 from meshfit.run import verify as verify_lib
+from meshfit.run import verify_engines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,9 +38,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also train with K micro-batches on the largest device count")
     parser.add_argument("--steps-per-dispatch", default="", metavar="K,...",
                         help="also train K steps per dispatch on the largest device count")
+    parser.add_argument("--engines", default="jax", metavar="ENGINE,...",
+                        help="also train on one device of each engine named besides jax "
+                             "(tensorflow), in a process of its own (default: %(default)s)")
+    parser.add_argument("--processes", default="", metavar="P,...",
+                        help="also split the largest device count over P processes, a job of "
+                             "meshfit launch (e.g. 2: 2 processes x N/2 devices)")
     parser.add_argument("--no-resume", action="store_true",
-                        help="skip the stop and resume after half the steps")
-    options.add_flags(parser, "global_batch", "data_dir", "seed", "precision")
+                        help="skip the stop, checkpoint and resume after half the steps")
+    options.add_flags(parser, "global_batch", "data_dir", "seed")
+    parser.add_argument("--precision", default=planning.DEFAULT_PRECISION, metavar="P,...",
+                        help=f"one or several of {', '.join(planning.PRECISIONS)} (default: "
+                             "%(default)s: the recipe's or run's, else the hardware's); every "
+                             "configuration in the first, each further one against its own "
+                             "one-device reference and floor on the largest device count")
     parser.add_argument("--plot", metavar="OUT.png",
                         help="the picture: loss per step and distance per step (default: "
                              "verify-<recipe>.png; '' for none)")
@@ -49,13 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     counts = verify_lib.parse_counts(args.devices, "--devices")
     shardings = verify_lib.parse_shardings(args.sharding)
+    engines = verify_engines.parse_engines(args.engines)
     extra = {name: verify_lib.parse_counts(getattr(args, name), f"--{name.replace('_', '-')}")
-             if getattr(args, name) else () for name in ("micro_batches", "steps_per_dispatch")}
-    recipe, saved = target_recipe(args.target, max(counts))
+             if getattr(args, name) else () for name in ("micro_batches", "steps_per_dispatch",
+                                                           "processes")}
+    recipe, saved = verify_lib.target_recipe(args.target, max(counts))
     seed = spec.check_seed(args.seed if args.seed is not None else saved.seed if saved else None)
-    precision = planning.asked_precision(
-        saved.precision if saved and args.precision == planning.DEFAULT_PRECISION else args.precision,
-        recipe.precision)
+    precision = [planning.asked_precision(
+        saved.precision if saved and asked == planning.DEFAULT_PRECISION else asked, recipe.precision)
+        for asked in verify_lib.parse_precisions(args.precision)]
     data_dir = args.data_dir or (saved.data_dir if saved else None)
     dataset = meshfit.data.splits.load(recipe, data_dir, seed, saved.dataset if saved else None)
     if dataset.streamed:
@@ -72,12 +86,15 @@ def run(args: argparse.Namespace) -> int:
         augment=recipe.augment, on_device=False, crop_padding=recipe.crop_padding, flips=recipe.flips)
     plot = f"verify-{recipe.name}.png" if args.plot is None else args.plot or None
     runs = verify_lib.configurations(counts, shardings, steps=args.steps, resume=not args.no_resume,
-                                     **extra)
+                                     engines=engines, **extra)
     for count in counts:
         if global_batch % count:
             raise MeshfitError(f"global batch {global_batch} does not split over {count} devices; "
                                f"give --global-batch as a multiple of {max(counts)}")
-    build = verify_lib.RecipeModel(recipe, dataset, batches.steps_per_epoch, recipe.epochs)
+    build = verify_lib.RecipeModel(recipe, dataset, batches.steps_per_epoch, recipe.epochs, rebuild={
+        "target": os.path.abspath(args.target) if os.path.exists(args.target) else args.target,
+        "data_dir": data_dir, "seed": seed, "steps_per_epoch": batches.steps_per_epoch,
+        "epochs": recipe.epochs})
     verdicts = verify_lib.compare_runs(
         max(counts), precision, build, lambda start: batches.iterate(0, start), runs,
         steps=args.steps, global_batch=global_batch, seed=seed, plot=plot, verbose=not args.json)
@@ -85,15 +102,3 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"target": args.target, "recipe": recipe.name, "seed": seed, "picture": plot,
                           **verdicts.as_dict()}), flush=True)
     return verdicts.exit_code
-
-
-def target_recipe(target: str, devices: int):
-    """The recipe TARGET names and, for a run directory, its RunSpec (else None); a recipe file
-    runs once `devices` simulated devices have started (it may import Keras at its top)."""
-    if os.path.isdir(target):
-        saved, _ = spec.read(target)
-        if saved.recipe_file:
-            meshfit.run.train.start_engine_for_file(devices, "jax", None)
-        return meshfit.run.models.recipe_of_run(target, saved), saved
-    the_options = options.TrainOptions(simulate_devices=devices, engine="jax")
-    return meshfit.run.train.load_recipe(target, the_options), None

@@ -72,10 +72,11 @@ class Verdicts:
     log_floor: list[float]
     reference_seconds: float
     refusals: dict[str, str] = field(default_factory=dict)  # not run: name -> meshfit's reason
+    more: list[Verdicts] = field(default_factory=list)  # further precisions, each its own floor
 
     @property
     def ok(self) -> bool:
-        return all(v.ok for v in self.verdicts)
+        return all(v.ok for v in self.verdicts) and all(m.ok for m in self.more)
 
     @property
     def exit_code(self) -> int:
@@ -93,10 +94,20 @@ class Verdicts:
         head = (f"reference: 1 device, {self.steps} steps of {self.global_batch} samples, "
                 f"{self.precision} ({self.reference_seconds:.1f} s)")
         body = [v.line(self.steps) for v in self.verdicts]
-        body += [f"  {name:42s} not run: {reason}" for name, reason in self.refusals.items()]
-        bad = sum(not v.ok for v in self.verdicts)
+        body += [f"  {name:42s} {'' if reason.startswith('not comparable') else 'not run: '}{reason}"
+                 for name, reason in self.refusals.items()]
+        for other in self.more:  # its own reference and floor, then its verdict line(s)
+            body.append(f"{other.precision}: its own reference on 1 device "
+                        f"({other.reference_seconds:.1f} s) and floor {other.weight_floor[-1]:.1e} "
+                        f"(weights), {other.log_floor[-1]:.1e} (loss and metrics), one rounding "
+                        f"unit 2^{round(math.log2(other.roundoff))}")
+            for v in other.verdicts:
+                verdict = v.line(self.steps).strip()[len(v.name):].strip()
+                body.append(f"  {v.name + ', ' + other.precision:42s} {verdict}")
+        every = self.verdicts + [v for other in self.more for v in other.verdicts]
+        bad = sum(not v.ok for v in every)
         tail = ("every configuration trains the reference's model" if not bad else
-                f"{bad} of {len(self.verdicts)} configuration(s) diverge: see docs/guides/verify.md")
+                f"{bad} of {len(every)} configuration(s) diverge: see docs/guides/verify.md")
         return [head, self.floor_line(), *body, tail]
 
     def as_dict(self) -> dict[str, Any]:
@@ -114,7 +125,8 @@ class Verdicts:
                      "variable": v.variable, "seconds": v.seconds, "steps": v.steps,
                      "weight_distance": v.weight_distance, "log_distance": v.log_distance}
                     for v in self.verdicts],
-                "not_run": self.refusals}
+                "not_run": self.refusals,
+                **({"precisions": [other.as_dict() for other in self.more]} if self.more else {})}
 
 
 def _times(x: float) -> str:

@@ -10,6 +10,7 @@ one process serves every device count up to those started. meshfit.run.verify co
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -21,7 +22,7 @@ import meshfit
 from meshfit.errors import MeshfitError
 from meshfit.fit import hooks
 from meshfit.fit.strategy import Strategy
-from meshfit.run.keras_side import fitting
+from meshfit.run.keras_side import checkpoint_restore, checkpoint_save, fitting
 
 # The unit roundoff of each compute dtype: the floor run's weights are moved by this much
 # (relative, random sign per element), one rounding of the arithmetic the model runs in.
@@ -33,7 +34,11 @@ UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 **
 class Trace:
     """One run: `steps` (1-based, the last step of each dispatch), the logs fit reported for each
     dispatch (its steps' mean), and every variable's value after it (`weights[i][j]`: variable j
-    after dispatch i), with the variables' paths."""
+    after dispatch i), with the variables' paths. The model's variables only: an optimizer's
+    slots hold the gradients themselves (Adam's velocity their squares), which the summation
+    order moves far more than the floor run moves the weights (200 x the floor in Adam's
+    velocity: fashion-mnist-cnn, 8 devices, step 3 of 4); a slot, a step counter or a random
+    state that a checkpoint loses shows in the weights of the next step."""
 
     steps: list[int] = field(default_factory=list)
     logs: list[dict[str, float]] = field(default_factory=list)
@@ -74,7 +79,17 @@ def strategy_on(base: Strategy, devices: int, sharding: str, model_parallel: int
 
 
 def _values(variables) -> list[np.ndarray]:
-    return [np.array(keras.ops.convert_to_numpy(v.value)) for v in variables]
+    """The variables' values on the host, whole: of an array spread over several processes (a job
+    of `meshfit verify --processes`) gathered from all, so every process calls this together."""
+    return [_whole(v.value) for v in variables]
+
+
+def _whole(value) -> np.ndarray:
+    if getattr(value, "is_fully_addressable", True):
+        return np.array(keras.ops.convert_to_numpy(value))
+    from jax.experimental import multihost_utils  # only in a job of several processes
+
+    return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 def _assign(variables, values) -> None:
@@ -125,21 +140,19 @@ def train(strategy: Strategy, build: Callable[[], Any], source: Callable[[int], 
           micro_batches: int = 1, steps_per_dispatch: int = 1,
           resume_at: int | None = None) -> Trace:
     """`steps` steps of `build()`'s model under `strategy` from the weights `start`, the global
-    batches read from `source(first_step)`; with resume_at, stopped after that many steps, its
-    state (model and optimizer variables) taken to a model built anew (from other weights, so a
-    variable not restored shows) and continued on `source(resume_at)`."""
+    batches read from `source(first_step)`; with resume_at, stopped after that many steps,
+    checkpointed, restored into a model built anew (see _resumed) and continued on
+    `source(resume_at)`."""
     begun = time.perf_counter()
     batches = source(0)
     first = next(iter(source(0)))
-    model = new_model(strategy, build, seed, first)
+    model = _ready(new_model(strategy, build, seed, first), strategy, steps_per_dispatch)
     _assign(model.variables, start)
-    if steps_per_dispatch > 1:
-        model.steps_per_execution = steps_per_dispatch
     trace = Trace(paths=[v.path for v in model.variables])
     done = 0
     while done < steps:
         if resume_at is not None and done == resume_at:
-            model = _resumed(model, strategy, build, seed, first, steps_per_dispatch)
+            model = _resumed(model, strategy, build, seed, first, steps_per_dispatch, done)
             batches = source(resume_at)
         chunk = [next(batches) for _ in range(steps_per_dispatch)]
         x, y = _join(chunk)
@@ -153,14 +166,24 @@ def train(strategy: Strategy, build: Callable[[], Any], source: Callable[[int], 
     return trace
 
 
-def _resumed(model, strategy: Strategy, build, seed: int, first, steps_per_dispatch: int):
-    """A model built anew holding `model`'s whole state: what a checkpoint and a resume do."""
-    state, slots = _values(model.variables), _values(model.optimizer.variables)
-    model = new_model(strategy, build, seed + 1, first)
+def _ready(model, strategy: Strategy, steps_per_dispatch: int):
+    """`model` with its optimizer's variables made (under `strategy`) and its steps per dispatch."""
     if steps_per_dispatch > 1:
         model.steps_per_execution = steps_per_dispatch
     with strategy.scope():
         model.optimizer.build(model.trainable_variables)
-    _assign(model.variables, state)
-    _assign(model.optimizer.variables, slots)
+    return model
+
+
+def _resumed(model, strategy: Strategy, build, seed: int, first, steps_per_dispatch: int,
+             step: int):
+    """A model built anew (seed + 1: other weights and random state, so that a variable the
+    checkpoint does not bring back shows) and restored from `model`'s checkpoint after `step`
+    steps, written into a temporary folder and read back by meshfit's own checkpoint code
+    (checkpoint_save.save, checkpoint_restore.restore: the files and format of `meshfit train`
+    and `--resume`, orbax for the model's and optimizer's arrays on JAX)."""
+    with tempfile.TemporaryDirectory(prefix="meshfit-verify-") as folder:
+        path = checkpoint_save.save(folder, model, epoch=0, step=step, steps_per_epoch=step)
+        model = _ready(new_model(strategy, build, seed + 1, first), strategy, steps_per_dispatch)
+        checkpoint_restore.restore(model, path)
     return model
