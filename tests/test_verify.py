@@ -449,3 +449,26 @@ def test_bad_input_is_one_line(capsys):
         verify(lambda: compiled(mlp()), batch_size=12)
     with pytest.raises(meshfit.MeshfitError, match="must return a compiled Keras model"):
         verify(lambda: mlp())
+
+
+def test_a_metric_counting_samples_has_one_samples_share_as_its_floor():
+    """accuracy moved by one sample of the batch is rounding (a near tie taking the other class),
+    even where the floor run moved it by none; by many samples (a metric summed over 8 devices) it
+    diverges, named as the metric."""
+    import types
+
+    import numpy as np
+
+    from meshfit.run import verify_report
+
+    def trace(accuracies, loss=0.5):
+        return types.SimpleNamespace(steps=[1, 2], logs=[{"loss": loss, "accuracy": a} for a in accuracies],
+                                     weights=[[np.ones(3)], [np.ones(3)]], paths=["dense/kernel"], seconds=1.0)
+
+    reference, floor = trace([0.18, 0.25]), trace([0.18, 0.25], loss=0.5 + 1e-6)
+    verdicts = verify_report.judge(reference, floor, {"one sample": trace([0.181, 0.249]),
+                                                      "summed": trace([0.18 * 8, 0.25 * 8])},
+                                   roundoff=2.0 ** -9, precision="bfloat16", global_batch=1000)
+    ok, summed = verdicts.verdicts
+    assert ok.ok and ok.worst <= 1.0 + 1e-9, ok
+    assert not summed.ok and summed.diverges_at == 1 and summed.variable == "metric accuracy"
