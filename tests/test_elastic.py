@@ -51,7 +51,8 @@ def test_elastic_needs_meshfit_train_and_sane_limits():
 
 @pytest.mark.parametrize("flags, message", [
     (["--min-processes", "2"], "--min-processes, --max-restarts-without-progress, --no-grow, "
-                               "--keep-batch and --via go with --elastic"),
+                               "--on-loss, --keep-batch and --via go with --elastic"),
+    (["--on-loss", "shrink"], "--on-loss, --keep-batch and --via go with --elastic"),
     (["--keep-batch", "per-core"], "--keep-batch and --via go with --elastic"),
     (["--via", "srun"], "--keep-batch and --via go with --elastic"),
     (["--elastic", "--port", "1234"], "--port goes without --elastic"),
@@ -149,7 +150,7 @@ def meshes(run: str) -> list[tuple]:
     (["--processes", "3", "--max-restarts-without-progress", "1", "--no-grow"], "early",
      "2 losses in a row without progress (no newer checkpoint to resume from): "
      "--max-restarts-without-progress 1 reached", "its start (no checkpoint yet)"),
-    (["--processes", "2", "--min-processes", "2"], "1@2", "1 process(es) left, fewer than "
+    (["--processes", "2", "--min-processes", "2", "--on-loss", "shrink"], "1@2", "1 process(es) left, fewer than "
      "--min-processes 2", "ckpt-00000002"),
 ])
 def test_a_limit_ends_the_job_in_one_line_and_the_run_resumes(tmp_path, flags, kill, stop, checkpoint):
@@ -174,7 +175,8 @@ def test_losses_between_saves_never_stop_the_job(tmp_path):
     committed step, 4 -> 2 -> 1 processes (the batch of 8 splits over no 3): each loss followed
     progress, so a limit of 0 restarts without progress lets the run finish."""
     run = str(tmp_path / "run")
-    job = stand_in_launch(["--processes", "4", "--no-grow", "--max-restarts-without-progress", "0"],
+    job = stand_in_launch(["--processes", "4", "--no-grow", "--max-restarts-without-progress", "0",
+                           "--on-loss", "shrink"],
                           ["--out", run, "--kill", "last"])
     assert job.returncode == 0, job.stderr
     assert [m[0] for m in meshes(run)] == [4, 2, 1]
@@ -186,7 +188,7 @@ def test_a_hung_process_is_named_in_one_line(tmp_path, monkeypatch, flags):
     a stopped one exactly one error line (not the watchdog's line as well)."""
     monkeypatch.setenv("MESHFIT_STALL_TIMEOUT", "1")
     run = str(tmp_path / "run")
-    job = stand_in_launch(["--processes", "2", *flags], ["--out", run, "--hang", "1@2"])
+    job = stand_in_launch(["--processes", "2", "--on-loss", "shrink", *flags], ["--out", run, "--hang", "1@2"])
     errors = [line for line in job.stderr.splitlines() if "error" in line]
     hung = "process 1 of 2 hung after starting 2 training steps (the others as many, but got further)"
     if flags == ["--no-grow"]:
@@ -204,7 +206,7 @@ def test_a_lost_process_comes_back_at_the_next_checkpoint(tmp_path):
     boundary where the launcher stops it (an agreed save, at step 4: --stop-ahead) and the mesh
     grows back to 2 from that save, which the launcher's line names."""
     run = str(tmp_path / "run")
-    job = stand_in_launch(["--processes", "2"], ["--out", run, "--kill", "1@2", "--hold-below", "2",
+    job = stand_in_launch(["--processes", "2", "--on-loss", "shrink"], ["--out", run, "--kill", "1@2", "--hold-below", "2",
                                                  "--stop-ahead"])
     assert job.returncode == 0, job.stderr
     assert ("meshfit launch: elastic: ckpt-00000003 committed on 1 process(es); generation 3: 2 "
@@ -228,7 +230,7 @@ def test_a_loss_and_a_growth_are_one_line_each_and_the_devices_are_reported_once
     lines) and the stopped generation's "training stopped by SIGTERM ... continue with" are held
     back, the device report is printed in full once and then as one line a generation."""
     run = str(tmp_path / "run")
-    job = stand_in_launch(["--processes", "2", "--show", "all"],
+    job = stand_in_launch(["--processes", "2", "--show", "all", "--on-loss", "shrink"],
                           ["--out", run, "--kill", "1@2", "--hold-below", "2"])
     assert job.returncode == 0, job.stderr
     shown = job.stdout + job.stderr
@@ -247,7 +249,7 @@ def test_per_core_batch_kept_with_micro_batches_until_the_mesh_grows_back(tmp_pa
     """--keep-batch per-core: 2 -> 1 process keeps each device's 4 rows of the global batch of 8
     by asking the smaller generation for 2 micro-batches, and the full mesh again for none."""
     run = str(tmp_path / "run")
-    job = stand_in_launch(["--processes", "2", "--keep-batch", "per-core"],
+    job = stand_in_launch(["--processes", "2", "--keep-batch", "per-core", "--on-loss", "shrink"],
                           ["--out", run, "--kill", "1@2", "--hold-below", "2"])
     assert job.returncode == 0, job.stderr
     assert ("generation 2: 1 process(es) x 1 device(s) (was 2 x 1), per-core batch kept at 4 "
@@ -312,7 +314,7 @@ def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_pat
     run, epochs = str(tmp_path / "run"), 6
     first_checkpoint = os.path.join(run, "checkpoints", "ckpt-00000004")
     command = [*PYTHON_MESHFIT, "launch", "--processes", "2", "--devices-per-process", "2",
-               "--elastic", *(["--no-grow"] if how == "SIGSTOP" else []), "--", "meshfit", "train", "fashion-mnist-cnn", "--global-batch", "64",
+               "--elastic", "--on-loss", "shrink", *(["--no-grow"] if how == "SIGSTOP" else []), "--", "meshfit", "train", "fashion-mnist-cnn", "--global-batch", "64",
                "--seed", "0", "--epochs", str(epochs), "--data-dir", str(data), "--out", run,
                "--checkpoint-every", "epoch", "--local-copy-every", "1" if how == "SIGKILL" else "0"]
     copies = local_copies.Host(run)
@@ -492,3 +494,41 @@ def test_a_stopped_process_is_noticed_in_bounded_time_even_alone(tmp_path, monke
     assert ("meshfit launch: elastic: process(es) 0 of 1 stopped (SIGSTOP) for 1 s "
             "(MESHFIT_HEARTBEAT_TIMEOUT); generation 2: 1 process(es)") in job.stderr, job.stderr
     assert meshes(run) == [(1, 0, 2), (1, 2, 6)]
+
+
+def test_a_lost_process_starts_again_at_once_in_its_slot(tmp_path):
+    """--on-loss restart (the default): process 1 lost after step 2 starts again at once, so the
+    next generation has the same mesh (one change, kind restart) and no growth follows."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "2"], ["--out", run, "--kill", "1@2", "--hold-below", "2"])
+    assert job.returncode == 0, job.stderr
+    assert ("meshfit launch: elastic: process 1 of 2 failed with SIGKILL (exit code -9); generation 2: "
+            "2 process(es) x 1 device(s) again (process(es) 1 started again at once), global batch kept "
+            f"at 8 (4 per device), resuming {run} from ckpt-00000002\n") in job.stderr, job.stderr
+    assert meshes(run) == [(2, 0, 2), (2, 2, 6)]
+    with open(os.path.join(run, mesh_history.GENERATIONS)) as f:
+        assert json.load(f)[1]["change"]["kind"] == "restart"
+    assert len([line for line in job.stderr.splitlines() if line.startswith("meshfit launch: elastic:")]) == 1
+
+
+def test_a_slot_lost_again_before_a_step_is_left_out(tmp_path):
+    """--kill early: the highest process of every job of 2 dies before a step. Its slot starts
+    again once; lost again before a step of that restart, it is left out (1 process, which
+    finishes; --no-grow keeps it there)."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "2", "--no-grow"], ["--out", run, "--kill", "early"])
+    assert job.returncode == 0, job.stderr
+    assert [m[0] for m in meshes(run)] == [2, 2, 1]
+    assert "generation 2: 2 process(es) x 1 device(s) again (process(es) 1 started again at once)" in job.stderr
+    assert ("generation 3: 1 process(es) x 1 device(s) (was 2 x 1; process(es) 1 left out: lost again "
+            "before a step since a restart)") in job.stderr, job.stderr
+
+
+def test_a_slot_lost_after_progress_starts_again_each_time(tmp_path):
+    """--kill last: every generation of 4 loses process 3 after its first step; each restart
+    made progress, so each starts it again (4 processes throughout, no shrink)."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "4", "--max-restarts-without-progress", "0"],
+                          ["--out", run, "--kill", "last"])
+    assert job.returncode == 0, job.stderr
+    assert {m[0] for m in meshes(run)} == {4} and len(meshes(run)) > 2
