@@ -486,14 +486,38 @@ def test_the_mesh_grows_back_only_when_the_steps_left_repay_the_change(tmp_path,
 
 def test_a_stopped_process_is_noticed_in_bounded_time_even_alone(tmp_path, monkeypatch):
     """A job of one process has no peer to notice it stopped (no coordination service): the
-    launcher sees its state and counts it lost after MESHFIT_HEARTBEAT_TIMEOUT."""
-    monkeypatch.setenv("MESHFIT_HEARTBEAT_TIMEOUT", "1")
+    launcher sees its state in /proc and counts it lost after FROZEN_SECONDS, not JAX's
+    MESHFIT_HEARTBEAT_TIMEOUT (here 600 s: the test would time out waiting for it)."""
+    monkeypatch.setenv("MESHFIT_HEARTBEAT_TIMEOUT", "600")
     run = str(tmp_path / "run")
     job = stand_in_launch(["--processes", "1"], ["--out", run, "--freeze", "0@2"])
     assert job.returncode == 0, job.stderr
-    assert ("meshfit launch: elastic: process(es) 0 of 1 stopped (SIGSTOP) for 1 s "
-            "(MESHFIT_HEARTBEAT_TIMEOUT); generation 2: 1 process(es)") in job.stderr, job.stderr
+    assert ("meshfit launch: elastic: process(es) 0 of 1 stopped (SIGSTOP) for 2 s (seen in /proc); "
+            "generation 2: 1 process(es)") in job.stderr, job.stderr
     assert meshes(run) == [(1, 0, 2), (1, 2, 6)]
+
+
+def test_a_frozen_process_is_lost_at_once_a_traced_one_after_the_heartbeat(monkeypatch, tmp_path):
+    """Watch.frozen: state T (SIGSTOP) counts after FROZEN_SECONDS, t (a tracer: a debugger,
+    py-spy) only after MESHFIT_HEARTBEAT_TIMEOUT; a process running again starts afresh."""
+    from meshfit.launch import watchdog
+
+    monkeypatch.setenv("MESHFIT_HEARTBEAT_TIMEOUT", "10")
+    states = {0: "S", 1: "T", 2: "t"}
+    processes = [SimpleNamespace(index=i, state=lambda i=i: states[i]) for i in range(3)]
+    watch = watchdog.Watch(str(tmp_path), 3, 60, 0)
+    assert watch.frozen(processes, 100.0) is None and watch.frozen(processes, 101.9) is None
+    assert watch.frozen(processes, 102.0) == "process(es) 1 of 3 stopped (SIGSTOP) for 2 s (seen in /proc)"
+    assert watch.behind == [1]
+    states[1] = "R"
+    assert watch.frozen(processes, 105.0) is None  # continued: no longer counted; the tracer's 5 s
+    states[1] = "T"
+    assert watch.frozen(processes, 106.0) is None  # stopped again: counted from now
+    states[1] = "S"
+    assert watch.frozen(processes, 110.0) == "process(es) 2 of 3 held by a tracer for 10 s (MESHFIT_HEARTBEAT_TIMEOUT)"
+    fresh = watchdog.Watch(str(tmp_path), 1, 60, 0)
+    assert fresh.frozen([SimpleNamespace(index=0)], 200.0) is None  # no state (an srun task): the heartbeat's
+    assert fresh.frozen([SimpleNamespace(index=0)], 300.0) is None
 
 
 def test_a_lost_process_starts_again_at_once_in_its_slot(tmp_path):

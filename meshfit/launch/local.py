@@ -49,7 +49,8 @@ from meshfit import env
 from meshfit.parallel import heartbeat, stall
 from meshfit.launch.output import Output
 from meshfit.launch.process import GLOO_CONNECTED, KEPT_LINES, Process
-from meshfit.launch.watchdog import GRACE_SECONDS, INIT_TIMEOUT_SECONDS, Watch, diagnosis, never_joined
+from meshfit.launch.watchdog import (FROZEN_SECONDS, GRACE_SECONDS, INIT_TIMEOUT_SECONDS, Watch, diagnosis,
+                                    never_joined)
 from meshfit.errors import MeshfitError, troubleshooting
 
 TAIL_LINES = 20  # lines of a failed process's output shown when only process 0 is shown
@@ -57,7 +58,6 @@ STALL_TIMEOUT_SECONDS = 600  # no training progress in any process for this long
 POLL_SECONDS = 1.0  # how often the launcher reads its processes' status files
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a process that stopped after saving
 STOP_PATIENCE_SECONDS = 60  # --timeout: how long the processes get to stop at an agreed step and save
-FROZEN_SECONDS = 2.0  # a process stopped (SIGSTOP) this long while the job stops is not stopping
 
 
 def free_port() -> int:

@@ -84,13 +84,17 @@ class Process:
             self.output.flush(emit)
 
     def stopped(self) -> bool:
-        """Whether the process is stopped now (SIGSTOP, SIGTSTP: its state T in /proc; False
-        where there is no /proc)."""
+        """Whether the process is stopped now (SIGSTOP, SIGTSTP: its state T in /proc; or held by
+        a tracer, t; False where there is no /proc)."""
+        return self.state() in ("T", "t")
+
+    def state(self) -> str | None:
+        """The process's state letter in /proc (R, S, T, t, Z...), None where there is none."""
         try:
             with open(f"/proc/{self.popen.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+                return f.read().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
-            return False
+            return None
 
     def failed(self) -> bool:
         """Whether the process has ended with an error or a signal (meshfit.launch.output)."""
