@@ -51,8 +51,10 @@ def test_elastic_needs_meshfit_train_and_sane_limits():
 
 @pytest.mark.parametrize("flags, message", [
     (["--min-processes", "2"], "--min-processes, --max-restarts-without-progress, --no-grow, "
-                               "--on-loss, --keep-batch and --via go with --elastic"),
-    (["--on-loss", "shrink"], "--on-loss, --keep-batch and --via go with --elastic"),
+                               "--on-loss, --spares, --keep-batch and --via go with --elastic"),
+    (["--on-loss", "shrink"], "--on-loss, --spares, --keep-batch and --via go with --elastic"),
+    (["--spares", "0"], "--spares, --keep-batch and --via go with --elastic"),
+    (["--elastic", "--spares", "-1"], "--spares must be at least 0"),
     (["--keep-batch", "per-core"], "--keep-batch and --via go with --elastic"),
     (["--via", "srun"], "--keep-batch and --via go with --elastic"),
     (["--elastic", "--port", "1234"], "--port goes without --elastic"),
@@ -127,6 +129,24 @@ def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
     job.steps = {}
     record = mesh_history.record(3, 2, 2, str(tmp_path), 1, job)
     assert (record["first_step"], record["last_step"]) == (9, 9)
+
+
+def test_a_mesh_change_splits_into_restore_reinitialisation_and_wasted_progress(tmp_path):
+    """The parts goodput tools name apart: restore (from config.json's "resumed" record of the
+    new generation), reinitialisation (the rest of its start to its first step), wasted progress
+    (the steps run again at the generation before's seconds a step), and the stop."""
+    rundir.write_json(str(tmp_path / "config.json"), {"global_batch": 64, "resumed": [
+        {"checkpoint": "ckpt-00000004", "restore_seconds": 1.25}]})
+    job = ended((0, -9))
+    job.steps, job.start_seconds, job.seconds = {0: 3}, 9.0, 20.0
+    record = mesh_history.record(2, 1, 2, str(tmp_path), 0, job)
+    assert record["restore_seconds"] == 1.25 and record["start_seconds"] == 9.0
+    last = {"processes": 2, "last_step": 5, "step_seconds": 0.5, "stop_seconds": 0.3}
+    mesh_history.continued(last, record)
+    assert record["change"] == {"kind": "scale down", "stop": 0.3, "restart": 9.0, "restore": 1.25,
+                                "reinitialisation": 7.8, "wasted": 0.5}
+    record.update(start_seconds=None)  # never trained: not measured
+    assert mesh_history.change(last, record)["reinitialisation"] is None
 
 
 STAND_IN = os.path.join(os.path.dirname(__file__), "elastic_stand_in.py")
@@ -422,7 +442,8 @@ def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery(tmp_path):
     assert faults.strike([sleeper.pid], 13.0) is None and len(faults.sent) == 1  # reaped: no fault
     metrics = {"test_accuracy": 0.9, "goodput": {"fraction": 0.8},
                "generations": [{"lost_steps": 1}, {"lost_steps": 2, "change": {
-                   "kind": "scale down", "stop": 1.5, "restart": 20.0, "wasted": 0.5}},
+                   "kind": "scale down", "stop": 1.5, "restart": 20.0, "restore": 1.2,
+                   "reinitialisation": 18.8, "wasted": 0.5}},
                    {"change": {"kind": "scale up", "stop": 3.0, "restart": None, "wasted": None}}]}
     baseline = {"exit": 0, "wall": 100.0, "metrics": {"test_accuracy": 0.91}}
     generations = [{"appeared": 0.5, "reporting": 2.0, "first_step": 3.0, "gone": 15.0},
@@ -433,8 +454,10 @@ def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery(tmp_path):
     text = chaos.table(baseline, {"exit": 0, "wall": 125.0, "metrics": metrics, "faults": [fault],
                                   "first_steps": [3.0, 20.0], "generations": generations})
     assert "| of which stop (median s) | 2.5 |" in text
-    assert "| scale downs (launcher's record) | 1: stop 1.5 s, restart 20.0 s, wasted progress 0.5 s |" in text
-    assert "| scale ups (launcher's record) | 1: stop 3.0 s, restart 0.0 s, wasted progress 0.0 s |" in text
+    assert ("| scale downs (launcher's record) | 1: stop 1.5 s, restart 20.0 s (restore time 1.2 s, "
+            "reinitialisation 18.8 s), wasted progress 0.5 s |") in text
+    assert ("| scale ups (launcher's record) | 1: stop 3.0 s, restart 0.0 s (restore time 0.0 s, "
+            "reinitialisation 0.0 s), wasted progress 0.0 s |") in text
     seen, folder = {}, str(tmp_path / "meshfit-launch-1")
     os.makedirs(folder)
     chaos.watch_generations(seen, [folder], 1.0)
@@ -459,7 +482,9 @@ def test_a_job_that_lost_every_process_starts_them_again(tmp_path):
     assert "process 0 of 1 failed with SIGKILL (exit code -9); generation 2: 1 process(es)" in job.stderr
     with open(os.path.join(run, mesh_history.GENERATIONS)) as f:
         change = json.load(f)[1]["change"]
-    assert change["kind"] == "restart" and change["stop"] >= 0 and set(change) == {"kind", "stop", "restart", "wasted"}
+    assert change["kind"] == "restart" and change["stop"] >= 0 and change["restore"] == 0.01
+    assert set(change) == {"kind", "stop", "restart", "restore", "reinitialisation", "wasted"}
+    assert change["reinitialisation"] is None or change["reinitialisation"] == round(change["restart"] - 0.01, 1)
 
 
 def test_the_mesh_grows_back_only_when_the_steps_left_repay_the_change(tmp_path, capsys):

@@ -226,9 +226,12 @@ def change_rows(generations: list[dict]) -> list[tuple[str, str]]:
     for kind in ("scale down", "scale up", "restart"):
         changes = [g["change"] for g in generations if g.get("change", {}).get("kind") == kind]
         if changes:
-            total = {part: sum(c.get(part) or 0.0 for c in changes) for part in ("stop", "restart", "wasted")}
+            total = {part: sum(c.get(part) or 0.0 for c in changes)
+                     for part in ("stop", "restart", "restore", "reinitialisation", "wasted")}
             rows.append((f"{kind}s (launcher's record)", f"{len(changes)}: stop {total['stop']:.1f} s, "
-                         f"restart {total['restart']:.1f} s, wasted progress {total['wasted']:.1f} s"))
+                         f"restart {total['restart']:.1f} s (restore time {total['restore']:.1f} s, "
+                         f"reinitialisation {total['reinitialisation']:.1f} s), "
+                         f"wasted progress {total['wasted']:.1f} s"))
     return rows
 
 

@@ -98,6 +98,7 @@ from typing import Any, Callable
 from meshfit.errors import MeshfitError
 from meshfit.launch import growth, local, losses, mesh_history, slurm_step, train_argv, watchdog
 from meshfit.launch.output import Output
+from meshfit.launch.spares import Spares
 from meshfit.run import checkpoint_format, local_copies, rundir
 
 MAX_RESTARTS_WITHOUT_PROGRESS = 3
@@ -139,19 +140,25 @@ def elastic_launch(command: list[str], processes: int | None, devices_per_proces
                    max_restarts_without_progress: int = MAX_RESTARTS_WITHOUT_PROGRESS,
                    grow: bool = True, show: str = "all", timeout: float | None = None,
                    grace: float = watchdog.GRACE_SECONDS, keep_batch: str = "global",
-                   via: str = "local", on_loss: str = "restart") -> int:
+                   via: str = "local", on_loss: str = "restart", spares: int | None = None) -> int:
     """Run `command` (a `meshfit train`) as a job of `processes` processes that restarts with the
     survivors after losing some, and grows back to `processes` at the smaller generation's next
     checkpoint unless not `grow` (see the module); return the launch's exit code. On fewer
     devices, keep_batch 'global' gives each a larger share of the batch, 'per-core' keeps each
     one's share with micro-batches. on_loss 'restart' starts a lost process's slot again at once
     where the runner has it (the same mesh: one change a fault), 'shrink' goes on without it
-    until the mesh grows back (two). via: "local" (processes of this machine,
+    until the mesh grows back (two). spares: processes started ahead that take a new
+    generation's places (meshfit.launch.spares; default: as many as `processes` on this machine,
+    none with srun). via: "local" (processes of this machine,
     `devices_per_process` simulated CPU devices each, default 1) or "srun" (steps of the SLURM
     allocation this runs in, meshfit.launch.slurm_step: processes default to its tasks;
     devices_per_process, each task's devices for the records and the batch split, defaults to
     the command's --simulate-devices, else 1)."""
     argv, run = train_argv.train_command(local.command_line(command))
+    if spares is not None and spares < 0:
+        raise MeshfitError(f"--spares must be at least 0, got {spares}")
+    if spares and via != "local":
+        raise MeshfitError("--spares goes with --via local: srun starts each step's tasks itself")
     runner = runner_for(via, run)
     if via == "srun":
         processes = processes or runner.tasks
@@ -162,6 +169,9 @@ def elastic_launch(command: list[str], processes: int | None, devices_per_proces
             train_argv.flag_value(argv, "--simulate-devices") or 1)
     devices_per_process = devices_per_process or 1
     local.check_arguments(processes, devices_per_process, timeout, show)
+    if via == "local":
+        runner.spares = Spares(processes if spares is None else spares, argv,
+                               processes * devices_per_process)
     if keep_batch not in KEEP_BATCH:
         raise MeshfitError(f"--keep-batch must be one of {', '.join(KEEP_BATCH)}, got {keep_batch!r}")
     if on_loss not in ON_LOSS:
@@ -194,14 +204,17 @@ class Generations:
 
     def run(self) -> int:
         """Generation after generation until the run finishes or stops; the exit code."""
-        while True:
-            ended, boundary = self.generation()
-            if ended.at_boundary:
-                self.grow(ended, boundary)
-                continue
-            code = self.after_loss(ended)
-            if code is not None:
-                return code
+        try:
+            while True:
+                ended, boundary = self.generation()
+                if ended.at_boundary:
+                    self.grow(ended, boundary)
+                    continue
+                code = self.after_loss(ended)
+                if code is not None:
+                    return code
+        finally:
+            self.plan.runner.close()
 
     def generation(self) -> tuple[local.Ended, Callable[[], bool] | None]:
         """Run one generation of `count` processes and record it (RUN/generations.json)."""
@@ -385,7 +398,16 @@ def stopped(ended: local.Ended, show: str, generation: int, why: str, stop: str,
 
 class Local:
     """The runner of generations of processes of this machine (local.run_job): every slot of a
-    lost one is free again at once."""
+    lost one is free again at once. spares: processes started ahead (meshfit.launch.spares),
+    started again once each generation trains, that take the next one's places."""
+
+    def __init__(self, spares: Spares | None = None):
+        self.spares = spares
+
+    def close(self) -> None:
+        """End what the runner keeps between generations: its spares."""
+        if self.spares is not None:
+            self.spares.close()
 
     def most(self, processes: int) -> int:
         """The processes a generation can have now."""
@@ -406,8 +428,9 @@ class Local:
     def __call__(self, argv: list[str], count: int, devices_per_process: int, show: str,
                  timeout: float | None, grace: float, boundary, output: Output) -> local.Ended:
         """Run one generation of `count` processes; how it ended."""
+        spares = self.spares if self.spares is not None and self.spares.count else None
         return local.run_job(argv, count, devices_per_process, None, show, timeout, grace, boundary,
-                             output=output)
+                             output=output, spares=spares, training=spares.fill if spares else None)
 
 
 def runner_for(via: str, run: str):
