@@ -9,7 +9,9 @@ names (MESHFIT_SPARE_PRELOAD: for `meshfit train` on several devices, JAX, Keras
 training modules), then waits for one line on its stdin: the command and environment of its
 place (argv, env: rank, coordinator address, status folder, as local.process_environment gives
 a process started cold). It takes that environment as its own and runs the command in itself
-(`python -m MODULE` or `python SCRIPT`), as Python would have.
+(`python -m MODULE` or `python SCRIPT`), as Python would have. The data set is not read ahead:
+the place's command (recipe, --data-dir) names it, and meshfit.data.datasets reads it then
+(through its cache of unpacked arrays).
 
 What a spare must not do before it is handed its place: start JAX's backends. JAX reads
 XLA_FLAGS (the simulated device count, XLA's thread pool) when it starts a backend, and
