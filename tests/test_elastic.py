@@ -503,6 +503,11 @@ def test_the_mesh_grows_back_only_when_the_steps_left_repay_the_change(tmp_path,
     assert lines == ["meshfit launch: elastic: staying on 1 process(es): growing back would save about "
                      "10 s over the 50 steps left (0.50 s a step now, 0.30 s on 2) and cost about 15 s "
                      "(a mesh change); asking again at each checkpoint"]  # once a generation
+    loop.said_stay = False
+    assert not loop.growth_pays(0.2, 100)  # the smaller mesh is the faster (a loaded machine)
+    assert capsys.readouterr().err.splitlines() == [
+        "meshfit launch: elastic: staying on 1 process(es): growing back would be no faster (0.20 s "
+        "a step now, 0.30 s on 2); asking again at each checkpoint"]
     path = os.path.join(run, rundir.CHECKPOINTS, "ckpt-00000006")
     os.makedirs(path)
     rundir.write_json(os.path.join(path, "state.json"), {"global_step": 6, "steps_per_epoch": 4})

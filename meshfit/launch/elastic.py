@@ -262,11 +262,12 @@ class Generations:
             return True
         if not self.said_stay:
             self.said_stay = True
+            steps = f"({step_now:.2f} s a step now, {full[-1]:.2f} s on {self.plan.processes})"
+            saving = (f"save about {left * (step_now - full[-1]):.0f} s over the {left} steps left "
+                      f"{steps} and cost about {cost:.0f} s (a mesh change)" if step_now > full[-1]
+                      else f"be no faster {steps}")  # a loaded machine: more processes, slower steps
             print(f"meshfit launch: elastic: staying on {self.count} process(es): growing back would "
-                  f"save about {left * (step_now - full[-1]):.0f} s over the {left} steps left "
-                  f"({step_now:.2f} s a step now, {full[-1]:.2f} s on {self.plan.processes}) and cost "
-                  f"about {cost:.0f} s (a mesh change); asking again at each checkpoint",
-                  file=sys.stderr, flush=True)
+                  f"{saving}; asking again at each checkpoint", file=sys.stderr, flush=True)
         return False
 
     def grow(self, ended: local.Ended, boundary: growth.NextCheckpoint) -> None:
