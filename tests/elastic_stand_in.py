@@ -23,6 +23,7 @@ decisions (limits, growing back) start processes that take milliseconds instead 
   the launcher's stall watchdog, MESHFIT_STALL_TIMEOUT), once process 0 committed that step;
   the others report once more (as before a collective) and wait;
 - --freeze P@S: process P SIGSTOPs itself after global step S (the launcher's stop continues it);
+- --pause SECONDS: each step takes that long (a generation that trains for a while);
 - --hold-below N: a job of fewer than N processes waits after its first checkpoint (for the
   launcher's SIGTERM that grows the mesh back); every wait ends after SAFETY_SECONDS with exit 3;
 - SIGTERM: process 0 commits the current step (the agreed save; --stop-ahead: the next one, as
@@ -66,6 +67,7 @@ def train(argv: list[str]) -> int:
     parser.add_argument("--stop-ahead", action="store_true")
     parser.add_argument("--freeze")
     parser.add_argument("--finish-on-stop", action="store_true")
+    parser.add_argument("--pause", type=float, default=0.0)
     args = parser.parse_args(argv)
     run = args.resume or args.out
     # as `meshfit launch` numbers its processes, or as srun its tasks (--via srun)
@@ -82,7 +84,8 @@ def train(argv: list[str]) -> int:
             with open(config_path) as f:
                 config = json.load(f)
             config.setdefault("resumed", []).append({"checkpoint": names[-1] if names else "none",
-                                                     "micro_batches": args.micro_batches})
+                                                     "micro_batches": args.micro_batches,
+                                                     "restore_seconds": 0.01})
         os.makedirs(folder, exist_ok=True)
         _write(config_path, config)
 
@@ -133,6 +136,7 @@ def train(argv: list[str]) -> int:
         done = step - first  # the progress report the launcher reads (meshfit.parallel.heartbeat)
         _write(os.path.join(status, f"progress-{index}"), f"{done} {done} {done} python", raw=True)
         commit(step)
+        time.sleep(args.pause)
         if (count > 1 or who.isdigit()) and victim is not None and victim < count and step == when:
             if index == victim:  # once step S is committed, as a collective would have waited
                 _wait(until=os.path.join(folder, f"ckpt-{step:08d}", "manifest.json"))

@@ -51,7 +51,10 @@ def test_elastic_needs_meshfit_train_and_sane_limits():
 
 @pytest.mark.parametrize("flags, message", [
     (["--min-processes", "2"], "--min-processes, --max-restarts-without-progress, --no-grow, "
-                               "--keep-batch and --via go with --elastic"),
+                               "--on-loss, --spares, --keep-batch and --via go with --elastic"),
+    (["--on-loss", "shrink"], "--on-loss, --spares, --keep-batch and --via go with --elastic"),
+    (["--spares", "0"], "--spares, --keep-batch and --via go with --elastic"),
+    (["--elastic", "--spares", "-1"], "--spares must be at least 0"),
     (["--keep-batch", "per-core"], "--keep-batch and --via go with --elastic"),
     (["--via", "srun"], "--keep-batch and --via go with --elastic"),
     (["--elastic", "--port", "1234"], "--port goes without --elastic"),
@@ -128,6 +131,24 @@ def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
     assert (record["first_step"], record["last_step"]) == (9, 9)
 
 
+def test_a_mesh_change_splits_into_restore_reinitialisation_and_wasted_progress(tmp_path):
+    """The parts goodput tools name apart: restore (from config.json's "resumed" record of the
+    new generation), reinitialisation (the rest of its start to its first step), wasted progress
+    (the steps run again at the generation before's seconds a step), and the stop."""
+    rundir.write_json(str(tmp_path / "config.json"), {"global_batch": 64, "resumed": [
+        {"checkpoint": "ckpt-00000004", "restore_seconds": 1.25}]})
+    job = ended((0, -9))
+    job.steps, job.start_seconds, job.seconds = {0: 3}, 9.0, 20.0
+    record = mesh_history.record(2, 1, 2, str(tmp_path), 0, job)
+    assert record["restore_seconds"] == 1.25 and record["start_seconds"] == 9.0
+    last = {"processes": 2, "last_step": 5, "step_seconds": 0.5, "stop_seconds": 0.3}
+    mesh_history.continued(last, record)
+    assert record["change"] == {"kind": "scale down", "stop": 0.3, "restart": 9.0, "restore": 1.25,
+                                "reinitialisation": 7.8, "wasted": 0.5}
+    record.update(start_seconds=None)  # never trained: not measured
+    assert mesh_history.change(last, record)["reinitialisation"] is None
+
+
 STAND_IN = os.path.join(os.path.dirname(__file__), "elastic_stand_in.py")
 
 
@@ -149,7 +170,7 @@ def meshes(run: str) -> list[tuple]:
     (["--processes", "3", "--max-restarts-without-progress", "1", "--no-grow"], "early",
      "2 losses in a row without progress (no newer checkpoint to resume from): "
      "--max-restarts-without-progress 1 reached", "its start (no checkpoint yet)"),
-    (["--processes", "2", "--min-processes", "2"], "1@2", "1 process(es) left, fewer than "
+    (["--processes", "2", "--min-processes", "2", "--on-loss", "shrink"], "1@2", "1 process(es) left, fewer than "
      "--min-processes 2", "ckpt-00000002"),
 ])
 def test_a_limit_ends_the_job_in_one_line_and_the_run_resumes(tmp_path, flags, kill, stop, checkpoint):
@@ -174,7 +195,8 @@ def test_losses_between_saves_never_stop_the_job(tmp_path):
     committed step, 4 -> 2 -> 1 processes (the batch of 8 splits over no 3): each loss followed
     progress, so a limit of 0 restarts without progress lets the run finish."""
     run = str(tmp_path / "run")
-    job = stand_in_launch(["--processes", "4", "--no-grow", "--max-restarts-without-progress", "0"],
+    job = stand_in_launch(["--processes", "4", "--no-grow", "--max-restarts-without-progress", "0",
+                           "--on-loss", "shrink"],
                           ["--out", run, "--kill", "last"])
     assert job.returncode == 0, job.stderr
     assert [m[0] for m in meshes(run)] == [4, 2, 1]
@@ -186,7 +208,7 @@ def test_a_hung_process_is_named_in_one_line(tmp_path, monkeypatch, flags):
     a stopped one exactly one error line (not the watchdog's line as well)."""
     monkeypatch.setenv("MESHFIT_STALL_TIMEOUT", "1")
     run = str(tmp_path / "run")
-    job = stand_in_launch(["--processes", "2", *flags], ["--out", run, "--hang", "1@2"])
+    job = stand_in_launch(["--processes", "2", "--on-loss", "shrink", *flags], ["--out", run, "--hang", "1@2"])
     errors = [line for line in job.stderr.splitlines() if "error" in line]
     hung = "process 1 of 2 hung after starting 2 training steps (the others as many, but got further)"
     if flags == ["--no-grow"]:
@@ -204,7 +226,7 @@ def test_a_lost_process_comes_back_at_the_next_checkpoint(tmp_path):
     boundary where the launcher stops it (an agreed save, at step 4: --stop-ahead) and the mesh
     grows back to 2 from that save, which the launcher's line names."""
     run = str(tmp_path / "run")
-    job = stand_in_launch(["--processes", "2"], ["--out", run, "--kill", "1@2", "--hold-below", "2",
+    job = stand_in_launch(["--processes", "2", "--on-loss", "shrink"], ["--out", run, "--kill", "1@2", "--hold-below", "2",
                                                  "--stop-ahead"])
     assert job.returncode == 0, job.stderr
     assert ("meshfit launch: elastic: ckpt-00000003 committed on 1 process(es); generation 3: 2 "
@@ -258,7 +280,7 @@ def test_a_loss_and_a_growth_are_one_line_each_and_the_devices_are_reported_once
     lines) and the stopped generation's "training stopped by SIGTERM ... continue with" are held
     back, the device report is printed in full once and then as one line a generation."""
     run = str(tmp_path / "run")
-    job = stand_in_launch(["--processes", "2", "--show", "all"],
+    job = stand_in_launch(["--processes", "2", "--show", "all", "--on-loss", "shrink"],
                           ["--out", run, "--kill", "1@2", "--hold-below", "2"])
     assert job.returncode == 0, job.stderr
     shown = job.stdout + job.stderr
@@ -277,7 +299,7 @@ def test_per_core_batch_kept_with_micro_batches_until_the_mesh_grows_back(tmp_pa
     """--keep-batch per-core: 2 -> 1 process keeps each device's 4 rows of the global batch of 8
     by asking the smaller generation for 2 micro-batches, and the full mesh again for none."""
     run = str(tmp_path / "run")
-    job = stand_in_launch(["--processes", "2", "--keep-batch", "per-core"],
+    job = stand_in_launch(["--processes", "2", "--keep-batch", "per-core", "--on-loss", "shrink"],
                           ["--out", run, "--kill", "1@2", "--hold-below", "2"])
     assert job.returncode == 0, job.stderr
     assert ("generation 2: 1 process(es) x 1 device(s) (was 2 x 1), per-core batch kept at 4 "
@@ -333,8 +355,8 @@ def test_the_mesh_grows_at_a_new_checkpoint_but_not_the_run_s_last(tmp_path):
 def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_path, how):
     """SIGKILL: process 1 dies once a local copy (every step) is newer than the newest committed
     checkpoint, the survivor resumes from that copy, and process 1 comes back at the next
-    (epoch-end) checkpoint; SIGSTOP (with --no-grow): it freezes, and JAX's heartbeat check (10 s
-    here) names it when it ends process 0."""
+    (epoch-end) checkpoint; SIGSTOP (with --no-grow): it freezes, and the launcher sees it stopped
+    in /proc after 2 s (before JAX's heartbeat check, 10 s here)."""
     from meshfit.run import local_copies
 
     data = tmp_path / "data"
@@ -342,7 +364,7 @@ def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_pat
     run, epochs = str(tmp_path / "run"), 6
     first_checkpoint = os.path.join(run, "checkpoints", "ckpt-00000004")
     command = [*PYTHON_MESHFIT, "launch", "--processes", "2", "--devices-per-process", "2",
-               "--elastic", *(["--no-grow"] if how == "SIGSTOP" else []), "--", "meshfit", "train", "fashion-mnist-cnn", "--global-batch", "64",
+               "--elastic", "--on-loss", "shrink", *(["--no-grow"] if how == "SIGSTOP" else []), "--", "meshfit", "train", "fashion-mnist-cnn", "--global-batch", "64",
                "--seed", "0", "--epochs", str(epochs), "--data-dir", str(data), "--out", run,
                "--checkpoint-every", "epoch", "--local-copy-every", "1" if how == "SIGKILL" else "0"]
     copies = local_copies.Host(run)
@@ -372,7 +394,7 @@ def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_pat
     reader.join(timeout=10)
     text = "".join(output)
     why = ("process 1 of 2 failed with SIGKILL" if how == "SIGKILL" else
-           "process 0 of 2 failed with SIGABRT (exit code -6) because process(es) 1 stopped sending heartbeats")
+           "process(es) 1 of 2 stopped (SIGSTOP) for 2 s (seen in /proc)")  # the launcher's /proc check
     assert why in text, text[-4000:]
     assert "generation 2: 1 process(es) x 2 device(s) (was 2 x 2)" in text, text[-4000:]
     for noise in ("Terminating process", "Check failure stack trace", "continue with: meshfit train"):
@@ -450,7 +472,8 @@ def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery(tmp_path):
     assert faults.strike([sleeper.pid], 13.0) is None and len(faults.sent) == 1  # reaped: no fault
     metrics = {"test_accuracy": 0.9, "goodput": {"fraction": 0.8},
                "generations": [{"lost_steps": 1}, {"lost_steps": 2, "change": {
-                   "kind": "scale down", "stop": 1.5, "restart": 20.0, "wasted": 0.5}},
+                   "kind": "scale down", "stop": 1.5, "restart": 20.0, "restore": 1.2,
+                   "reinitialisation": 18.8, "wasted": 0.5}},
                    {"change": {"kind": "scale up", "stop": 3.0, "restart": None, "wasted": None}}]}
     baseline = {"exit": 0, "wall": 100.0, "metrics": {"test_accuracy": 0.91}}
     generations = [{"appeared": 0.5, "reporting": 2.0, "first_step": 3.0, "gone": 15.0},
@@ -461,8 +484,10 @@ def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery(tmp_path):
     text = chaos.table(baseline, {"exit": 0, "wall": 125.0, "metrics": metrics, "faults": [fault],
                                   "first_steps": [3.0, 20.0], "generations": generations})
     assert "| of which stop (median s) | 2.5 |" in text
-    assert "| scale downs (launcher's record) | 1: stop 1.5 s, restart 20.0 s, wasted progress 0.5 s |" in text
-    assert "| scale ups (launcher's record) | 1: stop 3.0 s, restart 0.0 s, wasted progress 0.0 s |" in text
+    assert ("| scale downs (launcher's record) | 1: stop 1.5 s, restart 20.0 s (restore time 1.2 s, "
+            "reinitialisation 18.8 s), wasted progress 0.5 s |") in text
+    assert ("| scale ups (launcher's record) | 1: stop 3.0 s, restart 0.0 s (restore time 0.0 s, "
+            "reinitialisation 0.0 s), wasted progress 0.0 s |") in text
     seen, folder = {}, str(tmp_path / "meshfit-launch-1")
     os.makedirs(folder)
     chaos.watch_generations(seen, [folder], 1.0)
@@ -487,7 +512,9 @@ def test_a_job_that_lost_every_process_starts_them_again(tmp_path):
     assert "process 0 of 1 failed with SIGKILL (exit code -9); generation 2: 1 process(es)" in job.stderr
     with open(os.path.join(run, mesh_history.GENERATIONS)) as f:
         change = json.load(f)[1]["change"]
-    assert change["kind"] == "restart" and change["stop"] >= 0 and set(change) == {"kind", "stop", "restart", "wasted"}
+    assert change["kind"] == "restart" and change["stop"] >= 0 and change["restore"] == 0.01
+    assert set(change) == {"kind", "stop", "restart", "restore", "reinitialisation", "wasted"}
+    assert change["reinitialisation"] is None or change["reinitialisation"] == round(change["restart"] - 0.01, 1)
 
 
 def test_the_mesh_grows_back_only_when_the_steps_left_repay_the_change(tmp_path, capsys):
@@ -506,6 +533,11 @@ def test_the_mesh_grows_back_only_when_the_steps_left_repay_the_change(tmp_path,
     assert lines == ["meshfit launch: elastic: staying on 1 process(es): growing back would save about "
                      "10 s over the 50 steps left (0.50 s a step now, 0.30 s on 2) and cost about 15 s "
                      "(a mesh change); asking again at each checkpoint"]  # once a generation
+    loop.said_stay = False
+    assert not loop.growth_pays(0.2, 100)  # the smaller mesh is the faster (a loaded machine)
+    assert capsys.readouterr().err.splitlines() == [
+        "meshfit launch: elastic: staying on 1 process(es): growing back would be no faster (0.20 s "
+        "a step now, 0.30 s on 2); asking again at each checkpoint"]
     path = os.path.join(run, rundir.CHECKPOINTS, "ckpt-00000006")
     os.makedirs(path)
     rundir.write_json(os.path.join(path, "state.json"), {"global_step": 6, "steps_per_epoch": 4})
@@ -514,11 +546,73 @@ def test_the_mesh_grows_back_only_when_the_steps_left_repay_the_change(tmp_path,
 
 def test_a_stopped_process_is_noticed_in_bounded_time_even_alone(tmp_path, monkeypatch):
     """A job of one process has no peer to notice it stopped (no coordination service): the
-    launcher sees its state and counts it lost after MESHFIT_HEARTBEAT_TIMEOUT."""
-    monkeypatch.setenv("MESHFIT_HEARTBEAT_TIMEOUT", "1")
+    launcher sees its state in /proc and counts it lost after FROZEN_SECONDS, not JAX's
+    MESHFIT_HEARTBEAT_TIMEOUT (here 600 s: the test would time out waiting for it)."""
+    monkeypatch.setenv("MESHFIT_HEARTBEAT_TIMEOUT", "600")
     run = str(tmp_path / "run")
     job = stand_in_launch(["--processes", "1"], ["--out", run, "--freeze", "0@2"])
     assert job.returncode == 0, job.stderr
-    assert ("meshfit launch: elastic: process(es) 0 of 1 stopped (SIGSTOP) for 1 s "
-            "(MESHFIT_HEARTBEAT_TIMEOUT); generation 2: 1 process(es)") in job.stderr, job.stderr
+    assert ("meshfit launch: elastic: process(es) 0 of 1 stopped (SIGSTOP) for 2 s (seen in /proc); "
+            "generation 2: 1 process(es)") in job.stderr, job.stderr
     assert meshes(run) == [(1, 0, 2), (1, 2, 6)]
+
+
+def test_a_frozen_process_is_lost_at_once_a_traced_one_after_the_heartbeat(monkeypatch, tmp_path):
+    """Watch.frozen: state T (SIGSTOP) counts after FROZEN_SECONDS, t (a tracer: a debugger,
+    py-spy) only after MESHFIT_HEARTBEAT_TIMEOUT; a process running again starts afresh."""
+    from meshfit.launch import watchdog
+
+    monkeypatch.setenv("MESHFIT_HEARTBEAT_TIMEOUT", "10")
+    states = {0: "S", 1: "T", 2: "t"}
+    processes = [SimpleNamespace(index=i, state=lambda i=i: states[i]) for i in range(3)]
+    watch = watchdog.Watch(str(tmp_path), 3, 60, 0)
+    assert watch.frozen(processes, 100.0) is None and watch.frozen(processes, 101.9) is None
+    assert watch.frozen(processes, 102.0) == "process(es) 1 of 3 stopped (SIGSTOP) for 2 s (seen in /proc)"
+    assert watch.behind == [1]
+    states[1] = "R"
+    assert watch.frozen(processes, 105.0) is None  # continued: no longer counted; the tracer's 5 s
+    states[1] = "T"
+    assert watch.frozen(processes, 106.0) is None  # stopped again: counted from now
+    states[1] = "S"
+    assert watch.frozen(processes, 110.0) == "process(es) 2 of 3 held by a tracer for 10 s (MESHFIT_HEARTBEAT_TIMEOUT)"
+    fresh = watchdog.Watch(str(tmp_path), 1, 60, 0)
+    assert fresh.frozen([SimpleNamespace(index=0)], 200.0) is None  # no state (an srun task): the heartbeat's
+    assert fresh.frozen([SimpleNamespace(index=0)], 300.0) is None
+
+
+def test_a_lost_process_starts_again_at_once_in_its_slot(tmp_path):
+    """--on-loss restart (the default): process 1 lost after step 2 starts again at once, so the
+    next generation has the same mesh (one change, kind restart) and no growth follows."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "2"], ["--out", run, "--kill", "1@2", "--hold-below", "2"])
+    assert job.returncode == 0, job.stderr
+    assert ("meshfit launch: elastic: process 1 of 2 failed with SIGKILL (exit code -9); generation 2: "
+            "2 process(es) x 1 device(s) again (process(es) 1 started again at once), global batch kept "
+            f"at 8 (4 per device), resuming {run} from ckpt-00000002\n") in job.stderr, job.stderr
+    assert meshes(run) == [(2, 0, 2), (2, 2, 6)]
+    with open(os.path.join(run, mesh_history.GENERATIONS)) as f:
+        assert json.load(f)[1]["change"]["kind"] == "restart"
+    assert len([line for line in job.stderr.splitlines() if line.startswith("meshfit launch: elastic:")]) == 1
+
+
+def test_a_slot_lost_again_before_a_step_is_left_out(tmp_path):
+    """--kill early: the highest process of every job of 2 dies before a step. Its slot starts
+    again once; lost again before a step of that restart, it is left out (1 process, which
+    finishes; --no-grow keeps it there)."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "2", "--no-grow"], ["--out", run, "--kill", "early"])
+    assert job.returncode == 0, job.stderr
+    assert [m[0] for m in meshes(run)] == [2, 2, 1]
+    assert "generation 2: 2 process(es) x 1 device(s) again (process(es) 1 started again at once)" in job.stderr
+    assert ("generation 3: 1 process(es) x 1 device(s) (was 2 x 1; process(es) 1 left out: lost again "
+            "before a step since a restart)") in job.stderr, job.stderr
+
+
+def test_a_slot_lost_after_progress_starts_again_each_time(tmp_path):
+    """--kill last: every generation of 4 loses process 3 after its first step; each restart
+    made progress, so each starts it again (4 processes throughout, no shrink)."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "4", "--max-restarts-without-progress", "0"],
+                          ["--out", run, "--kill", "last"])
+    assert job.returncode == 0, job.stderr
+    assert {m[0] for m in meshes(run)} == {4} and len(meshes(run)) > 2

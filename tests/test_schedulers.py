@@ -178,7 +178,7 @@ def test_an_elastic_job_restarts_a_lost_task_s_step_smaller_and_grows_back(slurm
     run, log = str(tmp_path / "run"), str(tmp_path / "job.out")
     stand_in = [sys.executable, os.path.join(ROOT, "tests", "elastic_stand_in.py")]
     job = slurm_command(slurm, "sbatch", "--parsable", "--no-kill", "--ntasks=2", f"--output={log}",
-                        "--wrap", " ".join([*stand_in, "launch", "--elastic", "--via", "srun", "--",
+                        "--wrap", " ".join([*stand_in, "launch", "--elastic", "--via", "srun", "--on-loss", "shrink", "--",
                                             *stand_in, "train", "--out", run, "--kill", "1@2",
                                             "--hold-below", "2"]))
     wait_for(slurm, job, log, lambda: job_fields(slurm, job)["JobState"] == "COMPLETED", "it completed")
@@ -199,7 +199,7 @@ def test_an_elastic_job_loses_a_task_and_finishes_on_the_survivor(slurm, data_di
     (A lost node adds an --exclude of it to the next step: test_slurm_step.py; one node cannot
     be lost here.)"""
     run, log = str(tmp_path / "run"), str(tmp_path / "job.out")
-    job = elastic_job(slurm, log, "--no-grow", "--", "meshfit", "train", *TRAIN, "--epochs", "2",
+    job = elastic_job(slurm, log, "--no-grow", "--on-loss", "shrink", "--", "meshfit", "train", *TRAIN, "--epochs", "2",
                       "--data-dir", data_dir, *TWO_TASKS, "--out", run)
     first = os.path.join(run, rundir.CHECKPOINTS, checkpoint_format.checkpoint_name(4))  # after epoch 1
     wait_for(slurm, job, log, lambda: rundir.checkpoint_complete(first), "its first checkpoint")

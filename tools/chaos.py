@@ -3,9 +3,9 @@ same command without faults, in one sitting.
 
     python tools/chaos.py --data-dir ../shared/data --every 30 [--minutes 10] [--seed S]
         [--processes 2] [--devices-per-process 4] [--signals KILL,STOP] [--no-baseline]
-        [--] [TRAIN ARGS]
+        [--launch 'LAUNCH FLAGS'] [--] [TRAIN ARGS]
 
-runs `meshfit launch --processes P --devices-per-process D --show first --elastic -- meshfit train
+runs `meshfit launch --processes P --devices-per-process D --show first --elastic [LAUNCH FLAGS] -- meshfit train
 fashion-mnist-cnn --data-dir DIR --out RUN [TRAIN ARGS]` twice: first without faults (the
 baseline, unless --no-baseline), then with a fault on average every --every seconds (exponential
 gaps drawn from --seed, printed so that any run can be repeated) for --minutes or until the job
@@ -17,10 +17,12 @@ with the table of BENCHMARKS.md section 6: the exit codes, faults, the recovery 
 medians of its parts: stop, start, first step), steps run again, goodput, and the throughput ratio to the baseline (the job's steps are the same, so the
 ratio of the wall times).
 
-A SIGSTOPped process is noticed by JAX's heartbeat check: the drill sets MESHFIT_HEARTBEAT_TIMEOUT
-to --heartbeat-timeout (default 10 s) for both runs, or that wait (JAX's default 100 s) would be
-the recovery time. Reads the job's progress as tools/elastic_drill.py does: each generation's
-status folder in a TMPDIR of the drill's own (meshfit.parallel.heartbeat).
+A SIGSTOPped process is noticed by the launcher (its state in /proc, after 2 s,
+meshfit.launch.watchdog.FROZEN_SECONDS) or by JAX's heartbeat check: the drill sets
+MESHFIT_HEARTBEAT_TIMEOUT to --heartbeat-timeout (default 10 s) for both runs, or that wait (60 s
+by default) would bound what the launcher's check does not see. Reads the job's progress as
+tools/elastic_drill.py does: each generation's status folder in a TMPDIR of the drill's own
+(meshfit.parallel.heartbeat).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def main() -> int:
     parser.add_argument("--signals", default="KILL,STOP")
     parser.add_argument("--heartbeat-timeout", type=int, default=10)
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--launch", default="", metavar="FLAGS", help="more `meshfit launch` flags, "
+                        "e.g. '--on-loss shrink --spares 0' (the behaviour before spares)")
     parser.add_argument("train", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     seed = int(time.time()) if args.seed is None else args.seed
@@ -100,7 +104,7 @@ def run_job(args, extra: list[str], faults: Faults | None) -> dict:
     run = os.path.join(tempfile.mkdtemp(prefix="chaos-"), "run")
     command = [sys.executable, "-m", "meshfit", "launch", "--processes", str(args.processes),
                "--devices-per-process", str(args.devices_per_process), "--show", "first",
-               "--elastic", "--", "meshfit", "train", "fashion-mnist-cnn", "--data-dir",
+               "--elastic", *args.launch.split(), "--", "meshfit", "train", "fashion-mnist-cnn", "--data-dir",
                args.data_dir, "--out", run, *extra]
     print(("CHAOS: with faults: $ " if faults else "CHAOS: baseline: $ ") + " ".join(command), flush=True)
     status = tempfile.mkdtemp(prefix="chaos-tmp-")
@@ -225,9 +229,12 @@ def change_rows(generations: list[dict]) -> list[tuple[str, str]]:
     for kind in ("scale down", "scale up", "restart"):
         changes = [g["change"] for g in generations if g.get("change", {}).get("kind") == kind]
         if changes:
-            total = {part: sum(c.get(part) or 0.0 for c in changes) for part in ("stop", "restart", "wasted")}
+            total = {part: sum(c.get(part) or 0.0 for c in changes)
+                     for part in ("stop", "restart", "restore", "reinitialisation", "wasted")}
             rows.append((f"{kind}s (launcher's record)", f"{len(changes)}: stop {total['stop']:.1f} s, "
-                         f"restart {total['restart']:.1f} s, wasted progress {total['wasted']:.1f} s"))
+                         f"restart {total['restart']:.1f} s (restore time {total['restore']:.1f} s, "
+                         f"reinitialisation {total['reinitialisation']:.1f} s), "
+                         f"wasted progress {total['wasted']:.1f} s"))
     return rows
 
 

@@ -12,7 +12,8 @@ fashion-mnist-cnn --data-dir DIR --out RUN [TRAIN ARGS]` and sends SIGNAL to the
 - during-eval: (after the first checkpoint) while the first of them evaluates at an epoch end,
   as its progress file shows (meshfit.parallel.heartbeat);
 - during-growth: after the first checkpoint, and again (the first of KILL) as soon as it joins the
-  third generation, the one that grows the mesh back (a loss during the mesh change);
+  third generation, the one that grows the mesh back (a loss during the mesh change; the launch
+  gets --on-loss shrink, so that the loss shrinks the mesh and a growth follows);
 - random-step: as the first of them starts a training step drawn at random (from --seed, printed)
   between the first and the last of the run (config.json's epochs x steps per epoch), wherever
   that falls: before the first checkpoint, between two, while one is written or evaluated.
@@ -57,7 +58,8 @@ def main() -> int:
     extra = [a for a in args.train if a != "--"]
     command = [sys.executable, "-m", "meshfit", "launch", "--processes", str(args.processes),
                "--devices-per-process", str(args.devices_per_process), "--show", "first",
-               "--elastic", "--", "meshfit", "train", "fashion-mnist-cnn", "--data-dir",
+               "--elastic", *(["--on-loss", "shrink"] if args.when == "during-growth" else []),
+               "--", "meshfit", "train", "fashion-mnist-cnn", "--data-dir",
                args.data_dir, "--out", run, *extra]
     print("$", " ".join(command), flush=True)
     began = time.monotonic()

@@ -9,7 +9,7 @@ bit for bit with an uninterrupted 2-process run. Cases:
 
   sigterm-one       SIGTERM to process 1 only (a preemption notice): both stop at one step, saved
   sigkill-one       SIGKILL of process 1: the launcher stops process 0 and names process 1
-  sigstop-one       SIGSTOP of process 1 (alive but silent): ends after the heartbeat timeout
+  sigstop-one       SIGSTOP of process 1 (alive but silent): ends once the launcher sees it stopped (2 s)
   never-starts      process 1 never joins: ends after the join timeout, naming process 1
   hang-one          process 1 hangs alive in Python at its 12th training dispatch (JAX's heartbeats
                     go on): the launcher's stall watchdog ends the job and names process 1
@@ -168,7 +168,7 @@ def run_case(case: str, data: str, work: str, reference: list[np.ndarray] | None
     outcome = f"launcher exit {code}, " + ("processes left running" if orphans else "all processes ended")
     named = "-"
     if case in ("sigkill-one", "sigstop-one", "never-starts", "hang-one"):
-        named = "yes" if re.search(r"process(?:\(es\))? 1\b.*(failed|stopped sending|never joined|hung)",
+        named = "yes" if re.search(r"process(?:\(es\))? 1\b.*(failed|stopped sending|stopped \(SIGSTOP\)|never joined|hung)",
                                    output) else "no"
     if case == "sigterm-one":
         steps = re.findall(r"^\[\d\] meshfit: training stopped by SIGTERM after step (\d+)", output, re.M)

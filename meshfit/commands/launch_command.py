@@ -33,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "do not count, however many)")
     parser.add_argument("--no-grow", action="store_true", help="with --elastic: stay on the survivors "
                         "(default: lost processes start again at the next checkpoint)")
+    parser.add_argument("--on-loss", choices=("restart", "shrink"), default="restart", help="with "
+                        "--elastic: restart: a lost process starts again at once on its slot (the "
+                        "same mesh), unless it is lost again before a step; shrink: go on without it "
+                        "until the mesh grows back (default: restart)")
+    parser.add_argument("--spares", type=int, metavar="N", help="with --elastic: processes started "
+                        "ahead, imports done, that take a new generation's places (default: as many "
+                        "as --processes; 0: none; not with --via srun)")
     parser.add_argument("--keep-batch", choices=("global", "per-core"), default="global", help="with "
                         "--elastic, on fewer devices: global: each takes a larger share of the batch; "
                         "per-core: each keeps its share, in micro-batches (default: global)")
@@ -46,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """`meshfit launch`: one job (meshfit.launch.local), or with --elastic generations of them
     (meshfit.launch.elastic); the elastic flags without --elastic are a one-line error."""
-    elastic_only = ("min_processes", "max_restarts_without_progress", "no_grow", "keep_batch", "via")
+    elastic_only = ("min_processes", "max_restarts_without_progress", "no_grow", "on_loss", "spares",
+                    "keep_batch", "via")
     if args.elastic:
         from meshfit.launch import elastic  # start-up: only --elastic reads run directories
 
@@ -59,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     defaults = argparse.ArgumentParser()
     add_arguments(defaults)
     if any(getattr(args, k) != defaults.get_default(k) for k in elastic_only):
-        raise MeshfitError("--min-processes, --max-restarts-without-progress, --no-grow, --keep-batch "
-                           "and --via go with --elastic")
+        raise MeshfitError("--min-processes, --max-restarts-without-progress, --no-grow, --on-loss, "
+                           "--spares, --keep-batch and --via go with --elastic")
     return local.launch(args.job_command, args.processes, args.devices_per_process or 1,
                         port=args.port, show=args.show, timeout=args.timeout)

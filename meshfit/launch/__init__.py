@@ -8,7 +8,8 @@ launcher), output (which of their lines are shown), watchdog (what the launcher 
 tell why a job must stop: status files, stopped processes, JAX's fatal lines). `--elastic`:
 elastic (the loop of generations restarted on the survivors and grown back), losses (what ended
 a generation, who was lost, how many survivors split the batch), growth (when growing back
-pays), train_argv (the command each generation runs), mesh_history (the run's history of meshes
+pays), spares (processes started ahead, imports done, that take a new generation's places),
+train_argv (the command each generation runs), mesh_history (the run's history of meshes
 and mesh changes), slurm_step (an srun step as a generation).
 """
 

@@ -16,6 +16,13 @@ and the checkpoint the run continues from with --resume). A process that exits w
 flag, a bug, a stop on SIGTERM after saving) ends the job as without --elastic: every process
 would fail the same way again.
 
+A lost process starts again at once in its slot (--on-loss restart, the default) where the
+runner has that slot (Local: always; Srun: while its node is in the allocation): the next
+generation has the same mesh, one change a fault instead of a shrink and a growth, and JAX's
+persistent compilation cache has its programs. A slot lost again before a step of such a
+restart is left out (the fault would likely strike again), as every lost one is with --on-loss
+shrink, until the mesh grows back:
+
 The mesh grows back (unless --no-grow): on one machine the launcher owns every process, so the
 slot of a lost one is free again at once. Once the smaller generation committed a checkpoint (the
 next boundary; not the run's last), the launcher sends it SIGTERM (its processes agree on a step
@@ -91,10 +98,12 @@ from typing import Any, Callable
 from meshfit.errors import MeshfitError
 from meshfit.launch import growth, local, losses, mesh_history, slurm_step, train_argv, watchdog
 from meshfit.launch.output import Output
+from meshfit.launch.spares import Spares
 from meshfit.run import checkpoint_format, local_copies, rundir
 
 MAX_RESTARTS_WITHOUT_PROGRESS = 3
 KEEP_BATCH = ("global", "per-core")  # --keep-batch: what a generation on fewer devices keeps
+ON_LOSS = ("restart", "shrink")  # --on-loss: a lost process's slot started again at once, or left out
 
 
 @dataclasses.dataclass
@@ -113,6 +122,7 @@ class Plan:
     deadline: float | None  # time.monotonic() past which the job stops (--timeout)
     grace: float
     per_core: bool  # --keep-batch per-core
+    restart_slots: bool = True  # --on-loss restart
 
     @property
     def full(self) -> int:
@@ -130,17 +140,25 @@ def elastic_launch(command: list[str], processes: int | None, devices_per_proces
                    max_restarts_without_progress: int = MAX_RESTARTS_WITHOUT_PROGRESS,
                    grow: bool = True, show: str = "all", timeout: float | None = None,
                    grace: float = watchdog.GRACE_SECONDS, keep_batch: str = "global",
-                   via: str = "local") -> int:
+                   via: str = "local", on_loss: str = "restart", spares: int | None = None) -> int:
     """Run `command` (a `meshfit train`) as a job of `processes` processes that restarts with the
     survivors after losing some, and grows back to `processes` at the smaller generation's next
     checkpoint unless not `grow` (see the module); return the launch's exit code. On fewer
     devices, keep_batch 'global' gives each a larger share of the batch, 'per-core' keeps each
-    one's share with micro-batches. via: "local" (processes of this machine,
+    one's share with micro-batches. on_loss 'restart' starts a lost process's slot again at once
+    where the runner has it (the same mesh: one change a fault), 'shrink' goes on without it
+    until the mesh grows back (two). spares: processes started ahead that take a new
+    generation's places (meshfit.launch.spares; default: as many as `processes` on this machine,
+    none with srun). via: "local" (processes of this machine,
     `devices_per_process` simulated CPU devices each, default 1) or "srun" (steps of the SLURM
     allocation this runs in, meshfit.launch.slurm_step: processes default to its tasks;
     devices_per_process, each task's devices for the records and the batch split, defaults to
     the command's --simulate-devices, else 1)."""
     argv, run = train_argv.train_command(local.command_line(command))
+    if spares is not None and spares < 0:
+        raise MeshfitError(f"--spares must be at least 0, got {spares}")
+    if spares and via != "local":
+        raise MeshfitError("--spares goes with --via local: srun starts each step's tasks itself")
     runner = runner_for(via, run)
     if via == "srun":
         processes = processes or runner.tasks
@@ -151,8 +169,13 @@ def elastic_launch(command: list[str], processes: int | None, devices_per_proces
             train_argv.flag_value(argv, "--simulate-devices") or 1)
     devices_per_process = devices_per_process or 1
     local.check_arguments(processes, devices_per_process, timeout, show)
+    if via == "local":
+        runner.spares = Spares(processes if spares is None else spares, argv,
+                               processes * devices_per_process)
     if keep_batch not in KEEP_BATCH:
         raise MeshfitError(f"--keep-batch must be one of {', '.join(KEEP_BATCH)}, got {keep_batch!r}")
+    if on_loss not in ON_LOSS:
+        raise MeshfitError(f"--on-loss must be one of {', '.join(ON_LOSS)}, got {on_loss!r}")
     if not 1 <= min_processes <= processes:
         raise MeshfitError(f"--min-processes must be between 1 and --processes ({processes}), "
                            f"got {min_processes}")
@@ -161,7 +184,8 @@ def elastic_launch(command: list[str], processes: int | None, devices_per_proces
                            f"{max_restarts_without_progress}")
     deadline = None if timeout is None else time.monotonic() + timeout
     plan = Plan(argv, run, runner, processes, devices_per_process, min_processes,
-                max_restarts_without_progress, grow, show, deadline, grace, keep_batch == "per-core")
+                max_restarts_without_progress, grow, show, deadline, grace, keep_batch == "per-core",
+                on_loss == "restart")
     return Generations(plan).run()
 
 
@@ -180,14 +204,17 @@ class Generations:
 
     def run(self) -> int:
         """Generation after generation until the run finishes or stops; the exit code."""
-        while True:
-            ended, boundary = self.generation()
-            if ended.at_boundary:
-                self.grow(ended, boundary)
-                continue
-            code = self.after_loss(ended)
-            if code is not None:
-                return code
+        try:
+            while True:
+                ended, boundary = self.generation()
+                if ended.at_boundary:
+                    self.grow(ended, boundary)
+                    continue
+                code = self.after_loss(ended)
+                if code is not None:
+                    return code
+        finally:
+            self.plan.runner.close()
 
     def generation(self) -> tuple[local.Ended, Callable[[], bool] | None]:
         """Run one generation of `count` processes and record it (RUN/generations.json)."""
@@ -235,11 +262,12 @@ class Generations:
             return True
         if not self.said_stay:
             self.said_stay = True
+            steps = f"({step_now:.2f} s a step now, {full[-1]:.2f} s on {self.plan.processes})"
+            saving = (f"save about {left * (step_now - full[-1]):.0f} s over the {left} steps left "
+                      f"{steps} and cost about {cost:.0f} s (a mesh change)" if step_now > full[-1]
+                      else f"be no faster {steps}")  # a loaded machine: more processes, slower steps
             print(f"meshfit launch: elastic: staying on {self.count} process(es): growing back would "
-                  f"save about {left * (step_now - full[-1]):.0f} s over the {left} steps left "
-                  f"({step_now:.2f} s a step now, {full[-1]:.2f} s on {self.plan.processes}) and cost "
-                  f"about {cost:.0f} s (a mesh change); asking again at each checkpoint",
-                  file=sys.stderr, flush=True)
+                  f"{saving}; asking again at each checkpoint", file=sys.stderr, flush=True)
         return False
 
     def grow(self, ended: local.Ended, boundary: growth.NextCheckpoint) -> None:
@@ -281,8 +309,10 @@ class Generations:
         alive = count - len(lost)
         if alive == 0:  # every process lost: their slots are free again (this machine's; with
             alive = count  # srun, those on nodes still up), so the next generation takes them
-        survivors = losses.fitting_processes(plan.run, min(alive, plan.runner.most(plan.processes)),
-                                             plan.devices_per_process)
+        in_place, said = self.restarts_in_place(count, lost)
+        survivors = losses.fitting_processes(
+            plan.run, count if in_place else min(alive, plan.runner.most(plan.processes)),
+            plan.devices_per_process)
         stop = self.limit(survivors, alive)
         if stop is not None:
             return stopped(ended, plan.show, len(self.generations), why, stop, plan.run)
@@ -293,12 +323,30 @@ class Generations:
             resume = f"resuming {plan.run} from {plan.runner.resume_point(plan.run) or 'its newest checkpoint'}"
         else:  # lost before the run's first record: the next generation starts it afresh
             resume = f"starting {plan.run} again (lost before it began)"
-        print(f"meshfit launch: elastic: {why}; generation {len(self.generations) + 1}: "
-              f"{survivors} process(es) x {plan.devices_per_process} device(s) (was {count} x "
-              f"{plan.devices_per_process}{idle}), {plan.batch_line(survivors)}, {resume}",
-              file=sys.stderr, flush=True)
+        mesh = (f"{survivors} process(es) x {plan.devices_per_process} device(s) again ({said})"
+                if in_place else f"{survivors} process(es) x {plan.devices_per_process} device(s) "
+                f"(was {count} x {plan.devices_per_process}{idle}{said})")
+        print(f"meshfit launch: elastic: {why}; generation {len(self.generations) + 1}: {mesh}, "
+              f"{plan.batch_line(survivors)}, {resume}", file=sys.stderr, flush=True)
         self.count = survivors
         return None
+
+    def restarts_in_place(self, count: int, lost: list[int]) -> tuple[bool, str]:
+        """Whether the next generation starts the `lost` processes again at once in their slots
+        (the same mesh: one change a fault instead of a shrink and a growth, and JAX's persistent
+        compilation cache has the mesh's programs), with the phrase saying so, or why not where
+        the slot would have been restarted: with --on-loss restart, when the runner has the
+        slots (this machine's: always; srun: while their nodes are in the allocation), unless the
+        generation that lost them was such a restart that lost a process before any step of its
+        own (a slot that fails again at once is left out until the mesh grows back)."""
+        plan, record = self.plan, self.generations[-1]
+        if not plan.restart_slots or not lost or len(lost) == count or \
+                plan.runner.most(plan.processes) < count:
+            return False, ""
+        who = ", ".join(map(str, lost))
+        if (record.get("change") or {}).get("kind") == "restart" and record["last_step"] <= record["first_step"]:
+            return False, f"; process(es) {who} left out: lost again before a step since a restart"
+        return True, f"process(es) {who} started again at once"
 
     def limit(self, survivors: int, alive: int) -> str | None:
         """Why no generation of `survivors` may follow (`alive`: before the batch's split), or
@@ -351,7 +399,16 @@ def stopped(ended: local.Ended, show: str, generation: int, why: str, stop: str,
 
 class Local:
     """The runner of generations of processes of this machine (local.run_job): every slot of a
-    lost one is free again at once."""
+    lost one is free again at once. spares: processes started ahead (meshfit.launch.spares),
+    started again once each generation trains, that take the next one's places."""
+
+    def __init__(self, spares: Spares | None = None):
+        self.spares = spares
+
+    def close(self) -> None:
+        """End what the runner keeps between generations: its spares."""
+        if self.spares is not None:
+            self.spares.close()
 
     def most(self, processes: int) -> int:
         """The processes a generation can have now."""
@@ -372,8 +429,9 @@ class Local:
     def __call__(self, argv: list[str], count: int, devices_per_process: int, show: str,
                  timeout: float | None, grace: float, boundary, output: Output) -> local.Ended:
         """Run one generation of `count` processes; how it ended."""
+        spares = self.spares if self.spares is not None and self.spares.count else None
         return local.run_job(argv, count, devices_per_process, None, show, timeout, grace, boundary,
-                             output=output)
+                             output=output, spares=spares, training=spares.fill if spares else None)
 
 
 def runner_for(via: str, run: str):

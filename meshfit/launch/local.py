@@ -49,7 +49,8 @@ from meshfit import env
 from meshfit.parallel import heartbeat, stall
 from meshfit.launch.output import Output
 from meshfit.launch.process import GLOO_CONNECTED, KEPT_LINES, Process
-from meshfit.launch.watchdog import GRACE_SECONDS, INIT_TIMEOUT_SECONDS, Watch, diagnosis, never_joined
+from meshfit.launch.watchdog import (FROZEN_SECONDS, GRACE_SECONDS, INIT_TIMEOUT_SECONDS, Watch, diagnosis,
+                                    never_joined)
 from meshfit.errors import MeshfitError, troubleshooting
 
 TAIL_LINES = 20  # lines of a failed process's output shown when only process 0 is shown
@@ -57,7 +58,6 @@ STALL_TIMEOUT_SECONDS = 600  # no training progress in any process for this long
 POLL_SECONDS = 1.0  # how often the launcher reads its processes' status files
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a process that stopped after saving
 STOP_PATIENCE_SECONDS = 60  # --timeout: how long the processes get to stop at an agreed step and save
-FROZEN_SECONDS = 2.0  # a process stopped (SIGSTOP) this long while the job stops is not stopping
 
 
 def free_port() -> int:
@@ -229,7 +229,8 @@ class Ended:
 def run_job(argv: list[str], processes: int, devices_per_process: int, port: int | None,
             show: str, timeout: float | None, grace: float,
             boundary: Callable[[], bool] | None = None, start: Callable | None = None,
-            status_in: str | None = None, output: Output | None = None) -> Ended:
+            status_in: str | None = None, output: Output | None = None, spares=None,
+            training: Callable[[], None] | None = None) -> Ended:
     """Start `processes` copies of `argv` as one job and wait until every one has ended (see
     `launch`); nothing is left running when it returns or raises. boundary: asked once a
     POLL_SECONDS while all run; once it says True the job is stopped to resume (SIGTERM: an agreed
@@ -237,7 +238,9 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
     the processes instead of this machine's `_start_processes`, called as start(started, argv,
     processes, status, show, exits, output) (meshfit.launch.slurm_step: the tasks of an srun
     step); status_in: the folder for the status files' folder (default: the temporary folder);
-    output: which lines are shown (meshfit.launch.output; default: all but the survivors' ends)."""
+    output: which lines are shown (meshfit.launch.output; default: all but the survivors' ends);
+    spares: meshfit.launch.spares.Spares, whose waiting processes take the job's places before
+    any starts cold; training: called once, when the first training step is seen."""
     port = port or free_port()
     init_timeout, stall_timeout = _timeouts()
     _catch_stop_signals()
@@ -251,10 +254,10 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
     try:
         if start is None:
             _start_processes(started, argv, processes, devices_per_process, port, status, show,
-                             exits, output)
+                             exits, output, spares)
         else:
             start(started, argv, processes, status, show, exits, output)
-        waited = _wait_for_exits(started, exits, watch, processes, timeout, grace, boundary)
+        waited = _wait_for_exits(started, exits, watch, processes, timeout, grace, boundary, training)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
         missing, positions = watch.missing(), watch.positions()
@@ -305,23 +308,27 @@ def _catch_stop_signals() -> None:
 
 def _start_processes(started: list[Process], argv: list[str], processes: int,
                      devices_per_process: int, port: int, status: str, show: str,
-                     exits: queue.Queue, output: Output) -> None:
+                     exits: queue.Queue, output: Output, spares=None) -> None:
     """Start the job's processes into `started` (the caller stops what started, should one
-    fail), then their output pumps, and say what runs."""
+    fail), or hand their places to `spares` (meshfit.launch.spares) where some wait, then their
+    output pumps, and say what runs."""
     lock = threading.Lock()
+    handed = 0
     for i in range(processes):
         variables = process_environment(i, processes, port, devices_per_process, status=status)
         shown = show == "all" or i == 0
         prefix = f"[{i}] " if show == "all" else ""
+        spare = spares.take(argv, variables) if spares is not None else None
+        handed += spare is not None
         try:
-            started.append(Process(i, argv, variables, shown, prefix, lock, output))
+            started.append(Process(i, argv, variables, shown, prefix, lock, output, popen=spare))
         except OSError as e:
             raise MeshfitError(f"cannot start {argv[0]!r} ({e.strerror}); check the command after --") from None
     for p in started:  # only now: Popen's preexec_fn must run while no pump thread exists
         p.start_pumps(exits)
     print(f"meshfit launch: {processes} process(es) x {devices_per_process} device(s), coordinator "
-          f"127.0.0.1:{port}, pids {' '.join(str(p.popen.pid) for p in started)}",
-          file=sys.stderr, flush=True)
+          f"127.0.0.1:{port}, pids {' '.join(str(p.popen.pid) for p in started)}"
+          + (f" ({handed} of them spares)" if handed else ""), file=sys.stderr, flush=True)
 
 
 class _Waited(NamedTuple):
@@ -337,7 +344,8 @@ class _Waited(NamedTuple):
 
 def _wait_for_exits(started: list[Process], exits: queue.Queue, watch: "Watch", processes: int,
                     timeout: float | None, grace: float,
-                    boundary: Callable[[], bool] | None) -> _Waited:
+                    boundary: Callable[[], bool] | None,
+                    training: Callable[[], None] | None = None) -> _Waited:
     """Wait until every process has exited, stopping the others at the first failure. verdict:
     124 once the job was stopped for running past `timeout` or by the watchdog (its line not yet
     printed: see Ended), else None. failure: (index, code) or None. at_boundary: `boundary()` said
@@ -358,6 +366,9 @@ def _wait_for_exits(started: list[Process], exits: queue.Queue, watch: "Watch", 
                 stopped = _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
             elif failure is None:
                 verdict = watch.poll(now) or watch.frozen(started, now)
+                if training is not None and watch.first_step is not None:
+                    training()  # once: the job trains
+                    training = None
                 stopped = verdict is not None and _stop_to_resume(started, grace)
                 if verdict is None and boundary is not None and boundary(watch.step_seconds(now)):
                     # SIGTERM: the processes agree on a step and save there (exit 143), so the

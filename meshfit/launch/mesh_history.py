@@ -24,9 +24,10 @@ def record(number: int, processes: int, devices_per_process: int, run: str, resu
     written once a second), and its wall seconds."""
     config = run_config(run)
     resumed = config.get("resumed", [])
-    first_step = 0
+    first_step, restore = 0, None
     if len(resumed) > resumed_before:  # this generation's resumption, config.json's record of it
         first_step = checkpoint_step(resumed[resumed_before].get("checkpoint", ""))
+        restore = resumed[resumed_before].get("restore_seconds")
     elif number > 1 or resumed_before:  # it ended before restoring (killed while joining): it
         # started nothing new, from the checkpoint it would have resumed (not step 0, which
         # would count every step of the generation before as run again)
@@ -39,7 +40,7 @@ def record(number: int, processes: int, devices_per_process: int, run: str, resu
             "devices": processes * devices_per_process, "global_batch": config.get("global_batch"),
             "first_step": first_step, "last_step": first_step + started,
             "seconds": round(ended.seconds, 1), "ended": None,
-            "start_seconds": None if start is None else round(start, 1),
+            "start_seconds": None if start is None else round(start, 1), "restore_seconds": restore,
             "stop_seconds": round(ended.stop_seconds, 1),
             "step_seconds": round(training / started, 4) if training and started > 1 else None}
 
@@ -54,15 +55,19 @@ def continued(last: dict[str, Any], record: dict[str, Any]) -> None:
 
 
 def change(last: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
-    """The mesh change from generation `last` to `record`, its seconds in parts: stop (from the
-    launcher noticing the end to the last process's exit), restart (the new processes' start to
-    their first training step: start-up, joining, restore and compile together; the run's
-    goodput splits them, summed over the run), wasted (the steps run again, at `last`'s seconds
-    a step). kind: scale down, scale up, or restart (as many processes again)."""
+    """The mesh change from generation `last` to `record`, its seconds in parts, named as
+    ml-goodput-measurement names them: stop (from the launcher noticing the end to the last
+    process's exit), restart (the new processes' start, or a spare's handing over, to their
+    first training step), of which restore (process 0 loading the checkpoint or local copy it
+    resumed from: config.json's "resumed" record) and reinitialisation (the rest: start-up,
+    joining, data, model, the first step's compile), wasted (the steps run again, at `last`'s
+    seconds a step). kind: scale down, scale up, or restart (as many processes again). A part
+    not measured (a generation that never trained) is None."""
     before, after = last.get("processes", 0), record.get("processes", 0)
     kind = "scale down" if after < before else "scale up" if after > before else "restart"
-    step = last.get("step_seconds")
-    return {"kind": kind, "stop": last.get("stop_seconds"), "restart": record.get("start_seconds"),
+    step, restart, restore = last.get("step_seconds"), record.get("start_seconds"), record.get("restore_seconds")
+    return {"kind": kind, "stop": last.get("stop_seconds"), "restart": restart, "restore": restore,
+            "reinitialisation": None if restart is None or restore is None else round(max(restart - restore, 0.0), 1),
             "wasted": None if step is None else round(last["lost_steps"] * step, 1)}
 
 

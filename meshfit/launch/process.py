@@ -41,22 +41,34 @@ def death_signal():
     return die_with_launcher
 
 
+def dies_with(launcher: int) -> None:
+    """In a process started without death_signal (a spare, meshfit.launch.spares, started while
+    the launcher has threads: no preexec_fn then): get SIGKILL when `launcher`, its parent, dies;
+    exit at once if it has already (Linux; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != launcher:
+        os._exit(1)
+
+
 class Process:
     """One launched process: its Popen, its output pumps and its last lines.
 
     Start every process before calling `start_pumps` (Popen's preexec_fn must run while this
-    program has no other threads).
+    program has no other threads). popen: a process started already (a spare handed this place,
+    meshfit.launch.spares), instead of starting `argv`.
     """
 
     def __init__(self, index: int, argv: list[str], env: dict[str, str], show: bool, prefix: str,
-                 lock: threading.Lock, output: Output):
+                 lock: threading.Lock, output: Output, popen: subprocess.Popen | None = None):
         self.index = index
         self.killed = False  # the launcher SIGKILLed it while it ran (after the grace period)
         self.tail: collections.deque[str] = collections.deque(maxlen=KEPT_LINES)
         self.output = output
-        self.popen = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, start_new_session=True,
-                                      preexec_fn=death_signal())
+        self.popen = popen or subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True, preexec_fn=death_signal())
         self.pumps = [threading.Thread(target=self._pump, args=(stream, out, show, prefix, lock), daemon=True)
                       for stream, out in ((self.popen.stdout, sys.stdout), (self.popen.stderr, sys.stderr))]
 
@@ -84,13 +96,17 @@ class Process:
             self.output.flush(emit)
 
     def stopped(self) -> bool:
-        """Whether the process is stopped now (SIGSTOP, SIGTSTP: its state T in /proc; False
-        where there is no /proc)."""
+        """Whether the process is stopped now (SIGSTOP, SIGTSTP: its state T in /proc; or held by
+        a tracer, t; False where there is no /proc)."""
+        return self.state() in ("T", "t")
+
+    def state(self) -> str | None:
+        """The process's state letter in /proc (R, S, T, t, Z...), None where there is none."""
         try:
             with open(f"/proc/{self.popen.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+                return f.read().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
-            return False
+            return None
 
     def failed(self) -> bool:
         """Whether the process has ended with an error or a signal (meshfit.launch.output)."""

@@ -169,6 +169,9 @@ class Srun:
             if node in failed or node not in up:
                 self.lost_nodes[node] = sum(1 for i in on if on[i] == node)
 
+    def close(self) -> None:
+        """What the runner keeps between generations: nothing (srun starts each step's tasks)."""
+
     def resume_point(self, run: str) -> str | None:
         """The checkpoint the next step resumes from: not known here (each node's local copies
         are its own, meshfit.run.local_copies), None."""

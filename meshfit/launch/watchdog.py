@@ -15,6 +15,11 @@ from meshfit.parallel import heartbeat, stall
 GRACE_SECONDS = 10.0  # between SIGTERM and SIGKILL when stopping the other processes
 INIT_TIMEOUT_SECONDS = 120  # local processes start together, so joining should be quick
 HEARTBEAT_TIMEOUT_SECONDS = 60  # meshfit.parallel.cluster's default of MESHFIT_HEARTBEAT_TIMEOUT
+# A process of this machine seen stopped by a signal (state T: SIGSTOP, SIGTSTP) this long is
+# lost: it cannot train until continued, and its peers wait for it in a collective. Two polls
+# (POLL_SECONDS), so one glimpse of a state does not decide. A process held by a tracer (t: a
+# debugger, py-spy) is left to the heartbeat's timeout: it is being looked at, not frozen.
+FROZEN_SECONDS = 2.0
 WHERE = {"device": "in a device computation", "input": "waiting for input", "checkpoint":
          "on a checkpoint", "compiling": "compiling", "thread": "waiting for another thread",
          "python": "in Python"}  # heartbeat.where()'s kinds
@@ -45,7 +50,7 @@ class Watch:
         self.last_progress: float | None = None  # when any process last progressed, once armed
         self.behind: list[int] = []  # once the job hung: the processes furthest behind
         self.timed_out = False  # the job ran past launch's --timeout
-        self.stopped_since: dict[int, float] = {}  # processes seen stopped (SIGSTOP), since when
+        self.stopped_since: dict[int, tuple[float, str]] = {}  # processes seen stopped: since when, state
         self.first_step: float | None = None  # when a process was first seen training (the poll's time)
 
     def missing(self) -> list[int]:
@@ -74,23 +79,32 @@ class Watch:
         return None
 
     def frozen(self, processes: Sequence, now: float) -> str | None:
-        """A reason to stop the job: a process stopped (SIGSTOP: `stopped()`) for the
+        """A reason to stop the job: a process of this machine stopped by a signal (SIGSTOP:
+        `state()` T) for FROZEN_SECONDS, or held by a tracer (t) for the
         MESHFIT_HEARTBEAT_TIMEOUT seconds after which JAX counts a silent process as dead. JAX's
-        own check needs a peer's coordination service (a job of one process has none, and a
-        stopped process 0 is that service) and the stall watchdog a first step: this one bounds
-        the wait on this machine, where the launcher sees its processes' states. None while none is."""
-        limit = float(os.environ.get(env.HEARTBEAT_TIMEOUT) or HEARTBEAT_TIMEOUT_SECONDS)
+        own check takes that timeout and needs a peer's coordination service (a job of one
+        process has none, and a stopped process 0 is that service), the stall watchdog a first
+        step: this one sees the states of the launcher's own processes at once (a process on
+        another host, an srun task, has no state here: the heartbeat's). None while none is."""
+        heartbeat_limit = float(os.environ.get(env.HEARTBEAT_TIMEOUT) or HEARTBEAT_TIMEOUT_SECONDS)
         for p in processes:
-            if getattr(p, "stopped", lambda: False)():
-                self.stopped_since.setdefault(p.index, now)
+            state = getattr(p, "state", lambda: None)()
+            if state in ("T", "t"):
+                since = self.stopped_since.setdefault(p.index, (now, state))
+                if since[1] != state:
+                    self.stopped_since[p.index] = (now, state)
             else:
                 self.stopped_since.pop(p.index, None)
-        frozen = sorted(i for i, since in self.stopped_since.items() if now - since >= limit)
+        limits = {"T": min(FROZEN_SECONDS, heartbeat_limit), "t": heartbeat_limit}
+        frozen = sorted(i for i, (since, state) in self.stopped_since.items() if now - since >= limits[state])
         if not frozen:
             return None
         self.behind = frozen
         who = ", ".join(map(str, frozen))
-        return (f"process(es) {who} of {self.processes} stopped (SIGSTOP) for {limit:g} s "
+        if all(self.stopped_since[i][1] == "T" for i in frozen):
+            return (f"process(es) {who} of {self.processes} stopped (SIGSTOP) for "
+                    f"{limits['T']:g} s (seen in /proc)")
+        return (f"process(es) {who} of {self.processes} held by a tracer for {heartbeat_limit:g} s "
                 f"({env.HEARTBEAT_TIMEOUT})")
 
     def step_seconds(self, now: float) -> float | None:

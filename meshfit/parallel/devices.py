@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform as _platform
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,8 @@ def use_simulated_devices(count: int) -> None:
     flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
     os.environ["XLA_FLAGS"] = f"{flags} {_COUNT_FLAG}={count}".strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # imported before (a spare, meshfit.launch.spares), but not started:
+        sys.modules["jax"].config.update("jax_platforms", "cpu")  # it read JAX_PLATFORMS at import
     _prepare_cpu_client(count)
 
 

@@ -247,6 +247,14 @@ def ledger() -> Ledger:
     return _ledger
 
 
+def count_from_now() -> None:
+    """This process's ledger counts from now, not from the process's start: a spare
+    (meshfit.launch.spares) handed its run after waiting, its imports done (the wait is no part
+    of the run's time)."""
+    global _ledger
+    _ledger = Ledger(start=time.time())
+
+
 def begin_run() -> Ledger:
     """The ledger for a run starting now: this process's own when nothing has trained in it yet
     (it counts from the process's start, imports included), else a fresh one from now (a second

@@ -50,11 +50,14 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
             if run_spec.local_copy_every or os.path.isdir(local.folder):
                 local.take()  # one process per host writes the copies (and removes them)
             ledger = goodput.ledger()
+            began = time.monotonic()
             with ledger.part("checkpoint"):
                 resume_state = (restore(model, asked.run, run_spec.steps_per_epoch,
                                         data.labels(dataset.train), asked.checkpoint,
                                         dataset.num_classes, local)
                                 if asked.saved is not None else None)
+            if resume_state is not None:  # config.json's "resumed" record keeps it (a mesh change's part)
+                resume_state["restore_seconds"] = round(time.monotonic() - began, 2)
             local.drop_newer(resumed_step(resume_state, run_spec.steps_per_epoch))
             own_ledger(ledger, asked.run, strategy.info.process_index, resume_state,
                        run_spec.steps_per_epoch)
@@ -363,7 +366,7 @@ def write_config(run: str, run_spec: RunSpec, saved_config: dict | None, resume_
             "command": command, "at": now, "checkpoint": resumed_from(resume_state),
             "engine": run_spec.engine, "replicas": run_spec.replicas,
             "steps_per_dispatch": run_spec.steps_per_dispatch, "micro_batches": run_spec.micro_batches,
-            "sharding": run_spec.sharding})
+            "sharding": run_spec.sharding, "restore_seconds": resume_state.get("restore_seconds")})
     rundir.write_json(os.path.join(run, rundir.CONFIG), config)
 
 
