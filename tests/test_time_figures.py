@@ -167,7 +167,8 @@ def test_an_elastic_runs_time_figures_agree_across_a_mesh_change(tmp_path):
     write_idx_dataset(data / "fashion-mnist", n_train=256, n_test=64)  # 4 steps of 64 an epoch
     run, epochs = str(tmp_path / "run"), 6
     command = [sys.executable, "-m", "meshfit", "launch", "--processes", "2", "--devices-per-process",
-               "2", "--elastic", "--", "meshfit", "train", "fashion-mnist-cnn", "--global-batch", "64",
+               "2", "--elastic", "--on-loss", "shrink",  # a mesh change, not the slot restarted
+               "--", "meshfit", "train", "fashion-mnist-cnn", "--global-batch", "64",
                "--seed", "0", "--epochs", str(epochs), "--data-dir", str(data), "--out", run,
                "--checkpoint-every", "epoch", "--local-copy-every", "0"]
     started = time.monotonic()
