@@ -54,11 +54,16 @@ def _translated(images, shift: int, flip: bool = False):
     device) stay on their devices."""
     if not isinstance(images, np.ndarray):
         return _translate_on_device()(images, shift, flip)
+    return np.ascontiguousarray(_view(np, images, shift, flip))
+
+
+def _view(xp, images, shift: int, flip: bool):
+    """_translated's crop with the array module `xp` (NumPy, or jax.numpy under jit)."""
     pad = abs(shift)
     start = pad - shift  # crop start in the padded image: 0 moves content down-right by `pad`
-    padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)), mode="reflect")
+    padded = xp.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)), mode="reflect")
     view = padded[:, start:start + images.shape[1], start:start + images.shape[2]]
-    return np.ascontiguousarray(view[:, :, ::-1] if flip else view)
+    return view[:, :, ::-1] if flip else view
 
 
 @functools.cache
@@ -68,14 +73,7 @@ def _translate_on_device():
     import jax
     import jax.numpy as jnp
 
-    def translate(images, shift: int, flip: bool):
-        pad = abs(shift)
-        start = pad - shift
-        padded = jnp.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)), mode="reflect")
-        view = padded[:, start:start + images.shape[1], start:start + images.shape[2]]
-        return view[:, :, ::-1] if flip else view
-
-    return jax.jit(translate, static_argnums=(1, 2))
+    return jax.jit(functools.partial(_view, jnp), static_argnums=(1, 2))
 
 
 def _predict(model, batches, steps: int):
