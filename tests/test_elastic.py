@@ -356,7 +356,7 @@ def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_pat
     """SIGKILL: process 1 dies once a local copy (every step) is newer than the newest committed
     checkpoint, the survivor resumes from that copy, and process 1 comes back at the next
     (epoch-end) checkpoint; SIGSTOP (with --no-grow): it freezes, and the launcher sees it stopped
-    in /proc after 2 s (before JAX's heartbeat check, 10 s here)."""
+    in /proc after half a second (before JAX's heartbeat check, 10 s here)."""
     from meshfit.run import local_copies
 
     data = tmp_path / "data"
@@ -394,7 +394,7 @@ def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_pat
     reader.join(timeout=10)
     text = "".join(output)
     why = ("process 1 of 2 failed with SIGKILL" if how == "SIGKILL" else
-           "process(es) 1 of 2 stopped (SIGSTOP) for 2 s (seen in /proc)")  # the launcher's /proc check
+           "process(es) 1 of 2 stopped (SIGSTOP) for 0.5 s (seen in /proc)")  # the launcher's /proc check
     assert why in text, text[-4000:]
     assert "generation 2: 1 process(es) x 2 device(s) (was 2 x 2)" in text, text[-4000:]
     for noise in ("Terminating process", "Check failure stack trace", "continue with: meshfit train"):
@@ -557,7 +557,7 @@ def test_a_stopped_process_is_noticed_in_bounded_time_even_alone(tmp_path, monke
     run = str(tmp_path / "run")
     job = stand_in_launch(["--processes", "1"], ["--out", run, "--freeze", "0@2"])
     assert job.returncode == 0, job.stderr
-    assert ("meshfit launch: elastic: process(es) 0 of 1 stopped (SIGSTOP) for 2 s (seen in /proc); "
+    assert ("meshfit launch: elastic: process(es) 0 of 1 stopped (SIGSTOP) for 0.5 s (seen in /proc); "
             "generation 2: 1 process(es)") in job.stderr, job.stderr
     assert meshes(run) == [(1, 0, 2), (1, 2, 6)]
 
@@ -571,8 +571,8 @@ def test_a_frozen_process_is_lost_at_once_a_traced_one_after_the_heartbeat(monke
     states = {0: "S", 1: "T", 2: "t"}
     processes = [SimpleNamespace(index=i, state=lambda i=i: states[i]) for i in range(3)]
     watch = watchdog.Watch(str(tmp_path), 3, 60, 0)
-    assert watch.frozen(processes, 100.0) is None and watch.frozen(processes, 101.9) is None
-    assert watch.frozen(processes, 102.0) == "process(es) 1 of 3 stopped (SIGSTOP) for 2 s (seen in /proc)"
+    assert watch.frozen(processes, 100.0) is None and watch.frozen(processes, 100.4) is None
+    assert watch.frozen(processes, 100.5) == "process(es) 1 of 3 stopped (SIGSTOP) for 0.5 s (seen in /proc)"
     assert watch.behind == [1]
     states[1] = "R"
     assert watch.frozen(processes, 105.0) is None  # continued: no longer counted; the tracer's 5 s

@@ -125,6 +125,7 @@ def test_each_process_feeds_its_devices_rows():
 # sample (a count per sample id kept on the devices, summed over every global batch).
 SAMPLES_SEEN = """
 import json
+import sys
 import meshfit
 import numpy as np
 
@@ -164,7 +165,8 @@ for name, data in [("arrays", dict(x=ids, y=np.zeros_like(ids), batch_size=BATCH
     strategy.fit(model, epochs=EPOCHS, report=False, shuffle=False, **data)
     counts = np.asarray(seen.counts.value.addressable_data(0)).astype(int)
     steps = int(np.asarray(model.optimizer.iterations.value.addressable_data(0)))
-    print(json.dumps({"source": name, "steps": steps, "counts": counts.tolist()}), flush=True)
+    print(json.dumps({"source": name, "steps": steps, "counts": counts.tolist(),
+                      "tensorflow": "tensorflow" in sys.modules}), flush=True)
 """
 
 
@@ -182,6 +184,9 @@ def test_each_sample_is_trained_once_per_epoch_over_all_processes(tmp_path):
                                                                 ("pydataset", 8), ("pydataset", 8)]
     for f in found:  # 2 epochs of 4 global batches of 16: every one of the 64 samples twice
         assert f["counts"] == [2] * 64, f
+        # joining seeds Keras on every process (hosts.agree_on_seed): that must not import
+        # TensorFlow on the JAX engine (2.3 s of each process's start-up)
+        assert f["tensorflow"] is False, f
 
 
 def test_unreachable_coordinator_is_a_bounded_one_line_error():
@@ -790,3 +795,25 @@ def test_a_process_stopped_while_the_job_stops_ends_the_wait(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+FREEZES_ITSELF = """
+import os, signal, time
+if os.environ["MESHFIT_PROCESS_ID"] == "1":
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGSTOP)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("frozen_lost", [False, True])
+def test_a_frozen_process_is_killed_at_once_where_nothing_newer_is_saved(frozen_lost):
+    """run_job's frozen_lost (an elastic job copying every step locally): a process seen frozen
+    (SIGSTOP) is killed (SIGKILL), not continued and asked to stop at an agreed step and save
+    (SIGTERM after SIGCONT), which would cost that save for nothing newer than the copy."""
+    ended = local.run_job([sys.executable, "-c", FREEZES_ITSELF], 2, 1, None, "all", None, 10.0,
+                          frozen_lost=frozen_lost)
+    assert ended.verdict == 124 and ended.behind == [1], ended
+    assert "process(es) 1 of 2 stopped (SIGSTOP) for 0.5 s (seen in /proc)" in ended.verdict_text
+    codes = [p.popen.returncode for p in ended.started]
+    assert codes == ([-signal.SIGTERM, -signal.SIGKILL] if frozen_lost else [-signal.SIGTERM] * 2), codes

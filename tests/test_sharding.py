@@ -164,6 +164,37 @@ def test_every_sharded_variable_is_created_in_its_shards(strategy, monkeypatch):
         connect_eight_devices()
 
 
+def test_a_model_whose_checkpoint_overwrites_it_starts_from_zeros_laid_out_as_drawn(strategy):
+    """sharded_init.values_restored_later (a resumed run's build): every variable starts as zeros
+    with the layout and dtype a drawn build gives it, under data and fsdp alike; outside the
+    block the values are drawn again."""
+    import keras
+
+    from meshfit.fit import sharded_init
+
+    def build(on):
+        with on.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(1000, 256),
+                                      keras.layers.Dense(512), keras.layers.Dropout(0.1, seed=3),
+                                      keras.layers.Dense(10)])
+            model.compile("adam", "mse")
+            return model
+
+    try:
+        for mode in ("data", "fsdp"):
+            on = Strategy(strategy.info, "jax", "float32", mode, MIN_BYTES)
+            with sharded_init.values_restored_later():
+                zeroed = build(on)
+            drawn = build(on)
+            for z, d in zip(zeroed.variables, drawn.variables, strict=True):
+                assert z.value.sharding == d.value.sharding and z.value.dtype == d.value.dtype, z.path
+                assert not np.asarray(z.value).any(), z.path
+            assert any(np.asarray(d.value).any() for d in drawn.weights)
+    finally:
+        connect_eight_devices()
+
+
 def test_a_sharded_draw_holds_a_share_not_the_whole(strategy):
     """XLA's memory analysis of the compiled draw of a (1024, 512) Glorot kernel split over 8
     devices: each device's output is its eighth, and what it computes on the way (the random

@@ -17,7 +17,7 @@ with the table of BENCHMARKS.md section 6: the exit codes, faults, the recovery 
 medians of its parts: stop, start, first step), steps run again, goodput, and the throughput ratio to the baseline (the job's steps are the same, so the
 ratio of the wall times).
 
-A SIGSTOPped process is noticed by the launcher (its state in /proc, after 2 s,
+A SIGSTOPped process is noticed by the launcher (its state in /proc, after 0.5 s,
 meshfit.launch.watchdog.FROZEN_SECONDS) or by JAX's heartbeat check: the drill sets
 MESHFIT_HEARTBEAT_TIMEOUT to --heartbeat-timeout (default 10 s) for both runs, or that wait (60 s
 by default) would bound what the launcher's check does not see. Reads the job's progress as

@@ -19,12 +19,13 @@ from meshfit.parallel import engine
 with engine.tensorflow_notices_dropped(os.environ.get("KERAS_BACKEND") == "tensorflow"):
     import keras
 
+from meshfit.fit import keras_internals  # noqa: E402 (Keras first, on the engine chosen)
 
-def set_random_seed(seed: int) -> None:
-    """keras.utils.set_random_seed(seed), which also seeds (and so imports) TensorFlow where it is
-    installed, on any engine (tf.data shuffles by it): without TensorFlow's load notices."""
-    with engine.tensorflow_notices_dropped(engine.installed("tensorflow")):
-        keras.utils.set_random_seed(seed)
+if keras.backend.backend() == "jax":
+    # Before anything seeds Keras (hosts.agree_on_seed seeds every process of a job as it
+    # connects, before meshfit's hooks are installed): on JAX, Keras seeds and recognises
+    # TensorFlow only once something has loaded it (keras_internals says why).
+    keras_internals.tensorflow_counted_once_loaded()
 
 
 def __getattr__(name: str):  # a module of this package, imported when first named

@@ -105,8 +105,6 @@ def _install() -> None:
     if keras.backend.backend() == "jax" and accounting():
         jax.monitoring.register_event_time_span_listener(_on_compile_span)
         goodput.compile_events = True
-    if keras.backend.backend() == "jax":
-        keras_internals.tensorflow_counted_once_loaded()
     keras_internals.apply_patches({
         "fit: report and loop": _fit_hook,
         "make_train_function: timed (TensorFlow)": _tensorflow_timed if accounting() else None,

@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshfit.errors import MeshfitError
-from meshfit.fit import keras_internals, set_random_seed
+from meshfit.fit import keras_internals
 from meshfit.fit.sources import SplitBatches
 from meshfit.parallel import cluster, heartbeat
 
@@ -76,7 +76,7 @@ def agree_on_seed() -> int:
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**31 - 1))
     seed = int(multihost_utils.broadcast_one_to_all(np.int32(seed)))
-    set_random_seed(seed)
+    keras.utils.set_random_seed(seed)
     return seed
 
 

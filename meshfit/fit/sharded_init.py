@@ -27,9 +27,10 @@ name used here, is in meshfit.fit.keras_internals. Imports Keras.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -47,6 +48,8 @@ def initializer_hook(active: Callable[[], bool], placed: Callable[[tuple, Any], 
     meshfit.fit.sources.divisible_sharding)."""
 
     def draw_variable(initializer, shape: tuple, dtype: str, layout) -> jax.Array | None:
+        if active() and _restored_later and isinstance(layout, NamedSharding):
+            return zeros(shape, dtype, placed(shape, layout))
         if (active() and isinstance(layout, NamedSharding) and not layout.is_fully_replicated
                 and "layout" not in _parameters(initializer)):
             sharding = placed(shape, layout)
@@ -55,6 +58,37 @@ def initializer_hook(active: Callable[[], bool], placed: Callable[[tuple, Any], 
         return None  # Keras' own way
 
     return keras_internals.variables_drawn_by(draw_variable)
+
+
+_restored_later = False  # inside values_restored_later()
+
+
+@contextlib.contextmanager
+def values_restored_later() -> Iterator[None]:
+    """Inside the block, while a meshfit strategy runs JAX on several devices, variables start
+    as zeros placed from the host, not drawn: for the model of a resumed run, every variable of
+    which its checkpoint overwrites next (meshfit.run.keras_side.fitting).
+
+    Why: drawing Keras' initial values runs one small program per random operation on each
+    process's own device, and JAX's persistent compilation cache keeps only process 0's
+    programs (only process 0 writes it; on CPUs a program's key includes its device), so every
+    other process compiled about 35 of them again for the tutorial CNN: 1.1 s of each elastic
+    generation's start-up (2 x 4 CPU devices, 2-core machine, cProfile, 2026-11-28). Zeros
+    compile nothing. The random number generators' states drawn at the layers' construction
+    (Python's, seeded alike) are the same either way."""
+    global _restored_later
+    _restored_later = True
+    try:
+        yield
+    finally:
+        _restored_later = False
+
+
+def zeros(shape: tuple, dtype: str, sharding: NamedSharding) -> jax.Array:
+    """An array of zeros laid out by `sharding`, each device's part placed from the host (a
+    zeroed buffer that is only read where a part lies)."""
+    host = np.zeros(shape, jax.numpy.dtype(dtype))
+    return jax.make_array_from_callback(shape, sharding, host.__getitem__)
 
 
 def draw(initializer, shape: tuple, dtype: str, sharding: NamedSharding) -> jax.Array | None:

@@ -430,8 +430,10 @@ class Local:
                  timeout: float | None, grace: float, boundary, output: Output) -> local.Ended:
         """Run one generation of `count` processes; how it ended."""
         spares = self.spares if self.spares is not None and self.spares.count else None
+        every_step_copied = train_argv.flag_value(argv, "--local-copy-every") == "1"
         return local.run_job(argv, count, devices_per_process, None, show, timeout, grace, boundary,
-                             output=output, spares=spares, training=spares.fill if spares else None)
+                             output=output, spares=spares, training=spares.fill if spares else None,
+                             frozen_lost=every_step_copied)
 
 
 def runner_for(via: str, run: str):

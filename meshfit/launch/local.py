@@ -55,7 +55,9 @@ from meshfit.errors import MeshfitError, troubleshooting
 
 TAIL_LINES = 20  # lines of a failed process's output shown when only process 0 is shown
 STALL_TIMEOUT_SECONDS = 600  # no training progress in any process for this long: the job hung
-POLL_SECONDS = 1.0  # how often the launcher reads its processes' status files
+# How often the launcher reads its processes' status files and /proc states: a quarter second,
+# so that a frozen process is lost within a second (reading a few small files costs microseconds)
+POLL_SECONDS = 0.25
 STOP_CODES = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # a process that stopped after saving
 STOP_PATIENCE_SECONDS = 60  # --timeout: how long the processes get to stop at an agreed step and save
 
@@ -230,7 +232,7 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
             show: str, timeout: float | None, grace: float,
             boundary: Callable[[], bool] | None = None, start: Callable | None = None,
             status_in: str | None = None, output: Output | None = None, spares=None,
-            training: Callable[[], None] | None = None) -> Ended:
+            training: Callable[[], None] | None = None, frozen_lost: bool = False) -> Ended:
     """Start `processes` copies of `argv` as one job and wait until every one has ended (see
     `launch`); nothing is left running when it returns or raises. boundary: asked once a
     POLL_SECONDS while all run; once it says True the job is stopped to resume (SIGTERM: an agreed
@@ -240,7 +242,10 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
     step); status_in: the folder for the status files' folder (default: the temporary folder);
     output: which lines are shown (meshfit.launch.output; default: all but the survivors' ends);
     spares: meshfit.launch.spares.Spares, whose waiting processes take the job's places before
-    any starts cold; training: called once, when the first training step is seen."""
+    any starts cold; training: called once, when the first training step is seen. frozen_lost:
+    a process seen frozen (SIGSTOP) is killed and the others stopped at once, instead of all
+    being asked to stop at an agreed step and save (an elastic job whose every step is copied
+    locally has nothing newer to save)."""
     port = port or free_port()
     init_timeout, stall_timeout = _timeouts()
     _catch_stop_signals()
@@ -257,7 +262,8 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
                              exits, output, spares)
         else:
             start(started, argv, processes, status, show, exits, output)
-        waited = _wait_for_exits(started, exits, watch, processes, timeout, grace, boundary, training)
+        waited = _wait_for_exits(started, exits, watch, processes, timeout, grace, boundary, training,
+                                 frozen_lost)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
         missing, positions = watch.missing(), watch.positions()
@@ -345,7 +351,7 @@ class _Waited(NamedTuple):
 def _wait_for_exits(started: list[Process], exits: queue.Queue, watch: "Watch", processes: int,
                     timeout: float | None, grace: float,
                     boundary: Callable[[], bool] | None,
-                    training: Callable[[], None] | None = None) -> _Waited:
+                    training: Callable[[], None] | None = None, frozen_lost: bool = False) -> _Waited:
     """Wait until every process has exited, stopping the others at the first failure. verdict:
     124 once the job was stopped for running past `timeout` or by the watchdog (its line not yet
     printed: see Ended), else None. failure: (index, code) or None. at_boundary: `boundary()` said
@@ -365,11 +371,19 @@ def _wait_for_exits(started: list[Process], exits: queue.Queue, watch: "Watch", 
                 watch.timed_out = True
                 stopped = _stop_to_resume(started, max(grace, STOP_PATIENCE_SECONDS))
             elif failure is None:
-                verdict = watch.poll(now) or watch.frozen(started, now)
+                verdict = watch.poll(now)
+                frozen = watch.frozen(started, now) if verdict is None else None
+                verdict = verdict or frozen
                 if training is not None and watch.first_step is not None:
                     training()  # once: the job trains
                     training = None
-                stopped = verdict is not None and _stop_to_resume(started, grace)
+                if frozen and frozen_lost:
+                    for i in watch.behind:  # lost, as a killed process is
+                        started[i].signal(signal.SIGKILL)
+                    _stop(started, grace)
+                    stopped = False
+                else:
+                    stopped = verdict is not None and _stop_to_resume(started, grace)
                 if verdict is None and boundary is not None and boundary(watch.step_seconds(now)):
                     # SIGTERM: the processes agree on a step and save there (exit 143), so the
                     # next job resumes without running any step again

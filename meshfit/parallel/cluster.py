@@ -45,6 +45,7 @@ from meshfit.parallel import heartbeat, jax_internals
 from meshfit.errors import MeshfitError
 
 SHUTDOWN_TIMEOUT_SECONDS = 300  # how long finished processes wait at exit for the slowest one
+REACH_POLL_SECONDS = 0.05  # how often a process asks whether the coordinator listens yet
 
 
 @dataclass(frozen=True)
@@ -223,7 +224,10 @@ def _reachable(address: str, timeout: float) -> bool:
         except OSError:
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            # Every 50 ms, not every second: process 0 opens its port a moment after the others
+            # first ask (a refused connection returns at once), and the wait past that moment was
+            # 1.0 s of every multi-process start-up, so of each elastic generation's recovery
+            time.sleep(min(REACH_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
 
 def exit_failed(code: int, together: bool = False) -> None:

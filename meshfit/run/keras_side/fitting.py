@@ -24,7 +24,7 @@ import numpy as np
 from meshfit import __version__, recipes
 from meshfit.data import splits as data
 from meshfit.errors import MeshfitError
-from meshfit.fit import memory_plan, set_random_seed, tf_microbatch
+from meshfit.fit import memory_plan, sharded_init, tf_microbatch
 from meshfit.parallel import cluster, planning, stall
 from meshfit.run import checkpoint_format, local_copies, models, rundir, spec
 from meshfit.run.keras_side import checkpoint_restore
@@ -116,7 +116,7 @@ def start_session(strategy, seed: int) -> None:
     # weights its seed gives: a resumed run then loads into the same variables.
     keras.backend.clear_session()
     strategy.activate()
-    set_random_seed(seed)
+    keras.utils.set_random_seed(seed)
     if strategy.engine == "tensorflow":
         import tensorflow as tf  # only on the TensorFlow engine
 
@@ -219,7 +219,12 @@ def build_run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, 
     batches = stream if stream is not None else data.train_batches(
         dataset, r, global_batch, o.seed, batch_plan.steps_per_epoch)
     steps = batches.steps_per_epoch
-    model = build(r, dataset, steps, o.epochs, batch_plan.steps_per_dispatch)
+    # A run resumed from a committed checkpoint (or one named) loads every variable from it next
+    # (restore: else the run stops with an error), so its initial values are never read.
+    restored = asked.saved is not None and bool(
+        asked.checkpoint or rundir.list_checkpoints(os.path.join(asked.run, rundir.CHECKPOINTS)))
+    with sharded_init.values_restored_later() if restored else contextlib.nullcontext():
+        model = build(r, dataset, steps, o.epochs, batch_plan.steps_per_dispatch)
     check_saveable(model, r)
     # A resumed run asked for slices (an elastic generation keeping the per-core batch) trains a
     # model that cannot be sliced in whole batches, with one warning, rather than stopping.
