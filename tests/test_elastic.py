@@ -131,6 +131,31 @@ def test_generation_records_the_checkpoint_it_resumed_from(tmp_path):
     assert (record["first_step"], record["last_step"]) == (9, 9)
 
 
+def test_the_steps_run_again_are_the_resumed_ledgers_count(tmp_path):
+    """One count of the steps run again: the one the next generation's goodput ledger made as it
+    resumed (config.json's "resumed" record, metrics.json's goodput lost_steps), not the lost
+    generation's progress reports (once a second, they lag or lead it); a generation lost before
+    it restored ran nothing again (the next resume counts those steps); a run directory of an
+    older meshfit, without the count, falls back to the reports."""
+    rundir.write_json(str(tmp_path / "config.json"), {"global_batch": 64, "resumed": [
+        {"checkpoint": "local:ckpt-00000006", "steps_run_again": 1}]})
+    job = ended((0, -9))
+    job.steps = {0: 3}
+    last = {"processes": 2, "last_step": 9, "step_seconds": 0.5, "stop_seconds": 0.3}
+    record = mesh_history.record(2, 2, 2, str(tmp_path), 0, job)
+    mesh_history.continued(last, record)
+    assert (last["lost_steps"], record["change"]["wasted"]) == (1, 0.5)
+    job.steps = {}
+    never_restored = mesh_history.record(3, 2, 2, str(tmp_path), 1, job)  # no record of its own
+    mesh_history.continued(record, never_restored)
+    assert record["lost_steps"] == 0
+    rundir.write_json(str(tmp_path / "config.json"), {"global_batch": 64, "resumed": [
+        {"checkpoint": "local:ckpt-00000006"}]})
+    older = mesh_history.record(2, 2, 2, str(tmp_path), 0, job)
+    mesh_history.continued(last, older)
+    assert last["lost_steps"] == 3  # 9 reported, 6 resumed
+
+
 def test_a_mesh_change_splits_into_restore_reinitialisation_and_wasted_progress(tmp_path):
     """The parts goodput tools name apart: restore (from config.json's "resumed" record of the
     new generation), reinitialisation (the rest of its start to its first step), wasted progress
@@ -406,7 +431,8 @@ def test_a_lost_process_is_left_out_and_the_run_finishes_on_the_survivor(tmp_pat
     first, second = metrics["generations"][:2]
     assert first["ended"].startswith(why) and first["lost_processes"] == [1]
     assert second["first_step"] >= 4
-    assert first["lost_steps"] == first["last_step"] - second["first_step"] >= 0
+    # the steps run again: the count the next generation's goodput ledger made as it resumed
+    assert first["lost_steps"] == second["ran_again"] >= 0 and first["last_step"] >= second["first_step"]
     if how == "SIGSTOP":
         assert meshes == [(2, 4), (1, 2)] and second["ended"] == "finished"
     else:  # the agreed stop after the next (epoch-end) checkpoint saved where it stopped
@@ -498,7 +524,9 @@ def test_the_chaos_drill_repeats_its_faults_and_times_each_recovery(tmp_path):
     chaos.watch_generations(seen, [folder], 1.0)
     (tmp_path / "meshfit-launch-1" / "progress-0").write_text("0 1 0 python")
     chaos.watch_generations(seen, [folder], 2.0)
-    (tmp_path / "meshfit-launch-1" / "progress-0").write_text("1 3 1 device")
+    (tmp_path / "meshfit-launch-1" / "progress-0").write_text("1 3 1 compiling")  # dispatching
+    chaos.watch_generations(seen, [folder], 3.0)
+    (tmp_path / "meshfit-launch-1" / "progress-0").write_text("2 4 2 device")  # the first step done
     chaos.watch_generations(seen, [folder], 3.5)
     chaos.watch_generations(seen, [], 9.0)
     assert seen[folder] == {"appeared": 1.0, "reporting": 2.0, "first_step": 3.5, "gone": 9.0}

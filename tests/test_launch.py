@@ -797,23 +797,33 @@ def test_a_process_stopped_while_the_job_stops_ends_the_wait(tmp_path):
         sleeper.wait()
 
 
-FREEZES_ITSELF = """
-import os, signal, time
-if os.environ["MESHFIT_PROCESS_ID"] == "1":
+
+LOSES_ITSELF = """
+import os, signal, sys, time
+index = os.environ["MESHFIT_PROCESS_ID"]
+signal.signal(signal.SIGTERM, lambda *_: open(os.path.join(sys.argv[1], "asked-" + index), "w").close())
+if index == "1":
     time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGSTOP)
+    os.kill(os.getpid(), getattr(signal, sys.argv[2]))
 time.sleep(120)
 """
 
 
-@pytest.mark.parametrize("frozen_lost", [False, True])
-def test_a_frozen_process_is_killed_at_once_where_nothing_newer_is_saved(frozen_lost):
-    """run_job's frozen_lost (an elastic job copying every step locally): a process seen frozen
-    (SIGSTOP) is killed (SIGKILL), not continued and asked to stop at an agreed step and save
-    (SIGTERM after SIGCONT), which would cost that save for nothing newer than the copy."""
-    ended = local.run_job([sys.executable, "-c", FREEZES_ITSELF], 2, 1, None, "all", None, 10.0,
-                          frozen_lost=frozen_lost)
-    assert ended.verdict == 124 and ended.behind == [1], ended
-    assert "process(es) 1 of 2 stopped (SIGSTOP) for 0.5 s (seen in /proc)" in ended.verdict_text
-    codes = [p.popen.returncode for p in ended.started]
-    assert codes == ([-signal.SIGTERM, -signal.SIGKILL] if frozen_lost else [-signal.SIGTERM] * 2), codes
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("lost_at_once", [False, True])
+def test_a_lost_process_has_the_others_killed_at_once_where_nothing_newer_is_saved(tmp_path, how,
+                                                                                  lost_at_once):
+    """run_job's lost_at_once (an elastic job copying every step locally): a process killed, or
+    seen frozen (SIGSTOP), has every process killed at once (SIGKILL); without it the others are
+    asked to stop first (SIGTERM: here they note it and wait on, until SIGKILL after the grace),
+    a frozen one continued and asked too (to stop at an agreed step and save)."""
+    ended = local.run_job([sys.executable, "-c", LOSES_ITSELF, str(tmp_path), how], 2, 1, None,
+                          "all", None, 2.0, lost_at_once=lost_at_once)
+    if how == "SIGSTOP":
+        assert ended.verdict == 124 and ended.behind == [1], ended
+        assert "process(es) 1 of 2 stopped (SIGSTOP) for 0.5 s (seen in /proc)" in ended.verdict_text
+    else:
+        assert ended.failure == (1, -signal.SIGKILL), ended
+    assert [p.popen.returncode for p in ended.started] == [-signal.SIGKILL] * 2
+    asked = sorted(os.listdir(tmp_path))
+    assert asked == ([] if lost_at_once else ["asked-0"] if how == "SIGKILL" else ["asked-0", "asked-1"])

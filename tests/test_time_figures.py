@@ -157,7 +157,7 @@ def test_an_elastic_runs_time_figures_agree_across_a_mesh_change(tmp_path):
     against the block's 38.95 s: the epochs' sum, then host 0's beside the slowest host's block,
     unnamed), the block's line names whose parts it shows and gives host 0's; every host's parts
     add up to its wall time, which the launch's wall measured here bounds, as it bounds the
-    generations' seconds."""
+    generations' seconds; the steps run again are one count (goodput's and the launcher's)."""
     from helpers import write_idx_dataset
 
     from meshfit import env
@@ -232,3 +232,8 @@ def test_an_elastic_runs_time_figures_agree_across_a_mesh_change(tmp_path):
     assert sum(g["seconds"] for g in generations) <= outside + 0.05 * len(generations)
     for g in generations:
         assert g["start_seconds"] is None or g["start_seconds"] <= g["seconds"]
+    # the steps run again: one count, goodput's (every host's row has it, the run's), the
+    # generations' records and the launcher's closing line its sum
+    again = sum(g.get("lost_steps", 0) for g in generations)
+    assert again == spent["lost_steps"] and [h["lost_steps"] for h in hosts] == [again] * len(hosts)
+    assert f"{again} step{'' if again == 1 else 's'} run again" in text, text[-2000:]

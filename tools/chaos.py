@@ -154,8 +154,9 @@ def watch_generations(generations: dict[str, dict], folders: list[str], now: flo
     """Note what each generation's status folder shows now (seconds into the launch): when it
     appeared (its processes started), when a process first reported from its training loop
     (meshfit.parallel.heartbeat: start-up, imports, joining, data, model and restore done), its
-    first training step (compiled and dispatched), when it was gone (all its processes ended).
-    Resolution: the drill's poll (50 ms) and the progress files' (rewritten at most once a second)."""
+    first training step (compiled and dispatched: a process began its second dispatch), when it
+    was gone (all its processes ended). Resolution: the drill's poll (50 ms); the progress files
+    are rewritten at once as the first two dispatches begin, else at most once a second."""
     for folder in folders:
         seen = generations.setdefault(folder, {"appeared": now, "reporting": None, "first_step": None,
                                                "gone": None})
@@ -163,7 +164,7 @@ def watch_generations(generations: dict[str, dict], folders: list[str], now: flo
             found = heartbeat.progress(folder)
             if found and seen["reporting"] is None:
                 seen["reporting"] = now
-            if any(c[0] > 0 for c in found.values()):
+            if any(c[2] >= 2 for c in found.values()):
                 seen["first_step"] = now
     for folder, seen in generations.items():
         if folder not in folders and seen["gone"] is None:
@@ -174,7 +175,7 @@ def change_parts(fault: float, generations: list[dict]) -> dict[str, float] | No
     """Where a fault's recovery went: stop (the fault to the end of the generation it struck:
     noticing the loss, stopping the others), start (the next generation's processes started to
     their training loop's first report: process start, imports, jax.distributed, data, model,
-    restore), first step (to its first training step: compiling, the first dispatch); None when
+    restore), first step (to its first training step compiled and dispatched); None when
     no generation followed."""
     struck = [g for g in generations if g["appeared"] <= fault]  # the newest then
     after = next((g for g in generations if g["appeared"] > fault and g["first_step"] is not None

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
-from keras.initializers import Initializer
+from keras.initializers import Initializer, Zeros
 from keras.random import SeedGenerator
 
 from meshfit.fit import keras_internals
@@ -48,7 +48,8 @@ def initializer_hook(active: Callable[[], bool], placed: Callable[[tuple, Any], 
     meshfit.fit.sources.divisible_sharding)."""
 
     def draw_variable(initializer, shape: tuple, dtype: str, layout) -> jax.Array | None:
-        if active() and _restored_later and isinstance(layout, NamedSharding):
+        if active() and isinstance(layout, NamedSharding) and (
+                _restored_later or type(initializer) is Zeros):
             return zeros(shape, dtype, placed(shape, layout))
         if (active() and isinstance(layout, NamedSharding) and not layout.is_fully_replicated
                 and "layout" not in _parameters(initializer)):
@@ -86,7 +87,9 @@ def values_restored_later() -> Iterator[None]:
 
 def zeros(shape: tuple, dtype: str, sharding: NamedSharding) -> jax.Array:
     """An array of zeros laid out by `sharding`, each device's part placed from the host (a
-    zeroed buffer that is only read where a part lies)."""
+    zeroed buffer that is only read where a part lies): nothing compiled, where Keras' Zeros
+    compiles a program per shape and dtype on each process (its optimizer's slots, its metrics'
+    totals), which JAX's persistent cache keeps for process 0 only (values_restored_later)."""
     host = np.zeros(shape, jax.numpy.dtype(dtype))
     return jax.make_array_from_callback(shape, sharding, host.__getitem__)
 

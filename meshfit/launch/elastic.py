@@ -5,7 +5,9 @@
 runs the job as `meshfit launch` does (one generation). When a process of it dies (killed by a
 signal: SIGKILL, an abort, a crash) or hangs (JAX's heartbeat check names it, or the launcher's
 stall watchdog finds it furthest behind, meshfit.launch.local), the launcher stops the other
-processes within its grace period (10 s), and starts a new generation with the survivors' count,
+processes within its grace period (10 s) (kills them at once where the lost one was killed by a
+signal or frozen, seen in /proc, and every step is copied locally, the default below: there is
+nothing newer to save), and starts a new generation with the survivors' count,
 which resumes the run from its newest committed checkpoint (`meshfit train --resume RUN`: exact,
 resharded to the devices there are now, meshfit.run.keras_side.checkpoints), with one line naming the
 change, and so on until the run finishes (exit 0), fewer than --min-processes would be left, or
@@ -433,7 +435,7 @@ class Local:
         every_step_copied = train_argv.flag_value(argv, "--local-copy-every") == "1"
         return local.run_job(argv, count, devices_per_process, None, show, timeout, grace, boundary,
                              output=output, spares=spares, training=spares.fill if spares else None,
-                             frozen_lost=every_step_copied)
+                             lost_at_once=every_step_copied)
 
 
 def runner_for(via: str, run: str):

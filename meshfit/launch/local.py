@@ -169,6 +169,16 @@ def _stop(processes: list[Process], grace: float, patience: float = 0.0) -> None
                 p.popen.wait()
 
 
+def _kill(processes: list[Process]) -> None:
+    """SIGKILL the processes (and what each started) and wait until they have ended."""
+    for p in processes:
+        p.output.stop()
+    with _interrupts_ignored():
+        for p in processes:
+            p.signal(signal.SIGKILL)
+            p.popen.wait()
+
+
 def launch(command: Sequence[str], processes: int, devices_per_process: int = 1,
            port: int | None = None, show: str = "all", timeout: float | None = None,
            grace: float = GRACE_SECONDS) -> int:
@@ -232,7 +242,7 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
             show: str, timeout: float | None, grace: float,
             boundary: Callable[[], bool] | None = None, start: Callable | None = None,
             status_in: str | None = None, output: Output | None = None, spares=None,
-            training: Callable[[], None] | None = None, frozen_lost: bool = False) -> Ended:
+            training: Callable[[], None] | None = None, lost_at_once: bool = False) -> Ended:
     """Start `processes` copies of `argv` as one job and wait until every one has ended (see
     `launch`); nothing is left running when it returns or raises. boundary: asked once a
     POLL_SECONDS while all run; once it says True the job is stopped to resume (SIGTERM: an agreed
@@ -242,10 +252,12 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
     step); status_in: the folder for the status files' folder (default: the temporary folder);
     output: which lines are shown (meshfit.launch.output; default: all but the survivors' ends);
     spares: meshfit.launch.spares.Spares, whose waiting processes take the job's places before
-    any starts cold; training: called once, when the first training step is seen. frozen_lost:
-    a process seen frozen (SIGSTOP) is killed and the others stopped at once, instead of all
-    being asked to stop at an agreed step and save (an elastic job whose every step is copied
-    locally has nothing newer to save)."""
+    any starts cold; training: called once, when the first training step is seen. lost_at_once:
+    a process lost (killed by a signal, or seen frozen: SIGSTOP, which is then killed) has the
+    others killed at once, instead of asked to stop (SIGTERM, then SIGKILL after `grace`) or to
+    stop at an agreed step and save: an elastic job whose every step is copied locally has
+    nothing newer to save, and a survivor waiting in a collective for the lost one handles no
+    signal until it gives up (7.7 and 8.6 s of two faults' recovery, chaos drill, 2026-11-28)."""
     port = port or free_port()
     init_timeout, stall_timeout = _timeouts()
     _catch_stop_signals()
@@ -263,7 +275,7 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
         else:
             start(started, argv, processes, status, show, exits, output)
         waited = _wait_for_exits(started, exits, watch, processes, timeout, grace, boundary, training,
-                                 frozen_lost)
+                                 lost_at_once)
     finally:
         _stop(started, grace)  # on Ctrl-C or any error, leave nothing running
         missing, positions = watch.missing(), watch.positions()
@@ -351,7 +363,7 @@ class _Waited(NamedTuple):
 def _wait_for_exits(started: list[Process], exits: queue.Queue, watch: "Watch", processes: int,
                     timeout: float | None, grace: float,
                     boundary: Callable[[], bool] | None,
-                    training: Callable[[], None] | None = None, frozen_lost: bool = False) -> _Waited:
+                    training: Callable[[], None] | None = None, lost_at_once: bool = False) -> _Waited:
     """Wait until every process has exited, stopping the others at the first failure. verdict:
     124 once the job was stopped for running past `timeout` or by the watchdog (its line not yet
     printed: see Ended), else None. failure: (index, code) or None. at_boundary: `boundary()` said
@@ -377,10 +389,8 @@ def _wait_for_exits(started: list[Process], exits: queue.Queue, watch: "Watch", 
                 if training is not None and watch.first_step is not None:
                     training()  # once: the job trains
                     training = None
-                if frozen and frozen_lost:
-                    for i in watch.behind:  # lost, as a killed process is
-                        started[i].signal(signal.SIGKILL)
-                    _stop(started, grace)
+                if frozen and lost_at_once:  # lost, as a killed process is
+                    _kill(started)
                     stopped = False
                 else:
                     stopped = verdict is not None and _stop_to_resume(started, grace)
@@ -403,7 +413,10 @@ def _wait_for_exits(started: list[Process], exits: queue.Queue, watch: "Watch", 
         codes[index] = code
         if code != 0 and failure is None:
             failure = (index, code)
-            _stop(started, grace, patience=grace if code in STOP_CODES else 0.0)
+            if lost_at_once and code < 0:
+                _kill(started)
+            else:
+                _stop(started, grace, patience=grace if code in STOP_CODES else 0.0)
     return _Waited(None, codes, failure)
 
 

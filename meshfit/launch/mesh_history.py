@@ -1,6 +1,6 @@
 """A run's history of meshes under `meshfit launch --elastic`: RUN/generations.json, one record
 per generation (its processes, devices, global batch, the first global step, from the checkpoint
-it resumed, and about the last it started, its seconds: in all, to its first step, stopping, a
+it resumed, the steps it ran again there, and about the last it started, its seconds: in all, to its first step, stopping, a
 step; why it ended, the steps the next one ran again, and the mesh change that began it, its
 seconds in parts), and metrics.json's "generations" once the run finished."""
 
@@ -25,9 +25,11 @@ def record(number: int, processes: int, devices_per_process: int, run: str, resu
     config = run_config(run)
     resumed = config.get("resumed", [])
     first_step, restore = 0, None
+    ran_again = 0  # one that never restored ran nothing again: the next resume counts those steps
     if len(resumed) > resumed_before:  # this generation's resumption, config.json's record of it
         first_step = checkpoint_step(resumed[resumed_before].get("checkpoint", ""))
         restore = resumed[resumed_before].get("restore_seconds")
+        ran_again = resumed[resumed_before].get("steps_run_again")  # None: written by an older meshfit
     elif number > 1 or resumed_before:  # it ended before restoring (killed while joining): it
         # started nothing new, from the checkpoint it would have resumed (not step 0, which
         # would count every step of the generation before as run again)
@@ -38,7 +40,7 @@ def record(number: int, processes: int, devices_per_process: int, run: str, resu
     training = None if start is None else ended.seconds - start - ended.stop_seconds
     return {"generation": number, "processes": processes, "devices_per_process": devices_per_process,
             "devices": processes * devices_per_process, "global_batch": config.get("global_batch"),
-            "first_step": first_step, "last_step": first_step + started,
+            "first_step": first_step, "last_step": first_step + started, "ran_again": ran_again,
             "seconds": round(ended.seconds, 1), "ended": None,
             "start_seconds": None if start is None else round(start, 1), "restore_seconds": restore,
             "stop_seconds": round(ended.stop_seconds, 1),
@@ -48,9 +50,13 @@ def record(number: int, processes: int, devices_per_process: int, run: str, resu
 def continued(last: dict[str, Any], record: dict[str, Any]) -> None:
     """Generation `last` ran at least to the step the next one (`record`) resumed from: its
     progress reports lag (once a second), a local copy of the state may be newer. Its last step,
-    and the steps the next one runs again."""
+    and the steps the next one runs again: the count the next one's goodput ledger made as it
+    resumed (`ran_again`, config.json's "resumed" record), so that the launcher's "N steps run
+    again" and metrics.json's goodput "lost_steps" are one count; from the progress reports only
+    where a run directory written by an older meshfit lacks it."""
     last["last_step"] = max(last["last_step"], record["first_step"])
-    last["lost_steps"] = last["last_step"] - record["first_step"]
+    again = record.get("ran_again")
+    last["lost_steps"] = last["last_step"] - record["first_step"] if again is None else again
     record["change"] = change(last, record)
 
 

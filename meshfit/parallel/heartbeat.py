@@ -13,8 +13,9 @@ whose folder is on storage every node reads. In the folder, for process i:
                  started, its progress reports and its training dispatches so far, and what its
                  main thread is doing (`where()`: compiling, checkpoint, input, device, thread or
                  python).
-                 A background thread rewrites it at most once a second, when it changed, so the
-                 launcher's stall watchdog sees when each process last moved, which one is
+                 A background thread rewrites it at most once a second, when it changed, and
+                 at once as the first and second training dispatches begin, so the launcher's
+                 stall watchdog sees when each process last moved, which one is
                  furthest behind and what each waits for; the watchdog starts once a process
                  began its second dispatch (the first, with its compilation, is done by then).
 
@@ -39,6 +40,7 @@ import time
 from meshfit import env
 
 WRITE_INTERVAL_SECONDS = 1.0  # the progress file is rewritten at most this often
+_wake = threading.Event()  # set as the first two dispatches begin: their reports are written at once
 
 
 def _directory() -> str | None:
@@ -178,7 +180,12 @@ class _Reporter:
                 except OSError:
                     return  # the launcher's folder is gone
                 written = line
-            time.sleep(WRITE_INTERVAL_SECONDS)
+            # The first two dispatches are written at once, not up to a second later: from the
+            # first the launcher counts a generation as training (its spares start), and the
+            # second begins once the first step is compiled and dispatched (a mesh change's
+            # recovery ends there, tools/chaos.py)
+            _wake.wait(WRITE_INTERVAL_SECONDS)
+            _wake.clear()
 
 
 _checked = False
@@ -196,6 +203,8 @@ def advance(steps: int = 0) -> None:
     if steps:
         _steps += steps
         _dispatches += 1
+        if _dispatches <= 2:
+            _wake.set()
 
 
 # ------------------------------------------------------------------------- the launcher's side

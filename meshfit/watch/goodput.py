@@ -40,7 +40,9 @@ COLORS = {"train": "#2ca02c", "compile": "#ff7f0e", "input_wait": "#d62728", "ev
           "checkpoint": "#9467bd", "startup": "#8c564b", "setup": "#e377c2", "lost": "#000000",
           "other": "#c7c7c7"}  # the parts' colours in meshfit's figures
 INPUT_BOUND = 0.10  # input wait above this fraction of the step time prints the input-bound line
-PERSIST_SECONDS = 2.0  # a run's ledger file is rewritten at most this often while it trains
+# A run's ledger file is rewritten at most this often while it trains: its steps done are what a
+# resume counts as run again, so a lost process's count lags by at most this (a small file)
+PERSIST_SECONDS = 0.5
 FILE = "goodput.json"  # in the run directory (process i > 0: goodput-<i>.json)
 
 

@@ -365,11 +365,14 @@ def job_goodput(mine: dict[str, Any]) -> dict[str, Any]:
     at the top (goodput.slowest)."""
     if jax.process_count() == 1:
         return mine
-    # each host's own sessions and lost steps too: a process of an elastic generation continues
-    # its own ledger, which may have missed generations (every row once had process 0's counts)
+    # each host's own sessions too: a process of an elastic generation continues its own
+    # ledger, which may have missed generations
     row = np.array([mine["seconds"][p] for p in goodput.PARTS]
                    + [mine["wall_seconds"], mine["sessions"], mine["lost_steps"]], "float64")
     rows = np.asarray(multihost_utils.process_allgather(row))
     n = len(goodput.PARTS)
+    # The steps run again are the run's (global steps, the same for every process that ran
+    # them): process 0's count, which continues every session (another host's ledger may have
+    # missed generations) and is the one the elastic launcher's "N steps run again" sums.
     return goodput.slowest([goodput.summary(dict(zip(goodput.PARTS, r[:n])), float(r[n]), int(r[n + 1]),
-                                            int(r[n + 2])) for r in rows])
+                                            int(rows[0][n + 2])) for r in rows])
