@@ -1,8 +1,8 @@
 """A run's history of meshes under `meshfit launch --elastic`: RUN/generations.json, one record
 per generation (its processes, devices, global batch, the first global step, from the checkpoint
-it resumed, the steps it ran again there, and about the last it started, its seconds: in all, to its first step, stopping, a
-step; why it ended, the steps the next one ran again, and the mesh change that began it, its
-seconds in parts), and metrics.json's "generations" once the run finished."""
+it resumed, the steps it ran again there, and about the last it started, its seconds: in all, to
+its first step, stopping, a step; why it ended, the steps the next one ran again, and the mesh
+change that began it, its seconds in parts), and metrics.json's "generations" once the run finished."""
 
 from __future__ import annotations
 

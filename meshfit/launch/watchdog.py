@@ -19,7 +19,7 @@ HEARTBEAT_TIMEOUT_SECONDS = 60  # meshfit.parallel.cluster's default of MESHFIT_
 # lost: it cannot train until continued, and its peers wait for it in a collective. Two polls
 # (meshfit.launch.local.POLL_SECONDS, a quarter second), so one glimpse of a state does not
 # decide; every second more was a second of each such fault's recovery. A process held by a
-# tracer (t: a debugger, py-spy) is left to the heartbeat's timeout: it is being looked at, not frozen.
+# tracer (t: a debugger, py-spy) is left to the heartbeat's timeout: it is looked at, not frozen.
 FROZEN_SECONDS = 0.5
 WHERE = {"device": "in a device computation", "input": "waiting for input", "checkpoint":
          "on a checkpoint", "compiling": "compiling", "thread": "waiting for another thread",
