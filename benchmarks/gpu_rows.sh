@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # The GPU rows of BENCHMARKS.md section 5, in the stages a lent GPU machine allows (it has JAX with
-# CUDA but no Keras and no registry; CIFAR-10 travels in parts, see the project's notes).
+# CUDA but no Keras and no registry). Data travel with the calls: Fashion-MNIST as a tar (30 MB),
+# CIFAR-10 as `tar -C ../shared/data -cf - cifar10 | xz -T2 --delta=dist=1` (130 MB, against 178 MB
+# of pickles) cut into parts that fit beside the tree, one part per call while the machine is warm.
 #   bash benchmarks/gpu_rows.sh nodata   # device info, resnet50-synthetic, cifar10-cnn precisions
 #   bash benchmarks/gpu_rows.sh fastbench # cifar10-fast train-step throughput (input-pipeline row)
 #   bash benchmarks/gpu_rows.sh xlaflags  # resnet50-synthetic against plain Keras under XLA GPU
 #                                         # options a trainer controls (issue 52: which to make
-#                                         # meshfit's default), at batch 256 and 512
+#                                         # meshfit's default), at batch 256
+#   bash benchmarks/gpu_rows.sh mainjob DIR # the main job timed from outside (4 fresh processes,
+#                                         # the first with JAX's compile cache empty), then one
+#                                         # run's imports (python -X importtime, top 25)
+#   bash benchmarks/gpu_rows.sh profile   # resnet50-synthetic at batch 256, meshfit against plain
+#                                         # Keras, with steps 22-26 of meshfit's row traced: the
+#                                         # device time by kind of kernel (benchmarks/xplane_ops.py)
 #   bash benchmarks/gpu_rows.sh data DIR  # cifar10-cnn time to accuracy, cifar10-fast over 5 seeds
-#                                         # at each of FAST_EPOCHS (default "14 10": the recipe's,
-#                                         # and airbench94's 9.9 rounded up, with its lookahead and
-#                                         # multi-crop now in the recipe)
+#                                         # at each of FAST_EPOCHS (default "12 11": the recipe's
+#                                         # and one fewer; SKIP_CNN=1 leaves cifar10-cnn out)
 # Logs and metrics go to $OUT (default: gpu-rows/).
 set -uo pipefail
 OUT=${OUT:-gpu-rows}
@@ -32,21 +39,33 @@ case "$1" in
       --out /tmp/b-fast --json 2>&1 | tee -a "$log"
     cp /tmp/b-fast/bench.json "$OUT/bench-cifar10-fast.json" 2>/dev/null ;;
   xlaflags)
-    for flags in "" --xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_autotune_level=4 \
-                 --xla_gpu_enable_command_buffer=; do
+    # The flags reach both paths (the workers inherit XLA_FLAGS): each set's samples/s against the
+    # default's says whether meshfit should set it on GPUs, where plain Keras would not.
+    for flags in "" --xla_gpu_enable_command_buffer= --xla_gpu_enable_latency_hiding_scheduler=true; do
       echo "XLA_FLAGS='$flags'" | tee -a "$log"
       XLA_FLAGS="$flags" timeout 150 python3 -m meshfit bench resnet50-synthetic --engines jax \
-        --steps-per-dispatch 1 --global-batches 256,512 --repeats 3 --json 2>&1 | tail -4 | tee -a "$log"
+        --steps-per-dispatch 1 --global-batches 256 --repeats 3 --json 2>&1 | grep '^bench:' | tee -a "$log"
     done ;;
+  mainjob)
+    python3 benchmarks/main_job.py --runs 4 --data-dir "$2" 2>&1 | tee -a "$log"
+    python3 -X importtime -m meshfit train fashion-mnist-cnn --data-dir "$2" --out /tmp/r-imports \
+      > /dev/null 2> "$OUT/importtime.txt"
+    grep '^import time:' "$OUT/importtime.txt" | sort -t'|' -k2 -n -r | head -25 | tee -a "$log" ;;
+  profile)
+    timeout 200 python3 -m meshfit bench resnet50-synthetic --engines jax --steps-per-dispatch 1 \
+      --global-batches 256 --repeats 3 --profile 22:26 --out /tmp/b-prof 2>&1 | tee -a "$log"
+    python3 benchmarks/xplane_ops.py /tmp/b-prof/profile --steps 5 2>&1 | tee -a "$log" ;;
   data)
     data=$2
     [ -n "${SKIP_CNN:-}" ] || timeout 200 python3 -m meshfit train cifar10-cnn --data-dir "$data" --out /tmp/r-cnn --json 2>&1 | tee -a "$log"
     cp /tmp/r-cnn/metrics.json "$OUT/cifar10-cnn-metrics.json" 2>/dev/null
-    for epochs in ${FAST_EPOCHS:-14 10}; do
+    for epochs in ${FAST_EPOCHS:-12 11}; do
       for s in 0 1 2 3 4; do
         run=/tmp/r-fast-$epochs-$s
         timeout 100 python3 -m meshfit train cifar10-fast --seed $s --epochs $epochs --data-dir "$data" --out $run --json 2>&1 | tee -a "$log"
-        cat $run/metrics.json >> "$OUT/cifar10-fast-metrics.jsonl" 2>/dev/null; echo >> "$OUT/cifar10-fast-metrics.jsonl"
+        # metrics.json is indented: one line per run here
+        python3 -c 'import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))' \
+          $run/metrics.json >> "$OUT/cifar10-fast-metrics.jsonl"
       done
     done
     python3 - "$OUT/cifar10-fast-metrics.jsonl" <<'EOF' 2>&1 | tee -a "$log"

@@ -1,6 +1,7 @@
 """`meshfit bench`: end to end in small settings, its ratios and its errors."""
 
 import csv
+import glob
 import json
 import os
 
@@ -18,8 +19,8 @@ BENCH_TIMEOUT = 400  # seconds
 def test_bench_times_every_engine_path_and_dispatch_and_writes_csv_json_png(tmp_path):
     out = tmp_path / "bench"
     result = run_meshfit("bench", "mnist-mlp-bf16", "--engines", "jax,tensorflow",
-                         "--steps-per-dispatch", "1,2", *TINY, "--out", str(out), env=ONE_CPU,
-                         timeout=BENCH_TIMEOUT)
+                         "--steps-per-dispatch", "1,2", *TINY, "--profile", "3:4", "--out", str(out),
+                         env=ONE_CPU, timeout=BENCH_TIMEOUT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "vs fastest" in result.stdout and "fastest plain-Keras row" in result.stdout
     assert "bench: jax meshfit bfloat16 batch 8 x2:" in result.stderr  # progress, relayed live
@@ -44,6 +45,10 @@ def test_bench_times_every_engine_path_and_dispatch_and_writes_csv_json_png(tmp_
     assert saved["machine"]["platform"] == "cpu" and saved["machine"]["devices"] == 1
     assert all(len(r["epoch_seconds"]) == 3 for r in saved["rows"])  # warm-up + 2 repeats
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --profile: a trace of steps 3-4 for each meshfit row, none for plain Keras
+    traced = {os.path.relpath(path, out / "profile").split(os.sep)[0]
+              for path in glob.glob(str(out / "profile" / "*" / "plugins" / "profile" / "*" / "*.xplane.pb"))}
+    assert traced == {f"{e}-meshfit-bfloat16-batch8-x{k}" for e in ("jax", "tensorflow") for k in (1, 2)}
 
 
 @pytest.mark.slow

@@ -56,3 +56,32 @@ def test_global_step_of_a_resumed_cut_epoch():
     assert global_step(0, 0, 6, None) == 1
     assert global_step(2, 5, 6, 6) == 18
     assert global_step(2, 0, 2, 6) == 17  # the last 2 steps of epoch 3 (of 6 steps)
+
+
+def test_tensorboardx_is_imported_without_pytorch(tmp_path):
+    # tensorboardX imports torch at its top whenever it is installed (3.2 s on a GPU machine, in
+    # the first epoch of every run): meshfit's writer must leave it out, and torch must still
+    # import normally afterwards. A stand-in torch package records whether it was imported.
+    import subprocess
+    import sys
+
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import os\nopen(os.environ['TORCH_MARKER'], 'a').write('imported\\n')\n")
+    marker = tmp_path / "torch-imported"
+    program = (
+        "import os, sys, meshfit\n"
+        "meshfit.connect(engine='jax', verbose=False)\n"
+        "from meshfit.watch.keras_side.tensorboard import TensorBoardLog\n"
+        "log = TensorBoardLog(sys.argv[1], log_every=1)\n"
+        "writer = log._writer_class(sys.argv[1]); writer.add_scalar('a', 1.0, 1); writer.close()\n"
+        "print('before', os.path.exists(os.environ['TORCH_MARKER']), 'tensorboardX' in sys.modules)\n"
+        "import torch\n"
+        "print('after', os.path.exists(os.environ['TORCH_MARKER']))\n")
+    env = {**os.environ, "TORCH_MARKER": str(marker),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", program, str(tmp_path / "tb")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "before False True" in done.stdout and "after True" in done.stdout, done.stdout
+    assert read_scalars(str(tmp_path / "tb"))["a"] == [(1, 1.0)]

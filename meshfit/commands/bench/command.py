@@ -13,7 +13,7 @@ from meshfit import recipes
 from meshfit.commands.bench import inputs, jpeg_folder, scaling, step, table
 from meshfit.errors import MeshfitError
 from meshfit.parallel import planning
-from meshfit.run import options
+from meshfit.run import options, spec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: runs/bench-<time>)")
     parser.add_argument("--tensorboard", action="store_true",
                         help="also time the meshfit path with TensorBoard logging on (vs meshfit: its cost)")
+    parser.add_argument("--profile", metavar="START:STOP",
+                        help="trace train steps START to STOP of each meshfit row into "
+                             "OUT/profile/<row>/ with the engine's profiler, as meshfit train "
+                             "--profile does (the traced epoch counts among the timed ones)")
     parser.add_argument("--scaling", nargs="?", const="1,2,4,8", metavar="COUNTS",
                         help="time the recipe on 1, 2, 4, 8 devices (or the comma-separated "
                              "COUNTS) at one global batch: samples/s, efficiency vs linear, "
@@ -82,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
                         simulate_devices=args.simulate_devices, repeats=args.repeats,
                         steps=step.DEFAULT_STEPS if args.steps is None else args.steps,
                         rounds=1 if args.rounds is None else args.rounds, out=args.out,
-                        tensorboard=args.tensorboard, **options.of(args, options.SHARDING))
+                        tensorboard=args.tensorboard, profile=spec.profiling_steps(args.profile),
+                        **options.of(args, options.SHARDING))
     if args.json:
         print(json.dumps(result))
     else:

@@ -58,13 +58,15 @@ def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
           steps_per_dispatch: list[int] | None = None, simulate_devices: int | None = None,
           repeats: int = DEFAULT_REPEATS, steps: int = DEFAULT_STEPS, rounds: int = 1,
           out: str | None = None, tensorboard: bool = False, sharding: str | None = None,
-          fsdp_min_bytes: int | str | None = None, device_memory: int | str | None = None) -> dict:
+          fsdp_min_bytes: int | str | None = None, device_memory: int | str | None = None,
+          profile: tuple[int, int] | None = None) -> dict:
     """Run the benchmark (one process per engine, path and round) and write its files; returns
     the results.
 
     Lists left as None take the defaults described in `meshfit bench --help`. global_batches are
     in samples over all replicas. sharding, fsdp_min_bytes, device_memory (bytes or '16GB'): the
-    meshfit path's, as for meshfit.connect (plain Keras stays data-parallel).
+    meshfit path's, as for meshfit.connect (plain Keras stays data-parallel). profile: (START,
+    STOP) train steps of each meshfit row to trace into OUT/profile/<row>/.
     """
     the_recipe = recipes.load(recipe)
     check_counts(engines, precisions, repeats, steps, rounds, simulate_devices)
@@ -74,6 +76,9 @@ def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
             "sharding": modes.check_sharding(sharding),
             "fsdp_min_bytes": sharding_lib.parse_fsdp_min_bytes(fsdp_min_bytes),
             "device_memory": sharding_lib.parse_size(device_memory)}
+    out = out or rundir.timestamped("bench")
+    if profile:
+        spec.update(profile=list(profile), profile_dir=os.path.abspath(os.path.join(out, "profile")))
     engines = engines or default_engines(simulate_devices)
     paths = PATHS + ((TENSORBOARD_PATH,) if tensorboard else ())
     rows, machine, skipped = measure_rounds(spec, engines, paths, rounds)
@@ -81,7 +86,6 @@ def bench(recipe: str = recipes.DEFAULT, *, engines: list[str] | None = None,
     if not rows:
         raise MeshfitError("nothing was measured; " + "; ".join(skipped))
     add_ratios(rows)
-    out = out or rundir.timestamped("bench")
     result = {"recipe": the_recipe.name, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "command": worker.command_line(),
               "machine": machine, "skipped": skipped, "out": out,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 from typing import Any
 
@@ -43,6 +44,30 @@ def global_step(epoch: int, batch: int, fit_steps: int | None, steps_per_epoch: 
     full = steps_per_epoch or fit_steps or 0
     skipped = max(full - (fit_steps or full), 0)  # a cut epoch resumes `skipped` steps in
     return epoch * full + skipped + batch + 1
+
+
+def summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without PyTorch.
+
+    tensorboardX's writer module imports torch whenever it is installed (a `try: import torch` at
+    its top, only so that torch tensors count as values; `python -X importtime -c "import
+    tensorboardX"` shows it): 3.2 s on a GPU machine with PyTorch (H200, 2026-11-28), inside the
+    first epoch of every run, where meshfit writes only Python floats. A `None` in sys.modules
+    makes that import fail for the moment of tensorboardX's own import, and its except-branch
+    falls back to NumPy; this is sufficient because that is tensorboardX's only import of torch
+    at import time (the others sit in functions meshfit does not call). A torch imported already
+    is left as it is, and torch imports normally afterwards.
+    """
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+        try:
+            import tensorboardX  # noqa: F401
+        finally:
+            if sys.modules.get("torch", 0) is None:
+                del sys.modules["torch"]
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter
 
 
 def _floats(logs: dict[str, Any] | None) -> dict[str, float]:
@@ -82,6 +107,8 @@ class TensorBoardLog(keras.callbacks.Callback):
         self.report = report
         self.global_batch = global_batch
         self.steps_per_epoch = steps_per_epoch
+        # Imported here, while the run sets up, not in the first epoch's time.
+        self._writer_class = summary_writer_class()
         self.async_safe = True  # Keras may call on_train_batch_end from worker threads
         self._writer = None
         self._epoch, self._dispatch = 0, 1
@@ -96,11 +123,9 @@ class TensorBoardLog(keras.callbacks.Callback):
         # from a batch-end worker thread races the next step that donates those buffers (a crash).
         self._dispatch = max(int(getattr(self.model, "steps_per_execution", 1) or 1), 1)
         if self._writer is None:
-            from tensorboardX import SummaryWriter
-
             first = self._step(-1)  # steps done before this fit
             # purge_step: a resumed run hides what the killed run wrote after its checkpoint.
-            self._writer = SummaryWriter(self.logdir, purge_step=first + 1 if first else None,
+            self._writer = self._writer_class(self.logdir, purge_step=first + 1 if first else None,
                                          flush_secs=30,
                                          filename_suffix=f".{os.getpid()}.{next(_files)}")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
+import os
 import statistics
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from meshfit.run import options
 from meshfit.run.keras_side import fitting
 from meshfit.watch import goodput
 from meshfit.watch.peak import peak_of
+from meshfit.watch.keras_side import profiling
 from meshfit.watch.keras_side.report import EpochReport, train_step_flops, wait_for_device
 from meshfit.watch.keras_side.tensorboard import TensorBoardLog
 
@@ -143,15 +145,19 @@ def fit_plain(spec: dict, info, model, x, y, timer: EpochTimer, fit: dict, peak)
     return (train_step_flops(model, fit["batch_size"]) if peak else None), 1
 
 
-def fit_meshfit(spec: dict, strategy: Strategy, model, x, y, timer: EpochTimer, fit: dict) -> tuple:
+def fit_meshfit(spec: dict, strategy: Strategy, model, x, y, timer: EpochTimer, fit: dict,
+                row: str) -> tuple:
     """`Strategy.fit` with the per-epoch report (and, on the tensorboard path, the TensorBoard log
-    of every `meshfit train`); returns (FLOPs per step or None, micro-batches installed)."""
+    of every `meshfit train`; with spec's profile, a trace into profile_dir/row); returns (FLOPs
+    per step or None, micro-batches installed)."""
     report = EpochReport(global_batch=fit["batch_size"], strategy=strategy, stream=io.StringIO())
     with tempfile.TemporaryDirectory(prefix="meshfit-bench-tb-") as logdir:
         logs = []
         if spec["path"] == TENSORBOARD_PATH:
             logs = [TensorBoardLog(logdir, options.default("log_every"), report=report,
                                    global_batch=fit["batch_size"])]
+        if spec.get("profile"):
+            logs.append(profiling.Profile(os.path.join(spec["profile_dir"], row), *spec["profile"]))
         strategy.fit(model, x, y, callbacks=[timer, report, *logs], **fit)
     return report.flops_per_step, tf_microbatch.installed(model)
 
@@ -185,7 +191,8 @@ def time_one(spec: dict, info, recipe: recipes.Recipe, strategy: Strategy, preci
     if chosen is None:
         flops, micro_batches = fit_plain(spec, info, model, x, y, timer, fit, peak)
     else:  # Strategy.fit runs k steps per dispatch (meshfit.fit.jax_loop)
-        flops, micro_batches = fit_meshfit(spec, chosen, model, x, y, timer, fit)
+        row = f"{spec['engine']}-{spec['path']}-{precision}-batch{global_batch}-x{steps_per_dispatch}"
+        flops, micro_batches = fit_meshfit(spec, chosen, model, x, y, timer, fit, row)
     after = goodput.ledger().totals()["seconds"]
     median = statistics.median(timer.seconds[1:])  # epoch 0 holds the compilation (compile_s)
     step_seconds = median / steps
