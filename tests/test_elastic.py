@@ -649,3 +649,33 @@ def test_a_slot_lost_after_progress_starts_again_each_time(tmp_path):
                           ["--out", run, "--kill", "last"])
     assert job.returncode == 0, job.stderr
     assert {m[0] for m in meshes(run)} == {4} and len(meshes(run)) > 2
+
+
+def test_the_chaos_drill_under_srun_strikes_the_newest_steps_tasks(tmp_path, monkeypatch):
+    """tools/chaos.py --via srun: the launcher runs in an allocation salloc holds (--no-kill, one
+    task per process, each task's simulated devices on train's line), and a fault goes to a task
+    of the allocation's newest srun step, numbered as SLURM numbers them."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    import argparse
+
+    import chaos
+
+    args = argparse.Namespace(via="srun", processes=4, devices_per_process=2, launch="--no-grow",
+                              data_dir="DATA")
+    command = chaos.launch_command(args, "RUN", ["--epochs", "3"])
+    assert command[:3] == ["salloc", "--no-kill", "--ntasks=4"]
+    assert command[command.index("launch"):command.index("--")] == [
+        "launch", "--show", "first", "--elastic", "--no-grow", "--via", "srun"]
+    assert command[-5:] == ["RUN", "--epochs", "3", "--simulate-devices", "2"]
+    # scontrol listpids of an allocation whose step 0 ended and step 1 runs (batch and extern
+    # rows: "-" and step names, skipped)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(
+        "#!/bin/sh\nprintf 'PID      JOBID    STEPID   LOCALID GLOBALID\\n"
+        "101      7        0        0       0\\n102      7        0        1       1\\n"
+        "203      7        1        1       1\\n202      7        1        0       0\\n"
+        "300      7        extern   0       0\\n-1       7        batch    -       -\\n'\n")
+    (fake / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    assert chaos.task_pids("7") == [202, 203]

@@ -3,10 +3,13 @@ same command without faults, in one sitting.
 
     python tools/chaos.py --data-dir ../shared/data --every 30 [--minutes 10] [--seed S]
         [--processes 2] [--devices-per-process 4] [--signals KILL,STOP] [--no-baseline]
-        [--launch 'LAUNCH FLAGS'] [--] [TRAIN ARGS]
+        [--via local|srun] [--launch 'LAUNCH FLAGS'] [--] [TRAIN ARGS]
 
 runs `meshfit launch --processes P --devices-per-process D --show first --elastic [LAUNCH FLAGS] -- meshfit train
-fashion-mnist-cnn --data-dir DIR --out RUN [TRAIN ARGS]` twice: first without faults (the
+fashion-mnist-cnn --data-dir DIR --out RUN [TRAIN ARGS]` (with --via srun: `salloc --no-kill
+--ntasks=P meshfit launch ... --elastic --via srun -- meshfit train ... --simulate-devices D`, each
+generation an srun step of that allocation, on the SLURM cluster SLURM_CONF names; the faults go
+to the newest step's tasks, found with `scontrol listpids`) twice: first without faults (the
 baseline, unless --no-baseline), then with a fault on average every --every seconds (exponential
 gaps drawn from --seed, printed so that any run can be repeated) for --minutes or until the job
 ends: SIGKILL or SIGSTOP (--signals, drawn at random) to a random process of the newest
@@ -46,6 +49,7 @@ from elastic_drill import run_metrics, status_folders  # noqa: E402
 from meshfit.parallel import heartbeat  # noqa: E402
 
 PIDS = re.compile(r"pids ([\d ]+)")  # the launcher's line naming each generation's processes
+GRANTED = re.compile(r"^salloc: Granted job allocation (\d+)")
 
 
 def main() -> int:
@@ -59,10 +63,16 @@ def main() -> int:
     parser.add_argument("--signals", default="KILL,STOP")
     parser.add_argument("--heartbeat-timeout", type=int, default=10)
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--via", choices=("local", "srun"), default="local",
+                        help="srun: the generations are srun steps of an allocation (salloc) of the "
+                             "SLURM cluster SLURM_CONF names (tools/slurm/up.sh starts one)")
     parser.add_argument("--launch", default="", metavar="FLAGS", help="more `meshfit launch` flags, "
                         "e.g. '--on-loss shrink --spares 0' (the behaviour before spares)")
     parser.add_argument("train", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    if args.via == "srun" and subprocess.run(["sinfo", "-h"], capture_output=True).returncode:
+        sys.exit("chaos: --via srun needs a SLURM cluster: tools/slurm/up.sh prints its folder DIR; "
+                 "export SLURM_CONF=DIR/slurm.conf")
     seed = int(time.time()) if args.seed is None else args.seed
     print(f"CHAOS: --seed {seed}: a fault every {args.every:g} s on average for {args.minutes:g} "
           f"minutes, signals {args.signals}", flush=True)
@@ -99,27 +109,54 @@ class Faults:
         return fault
 
 
+def launch_command(args, run: str, extra: list[str]) -> list[str]:
+    """The drill's command: `meshfit launch --elastic` of this machine's processes, or (--via
+    srun) of srun steps in an allocation salloc holds, --no-kill as tools/slurm/elastic.sbatch
+    asks (each task's devices given to train: the launcher reads them there)."""
+    train = ["meshfit", "train", "fashion-mnist-cnn", "--data-dir", args.data_dir, "--out", run, *extra]
+    launch = [sys.executable, "-m", "meshfit", "launch", "--show", "first", "--elastic", *args.launch.split()]
+    if args.via == "srun":
+        return ["salloc", "--no-kill", f"--ntasks={args.processes}", *launch, "--via", "srun", "--",
+                *train, "--simulate-devices", str(args.devices_per_process)]
+    return [*launch, "--processes", str(args.processes), "--devices-per-process",
+            str(args.devices_per_process), "--", *train]
+
+
+def task_pids(job: str) -> list[int]:
+    """The pids of the tasks of allocation `job`'s newest srun step, in the order of their task
+    numbers (`scontrol listpids`: PID JOBID STEPID LOCALID GLOBALID)."""
+    listed = subprocess.run(["scontrol", "listpids", job], capture_output=True, text=True, timeout=30)
+    rows = [r.split() for r in listed.stdout.splitlines()[1:]]
+    rows = [r for r in rows if len(r) == 5 and all(c.isdigit() for c in (r[0], r[2], r[4]))]
+    newest = max((int(r[2]) for r in rows), default=None)
+    return [int(r[0]) for r in sorted(rows, key=lambda r: int(r[4])) if int(r[2]) == newest]
+
+
 def run_job(args, extra: list[str], faults: Faults | None) -> dict:
     """Run the command once (with `faults` striking, if any); what the table needs of it."""
     run = os.path.join(tempfile.mkdtemp(prefix="chaos-"), "run")
-    command = [sys.executable, "-m", "meshfit", "launch", "--processes", str(args.processes),
-               "--devices-per-process", str(args.devices_per_process), "--show", "first",
-               "--elastic", *args.launch.split(), "--", "meshfit", "train", "fashion-mnist-cnn", "--data-dir",
-               args.data_dir, "--out", run, *extra]
+    command = launch_command(args, run, extra)
     print(("CHAOS: with faults: $ " if faults else "CHAOS: baseline: $ ") + " ".join(command), flush=True)
     status = tempfile.mkdtemp(prefix="chaos-tmp-")
+    # Where the generations' status folders appear: the launcher's TMPDIR, or under srun beside
+    # the run directory (meshfit.launch.slurm_step: storage every node reads).
+    folders_in = os.path.dirname(run) if args.via == "srun" else status
     began = time.monotonic()
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env={**os.environ, "TMPDIR": status,
                                 "MESHFIT_HEARTBEAT_TIMEOUT": str(args.heartbeat_timeout)})
     pids: list[list[int]] = []
+    allocation: list[str] = []  # under srun: salloc's job id
 
     def read() -> None:
         for line in job.stdout:
             found = PIDS.search(line)
             if found:
                 pids.append([int(p) for p in found.group(1).split()])
-            if line.startswith("meshfit"):  # the launcher's and train's own lines
+            granted = GRANTED.search(line)
+            if granted:
+                allocation.append(granted.group(1))
+            if line.startswith(("meshfit", "salloc")):  # the launcher's, train's and salloc's lines
                 sys.stdout.write(f"[{time.monotonic() - began:6.1f} s] {line}")
                 sys.stdout.flush()
 
@@ -129,15 +166,16 @@ def run_job(args, extra: list[str], faults: Faults | None) -> dict:
     due = began + faults.next_gap() if faults else None
     while job.poll() is None:
         now = time.monotonic()
-        watch_generations(generations, status_folders(status), now - began)
-        if due is not None and now >= due and pids:
+        watch_generations(generations, status_folders(folders_in), now - began)
+        if due is not None and now >= due and (pids or allocation):
+            newest = task_pids(allocation[0]) if allocation else pids[-1]
             if now - began > faults.horizon:
                 due = None
-            else:
-                fault = faults.strike(pids[-1], now - began)
+            elif newest:
+                fault = faults.strike(newest, now - began)
                 if fault:
                     print(f"CHAOS: [{fault['at']:6.1f} s] {fault['signal']} to process "
-                          f"{fault['process']} of {len(pids[-1])} (pid {fault['pid']})", flush=True)
+                          f"{fault['process']} of {len(newest)} (pid {fault['pid']})", flush=True)
                 due = now + faults.next_gap()
         time.sleep(0.05)
     reader.join(timeout=10)

@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from keras.initializers import Initializer, Zeros
 from keras.random import SeedGenerator
 
-from meshfit.fit import keras_internals
+from meshfit.fit import keras_internals, sources
 
 
 def initializer_hook(active: Callable[[], bool], placed: Callable[[tuple, Any], Any]) -> Callable:
@@ -90,8 +90,7 @@ def zeros(shape: tuple, dtype: str, sharding: NamedSharding) -> jax.Array:
     zeroed buffer that is only read where a part lies): nothing compiled, where Keras' Zeros
     compiles a program per shape and dtype on each process (its optimizer's slots, its metrics'
     totals), which JAX's persistent cache keeps for process 0 only (values_restored_later)."""
-    host = np.zeros(shape, jax.numpy.dtype(dtype))
-    return jax.make_array_from_callback(shape, sharding, host.__getitem__)
+    return sources.agreed_placement(np.zeros(shape, jax.numpy.dtype(dtype)), sharding)
 
 
 def draw(initializer, shape: tuple, dtype: str, sharding: NamedSharding) -> jax.Array | None:

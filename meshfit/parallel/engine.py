@@ -48,9 +48,9 @@ _LOAD_NOTICES = (b"All log messages before absl::InitializeLog() is called",
 @contextlib.contextmanager
 def tensorflow_notices_dropped(loads_tensorflow: bool = True):
     """For a block that may import TensorFlow (`import keras` on the tensorflow engine): capture
-    file descriptor 2 while TensorFlow is first loaded and finds its devices, then write back
-    all but its load notices. A no-op when TensorFlow is loaded already
-    or `loads_tensorflow` is False."""
+    file descriptor 2 while TensorFlow is first loaded and finds its devices, then write back all
+    but its load notices. A no-op when TensorFlow is loaded already or `loads_tensorflow` is
+    False."""
     if not loads_tensorflow or "tensorflow" in sys.modules:
         yield
         return

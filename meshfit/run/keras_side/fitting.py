@@ -227,8 +227,7 @@ def build_run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, 
     steps = batches.steps_per_epoch
     # A run resumed from a committed checkpoint (or one named) loads every variable from it next
     # (restore: else the run stops with an error), so its initial values are never read.
-    restored = asked.saved is not None and bool(
-        asked.checkpoint or rundir.list_checkpoints(os.path.join(asked.run, rundir.CHECKPOINTS)))
+    restored = asked.saved is not None and bool(committed_candidates(asked.run, asked.checkpoint))
     with sharded_init.values_restored_later() if restored else contextlib.nullcontext():
         model = build(r, dataset, steps, o.epochs, batch_plan.steps_per_dispatch)
     check_saveable(model, r)
@@ -289,6 +288,14 @@ def write_recipe(run: str, recipe: recipes.Recipe) -> None:
             f.write(recipe.text)
 
 
+def committed_candidates(run: str, checkpoint: str | None) -> list[str]:
+    """The committed checkpoints `restore` tries, in order: the one named on --resume,
+    else the run's, newest first. Empty: a resume starts the run again."""
+    if checkpoint:
+        return [checkpoint]
+    return rundir.list_checkpoints(os.path.join(run, rundir.CHECKPOINTS))[::-1]
+
+
 def restore(model, run: str, steps: int, labels: np.ndarray, checkpoint: str | None = None,
             classes: int | None = None, local: local_copies.Host | None = None) -> dict[str, Any]:
     """Load a checkpoint into the model; return its state (see checkpoint_restore.restore).
@@ -302,7 +309,7 @@ def restore(model, run: str, steps: int, labels: np.ndarray, checkpoint: str | N
     the outputs of a subclassed model, which has no output_shape.
     """
     directory = os.path.join(run, rundir.CHECKPOINTS)
-    candidates = [checkpoint] if checkpoint else rundir.list_checkpoints(directory)[::-1]
+    candidates = committed_candidates(run, checkpoint)
     copy = newest_local_copy(local, candidates) if local is not None and not checkpoint else None
     if copy is not None:
         candidates.insert(0, copy)

@@ -32,10 +32,10 @@ from meshfit.parallel import modes, planning
 from meshfit.run import options
 from meshfit.run.keras_side import fitting
 from meshfit.watch import goodput
-from meshfit.watch.peak import peak_of
 from meshfit.watch.keras_side import profiling
 from meshfit.watch.keras_side.report import EpochReport, train_step_flops, wait_for_device
 from meshfit.watch.keras_side.tensorboard import TensorBoardLog
+from meshfit.watch.peak import peak_of
 
 PLAIN, TENSORBOARD_PATH = "plain", "meshfit+tensorboard"
 
