@@ -79,6 +79,16 @@ def test_which_ends_a_restart_outlives_and_who_is_left_out():
     # JAX's heartbeat check aborts process 0 and names the stopped one
     abort = ["... stopped sending heartbeats ...", "1", "Fatal Python error: Aborted"]
     assert losses.lost_processes(ended((0, -signal.SIGABRT), tail=abort), 2) == (True, [1])
+    # process 0, the coordinator, frozen: a survivor's heartbeat to it times out and JAX aborts
+    # the survivor without naming anyone (as seen with JAX 0.10.2); process 0 is the one lost
+    unanswered = ["F1128 client.h:80] Terminating process because the JAX distributed service "
+                  "detected fatal errors. ... absl::Status: DEADLINE_EXCEEDED: Deadline Exceeded", "",
+                  "RPC: /xla.coordination.CoordinationService/Heartbeat",
+                  "*** Check failure stack trace: ***"]
+    job = ended((1, -signal.SIGABRT), tail=unanswered)
+    assert losses.lost_processes(job, 2) == (True, [0])
+    assert losses.what_ended(job, [0]) == ("process 1 of 2 failed with SIGABRT (exit code -6) because "
+                                            "process 0, the coordinator, stopped answering heartbeats")
     assert losses.lost_processes(ended(verdict=124, behind=[1]), 2) == (True, [1])
     assert losses.lost_processes(ended(verdict=124, behind=[0, 1]), 2) == (True, [])  # as many again
     assert losses.lost_processes(ended(verdict=124, missing=[1]), 2) == (True, [1])

@@ -351,6 +351,9 @@ def test_jax_fatal_messages_name_the_silent_process():
     assert watchdog.diagnosis(tail).startswith(" because process(es) 1 sent no heartbeat for")
     assert "not every process joined" in watchdog.diagnosis(["RPC: /xla.coordination.CoordinationService/RegisterTask"])
     assert watchdog.diagnosis(["Traceback", "ValueError"]) == ""
+    assert watchdog.diagnosis(["F1128 client.h:80] Terminating process ... DEADLINE_EXCEEDED: Deadline Exceeded",
+                               "RPC: /xla.coordination.CoordinationService/Heartbeat"]).startswith(
+        " because process 0, the coordinator, stopped answering heartbeats")
 
 
 def alive(pid):

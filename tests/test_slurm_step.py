@@ -9,6 +9,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -61,6 +62,40 @@ def test_a_node_srun_reports_failed_ends_the_tasks_that_joined_there(tmp_path, m
     s.line("srun: error: Node failure on n2", io.StringIO())
     assert sorted(s.exits.get_nowait() for _ in range(2)) == [(2, -signal.SIGKILL), (3, -signal.SIGKILL)]
     assert s.failed_nodes == {"n2"} and s.tasks[3].node == "n2"
+
+
+def test_a_frozen_task_on_the_launchers_node_is_seen_in_proc(tmp_path):
+    """A task's joining marker names its node and pid: the launcher reads the state of the tasks
+    on its own node (SIGSTOP: T, lost as launch loses its own processes), and of no other
+    process (another node's, or a pid that does not hold this step's status folder)."""
+    import subprocess
+    import sys
+
+    from meshfit import env
+    from meshfit.parallel import heartbeat
+
+    task = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, env.LAUNCH_STATUS: str(tmp_path)})
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        here = heartbeat.this_node()
+        (tmp_path / "joining-0").write_text(f"{here} {task.pid}")
+        (tmp_path / "joining-1").write_text(f"elsewhere {task.pid}")
+        (tmp_path / "joining-2").write_text(f"{here} {stranger.pid}")
+        (tmp_path / "joining-3").write_text("n9")  # a marker of before pids: a node alone
+        s = step(tmp_path)
+        assert heartbeat.nodes(str(tmp_path)) == {0: here, 1: "elsewhere", 2: here, 3: "n9"}
+        assert s.tasks[0].state() in ("S", "R")
+        os.kill(task.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 30  # the stop is delivered asynchronously
+        while s.tasks[0].state() != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.tasks[0].state() == "T" and s.tasks[0].pid == task.pid
+        assert [s.tasks[i].state() for i in (1, 2, 3)] == [None, None, None]
+    finally:
+        for p in (task, stranger):
+            p.kill()
+            p.wait()
 
 
 def srun_runner(monkeypatch, nodes, up):

@@ -13,10 +13,11 @@ from meshfit.parallel import stall
 
 def lost_processes(ended: local.Ended, count: int) -> tuple[bool, list[int]]:
     """(whether a restart can outlive this end, the processes lost) of a generation that did not
-    finish: a process killed by a signal (or the ones JAX names as silent: stopped, frozen), a
-    hung one (the launcher's watchdog or the process's own stall guard: the ones furthest
-    behind), ones that never joined. Lost processes are left out of the next generation; where
-    they cannot be told apart from the others (all equally behind), the next one has as many."""
+    finish: a process killed by a signal (or the ones JAX names as silent: stopped, frozen; or
+    process 0 where a survivor's heartbeat to it timed out), a hung one (the launcher's watchdog
+    or the process's own stall guard: the ones furthest behind), ones that never joined. Lost
+    processes are left out of the next generation; where they cannot be told apart from the
+    others (all equally behind), the next one has as many."""
     if ended.timed_out:  # --timeout: the user's limit, no fault
         return False, []
     if ended.verdict is not None:  # the launcher's watchdog: hung, or never joined
@@ -33,6 +34,8 @@ def lost_processes(ended: local.Ended, count: int) -> tuple[bool, list[int]]:
     silent = [i for i in watchdog.silent_processes(ended.started[index].tail) if i < count]
     if silent:
         return True, silent
+    if index != 0 and watchdog.coordinator_unanswering(ended.started[index].tail):
+        return True, [0]  # this one aborted because process 0 went silent
     if code == stall.EXIT_CODE:  # its own guard: it waited for a peer that hung
         return True, ended.behind if 0 < len(ended.behind) < count else []
     return True, sorted({index, *_killed_too(ended, index)})
@@ -65,6 +68,8 @@ def what_ended(ended: local.Ended, lost: list[int]) -> str:
     silent = watchdog.silent_processes(ended.started[index].tail)
     if silent:
         text += f" because process(es) {', '.join(map(str, silent))} stopped sending heartbeats"
+    elif index != 0 and watchdog.coordinator_unanswering(ended.started[index].tail):
+        text += " because process 0, the coordinator, stopped answering heartbeats"
     return text
 
 

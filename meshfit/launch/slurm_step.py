@@ -308,6 +308,15 @@ class Step:
             self.signal(signal.SIGKILL)
 
 
+def _holds(pid: int, status: str) -> bool:
+    """Whether process `pid` of this machine runs with MESHFIT_LAUNCH_STATUS=status."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{env.LAUNCH_STATUS}={status}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 class Task:
     """A task of a `Step`, as launch's processes are used: its exit, last lines and node. It is
     its own `popen` (returncode, poll, wait), so launch's stops and waits take it as they are."""
@@ -322,9 +331,27 @@ class Task:
         self.node: str | None = None
         self.failed_nodes = step.failed_nodes
         self.ended = threading.Event()
+        self.pid: int | None = None  # on the launcher's node, once the task has started joining
 
     def poll(self) -> int | None:
         return self.returncode
+
+    def state(self) -> str | None:
+        """The task's state letter in /proc (T: SIGSTOPped) where it runs on the launcher's node,
+        so that the watchdog loses a frozen task there in FROZEN_SECONDS as launch does
+        (watchdog.frozen), not after JAX's heartbeat timeout; None for a task on another node,
+        where the heartbeat is the check. Its pid comes from its joining marker, taken only if
+        that process holds this step's status folder (a pid is not reused by another task)."""
+        if self.pid is None:
+            node, pid = heartbeat.pids(self.step.status).get(self.index, (None, None))
+            if pid is None or node != heartbeat.this_node() or not _holds(pid, self.step.status):
+                return None
+            self.pid = pid
+        try:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return None
 
     def failed(self) -> bool:
         """Whether srun reported the task's end with an error or a signal (meshfit.launch.output)."""

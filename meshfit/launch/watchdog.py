@@ -164,10 +164,22 @@ def diagnosis(lines: Sequence[str]) -> str:
             seconds = os.environ.get(env.HEARTBEAT_TIMEOUT, "60")
             return (f" because {who} sent no heartbeat for {seconds} s ({env.HEARTBEAT_TIMEOUT}; "
                     "stopped, hung or on a lost host)")
+        if "CoordinationService/Heartbeat" in line and coordinator_unanswering(lines):
+            return (" because process 0, the coordinator, stopped answering heartbeats (stopped, "
+                    "hung or on a lost host)")
         if "RegisterTask" in line:
             seconds = os.environ.get(env.INIT_TIMEOUT, str(INIT_TIMEOUT_SECONDS))
             return f" because not every process joined within {seconds} s ({env.INIT_TIMEOUT})"
     return ""
+
+
+def coordinator_unanswering(lines: Sequence[str]) -> bool:
+    """Whether JAX's fatal message in `lines` says this process's heartbeat to the coordination
+    service timed out (DEADLINE_EXCEEDED on RPC .../CoordinationService/Heartbeat): process 0,
+    which hosts the service, stopped answering (stopped, hung or on a lost host). JAX names no
+    process then: seen with process 0 SIGSTOPped, JAX 0.10.2, 2026-11-28."""
+    text = "\n".join(lines)
+    return "DEADLINE_EXCEEDED" in text and "CoordinationService/Heartbeat" in text
 
 
 def silent_processes(lines: Sequence[str]) -> list[int]:

@@ -7,8 +7,9 @@ whose folder is on storage every node reads. In the folder, for process i:
 
   joining-<i>    created when process i starts joining the job (`meshfit.parallel.cluster.join`), so that
                  the launcher can name a process that never arrived; it holds the name of the
-                 process's node (SLURMD_NODENAME, else the host name), so that a launcher of srun
-                 steps can tell which tasks a lost node took along;
+                 process's node (SLURMD_NODENAME, else the host name) and its pid, so that a
+                 launcher of srun steps can tell which tasks a lost node took along and read
+                 the state of the tasks on its own node (a SIGSTOPped one, as launch does);
   progress-<i>   "<steps> <beats> <dispatches> <doing>": the training steps process i has
                  started, its progress reports and its training dispatches so far, and what its
                  main thread is doing (`where()`: compiling, checkpoint, input, device, thread or
@@ -55,6 +56,11 @@ def _index() -> str:
     return "0"
 
 
+def this_node() -> str:
+    """This machine's node name: SLURM's (SLURMD_NODENAME, in a task), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def joining(process_id: int | None) -> None:
     """Leave the marker saying that process `process_id` (None: a detected cluster's, `_index`)
     has started joining the job."""
@@ -64,7 +70,7 @@ def joining(process_id: int | None) -> None:
     index = _index() if process_id is None else process_id
     try:
         with open(os.path.join(directory, f"joining-{index}"), "w") as f:
-            f.write(os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+            f.write(f"{this_node()} {os.getpid()}")
     except OSError:  # the launcher's folder is gone: nothing to tell it
         pass
 
@@ -217,13 +223,26 @@ def joined(directory: str) -> set[int]:
 
 def nodes(directory: str) -> dict[int, str]:
     """{process index: the node it runs on} of the processes that have started joining."""
+    return {index: node for index, (node, _) in _joining_markers(directory).items()}
+
+
+def pids(directory: str) -> dict[int, tuple[str, int]]:
+    """{process index: (its node, its pid there)} of the processes that have started joining."""
+    return {index: (node, pid) for index, (node, pid) in _joining_markers(directory).items()
+            if pid is not None}
+
+
+def _joining_markers(directory: str) -> dict[int, tuple[str, int | None]]:
     found = {}
     for index in joined(directory):
         try:
             with open(os.path.join(directory, f"joining-{index}")) as f:
-                found[index] = f.read().strip()
+                words = f.read().split()
         except OSError:
             continue
+        if words:  # empty while the process writes it
+            pid = int(words[1]) if len(words) > 1 and words[1].isdigit() else None
+            found[index] = (words[0], pid)
     return found
 
 
