@@ -85,8 +85,9 @@ class Watch:
         MESHFIT_HEARTBEAT_TIMEOUT seconds after which JAX counts a silent process as dead. JAX's
         own check takes that timeout and needs a peer's coordination service (a job of one
         process has none, and a stopped process 0 is that service), the stall watchdog a first
-        step: this one sees the states of the launcher's own processes at once (a process on
-        another host, an srun task, has no state here: the heartbeat's). None while none is."""
+        step: this one sees the states of the launcher's own processes and of the srun tasks on
+        its node at once (a process on another host has no state here: the heartbeat's). None
+        while none is."""
         heartbeat_limit = float(os.environ.get(env.HEARTBEAT_TIMEOUT) or HEARTBEAT_TIMEOUT_SECONDS)
         for p in processes:
             state = getattr(p, "state", lambda: None)()
