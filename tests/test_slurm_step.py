@@ -92,6 +92,7 @@ def test_a_frozen_task_on_the_launchers_node_is_seen_in_proc(tmp_path):
             time.sleep(0.01)
         assert s.tasks[0].state() == "T" and s.tasks[0].pid == task.pid
         assert [s.tasks[i].state() for i in (1, 2, 3)] == [None, None, None]
+        assert [s.tasks[i].elsewhere for i in (1, 2, 3)] == [True, False, True]  # not read again
     finally:
         for p in (task, stranger):
             p.kill()

@@ -332,6 +332,7 @@ class Task:
         self.failed_nodes = step.failed_nodes
         self.ended = threading.Event()
         self.pid: int | None = None  # on the launcher's node, once the task has started joining
+        self.elsewhere = False  # its joining marker names another node
 
     def poll(self) -> int | None:
         return self.returncode
@@ -341,10 +342,14 @@ class Task:
         so that the watchdog loses a frozen task there in FROZEN_SECONDS as launch does
         (watchdog.frozen), not after JAX's heartbeat timeout; None for a task on another node,
         where the heartbeat is the check. Its pid comes from its joining marker, taken only if
-        that process holds this step's status folder (a pid is not reused by another task)."""
+        that process holds this step's status folder (a pid is not reused by another task). Each
+        poll reads at most this task's own marker, and none once it named another node."""
         if self.pid is None:
-            node, pid = heartbeat.pids(self.step.status).get(self.index, (None, None))
-            if pid is None or node != heartbeat.this_node() or not _holds(pid, self.step.status):
+            if self.elsewhere:
+                return None
+            node, pid = heartbeat.joining_marker(self.step.status, self.index) or (None, None)
+            self.elsewhere = node is not None and node != heartbeat.this_node()
+            if pid is None or self.elsewhere or not _holds(pid, self.step.status):
                 return None
             self.pid = pid
         try:

@@ -226,24 +226,21 @@ def nodes(directory: str) -> dict[int, str]:
     return {index: node for index, (node, _) in _joining_markers(directory).items()}
 
 
-def pids(directory: str) -> dict[int, tuple[str, int]]:
-    """{process index: (its node, its pid there)} of the processes that have started joining."""
-    return {index: (node, pid) for index, (node, pid) in _joining_markers(directory).items()
-            if pid is not None}
+def joining_marker(directory: str, index: int) -> tuple[str, int | None] | None:
+    """(node, pid or None) of process `index`'s joining marker; None before it has one."""
+    try:
+        with open(os.path.join(directory, f"joining-{index}")) as f:
+            words = f.read().split()
+    except OSError:
+        return None
+    if not words:  # empty while the process writes it
+        return None
+    return words[0], int(words[1]) if len(words) > 1 and words[1].isdigit() else None
 
 
 def _joining_markers(directory: str) -> dict[int, tuple[str, int | None]]:
-    found = {}
-    for index in joined(directory):
-        try:
-            with open(os.path.join(directory, f"joining-{index}")) as f:
-                words = f.read().split()
-        except OSError:
-            continue
-        if words:  # empty while the process writes it
-            pid = int(words[1]) if len(words) > 1 and words[1].isdigit() else None
-            found[index] = (words[0], pid)
-    return found
+    found = {index: joining_marker(directory, index) for index in joined(directory)}
+    return {index: marker for index, marker in found.items() if marker is not None}
 
 
 def progress(directory: str) -> dict[int, tuple[int, int, int, str]]:
