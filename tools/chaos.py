@@ -45,6 +45,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from elastic_drill import run_metrics, status_folders  # noqa: E402
+from faults_slurm import listed_tasks  # noqa: E402
 
 from meshfit.parallel import heartbeat  # noqa: E402
 
@@ -124,12 +125,11 @@ def launch_command(args, run: str, extra: list[str]) -> list[str]:
 
 def task_pids(job: str) -> list[int]:
     """The pids of the tasks of allocation `job`'s newest srun step, in the order of their task
-    numbers (`scontrol listpids`: PID JOBID STEPID LOCALID GLOBALID)."""
+    numbers (`scontrol listpids`, read by faults_slurm.listed_tasks)."""
     listed = subprocess.run(["scontrol", "listpids", job], capture_output=True, text=True, timeout=30)
-    rows = [r.split() for r in listed.stdout.splitlines()[1:]]
-    rows = [r for r in rows if len(r) == 5 and all(c.isdigit() for c in (r[0], r[2], r[4]))]
-    newest = max((int(r[2]) for r in rows), default=None)
-    return [int(r[0]) for r in sorted(rows, key=lambda r: int(r[4])) if int(r[2]) == newest]
+    tasks = listed_tasks(listed.stdout)
+    newest = max((step for step, _, _ in tasks), default=None)
+    return [pid for step, _, pid in tasks if step == newest]
 
 
 def run_job(args, extra: list[str], faults: Faults | None) -> dict:

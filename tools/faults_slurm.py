@@ -56,6 +56,16 @@ ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 PATIENCE = 900  # seconds a job may take to reach the state waited for
 
 
+def listed_tasks(listing: str) -> list[tuple[int, int, int]]:
+    """(step, task number, pid) of each srun step task in `scontrol listpids` output (PID JOBID
+    STEPID LOCALID GLOBALID), in the order of the task numbers; not the batch script, the extern
+    step or a pid of -1."""
+    rows = [line.split() for line in listing.splitlines()[1:]]
+    tasks = [(int(r[4]), int(r[2]), int(r[0])) for r in rows
+             if len(r) == 5 and r[2].isdigit() and r[4].isdigit() and int(r[0]) > 0]
+    return [(step, task, pid) for task, step, pid in sorted(tasks)]
+
+
 class Cluster:
     """SLURM's commands against the cluster of tools/slurm/up.sh in `folder`."""
 
@@ -79,9 +89,7 @@ class Cluster:
     def task_pids(self, job: str) -> list[int]:
         """The pids of the job's tasks in the order of their numbers (of its srun steps, not the
         batch script, nor other processes of their process group)."""
-        rows = [line.split() for line in self.run("scontrol", "listpids", job, check=False).splitlines()[1:]]
-        tasks = sorted((int(r[4]), int(r[0])) for r in rows if len(r) == 5 and r[2].isdigit() and r[4].isdigit())
-        return [pid for _, pid in tasks if pid > 0]
+        return [pid for _, _, pid in listed_tasks(self.run("scontrol", "listpids", job, check=False))]
 
     def wait(self, job: str, until, what: str) -> None:
         deadline = time.monotonic() + PATIENCE

@@ -163,14 +163,12 @@ def _stop(processes: list[Process], grace: float, patience: float = 0.0) -> None
     except KeyboardInterrupt:  # a second Ctrl-C: kill now, but never leave anything running
         pass
     finally:
-        with _interrupts_ignored():
-            for p in processes:
-                p.signal(signal.SIGKILL)  # and anything the process left behind in its group
-                p.popen.wait()
+        _kill(processes)
 
 
 def _kill(processes: list[Process]) -> None:
-    """SIGKILL the processes (and what each started) and wait until they have ended."""
+    """SIGKILL the processes (and anything each left behind in its group) and wait until they
+    have ended."""
     for p in processes:
         p.output.stop()
     with _interrupts_ignored():

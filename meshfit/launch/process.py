@@ -52,6 +52,15 @@ def dies_with(launcher: int) -> None:
         os._exit(1)
 
 
+
+def proc_state(pid: int) -> str | None:
+    """Process `pid`'s state letter in /proc (R, S, T, t, Z...), None where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
 class Process:
     """One launched process: its Popen, its output pumps and its last lines.
 
@@ -102,11 +111,7 @@ class Process:
 
     def state(self) -> str | None:
         """The process's state letter in /proc (R, S, T, t, Z...), None where there is none."""
-        try:
-            with open(f"/proc/{self.popen.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return None
+        return proc_state(self.popen.pid)
 
     def failed(self) -> bool:
         """Whether the process has ended with an error or a signal (meshfit.launch.output)."""

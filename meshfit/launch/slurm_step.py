@@ -47,6 +47,7 @@ from typing import Callable, IO
 from meshfit import env
 from meshfit.launch import local
 from meshfit.launch.output import Output
+from meshfit.launch.process import proc_state
 from meshfit.errors import MeshfitError
 from meshfit.parallel import heartbeat
 
@@ -352,11 +353,7 @@ class Task:
             if pid is None or self.elsewhere or not _holds(pid, self.step.status):
                 return None
             self.pid = pid
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return None
+        return proc_state(self.pid)
 
     def failed(self) -> bool:
         """Whether srun reported the task's end with an error or a signal (meshfit.launch.output)."""

@@ -223,7 +223,8 @@ def joined(directory: str) -> set[int]:
 
 def nodes(directory: str) -> dict[int, str]:
     """{process index: the node it runs on} of the processes that have started joining."""
-    return {index: node for index, (node, _) in _joining_markers(directory).items()}
+    markers = {index: joining_marker(directory, index) for index in joined(directory)}
+    return {index: marker[0] for index, marker in markers.items() if marker is not None}
 
 
 def joining_marker(directory: str, index: int) -> tuple[str, int | None] | None:
@@ -236,11 +237,6 @@ def joining_marker(directory: str, index: int) -> tuple[str, int | None] | None:
     if not words:  # empty while the process writes it
         return None
     return words[0], int(words[1]) if len(words) > 1 and words[1].isdigit() else None
-
-
-def _joining_markers(directory: str) -> dict[int, tuple[str, int | None]]:
-    found = {index: joining_marker(directory, index) for index in joined(directory)}
-    return {index: marker for index, marker in found.items() if marker is not None}
 
 
 def progress(directory: str) -> dict[int, tuple[int, int, int, str]]:
