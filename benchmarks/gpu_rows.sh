@@ -10,13 +10,16 @@
 #                                         # meshfit's default), at batch 256
 #   bash benchmarks/gpu_rows.sh mainjob DIR # the main job timed from outside (4 fresh processes,
 #                                         # the first with JAX's compile cache empty), then one
-#                                         # run's imports (python -X importtime, top 25)
+#                                         # run's imports (python -X importtime, top 25), then
+#                                         # one run's costliest calls (cProfile) and compilations
 #   bash benchmarks/gpu_rows.sh profile   # resnet50-synthetic at batch 256, meshfit against plain
 #                                         # Keras, with steps 22-26 of meshfit's row traced: the
 #                                         # device time by kind of kernel (benchmarks/xplane_ops.py)
 #   bash benchmarks/gpu_rows.sh data DIR  # cifar10-cnn time to accuracy, cifar10-fast over 5 seeds
 #                                         # at each of FAST_EPOCHS (default "12 11": the recipe's
-#                                         # and one fewer; SKIP_CNN=1 leaves cifar10-cnn out)
+#                                         # and one fewer; SKIP_CNN=1 leaves cifar10-cnn out),
+#                                         # then one cifar10-fast run profiled (cProfile)
+#   bash benchmarks/gpu_rows.sh firstepoch DIR  # cifar10-fast's first epoch traced on the device
 # Logs and metrics go to $OUT (default: gpu-rows/).
 set -uo pipefail
 OUT=${OUT:-gpu-rows}
@@ -50,7 +53,20 @@ case "$1" in
     python3 benchmarks/main_job.py --runs 4 --data-dir "$2" 2>&1 | tee -a "$log"
     python3 -X importtime -m meshfit train fashion-mnist-cnn --data-dir "$2" --out /tmp/r-imports \
       > /dev/null 2> "$OUT/importtime.txt"
-    grep '^import time:' "$OUT/importtime.txt" | sort -t'|' -k2 -n -r | head -25 | tee -a "$log" ;;
+    grep '^import time:' "$OUT/importtime.txt" | sort -t'|' -k2 -n -r | head -25 | tee -a "$log"
+    # Where start-up and set-up go: one more run profiled (cProfile), with each XLA compilation
+    # and cache hit logged (JAX_LOG_COMPILES): the 30 costliest calls, then the compilations.
+    JAX_LOG_COMPILES=1 python3 -m cProfile -o "$OUT/mainjob.prof" -m meshfit train fashion-mnist-cnn \
+      --data-dir "$2" --out /tmp/r-profiled > /dev/null 2> "$OUT/compiles.log"
+    python3 -c 'import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats("cumulative").print_stats(30)' \
+      "$OUT/mainjob.prof" 2>&1 | tail -45 | tee -a "$log"
+    python3 benchmarks/compile_log.py "$OUT/compiles.log" 2>&1 | tee -a "$log" ;;
+  firstepoch)
+    # The device's side of cifar10-fast's first epoch: its 48 steps traced (after the compile),
+    # busy time against the epoch's time says whether the devices or the host held it up.
+    timeout 150 python3 -m meshfit train cifar10-fast --epochs 2 --profile 1:48 --data-dir "$2" \
+      --out /tmp/r-fast-first 2>&1 | grep -E '^epoch|compile' | tee -a "$log"
+    python3 benchmarks/xplane_ops.py /tmp/r-fast-first/tensorboard --steps 48 2>&1 | tee -a "$log" ;;
   profile)
     timeout 200 python3 -m meshfit bench resnet50-synthetic --engines jax --steps-per-dispatch 1 \
       --global-batches 256 --repeats 3 --profile 22:26 --out /tmp/b-prof 2>&1 | tee -a "$log"
@@ -68,6 +84,14 @@ case "$1" in
           $run/metrics.json >> "$OUT/cifar10-fast-metrics.jsonl"
       done
     done
+    # Where a run's time outside the steps goes (the first epoch held 0.5-1.7 s more than the
+    # others on the H200): one more run, seed 0, profiled with cProfile ($OUT/cifar10-fast.prof).
+    JAX_LOG_COMPILES=1 timeout 150 python3 -m cProfile -o "$OUT/cifar10-fast.prof" -m meshfit train \
+      cifar10-fast --data-dir "$data" --out /tmp/r-fast-profiled 2> "$OUT/cifar10-fast-compiles.log" \
+      | grep '^epoch' | tee -a "$log"
+    python3 -c 'import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats("cumulative").print_stats(40)' \
+      "$OUT/cifar10-fast.prof" 2>&1 | tail -55 | tee -a "$log"
+    python3 benchmarks/compile_log.py "$OUT/cifar10-fast-compiles.log" --top 10 2>&1 | tee -a "$log"
     python3 - "$OUT/cifar10-fast-metrics.jsonl" <<'EOF' 2>&1 | tee -a "$log"
 import json, statistics, sys
 runs = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]

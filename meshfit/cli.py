@@ -28,7 +28,7 @@ import meshfit
 from meshfit.commands import ctrl_c, launch_command, runs
 from meshfit.commands import verify as verify_command
 from meshfit.errors import MeshfitError
-from meshfit.parallel import cluster
+from meshfit.parallel import cluster, engine
 from meshfit.run import options
 from meshfit.watch import goodput
 
@@ -433,8 +433,9 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a MeshfitError becomes one line on stderr and exit code 2, a Ctrl-C (at
     any moment) the line "meshfit: interrupted" and exit code 130 (meshfit.commands.ctrl_c)."""
-    if argv is None:  # the process's own command line (not a caller's): its exit made quick
-        goodput.quick_exit()
+    if argv is None:  # the process's own command line (not a caller's): its exit made quick,
+        goodput.quick_exit()  # and Keras loaded without the optional imports no command uses
+        engine.skip_keras_extras()
     return ctrl_c.run(lambda: _main(argv), lambda code: _exit_failed(code, stopped=False))
 
 

@@ -15,8 +15,10 @@ import os
 from meshfit.parallel import engine
 
 # The package is the engine line: importing any module of fit/ loads Keras, on the backend
-# meshfit.connect() chose (engine.activate set it); TensorFlow's load notices are dropped.
-with engine.tensorflow_notices_dropped(os.environ.get("KERAS_BACKEND") == "tensorflow"):
+# meshfit.connect() chose (engine.activate set it); TensorFlow's load notices are dropped, and in
+# meshfit's own processes Keras' optional imports that no command uses are left out.
+with engine.tensorflow_notices_dropped(os.environ.get("KERAS_BACKEND") == "tensorflow"), \
+        engine.imports_skipped(engine.keras_extras_skipped()):
     import keras
 
 from meshfit.fit import keras_internals  # noqa: E402 (Keras first, on the engine chosen)

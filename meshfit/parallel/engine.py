@@ -76,6 +76,47 @@ def tensorflow_notices_dropped(loads_tensorflow: bool = True):
                 os.write(2, kept)
 
 
+# Optional imports at Keras' top (`try: import x`) for features no meshfit command uses: on a GPU
+# machine with them installed they were 2.1 s of Keras' 4.5 s import (H200, 2026-11-28, `python -X
+# importtime`): scikit-learn 0.96 s (keras.wrappers), matplotlib's pyplot 0.67 (keras.visualization)
+# and pandas 0.44 (DataFrames as fit's input). Not requests (0.19 s, for the RemoteMonitor
+# callback): TensorFlow, which Keras loads on its engine, imports it unconditionally.
+KERAS_EXTRAS = ("sklearn", "matplotlib", "pandas")
+_keras_extras_skipped = False
+
+
+def skip_keras_extras() -> None:
+    """Have Keras' first import in this process (meshfit.fit's) leave out KERAS_EXTRAS, as if they
+    were not installed: for meshfit's own processes (the command line), never a user's program,
+    whose fit may take pandas DataFrames. They import normally afterwards (meshfit's pictures use
+    matplotlib's Figure); only Keras' features built on them stay off in that process."""
+    global _keras_extras_skipped
+    _keras_extras_skipped = True
+
+
+def keras_extras_skipped() -> tuple[str, ...]:
+    """The modules Keras' first import leaves out in this process (see skip_keras_extras)."""
+    return KERAS_EXTRAS if _keras_extras_skipped else ()
+
+
+@contextlib.contextmanager
+def imports_skipped(names: tuple[str, ...]):
+    """For the block: importing each of `names` not imported yet (or a submodule of it) raises
+    ImportError, as if it were not installed; afterwards it imports normally. For optional
+    imports at a library's top (`try: import x` / `except ImportError`) that this process never
+    uses. A None in sys.modules is how Python itself marks a module unimportable; only the
+    entries still None at the end are removed, so a module imported meanwhile is kept."""
+    skipped = [name for name in names if name not in sys.modules]
+    for name in skipped:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name in skipped:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
+
+
 def submodule(package: str, name: str):
     """The module `package.name`, imported when first named as its package's attribute (the
     __getattr__ of meshfit and its sub-packages but this one, whose modules load with meshfit:
@@ -185,18 +226,22 @@ def start_engine(simulate_devices: int | None, engine: str | None,
 
 def use_compile_cache() -> None:
     """JAX's persistent compilation cache in $XDG_CACHE_HOME/meshfit/jax (default ~/.cache) for
-    programs compiling in 0.1 s or more, where the user chose no cache of their own (then every
-    JAX_* cache setting is theirs), read by JAX at its import (a JAX imported before connect()
-    keeps its own). Why: the batch order's program (meshfit.data.arrays) compiled in 0.95 CPU-s in
-    every run, even on the TensorFlow engine; loaded from this cache, 0.31 (44 KB on disk;
-    BENCHMARKS.md section 1). No size cap: JAX's cap (JAX_COMPILATION_CACHE_MAX_SIZE) evicts by
+    every program, however quickly it compiles, where the user chose no cache of their own (then
+    every JAX_* cache setting is theirs), read by JAX at its import (a JAX imported before
+    connect() keeps its own). Why: the batch order's program (meshfit.data.arrays) compiled in
+    0.95 CPU-s in every run, even on the TensorFlow engine; loaded from this cache, 0.31 (44 KB on
+    disk; BENCHMARKS.md section 1). And every program, not JAX's default of those compiling in
+    1 s or more: the main job on JAX compiles 27 programs of 2-90 ms each (variable initializers,
+    the data's gather, the scores), which with a 0.1 s floor were compiled again in every run
+    (compile part 1.14 s, median of 3 warm runs on a 2-core CPU); all cached, 0.72 s, and 260 KB
+    on disk (BENCHMARKS.md section 1). No size cap: JAX's cap (JAX_COMPILATION_CACHE_MAX_SIZE) evicts by
     access-time files that processes sharing the folder race on ("Error writing persistent
     compilation cache entry ... FileNotFoundError: ...-atime", seen in the test suite's shared
     cache), so the folder grows by each new program's few KB to MB: delete it to free it."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(env.cache_home(), "jax")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 _hinted = False

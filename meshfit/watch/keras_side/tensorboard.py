@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import threading
 from typing import Any
 
 import keras
 import numpy as np
+
+from meshfit.parallel import engine
 
 _files = itertools.count()  # tensorboardX names files by the second: keep two writers apart
 
@@ -52,20 +53,14 @@ def summary_writer_class():
     tensorboardX's writer module imports torch whenever it is installed (a `try: import torch` at
     its top, only so that torch tensors count as values; `python -X importtime -c "import
     tensorboardX"` shows it): 3.2 s on a GPU machine with PyTorch (H200, 2026-11-28), inside the
-    first epoch of every run, where meshfit writes only Python floats. A `None` in sys.modules
+    first epoch of every run, where meshfit writes only Python floats. engine.imports_skipped
     makes that import fail for the moment of tensorboardX's own import, and its except-branch
     falls back to NumPy; this is sufficient because that is tensorboardX's only import of torch
     at import time (the others sit in functions meshfit does not call). A torch imported already
     is left as it is, and torch imports normally afterwards.
     """
-    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
-        sys.modules["torch"] = None  # type: ignore[assignment]
-        try:
-            import tensorboardX  # noqa: F401
-        finally:
-            if sys.modules.get("torch", 0) is None:
-                del sys.modules["torch"]
-    from tensorboardX import SummaryWriter
+    with engine.imports_skipped(("torch",)):
+        from tensorboardX import SummaryWriter
 
     return SummaryWriter
 
