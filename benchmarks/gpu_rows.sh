@@ -11,7 +11,8 @@
 #   bash benchmarks/gpu_rows.sh mainjob DIR # the main job timed from outside (4 fresh processes,
 #                                         # the first with JAX's compile cache empty), then one
 #                                         # run's imports (python -X importtime, top 25), then
-#                                         # one run's costliest calls (cProfile) and compilations
+#                                         # one run's costliest calls (cProfile) and compilations,
+#                                         # and whether CUDA's start overlaps Keras' import
 #   bash benchmarks/gpu_rows.sh profile   # resnet50-synthetic at batch 256, meshfit against plain
 #                                         # Keras, with steps 22-26 of meshfit's row traced: the
 #                                         # device time by kind of kernel (benchmarks/xplane_ops.py)
@@ -60,7 +61,8 @@ case "$1" in
       --data-dir "$2" --out /tmp/r-profiled > /dev/null 2> "$OUT/compiles.log"
     python3 -c 'import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats("cumulative").print_stats(30)' \
       "$OUT/mainjob.prof" 2>&1 | tail -45 | tee -a "$log"
-    python3 benchmarks/compile_log.py "$OUT/compiles.log" 2>&1 | tee -a "$log" ;;
+    python3 benchmarks/compile_log.py "$OUT/compiles.log" 2>&1 | tee -a "$log"
+    python3 benchmarks/start_overlap.py --runs 3 2>&1 | tee -a "$log" ;;
   firstepoch)
     # The device's side of cifar10-fast's first epoch: its 48 steps traced (after the compile),
     # busy time against the epoch's time says whether the devices or the host held it up.
