@@ -64,11 +64,15 @@ case "$1" in
     python3 benchmarks/compile_log.py "$OUT/compiles.log" 2>&1 | tee -a "$log"
     python3 benchmarks/start_overlap.py --runs 3 2>&1 | tee -a "$log" ;;
   firstepoch)
-    # The device's side of cifar10-fast's first epoch: its 48 steps traced (after the compile),
-    # busy time against the epoch's time says whether the devices or the host held it up.
+    # cifar10-fast's first epoch held 0.5-1.7 s more than the others on the H200, more with JAX's
+    # cache filled than empty: a guess is the GPU libraries' kernels loaded at their first use,
+    # which autotuning does during a compile but a cached program leaves to the first epoch. Its
+    # 48 steps traced (after the compile): the device's busy share of the span, and the host's
+    # costliest events (module loads?); the trace is kept in $OUT/firstepoch-trace.
     timeout 150 python3 -m meshfit train cifar10-fast --epochs 2 --profile 1:48 --data-dir "$2" \
       --out /tmp/r-fast-first 2>&1 | grep -E '^epoch|compile' | tee -a "$log"
-    python3 benchmarks/xplane_ops.py /tmp/r-fast-first/tensorboard --steps 48 2>&1 | tee -a "$log" ;;
+    python3 benchmarks/xplane_ops.py /tmp/r-fast-first/tensorboard --steps 48 --host 25 2>&1 | tee -a "$log"
+    cp -r /tmp/r-fast-first/tensorboard/plugins "$OUT/firstepoch-trace" ;;
   profile)
     timeout 200 python3 -m meshfit bench resnet50-synthetic --engines jax --steps-per-dispatch 1 \
       --global-batches 256 --repeats 3 --profile 22:26 --out /tmp/b-prof 2>&1 | tee -a "$log"

@@ -8,9 +8,11 @@ work (convolutions, matrix products, XLA's fused elementwise/reduction kernels, 
 transposes, host transfers) and the top kernels. With no accelerator plane (a CPU trace), the
 host's XLA threads stand in, so the script can be tried anywhere.
 
-    python benchmarks/xplane_ops.py RUN/tensorboard [--top 25] [--steps N]
+    python benchmarks/xplane_ops.py RUN/tensorboard [--top 25] [--steps N] [--host N]
 
---steps: the number of traced steps, to print times per step.
+--steps: the number of traced steps, to print times per step. Also prints how much of the traced
+span the device was busy (the union of its kernels' times), and with --host N the host's costliest
+events outside Python (module loads, launches, waits).
 """
 
 from __future__ import annotations
@@ -38,31 +40,64 @@ def kind(name: str) -> str:
     return next((k for k, pattern in KINDS if pattern.search(name)), "other")
 
 
-def kernel_times(trace_dir: str) -> tuple[Counter, Counter, str]:
-    """(nanoseconds by kernel name, launches by kernel name, the planes read) over every
-    accelerator plane's stream lines of the traces under trace_dir."""
+def _planes(trace_dir: str) -> list:
+    """The planes of every trace under trace_dir."""
     from jax.profiler import ProfileData
 
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
     if not files:
         raise SystemExit(f"no *.xplane.pb under {trace_dir}; trace with meshfit train --profile START:STOP")
-    times, counts, read = Counter(), Counter(), []
-    for path in files:
-        planes = list(ProfileData.from_file(path).planes)
-        devices = [p for p in planes if p.name.startswith("/device:")]
-        for plane in devices or [p for p in planes if p.name == "/host:CPU"]:
-            lines = list(plane.lines)
-            # GPU planes also hold derived lines ("XLA Ops", "XLA Modules", "Steps") that restate
-            # the streams' time: only the streams count, or XLA's ops where no stream line is
-            # there (TPUs). On CPUs, XLA's threads.
-            wanted = ("tf_XLA",) if not devices else \
-                ("Stream",) if any(l.name.startswith("Stream") for l in lines) else ("XLA Ops",)
-            for line in (l for l in lines if l.name.startswith(wanted)):
+    return [plane for path in files for plane in ProfileData.from_file(path).planes]
+
+
+def busy_and_span(intervals: list[tuple[int, int]]) -> tuple[int, int]:
+    """(nanoseconds covered by at least one of the (start, end) intervals, from the first start
+    to the last end): how much of the traced span the device was working."""
+    busy, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            busy, reach = busy + end - start, end
+        elif end > reach:
+            busy, reach = busy + end - reach, end
+    span = max(e for _, e in intervals) - min(s for s, _ in intervals) if intervals else 0
+    return busy, span
+
+
+def host_times(trace_dir: str) -> Counter:
+    """Nanoseconds by event name on the host planes, Python's own calls left out (the profiler
+    names them "$file:line function"): the runtime's and the driver's work (loading modules,
+    launching, waiting)."""
+    times = Counter()
+    for plane in _planes(trace_dir):
+        if not plane.name.startswith("/device:"):
+            for line in plane.lines:
                 for event in line.events:
-                    times[event.name] += int(event.duration_ns)
-                    counts[event.name] += 1
-            read.append(plane.name)
-    return times, counts, ", ".join(sorted(set(read)))
+                    if not event.name.startswith("$"):
+                        times[event.name] += int(event.duration_ns)
+    return times
+
+
+def kernel_times(trace_dir: str) -> tuple[Counter, Counter, str, list[tuple[int, int]]]:
+    """(nanoseconds by kernel name, launches by kernel name, the planes read, each kernel's
+    (start, end) in ns) over every accelerator plane's stream lines of the traces under
+    trace_dir."""
+    times, counts, read, intervals = Counter(), Counter(), [], []
+    planes = _planes(trace_dir)
+    devices = [p for p in planes if p.name.startswith("/device:")]
+    for plane in devices or [p for p in planes if p.name == "/host:CPU"]:
+        lines = list(plane.lines)
+        # GPU planes also hold derived lines ("XLA Ops", "XLA Modules", "Steps") that restate
+        # the streams' time: only the streams count, or XLA's ops where no stream line is
+        # there (TPUs). On CPUs, XLA's threads.
+        wanted = ("tf_XLA",) if not devices else \
+            ("Stream",) if any(l.name.startswith("Stream") for l in lines) else ("XLA Ops",)
+        for line in (l for l in lines if l.name.startswith(wanted)):
+            for event in line.events:
+                times[event.name] += int(event.duration_ns)
+                counts[event.name] += 1
+                intervals.append((int(event.start_ns), int(event.start_ns + event.duration_ns)))
+        read.append(plane.name)
+    return times, counts, ", ".join(sorted(set(read))), intervals
 
 
 def main() -> None:
@@ -70,13 +105,18 @@ def main() -> None:
     parser.add_argument("trace_dir")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--steps", type=int, default=0, help="traced steps (for times per step)")
+    parser.add_argument("--host", type=int, default=0, metavar="N",
+                        help="also the N costliest kinds of host event (the runtime's, the driver's)")
     args = parser.parse_args()
-    times, counts, planes = kernel_times(args.trace_dir)
+    times, counts, planes, intervals = kernel_times(args.trace_dir)
     total = sum(times.values()) or 1
     per = f" per step (of {args.steps})" if args.steps else ""
     scale = 1 / args.steps if args.steps else 1.0
     print(f"planes: {planes}; kernel time{per}: {total * scale / 1e6:.2f} ms, "
           f"{sum(counts.values()) * scale:.0f} launches")
+    busy, span = busy_and_span(intervals)
+    print(f"busy {busy / 1e6:.1f} ms of the {span / 1e6:.1f} ms from the first kernel to the last "
+          f"({100 * busy / max(span, 1):.0f}%): the rest the device waited for the host")
     by_kind = Counter()
     for name, ns in times.items():
         by_kind[kind(name)] += ns
@@ -87,6 +127,10 @@ def main() -> None:
     for name, ns in times.most_common(args.top):
         print(f"| `{name[:90]}` | {kind(name)} | {ns * scale / 1e6:.3f} | {counts[name] * scale:.0f} | "
               f"{100 * ns / total:.1f}% |")
+    if args.host:
+        print(f"\n| host event (top {args.host}, all traced steps) | ms |\n| --- | --- |")
+        for name, ns in host_times(args.trace_dir).most_common(args.host):
+            print(f"| `{name[:90]}` | {ns / 1e6:.1f} |")
 
 
 if __name__ == "__main__":
