@@ -67,11 +67,13 @@ case "$1" in
     # cifar10-fast's first epoch held 0.5-1.7 s more than the others on the H200, more with JAX's
     # cache filled than empty: a guess is the GPU libraries' kernels loaded at their first use,
     # which autotuning does during a compile but a cached program leaves to the first epoch. Its
-    # 48 steps traced (after the compile): the device's busy share of the span, and the host's
-    # costliest events (module loads?); the trace is kept in $OUT/firstepoch-trace.
-    timeout 150 python3 -m meshfit train cifar10-fast --epochs 2 --profile 1:48 --data-dir "$2" \
+    # 48 steps and the second epoch's traced (after the compile): the device's busy share of the
+    # span, and the host's costliest events (module loads?); the trace is kept in
+    # $OUT/firstepoch-trace, where the gap between the two epochs shows the input wait (0.03-0.05
+    # s an epoch).
+    timeout 150 python3 -m meshfit train cifar10-fast --epochs 3 --profile 1:96 --data-dir "$2" \
       --out /tmp/r-fast-first 2>&1 | grep -E '^epoch|compile' | tee -a "$log"
-    python3 benchmarks/xplane_ops.py /tmp/r-fast-first/tensorboard --steps 48 --host 25 2>&1 | tee -a "$log"
+    python3 benchmarks/xplane_ops.py /tmp/r-fast-first/tensorboard --steps 96 --host 25 2>&1 | tee -a "$log"
     cp -r /tmp/r-fast-first/tensorboard/plugins "$OUT/firstepoch-trace" ;;
   profile)
     timeout 200 python3 -m meshfit bench resnet50-synthetic --engines jax --steps-per-dispatch 1 \
