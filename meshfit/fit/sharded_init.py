@@ -48,15 +48,15 @@ def initializer_hook(active: Callable[[], bool], placed: Callable[[tuple, Any], 
     meshfit.fit.sources.divisible_sharding)."""
 
     def draw_variable(initializer, shape: tuple, dtype: str, layout) -> jax.Array | None:
-        if active() and isinstance(layout, NamedSharding) and (
-                _restored_later or type(initializer) is Zeros):
+        if not (active() and isinstance(layout, NamedSharding)):
+            return None  # Keras' own way
+        if _restored_later or type(initializer) is Zeros:
             return zeros(shape, dtype, placed(shape, layout))
-        if (active() and isinstance(layout, NamedSharding) and not layout.is_fully_replicated
-                and "layout" not in _parameters(initializer)):
+        if not layout.is_fully_replicated and "layout" not in _parameters(initializer):
             sharding = placed(shape, layout)
             if not sharding.is_fully_replicated:
                 return draw(initializer, shape, dtype, sharding)
-        return None  # Keras' own way
+        return None
 
     return keras_internals.variables_drawn_by(draw_variable)
 
