@@ -170,8 +170,10 @@ ACCURACY_SCRIPT = textwrap.dedent("""
     strategy.fit(model, x, y, batch_size=32, epochs=2)
     scores = model.evaluate(x_test, y_test, verbose=0, return_dict=True)
     keras.saving.serialize_keras_object(model)  # asks Keras' TensorFlow handle too
+    from meshfit.watch.keras_side.report import flops_key  # its FLOP count is kept on both engines
     print(json.dumps({"engine": strategy.engine, "backend": keras.backend.backend(),
-                      "accuracy": float(scores["accuracy"]), "tensorflow": "tensorflow" in sys.modules}))
+                      "accuracy": float(scores["accuracy"]), "flops_key": flops_key(model, 32) is not None,
+                      "tensorflow": "tensorflow" in sys.modules}))
 """)
 
 
@@ -185,6 +187,7 @@ def test_same_recipe_learns_the_same_on_each_engine():
         result = json.loads(lines[-1])
         assert result["engine"] == result["backend"] == name
         assert result["tensorflow"] == (name == "tensorflow")  # the JAX engine never loads TF
+        assert result["flops_key"]
         epochs = [line for line in lines if line.startswith("epoch ")]
         assert len(epochs) == 2 and all("samples/s" in line and "MFU " in line for line in epochs)
         assert not any("MFU n/a" in line for line in epochs)  # a CPU's peak is measured

@@ -45,12 +45,12 @@ def flops_key(model, global_batch: int) -> str | None:
     (its JSON), its compile settings (optimizer, loss, metrics), the batch, the engine, the
     versions of Keras and the engine's library, and, by size and modification time, the files
     that define the model's own (non-Keras) classes, so edited layer code is counted anew.
-    None where the model cannot be described so (counted in every run then), and where
-    TensorFlow is not loaded: Keras' JSON of a model imports TensorFlow when it is installed
-    (serialization_lib asks `tf.available`), seconds that a JAX run never pays otherwise
-    (tests/test_engine.py checks that the JAX engine never loads it)."""
-    if "tensorflow" not in sys.modules:
-        return None
+    None where the model cannot be described so (counted in every run then). Keras' JSON of a
+    model asks whether TensorFlow is installed (serialization_lib's `tf.available`), which on the
+    JAX engine counts it only once loaded (keras_internals.tensorflow_counted_once_loaded), so
+    describing the model loads no TensorFlow there (tests/test_engine.py checks that the JAX
+    engine never loads it). Why a key on JAX too: counting lowers the whole step, twice on a GPU
+    (whose lowered step has no cost analysis), in every run without one."""
     try:
         engine = keras.backend.backend()
         library = sys.modules.get("tensorflow" if engine == "tensorflow" else engine)
