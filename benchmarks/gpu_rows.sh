@@ -21,8 +21,12 @@
 #                                         # and one fewer; SKIP_CNN=1 leaves cifar10-cnn out),
 #                                         # then one cifar10-fast run profiled (cProfile)
 #   bash benchmarks/gpu_rows.sh firstepoch DIR  # cifar10-fast's first epoch traced on the device
+#   bash benchmarks/gpu_rows.sh table FOLDER... # here, after the lease: the targets' table from
+#                                         # the folders the calls' $OUT came back in
 # Logs and metrics go to $OUT (default: gpu-rows/).
 set -uo pipefail
+# Here, over the folders the calls' $OUT came back in: one row per target of issue 52.
+[ "$1" = table ] && exec python3 benchmarks/gpu_table.py "${@:2}"
 OUT=${OUT:-gpu-rows}
 mkdir -p "$OUT"
 export KERAS_BACKEND=jax PYTHONUNBUFFERED=1
@@ -51,7 +55,7 @@ case "$1" in
         --steps-per-dispatch 1 --global-batches 256 --repeats 3 --json 2>&1 | grep '^bench:' | tee -a "$log"
     done ;;
   mainjob)
-    python3 benchmarks/main_job.py --runs 4 --data-dir "$2" 2>&1 | tee -a "$log"
+    python3 benchmarks/main_job.py --runs 4 --data-dir "$2" --json "$OUT/mainjob.json" 2>&1 | tee -a "$log"
     python3 -X importtime -m meshfit train fashion-mnist-cnn --data-dir "$2" --out /tmp/r-imports \
       > /dev/null 2> "$OUT/importtime.txt"
     grep '^import time:' "$OUT/importtime.txt" | sort -t'|' -k2 -n -r | head -25 | tee -a "$log"
@@ -78,6 +82,7 @@ case "$1" in
   profile)
     timeout 200 python3 -m meshfit bench resnet50-synthetic --engines jax --steps-per-dispatch 1 \
       --global-batches 256 --repeats 3 --profile 22:26 --out /tmp/b-prof 2>&1 | tee -a "$log"
+    cp /tmp/b-prof/bench.json "$OUT/bench-resnet50.json" 2>/dev/null
     python3 benchmarks/xplane_ops.py /tmp/b-prof/profile --steps 5 2>&1 | tee -a "$log" ;;
   data)
     data=$2

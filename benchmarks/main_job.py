@@ -15,7 +15,7 @@ Optional, in the same invocation so ratios come from one sitting:
   --bfloat16   also run the main job with --precision bfloat16 (runs alternate with float32)
 
 Usage: python benchmarks/main_job.py [--runs 3] [--data-dir ../shared/data] [--keras]
-       [--devices] [--bfloat16]
+       [--devices] [--bfloat16] [--json FILE]
 """
 
 from __future__ import annotations
@@ -130,6 +130,8 @@ def main() -> int:
     parser.add_argument("--devices", action="store_true", help="also 1 vs 8 simulated devices")
     parser.add_argument("--devices-batch", type=int, default=1000, help="global batch for --devices")
     parser.add_argument("--bfloat16", action="store_true", help="also the main job in bfloat16")
+    parser.add_argument("--json", metavar="FILE", help="also write each run's figures to FILE "
+                        "(benchmarks/gpu_table.py reads it)")
     args = parser.parse_args()
 
     variants = {"float32": []}
@@ -147,6 +149,10 @@ def main() -> int:
           f"{os.getloadavg()[0]:.1f}\n")
     if args.runs:
         print(main_job_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "meshfit train fashion-mnist-cnn --data-dir DATA --json",
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": results}, f)
     extra_rows = []
     if args.keras:
         extra_rows += keras_ratio_rows(args.rounds)
