@@ -234,10 +234,11 @@ def use_compile_cache() -> None:
     1 s or more: the main job on JAX compiles 27 programs of 2-90 ms each (variable initializers,
     the data's gather, the scores), which with a 0.1 s floor were compiled again in every run
     (compile part 1.14 s, median of 3 warm runs on a 2-core CPU); all cached, 0.72 s, and 260 KB
-    on disk (BENCHMARKS.md section 1). No size cap: JAX's cap (JAX_COMPILATION_CACHE_MAX_SIZE) evicts by
-    access-time files that processes sharing the folder race on ("Error writing persistent
-    compilation cache entry ... FileNotFoundError: ...-atime", seen in the test suite's shared
-    cache), so the folder grows by each new program's few KB to MB: delete it to free it."""
+    on disk (BENCHMARKS.md section 1). No size cap: JAX's cap (JAX_COMPILATION_CACHE_MAX_SIZE)
+    evicts by access-time files that processes sharing the folder race on ("Error writing
+    persistent compilation cache entry ... FileNotFoundError: ...-atime", seen in the test
+    suite's shared cache), so the folder grows by each new program's few KB to MB: delete it to
+    free it."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(env.cache_home(), "jax")
