@@ -15,7 +15,8 @@
 #                                         # and whether CUDA's start overlaps Keras' import
 #   bash benchmarks/gpu_rows.sh profile   # resnet50-synthetic at batch 256, meshfit against plain
 #                                         # Keras, with steps 22-26 of meshfit's row traced: the
-#                                         # device time by kind of kernel (benchmarks/xplane_ops.py)
+#                                         # device time by kind of kernel (benchmarks/xplane_ops.py);
+#                                         # then the two again, alternating 3 times
 #   bash benchmarks/gpu_rows.sh data DIR  # cifar10-cnn time to accuracy, cifar10-fast over 5 seeds
 #                                         # at each of FAST_EPOCHS (default "12 11": the recipe's
 #                                         # and one fewer; SKIP_CNN=1 leaves cifar10-cnn out),
@@ -82,8 +83,13 @@ case "$1" in
   profile)
     timeout 200 python3 -m meshfit bench resnet50-synthetic --engines jax --steps-per-dispatch 1 \
       --global-batches 256 --repeats 3 --profile 22:26 --out /tmp/b-prof 2>&1 | tee -a "$log"
-    cp /tmp/b-prof/bench.json "$OUT/bench-resnet50.json" 2>/dev/null
-    python3 benchmarks/xplane_ops.py /tmp/b-prof/profile --steps 5 2>&1 | tee -a "$log" ;;
+    cp /tmp/b-prof/bench.json "$OUT/bench-resnet50-traced.json" 2>/dev/null
+    python3 benchmarks/xplane_ops.py /tmp/b-prof/profile --steps 5 2>&1 | tee -a "$log"
+    # The ratio again with the paths alternating 3 times: the lowered steps are the same program
+    # (BENCHMARKS.md section 5), so a gap of a few per cent may be the order the rows ran in.
+    timeout 240 python3 -m meshfit bench resnet50-synthetic --engines jax --steps-per-dispatch 1 \
+      --global-batches 256 --repeats 3 --rounds 3 --out /tmp/b-rounds 2>&1 | tee -a "$log"
+    cp /tmp/b-rounds/bench.json "$OUT/bench-resnet50-rounds.json" 2>/dev/null ;;
   data)
     data=$2
     [ -n "${SKIP_CNN:-}" ] || timeout 200 python3 -m meshfit train cifar10-cnn --data-dir "$data" --out /tmp/r-cnn --json 2>&1 | tee -a "$log"

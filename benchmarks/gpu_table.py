@@ -4,7 +4,8 @@ Reads what `benchmarks/gpu_rows.sh` left in each call's $OUT folder (fetched her
   cifar10-fast-metrics.jsonl  (stage `data`) cifar10-fast runs: mean test accuracy over the
                               seeds and median training time, per number of epochs;
   bench-resnet50*.json        (stages `profile`, `nodata`) meshfit against plain Keras at the same
-                              batch, precision and steps per dispatch, and meshfit's best img/s;
+                              batch, precision and steps per dispatch (the run of more rounds
+                              where two measured it), and meshfit's best img/s;
   mainjob.json                (stage `mainjob`) the main job's wall, command to prompt.
 A target whose files are absent reads "not measured".
 
@@ -58,9 +59,11 @@ def resnet_rows(folders: list[str]) -> list[tuple[str, str, str]]:
     rows_seen = [row for path in _files(folders, "bench-resnet50*.json")
                  for row in json.load(open(path)).get("rows", [])]
     pairs = {}
-    for row in rows_seen:
+    for row in rows_seen:  # of two rows of one path, the one of more rounds (alternating paths)
         key = (row["global_batch"], row["precision"], row["steps_per_dispatch"])
-        pairs.setdefault(key, {})[row["path"]] = row
+        kept = pairs.setdefault(key, {}).get(row["path"])
+        if kept is None or row.get("rounds", 1) > kept.get("rounds", 1):
+            pairs[key][row["path"]] = row
     measured = [(key, p["meshfit"], p["plain"]) for key, p in sorted(pairs.items())
                 if "meshfit" in p and "plain" in p]
     if not measured:
