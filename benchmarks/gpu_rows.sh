@@ -32,6 +32,10 @@ OUT=${OUT:-gpu-rows}
 mkdir -p "$OUT"
 export KERAS_BACKEND=jax PYTHONUNBUFFERED=1
 log="$OUT/$1.log"
+top_calls() {  # the N costliest calls (cumulative) of cProfile's file $1
+  python3 -c 'import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats("cumulative").print_stats(int(sys.argv[2]))' \
+    "$1" "$2" 2>&1 | tail -$(($2 + 15)) | tee -a "$log"
+}
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   python3 -c 'import jax, keras; print("jax", jax.__version__, "keras", keras.__version__, jax.devices())'
 } 2>&1 | tee -a "$log"
@@ -64,8 +68,7 @@ case "$1" in
     # and cache hit logged (JAX_LOG_COMPILES): the 30 costliest calls, then the compilations.
     JAX_LOG_COMPILES=1 python3 -m cProfile -o "$OUT/mainjob.prof" -m meshfit train fashion-mnist-cnn \
       --data-dir "$2" --out /tmp/r-profiled > /dev/null 2> "$OUT/compiles.log"
-    python3 -c 'import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats("cumulative").print_stats(30)' \
-      "$OUT/mainjob.prof" 2>&1 | tail -45 | tee -a "$log"
+    top_calls "$OUT/mainjob.prof" 30
     python3 benchmarks/compile_log.py "$OUT/compiles.log" 2>&1 | tee -a "$log"
     python3 benchmarks/start_overlap.py --runs 3 2>&1 | tee -a "$log" ;;
   firstepoch)
@@ -108,8 +111,7 @@ case "$1" in
     JAX_LOG_COMPILES=1 timeout 150 python3 -m cProfile -o "$OUT/cifar10-fast.prof" -m meshfit train \
       cifar10-fast --data-dir "$data" --out /tmp/r-fast-profiled 2> "$OUT/cifar10-fast-compiles.log" \
       | grep '^epoch' | tee -a "$log"
-    python3 -c 'import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats("cumulative").print_stats(40)' \
-      "$OUT/cifar10-fast.prof" 2>&1 | tail -55 | tee -a "$log"
+    top_calls "$OUT/cifar10-fast.prof" 40
     python3 benchmarks/compile_log.py "$OUT/cifar10-fast-compiles.log" --top 10 2>&1 | tee -a "$log"
     python3 - "$OUT/cifar10-fast-metrics.jsonl" <<'EOF' 2>&1 | tee -a "$log"
 import json, statistics, sys

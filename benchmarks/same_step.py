@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from main_job import environment  # this checkout first on PYTHONPATH (benchmarks/ is sys.path[0])
 
 PROGRAM = """
 import collections, json, re, sys
@@ -58,8 +57,7 @@ print(json.dumps({"ops": collections.Counter(re.findall(r"= \\"?((?:stablehlo|mh
 
 
 def lowered(path: str, recipe: str, batch: int) -> dict:
-    env = {**os.environ, "KERAS_BACKEND": "jax",
-           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env = {**environment(), "KERAS_BACKEND": "jax"}
     done = subprocess.run([sys.executable, "-c", PROGRAM, path, recipe, str(batch)], env=env,
                           capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from main_job import environment  # this checkout first on PYTHONPATH (benchmarks/ is sys.path[0])
 
 PROGRAM = """
 import json, sys, threading, time
@@ -53,8 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    env = {**os.environ, "KERAS_BACKEND": "jax",
-           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env = {**environment(), "KERAS_BACKEND": "jax"}
     results = {"serial": [], "overlapped": []}
     for _ in range(args.runs):
         for mode in results:

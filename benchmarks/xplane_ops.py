@@ -40,8 +40,8 @@ def kind(name: str) -> str:
     return next((k for k, pattern in KINDS if pattern.search(name)), "other")
 
 
-def _planes(trace_dir: str) -> list:
-    """The planes of every trace under trace_dir."""
+def read_planes(trace_dir: str) -> list:
+    """The planes of every trace under trace_dir (read once: a trace can be tens of MB)."""
     from jax.profiler import ProfileData
 
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
@@ -63,12 +63,12 @@ def busy_and_span(intervals: list[tuple[int, int]]) -> tuple[int, int]:
     return busy, span
 
 
-def host_times(trace_dir: str) -> Counter:
+def host_times(planes: list) -> Counter:
     """Nanoseconds by event name on the host planes, Python's own calls left out (the profiler
     names them "$file:line function"): the runtime's and the driver's work (loading modules,
     launching, waiting)."""
     times = Counter()
-    for plane in _planes(trace_dir):
+    for plane in planes:
         if not plane.name.startswith("/device:"):
             for line in plane.lines:
                 for event in line.events:
@@ -77,12 +77,10 @@ def host_times(trace_dir: str) -> Counter:
     return times
 
 
-def kernel_times(trace_dir: str) -> tuple[Counter, Counter, str, list[tuple[int, int]]]:
+def kernel_times(planes: list) -> tuple[Counter, Counter, str, list[tuple[int, int]]]:
     """(nanoseconds by kernel name, launches by kernel name, the planes read, each kernel's
-    (start, end) in ns) over every accelerator plane's stream lines of the traces under
-    trace_dir."""
+    (start, end) in ns) over every accelerator plane's stream lines of a trace's planes."""
     times, counts, read, intervals = Counter(), Counter(), [], []
-    planes = _planes(trace_dir)
     devices = [p for p in planes if p.name.startswith("/device:")]
     for plane in devices or [p for p in planes if p.name == "/host:CPU"]:
         lines = list(plane.lines)
@@ -108,11 +106,12 @@ def main() -> None:
     parser.add_argument("--host", type=int, default=0, metavar="N",
                         help="also the N costliest kinds of host event (the runtime's, the driver's)")
     args = parser.parse_args()
-    times, counts, planes, intervals = kernel_times(args.trace_dir)
+    planes = read_planes(args.trace_dir)
+    times, counts, read, intervals = kernel_times(planes)
     total = sum(times.values()) or 1
     per = f" per step (of {args.steps})" if args.steps else ""
     scale = 1 / args.steps if args.steps else 1.0
-    print(f"planes: {planes}; kernel time{per}: {total * scale / 1e6:.2f} ms, "
+    print(f"planes: {read}; kernel time{per}: {total * scale / 1e6:.2f} ms, "
           f"{sum(counts.values()) * scale:.0f} launches")
     busy, span = busy_and_span(intervals)
     print(f"busy {busy / 1e6:.1f} ms of the {span / 1e6:.1f} ms from the first kernel to the last "
@@ -129,7 +128,7 @@ def main() -> None:
               f"{100 * ns / total:.1f}% |")
     if args.host:
         print(f"\n| host event (top {args.host}, all traced steps) | ms |\n| --- | --- |")
-        for name, ns in host_times(args.trace_dir).most_common(args.host):
+        for name, ns in host_times(planes).most_common(args.host):
             print(f"| `{name[:90]}` | {ns / 1e6:.1f} |")
 
 

@@ -52,7 +52,6 @@ def dies_with(launcher: int) -> None:
         os._exit(1)
 
 
-
 def proc_state(pid: int) -> str | None:
     """Process `pid`'s state letter in /proc (R, S, T, t, Z...), None where there is none."""
     try:
@@ -60,6 +59,7 @@ def proc_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
 
 class Process:
     """One launched process: its Popen, its output pumps and its last lines.

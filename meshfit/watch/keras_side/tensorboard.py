@@ -121,8 +121,8 @@ class TensorBoardLog(keras.callbacks.Callback):
             first = self._step(-1)  # steps done before this fit
             # purge_step: a resumed run hides what the killed run wrote after its checkpoint.
             self._writer = self._writer_class(self.logdir, purge_step=first + 1 if first else None,
-                                         flush_secs=30,
-                                         filename_suffix=f".{os.getpid()}.{next(_files)}")
+                                              flush_secs=30,
+                                              filename_suffix=f".{os.getpid()}.{next(_files)}")
 
     def on_train_batch_end(self, batch, logs=None):
         if self._writer is None:
