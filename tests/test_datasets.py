@@ -5,6 +5,7 @@ import hashlib
 import io
 import os
 import pickle
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -441,7 +442,7 @@ def test_a_second_load_reads_the_kept_arrays_not_the_sources(tmp_path, monkeypat
     check_mnist_like(load("fashion_mnist", tmp_path / "data"), arrays, "fashion_mnist")
     kept = list((tmp_path / "cache" / "unpacked").iterdir())
     assert len(kept) == 1 and sorted(p.name for p in kept[0].iterdir()) == [
-        "class_names.txt", "x_test.npy", "x_train.npy", "y_test.npy", "y_train.npy"]
+        "class_names.txt", "sources.json", "x_test.npy", "x_train.npy", "y_test.npy", "y_train.npy"]
 
     def unpack(*_):
         raise AssertionError("the sources were read again")
@@ -472,6 +473,27 @@ def test_a_cut_entry_or_an_unwritable_cache_falls_back_to_the_sources(tmp_path, 
     monkeypatch.setenv("MESHFIT_CACHE", str(tmp_path / "a-file"))
     (tmp_path / "a-file").write_text("not a folder")
     check_mnist_like(load("mnist", tmp_path / "data"), arrays, "mnist")
+
+
+def test_writing_an_entry_removes_those_whose_sources_are_gone_or_changed(tmp_path, monkeypatch):
+    unpacked = tmp_path / "cache" / "unpacked"
+    for copy in "abc":
+        write_idx_dataset(tmp_path / copy / "mnist", **TINY, seed=7)
+        load("mnist", tmp_path / copy)
+    assert len(list(unpacked.iterdir())) == 3  # a copy elsewhere is another entry
+    shutil.rmtree(tmp_path / "a")
+    write_idx_dataset(tmp_path / "b" / "mnist", n_train=14, n_test=5, seed=8)
+    (unpacked / "mnist-of-format-1").mkdir()  # no sources.json: never read again
+    (unpacked / ".tmp-of-a-writer-that-died").mkdir()
+    os.utime(unpacked / ".tmp-of-a-writer-that-died", (0, 0))
+    (unpacked / ".tmp-of-a-writer-at-work").mkdir()
+    arrays = write_idx_dataset(tmp_path / "d" / "mnist", **TINY, seed=9)
+    check_mnist_like(load("mnist", tmp_path / "d"), arrays, "mnist")
+    kept = sorted(p.name for p in unpacked.iterdir())
+    assert len(kept) == 3 and kept[0] == ".tmp-of-a-writer-at-work"  # and c's and d's entries
+    monkeypatch.setattr(datasets, "_read", None)  # c and d are read from their kept entries
+    for copy in "cd":
+        load("mnist", tmp_path / copy)
 
 
 def test_cifar_class_names_come_back_from_the_kept_entry(tmp_path, monkeypatch):

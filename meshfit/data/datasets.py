@@ -22,7 +22,9 @@ Unpacking costs more than training's start-up can spare (Fashion-MNIST's gzip: 0
 CIFAR-10's pickles: 1.76; as .npy files: 0.01 and 0.24, measured 2026-11-27 on the 2-core EPYC),
 so the arrays read once are kept as .npy files in `CACHE/unpacked/` (`_read_through_cache`), named
 by the source files' paths, sizes and modification times and the checks they passed: a changed
-source is read (and checked) again. On disk: MNIST and Fashion-MNIST 52 MB each, CIFAR-10 176 MB.
+source is read (and checked) again. On disk: MNIST and Fashion-MNIST 52 MB each, CIFAR-10 176 MB,
+per set of source files still there: writing an entry removes those whose sources are gone or
+changed (`_remove_stale_entries`), which could never be read again.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.client
+import json
 import os
 import shutil
 import sys
 import tarfile
 import tempfile
+import time
 import urllib.request
 from dataclasses import dataclass
 from typing import Iterator
@@ -274,7 +278,10 @@ def _not_empty(dataset: Dataset, found: str) -> Dataset:
 
 
 _ARRAYS = ("x_train", "y_train", "x_test", "y_test")
-UNPACKED_FORMAT = 1  # part of each cache entry's name: raise it when what _read returns changes
+# Part of each cache entry's name: raise it when what _read returns or an entry holds changes
+# (2: entries name their sources in sources.json, so that stale ones can be found).
+UNPACKED_FORMAT = 2
+STALE_WRITE_SECONDS = 3600  # a .tmp- folder this old was left by a writer that died
 
 
 def _sources(key: str, found: str) -> list[str]:
@@ -318,11 +325,49 @@ def _read_through_cache(key: str, found: str, verify: bool) -> Dataset:
             np.save(os.path.join(tmp, f"{a}.npy"), getattr(dataset, a))
         with open(os.path.join(tmp, "class_names.txt"), "w", encoding="utf-8") as f:
             f.write("\n".join(dataset.class_names))
+        with open(os.path.join(tmp, "sources.json"), "w", encoding="utf-8") as f:
+            json.dump(stamp, f)
         os.rename(tmp, entry)  # fails where another run kept it first: this copy is then dropped
+        _remove_stale_entries(os.path.dirname(entry))
     except OSError:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     return dataset
+
+
+def _remove_stale_entries(unpacked: str) -> None:
+    """Removes the entries of `unpacked` that can never be read again: their source files gone or
+    changed (a stamp no longer matches), or no sources.json (written by UNPACKED_FORMAT 1); and
+    folders a writer that died left half-written. Without this the cache grew by up to 176 MB
+    for each copy of a dataset ever read (another path, a fresh download, a test's folder).
+
+    A run reading an entry removed meanwhile loses nothing: its np.load fails and it reads the
+    sources (the OSError branch of `_read_through_cache`)."""
+    for name in os.listdir(unpacked):
+        folder = os.path.join(unpacked, name)
+        try:
+            if name.startswith(".tmp-"):
+                stale = time.time() - os.stat(folder).st_mtime > STALE_WRITE_SECONDS
+            else:
+                stale = not _sources_unchanged(folder)
+        except OSError:  # removed by another run meanwhile, or a source not ours to look at: kept
+            continue
+        if stale:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sources_unchanged(entry: str) -> bool:
+    """Whether the source files an entry was read from are all there, unchanged."""
+    try:
+        with open(os.path.join(entry, "sources.json"), encoding="utf-8") as f:
+            stamp = json.load(f)
+        for path, size, mtime_ns in stamp:
+            st = os.stat(path)
+            if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
+                return False
+    except (FileNotFoundError, ValueError):  # a source gone, no sources.json (format 1) or a cut one
+        return False
+    return True
 
 
 def _read(key: str, found: str, verify: bool) -> Dataset:
