@@ -301,6 +301,25 @@ def test_a_bad_argument_is_one_line(tmp_path):
     one_line_error(out, "argument --epochs: invalid int value: 'many'")
 
 
+@pytest.mark.parametrize("given", ["images", "images/", "./images", "missing.py"])
+def test_a_folder_or_missing_file_given_as_the_recipe_is_named_before_the_devices_connect(
+        tmp_path, capsys, monkeypatch, given):
+    """`meshfit train my_images` (the first thing a new user tries with a folder) says how to
+    train on a folder; a missing recipe file is named: one line (exit 2), nothing connected."""
+    from meshfit import cli
+    from meshfit.parallel import engine
+
+    monkeypatch.setattr(engine, "start_engine", lambda *a, **k: pytest.fail("connected first"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "images" / "cats").mkdir(parents=True)
+    assert cli.main(["train", given]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    expected = (f"{tmp_path / 'missing.py'} does not exist" if given == "missing.py" else
+                f"{tmp_path / 'images'} is a folder, not a recipe file; to train on the images in "
+                f"it (a sub-folder per class): meshfit train --data {tmp_path / 'images'} --image-size")
+    assert len(err) == 1 and expected in err[0], err
+
+
 @pytest.mark.parametrize("command", [["train", "--data", "MISSING", "--image-size", "28", "28"],
                                      ["eval", "RUN", "--data", "MISSING"]])
 def test_a_missing_data_folder_is_named_before_the_devices_connect(tmp_path, capsys, monkeypatch,

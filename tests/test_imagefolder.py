@@ -63,6 +63,23 @@ def test_scan_sorts_classes_and_files_and_skips_what_it_cannot_read(tmp_path):
     assert len(part) == 2 and part.class_names == found.class_names
 
 
+def test_links_are_followed_once_and_never_back_up(tmp_path):
+    root = tmp_path / "data"
+    write_folder(root, {"a": 2, "b": 3})
+    write_folder(tmp_path / "elsewhere", {"c": 4}, seed=1)
+    os.symlink(root, root / "a" / "everything")  # back up to the root: the other class too
+    os.symlink(".", root / "b" / "itself")
+    os.symlink(tmp_path / "elsewhere" / "c", root / "a" / "more")  # a link down: followed once
+    os.symlink(tmp_path / "elsewhere" / "c", root / "a" / "more again")
+    with pytest.warns(UserWarning, match=r"skipped 3 file\(s\)"):
+        found = folder_scan.scan(root)
+    names = [os.path.relpath(f, root) for f in found.files]
+    assert names == ["a/000.png", "a/001.png"] + [f"a/more/00{i}.png" for i in range(4)] + [
+        "b/000.png", "b/001.png", "b/002.png"]
+    assert {os.path.relpath(p, root) for p, why in found.skipped if "not followed" in why} == {
+        "a/everything", "a/more again", "b/itself"}
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda root: None, "does not exist"),
     (lambda root: os.makedirs(root), "has no class sub-folders"),

@@ -9,6 +9,8 @@ Bad data, decided once:
   - a file whose suffix is not in IMAGE_EXTENSIONS, or whose header Pillow cannot read (corrupt,
     truncated before its size, not an image): skipped at scan and listed in `Folder.skipped`
     with the reason; hidden files (".name") are ignored;
+  - a link to a folder is followed, unless that folder is above it or was listed already (a loop,
+    or a second name for it): skipped, so each image is listed once, under one class;
   - a missing folder, no class folders, a class folder left with no readable image, or a single
     class: a one-line MeshfitError saying what to do.
 A file whose header reads but whose pixels do not decode is an error when its batch is decoded
@@ -104,8 +106,24 @@ def scan(path: str | os.PathLike, class_names: tuple[str, ...] | None = None) ->
 def _class_files(folder: str) -> tuple[list[str], list[tuple[str, str]]]:
     """(readable image files, skipped (path, reason)) under one class folder, sorted by path."""
     candidates, skipped = [], []
+    # Links are followed (a class folder may be a link to where its images are), but not into a
+    # folder this walk has been in or one above the class folder: os.walk keeps no such record, and
+    # a link back up (`ln -s .. all`) was walked again and again until the path grew too long, each
+    # pass listing the images once more, those of other classes too under this class's label.
+    seen = set(_real_ancestors(folder))  # and each folder as it is queued for the walk
     for directory, subdirs, names in os.walk(folder, followlinks=True):
-        subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+        kept = []
+        for d in sorted(subdirs):  # sorted: of two names for one folder, the first is walked
+            if d.startswith("."):
+                continue
+            real = os.path.realpath(os.path.join(directory, d))
+            if real in seen:
+                skipped.append((os.path.join(directory, d), "a link to a folder above it or "
+                                "already scanned (not followed)"))
+            else:
+                seen.add(real)
+                kept.append(d)
+        subdirs[:] = kept
         for name in names:
             path = os.path.join(directory, name)
             if name.startswith("."):
@@ -119,6 +137,17 @@ def _class_files(folder: str) -> tuple[list[str], list[tuple[str, str]]]:
     found = [p for p, problem in zip(candidates, problems) if problem is None]
     skipped += [(p, problem) for p, problem in zip(candidates, problems) if problem is not None]
     return sorted(found), sorted(skipped)  # paths under one folder: sorted as their names
+
+
+def _real_ancestors(folder: str) -> list[str]:
+    """The real paths of `folder` and of every folder above it, up to the file system's root."""
+    path, found = os.path.realpath(folder), []
+    while True:
+        found.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            return found
+        path = parent
 
 
 def layout(path: str | os.PathLike, validation_split: float, seed: int) -> dict[str, Folder | None]:

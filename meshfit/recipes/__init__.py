@@ -151,7 +151,7 @@ def get(name: str) -> Recipe:
 def is_file(name: str) -> bool:
     """True when `name` names a recipe file rather than a built-in recipe."""
     return name.endswith(".py") or os.sep in name or (builtin_name(name) not in _MODULES
-                                                      and os.path.isfile(name))
+                                                      and os.path.exists(name))
 
 
 def load(name: str | None) -> Recipe:
@@ -165,10 +165,7 @@ def load_file(path: str | os.PathLike) -> Recipe:
 
     The file runs as a module of its own; an error in it is one line naming the file and line.
     """
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isfile(path):
-        raise MeshfitError(f"recipe file {path} does not exist; give a .py file defining "
-                           f"RECIPE = meshfit.Recipe(...), or one of: {', '.join(_MODULES)}")
+    path = check_file(path)
     with open(path, encoding="utf-8") as f:
         text = f.read()
     module = types.ModuleType("meshfit_recipe_" + hashlib.sha256(path.encode()).hexdigest()[:12])
@@ -186,6 +183,20 @@ def load_file(path: str | os.PathLike) -> Recipe:
         raise MeshfitError(f"recipe file {path} defines no RECIPE = meshfit.Recipe(...); "
                            "start from one: meshfit recipe fashion-mnist-cnn > my_recipe.py")
     return dataclasses.replace(recipe, file=path, text=text, doc=recipe.doc or (module.__doc__ or ""))
+
+
+def check_file(path: str | os.PathLike) -> str:
+    """The absolute path of the recipe file `path`, checked before anything slow starts (a
+    recipe file runs after the engine): a MeshfitError when it is missing or a folder."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):  # as a new user tries first: `meshfit train my_images/`
+        raise MeshfitError(f"{path} is a folder, not a recipe file; to train on the images in it "
+                           f"(a sub-folder per class): meshfit train --data {path} --image-size "
+                           "HEIGHT WIDTH")
+    if not os.path.isfile(path):
+        raise MeshfitError(f"recipe file {path} does not exist; give a .py file defining "
+                           f"RECIPE = meshfit.Recipe(...), or one of: {', '.join(_MODULES)}")
+    return path
 
 
 def _error_line(error: BaseException, path: str) -> str:

@@ -79,6 +79,7 @@ def load_recipe(recipe: str | recipes.Recipe | None, options: TrainOptions) -> r
     """The recipe of a new run, with the options that override its own settings: a recipe file
     runs only after the engine is started, since it may import Keras at its top."""
     if isinstance(recipe, str) and recipes.is_file(recipe):
+        recipes.check_file(recipe)
         start_engine_for_file(options.simulate_devices, options.engine, options.require)
     the_recipe = recipe if isinstance(recipe, recipes.Recipe) else recipes.load(recipe)
     changes = {"steps_per_epoch": options.steps_per_epoch,
