@@ -18,7 +18,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from helpers import assert_same_weights, model_weights, run_meshfit, write_idx_dataset
+from helpers import (assert_same_weights, cli_env, environment, model_weights, run_meshfit,
+                     write_idx_dataset)
 
 from meshfit import env
 from meshfit.fit import hosts
@@ -187,6 +188,59 @@ def test_each_sample_is_trained_once_per_epoch_over_all_processes(tmp_path):
         # joining seeds Keras on every process (hosts.agree_on_seed): that must not import
         # TensorFlow on the JAX engine (2.3 s of each process's start-up)
         assert f["tensorflow"] is False, f
+
+
+# A user's own script, unchanged: plain fit (203 samples in batches of 40: a last batch of 3 per
+# process), validation (37), evaluate (batches of 16: 11 last) and predict (9 in batches of 4),
+# each process passing its own rows (Keras' multi-process input). Run on one process (4 devices)
+# with the argument I, it prints what process I of a 2 x 2 job must print.
+PLAIN_KERAS = """
+import json, sys
+import meshfit, numpy as np
+strategy = meshfit.connect(verbose=False, **({"simulate": 4, "engine": "jax"} if sys.argv[1:] else {}))
+import keras, jax
+rng = np.random.default_rng(0)
+x = rng.random((203, 6)).astype("float32")
+y = (x[:, 0] + x[:, 1] > 1).astype("int32")
+keras.utils.set_random_seed(1)
+with strategy.scope():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+history = model.fit(x, y, batch_size=40, epochs=2, verbose=0, shuffle=False,
+                    validation_data=(x[:37], y[:37]))
+scores = model.evaluate(x, y, batch_size=16, verbose=0)
+i = int(sys.argv[1]) if sys.argv[1:] else jax.process_index()
+outputs = model.predict(x[i * 5:i * 5 + 9], batch_size=4, verbose=0)
+print(json.dumps({"process": i, "history": history.history, "scores": scores,
+                  "outputs": outputs.tolist()}), flush=True)
+"""
+
+
+def test_plain_keras_fit_evaluate_predict_on_two_processes_as_on_one(tmp_path):
+    """Batches whose rows do not split across all the devices (every process's rows together)
+    are computed whole on every device, as on one host, where Keras' placement failed (JAX's
+    IndivisibleError); predict returns each process the outputs of its own rows, where Keras
+    could not fetch outputs that span the hosts."""
+    script = tmp_path / "plain_keras.py"
+    script.write_text(PLAIN_KERAS)
+    out = run_meshfit(*launch_args(sys.executable, str(script), devices=2), timeout=SAFETY_SECONDS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = {d["process"]: d for d in (json.loads(line.split(" ", 1)[1])
+                                       for line in out.stdout.splitlines() if " {" in line)}
+    for i in (0, 1):
+        alone = subprocess.run([sys.executable, str(script), str(i)], capture_output=True, text=True,
+                               env=environment(cli_env(tmp_path)), timeout=SAFETY_SECONDS)
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        expected = json.loads(alone.stdout.strip().splitlines()[-1])
+        assert len(found[i]["outputs"]) == 9
+        for key in ("history", "scores", "outputs"):
+            np.testing.assert_allclose(np.asarray(found[i][key] if key != "history" else
+                                                  [found[i][key][k] for k in sorted(found[i][key])]),
+                                       np.asarray(expected[key] if key != "history" else
+                                                  [expected[key][k] for k in sorted(expected[key])]),
+                                       rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def test_unreachable_coordinator_is_a_bounded_one_line_error():

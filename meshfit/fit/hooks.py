@@ -3,11 +3,12 @@
 After `meshfit.connect()` a user's unchanged Keras code runs on every device; these hooks make
 plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.fit`:
 
-- Placement (JAX, several devices, one host): a batch whose rows split across the devices is
-  sharded along its first axis, as Keras' `DataParallel` does. One that does not (an epoch's
-  last batch, a validation remainder, `predict` on 3 images, fewer samples than devices) is
-  placed whole on every device and computed there replicated, instead of failing with JAX's
-  IndivisibleError. Every sample counts exactly as on one device (no cut, no padding: see
+- Placement (JAX, several devices): a batch whose rows split across the devices is sharded
+  along its first axis, as Keras' `DataParallel` does. One that does not (an epoch's last batch,
+  a validation remainder, `predict` on 3 images, fewer samples than devices) is placed whole on
+  every device and computed there replicated, instead of failing with JAX's IndivisibleError; on
+  several hosts that is every process's rows (each passes its own), and `predict` gives each
+  process back its rows' outputs (meshfit.fit.hosts). Every sample counts exactly as on one device (no cut, no padding: see
   meshfit.fit.sources for why padding is not exact); the price is one more compilation for that
   shape and that batch computed on every device rather than split.
 - Weights in their shards (JAX, several devices): a variable whose layout splits it is drawn
@@ -54,7 +55,7 @@ import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshfit import env
-from meshfit.fit import jax_loop, keras_internals, memory_plan, sharded_init, sources
+from meshfit.fit import hosts, jax_loop, keras_internals, memory_plan, sharded_init, sources
 from meshfit.parallel import heartbeat, stall
 from meshfit.watch import goodput
 from meshfit.watch.keras_side import progress_bar
@@ -138,24 +139,26 @@ def _guarded(method: Callable) -> Callable:
 
 
 def _placement_hook(place: Callable) -> Callable:
-    """Keras' `distribute_data_input(batch, layout, batch_dim_name)`, replicating batches that do
-    not split across the devices (one host: on several, each process holds only its rows)."""
+    """Keras' `distribute_data_input(batch, layout, batch_dim_name)`, placing batches that do not
+    split across the devices whole on every device (on several hosts, every process's rows)."""
 
     @functools.wraps(place)
     def distribute_data_input(per_process_batch, layout, batch_dim_name):
         strategy = _active
         shape = getattr(per_process_batch, "shape", ())
-        if not shape or not _distributed(strategy) or strategy.hosts > 1:
+        if not shape or not _distributed(strategy):
             return place(per_process_batch, layout, batch_dim_name)
         sharding = getattr(layout, "backend_layout", layout)
         # Keras 3.16 stacks a dispatch's k batches on a new leading axis, which its layout leaves
         # whole: the rows are then the second axis.
         stacked = tuple(getattr(sharding, "spec", ()))[:1] == (None,) and len(shape) > 1
-        rows = shape[1 if stacked else 0]
+        rows = shape[1 if stacked else 0] * strategy.hosts  # each process passes as many rows
         splits = rows % strategy.replicas == 0 and rows > 0
         _note_batch(rows, splits, strategy.replicas)
         if splits:
             return place(per_process_batch, layout, batch_dim_name)
+        if strategy.hosts > 1:
+            return hosts.whole_on_every_device(per_process_batch, sharding.mesh)
         return jax.device_put(per_process_batch, NamedSharding(sharding.mesh, PartitionSpec()))
 
     return distribute_data_input
@@ -186,6 +189,8 @@ def _make_function_hook(make: Callable, attribute: str) -> Callable:
         function = getattr(self, attribute)
         if function is not None and not getattr(function, "_meshfit_counted", False):
             function = _counted(function, self.steps_per_execution if steps else 0)
+            if attribute == "predict_function" and _active is not None and _active.hosts > 1:
+                function = _process_rows_returned(function)
             setattr(self, attribute, function)
         if (steps and function is not None and not getattr(function, "_meshfit_timed", False)
                 and accounting()):
@@ -205,6 +210,19 @@ def _counted(function: Callable, steps: int) -> Callable:
 
     step._meshfit_counted = True
     return step
+
+
+def _process_rows_returned(function: Callable) -> Callable:
+    """A predict function `(state, iterator) -> (outputs, state)` whose outputs are this
+    process's rows as numpy (meshfit.fit.hosts.process_rows): on several hosts, `predict(x)` on
+    each process returns the outputs of its own x, as Keras' predict does on one."""
+
+    def predict(state, iterator):
+        outputs, state = function(state, iterator)
+        return jax.tree.map(hosts.process_rows, outputs), state
+
+    predict._meshfit_counted = True
+    return predict
 
 
 # --------------------------------------------------------------------------------- goodput

@@ -174,3 +174,45 @@ def predict_across_hosts(model, batches: Iterable[Any]):
         result = call(trainable, other, jax.tree.map(to_global, x))
         outputs.append(multihost_utils.process_allgather(result, tiled=True))
     return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
+
+
+# ----------------------------------------------- plain Keras fit / evaluate / predict on several hosts
+# In a user's own `model.fit/evaluate/predict` on several hosts each process passes its own rows
+# (Keras' multi-process input: the global batch is every process's rows together). Two cases
+# Keras cannot take, mended by meshfit.fit.hooks with these two helpers:
+
+def whole_on_every_device(per_process_batch: Any, mesh: Mesh) -> jax.Array:
+    """A batch whose rows of all processes together do not split across the devices (an epoch's
+    last batch, `predict` on 7 samples): every process's rows, in process order, placed whole on
+    every device (Keras' placement fails with JAX's IndivisibleError). A collective: every
+    process places its part of the same batch, as for any batch, with as many rows."""
+    everyone = np.asarray(multihost_utils.process_allgather(np.asarray(per_process_batch), tiled=True))
+    return jax.make_array_from_callback(everyone.shape, NamedSharding(mesh, PartitionSpec()),
+                                        lambda index: everyone[index])
+
+
+def process_rows(output: Any) -> Any:
+    """This process's rows of a model output that spans the hosts, as numpy: the outputs of the
+    rows it passed, in order (Keras' predict fetches whole outputs, which it cannot on several
+    hosts: "Fetching value for `jax.Array` that spans non-addressable ... devices is not
+    possible"). Split on its rows: this process's shards, each once. Whole on every device (a
+    batch placed by whole_on_every_device): the process's block of its process-ordered rows.
+    Otherwise (split on another axis only) gathered first, then cut the same way."""
+    if not isinstance(output, jax.Array) or output.is_fully_addressable or not output.ndim:
+        return output
+    spec = tuple(getattr(output.sharding, "spec", None) or ())
+    if spec[:1] not in ((), (None,)) and all(axis is None for axis in spec[1:]):
+        blocks = {}
+        for shard in output.addressable_shards:  # a row block may sit on several devices (a model axis)
+            blocks.setdefault(shard.index[0].indices(output.shape[0])[:2], shard.data)
+        return np.concatenate([np.asarray(blocks[k]) for k in sorted(blocks)])
+    if output.sharding.is_fully_replicated:
+        whole = np.asarray(output.addressable_data(0))
+    else:
+        whole = np.asarray(multihost_utils.process_allgather(output, tiled=True))
+    rows, count = len(whole), jax.process_count()
+    if rows % count:
+        raise MeshfitError(f"a model output of {rows} rows over {count} processes cannot be given "
+                           "back to each process by its rows; pass every process as many samples")
+    mine = rows // count
+    return whole[jax.process_index() * mine:(jax.process_index() + 1) * mine]
