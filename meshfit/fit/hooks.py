@@ -8,9 +8,10 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   a validation remainder, `predict` on 3 images, fewer samples than devices) is placed whole on
   every device and computed there replicated, instead of failing with JAX's IndivisibleError; on
   several hosts that is every process's rows (each passes its own), and `predict` gives each
-  process back its rows' outputs (meshfit.fit.hosts). Every sample counts exactly as on one device (no cut, no padding: see
-  meshfit.fit.sources for why padding is not exact); the price is one more compilation for that
-  shape and that batch computed on every device rather than split.
+  process back its rows' outputs (meshfit.fit.hosts). Every sample counts exactly as on one
+  device (no cut, no padding: see meshfit.fit.sources for why padding is not exact); the price
+  is one more compilation for that shape and that batch computed on every device rather than
+  split.
 - Weights in their shards (JAX, several devices): a variable whose layout splits it is drawn
   straight into its shards, never whole on one device first (meshfit.fit.sharded_init).
 - Progress and the stall guard (JAX): every train, test and predict dispatch is counted
