@@ -53,7 +53,8 @@ def connect(require: str | None = None, simulate_devices: int | None = None,
     require: 'tpu' or 'gpu' to fail unless that platform is present.
     simulate_devices: run on this many JAX CPU devices (also $MESHFIT_SIMULATE_DEVICES); the
       older keyword `simulate` is still accepted.
-    precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32).
+    precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32). 'auto': the
+      hardware's, unless the user set Keras' global dtype policy (Strategy.activate).
     engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
     sharding: 'auto' (default), 'data' or 'fsdp' (see meshfit.parallel.modes). 'auto' lays
       variables out as 'data' until a model's first fit plans its train step with fit's batch
@@ -91,7 +92,8 @@ def connect(require: str | None = None, simulate_devices: int | None = None,
 
     return strategy.connected(
         info, chosen, _planning.resolve_precision(precision, info.platform, info.compute_capability),
-        sharding, fsdp_min_bytes, device_memory, layout_map, verbose, model_parallel)
+        sharding, fsdp_min_bytes, device_memory, layout_map, verbose, model_parallel,
+        precision_auto=precision == _planning.DEFAULT_PRECISION)
 
 
 def __getattr__(name: str):

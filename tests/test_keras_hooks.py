@@ -83,3 +83,29 @@ def test_a_recompiled_model_keeps_its_add_loss_term_with_the_report(strategy, ca
     assert second.history["loss"][0] == pytest.approx(expected)
     assert model.evaluate(x, y, batch_size=16, verbose=0) == pytest.approx(expected)
     assert "MFU n/a" not in capsys.readouterr().out  # labels shaped like the outputs: FLOPs known
+
+
+def test_a_dtype_policy_the_user_sets_wins_over_precision_auto_not_over_one_asked(strategy, capsys):
+    """Tutorial 3 sets `mixed_bfloat16` itself: under precision 'auto' (float32 on the CPU) the
+    scope keeps it, and the strategy reports it; a precision given to connect() wins over it."""
+    import keras
+
+    import meshfit
+    from meshfit.fit.strategy import set_dtype_policy
+
+    try:
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        model = tiny_model(strategy)
+        assert model.layers[0].dtype_policy.name == "mixed_bfloat16"
+        assert strategy.precision == "bfloat16" and "bfloat16" in strategy.report()
+        model.fit(np.zeros((16, 4), "float32"), np.zeros(16, "int32"), batch_size=8, verbose=2)
+        assert "epoch 1/1" in capsys.readouterr().out
+        asked = meshfit.connect(simulate_devices=8, engine="jax", verbose=False, precision="float32")
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        assert tiny_model(asked).layers[0].dtype_policy.name == "float32"
+        assert keras.config.dtype_policy().name == "mixed_bfloat16"  # the scope restores the user's
+        keras.mixed_precision.set_global_policy("float32")  # and once more the user's, under 'auto'
+        assert tiny_model(strategy).layers[0].dtype_policy.name == "float32"
+        assert strategy.precision == "float32"
+    finally:
+        set_dtype_policy("float32")

@@ -171,10 +171,12 @@ class Strategy:
     def __init__(self, info: devices_lib.DeviceInfo, engine: str, precision: str,
                  sharding: modes.ShardingMode | str | None = None,
                  fsdp_min_bytes: int = sharding_lib.DEFAULT_FSDP_MIN_BYTES,
-                 device_memory: int | None = None, layout_map=None, model_parallel: int | None = 1):
+                 device_memory: int | None = None, layout_map=None, model_parallel: int | None = 1,
+                 precision_auto: bool = False):
         self.info = info
         self.engine = engine
         self.precision = precision
+        self.precision_auto = precision_auto  # chosen for the devices: a user's own policy wins
         self.per_core_multiple = planning.batch_multiple(info.platform, info.device_kind)
         self.sharding_asked = asked = modes.sharding_named(sharding)  # None: modes.DEFAULT
         self.fsdp_min_bytes = fsdp_min_bytes
@@ -215,7 +217,8 @@ class Strategy:
         model_parallel, another mesh ((devices/K) x K), e.g. what the memory plan chose for 'auto';
         activate it before building the model."""
         chosen = Strategy(self.info, self.engine, self.precision, sharding, self.fsdp_min_bytes,
-                          self.device_memory, self._layout_map, model_parallel or self.model_parallel)
+                          self.device_memory, self._layout_map, model_parallel or self.model_parallel,
+                          self.precision_auto)
         chosen.sharding_asked = self.sharding_asked  # the report says 'auto' chose it, not the user
         chosen.model_parallel_asked = self.model_parallel_asked
         return chosen
@@ -285,8 +288,12 @@ class Strategy:
 
     def activate(self) -> None:
         """Make this strategy's distribution and precision the global Keras ones, and this the
-        strategy plain `model.fit`/`evaluate`/`predict` run under (see meshfit.fit.hooks)."""
-        keras.config.set_dtype_policy(planning.keras_policy(self.precision))
+        strategy plain `model.fit`/`evaluate`/`predict` run under (see meshfit.fit.hooks). Under
+        precision 'auto', a dtype policy the user set (before connect() or since) is kept and
+        becomes the strategy's precision (see users_precision)."""
+        if self.precision_auto:
+            self.precision = users_precision() or self.precision
+        set_dtype_policy(planning.keras_policy(self.precision))
         if self.engine == "jax":
             keras.distribution.set_distribution(self._distribution)  # None on one device
         hooks.set_active(self)
@@ -301,7 +308,7 @@ class Strategy:
         try:
             yield self
         finally:
-            keras.config.set_dtype_policy(policy)
+            set_dtype_policy(policy)
             if self.engine == "jax":
                 keras.distribution.set_distribution(distribution)
             hooks.set_active(strategy)
@@ -407,9 +414,33 @@ def plan(build, global_batch: int, input_shapes=None, verbose: bool = True) -> m
     return memory_plan.plan_build(strategy, build, global_batch, input_shapes, verbose)
 
 
+# The dtype policy meshfit set last (Keras' default before it set any): the global policy is the
+# user's own whenever it differs from this one.
+_policy_set = "float32"
+
+
+def set_dtype_policy(policy) -> None:
+    """Keras' global dtype policy, set by meshfit (every time meshfit sets it: see users_precision)."""
+    global _policy_set
+    keras.config.set_dtype_policy(policy)
+    _policy_set = keras.config.dtype_policy().name
+
+
+def users_precision() -> str | None:
+    """The precision of the global dtype policy where the user set it and meshfit names it
+    (float32, mixed_bfloat16, mixed_float16): e.g. tutorial 3's
+    `keras.mixed_precision.set_global_policy("mixed_bfloat16")`, before connect() or after it,
+    which precision 'auto' (float32 on a CPU) once replaced unseen. None otherwise."""
+    name = keras.config.dtype_policy().name
+    if name == _policy_set:
+        return None
+    return {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}.get(name)
+
+
 def connected(info: devices_lib.DeviceInfo, engine: str, precision: str, sharding: str,
               fsdp_min_bytes: int, device_memory: int | None, layout_map=None,
-              verbose: bool = True, model_parallel: int | None = None) -> Strategy:
+              verbose: bool = True, model_parallel: int | None = None,
+              precision_auto: bool = False) -> Strategy:
     """The second half of `meshfit.connect()`, once Keras runs on `engine`: the Strategy for
     these devices (precision already resolved, settings checked), activated; the report printed."""
     if engine == "tensorflow":
@@ -417,7 +448,7 @@ def connected(info: devices_lib.DeviceInfo, engine: str, precision: str, shardin
     if info.hosts > 1:
         hosts.agree_on_seed()  # the same initial weights on every host
     strategy = Strategy(info, engine, precision, sharding, fsdp_min_bytes, device_memory, layout_map,
-                        model_parallel)
+                        model_parallel, precision_auto)
     strategy.activate()
     if verbose and info.process_index == 0:
         print(strategy.report(), flush=True)
