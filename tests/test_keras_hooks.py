@@ -85,14 +85,18 @@ def test_a_recompiled_model_keeps_its_add_loss_term_with_the_report(strategy, ca
     assert "MFU n/a" not in capsys.readouterr().out  # labels shaped like the outputs: FLOPs known
 
 
-def test_a_dtype_policy_the_user_sets_wins_over_precision_auto_not_over_one_asked(strategy, capsys):
+def test_a_dtype_policy_the_user_sets_wins_over_precision_auto_not_over_one_asked(
+        strategy, capsys, monkeypatch):
     """Tutorial 3 sets `mixed_bfloat16` itself: under precision 'auto' (float32 on the CPU) the
-    scope keeps it, and the strategy reports it; a precision given to connect() wins over it."""
+    scope keeps it, and the strategy reports it, as does connect() run again; a precision given
+    to connect() wins over it."""
     import keras
 
     import meshfit
+    from meshfit.fit import strategy as strategy_module
     from meshfit.fit.strategy import set_dtype_policy
 
+    monkeypatch.setattr(strategy_module, "_users_policy", None)  # this test's, not the next's
     try:
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
         model = tiny_model(strategy)
@@ -100,6 +104,9 @@ def test_a_dtype_policy_the_user_sets_wins_over_precision_auto_not_over_one_aske
         assert strategy.precision == "bfloat16" and "bfloat16" in strategy.report()
         model.fit(np.zeros((16, 4), "float32"), np.zeros(16, "int32"), batch_size=8, verbose=2)
         assert "epoch 1/1" in capsys.readouterr().out
+        again = meshfit.connect(simulate_devices=8, engine="jax", verbose=False)
+        assert again.precision == "bfloat16"
+        assert tiny_model(again).layers[0].dtype_policy.name == "mixed_bfloat16"
         asked = meshfit.connect(simulate_devices=8, engine="jax", verbose=False, precision="float32")
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
         assert tiny_model(asked).layers[0].dtype_policy.name == "float32"

@@ -365,7 +365,7 @@ def _sources_unchanged(entry: str) -> bool:
             st = os.stat(path)
             if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
                 return False
-    except (FileNotFoundError, ValueError):  # a source gone, no sources.json (format 1) or a cut one
+    except (FileNotFoundError, ValueError):  # a source gone; no sources.json (format 1), or cut
         return False
     return True
 

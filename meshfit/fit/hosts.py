@@ -176,7 +176,7 @@ def predict_across_hosts(model, batches: Iterable[Any]):
     return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
 
 
-# ----------------------------------------------- plain Keras fit / evaluate / predict on several hosts
+# ------------------------------------------- plain Keras fit, evaluate and predict on several hosts
 # In a user's own `model.fit/evaluate/predict` on several hosts each process passes its own rows
 # (Keras' multi-process input: the global batch is every process's rows together). Two cases
 # Keras cannot take, mended by meshfit.fit.hooks with these two helpers:
@@ -186,7 +186,8 @@ def whole_on_every_device(per_process_batch: Any, mesh: Mesh) -> jax.Array:
     last batch, `predict` on 7 samples): every process's rows, in process order, placed whole on
     every device (Keras' placement fails with JAX's IndivisibleError). A collective: every
     process places its part of the same batch, as for any batch, with as many rows."""
-    everyone = np.asarray(multihost_utils.process_allgather(np.asarray(per_process_batch), tiled=True))
+    mine = np.asarray(per_process_batch)
+    everyone = np.asarray(multihost_utils.process_allgather(mine, tiled=True))
     return jax.make_array_from_callback(everyone.shape, NamedSharding(mesh, PartitionSpec()),
                                         lambda index: everyone[index])
 
@@ -203,7 +204,7 @@ def process_rows(output: Any) -> Any:
     spec = tuple(getattr(output.sharding, "spec", None) or ())
     if spec[:1] not in ((), (None,)) and all(axis is None for axis in spec[1:]):
         blocks = {}
-        for shard in output.addressable_shards:  # a row block may sit on several devices (a model axis)
+        for shard in output.addressable_shards:  # a block of rows may sit on several devices
             blocks.setdefault(shard.index[0].indices(output.shape[0])[:2], shard.data)
         return np.concatenate([np.asarray(blocks[k]) for k in sorted(blocks)])
     if output.sharding.is_fully_replicated:

@@ -415,8 +415,11 @@ def plan(build, global_batch: int, input_shapes=None, verbose: bool = True) -> m
 
 
 # The dtype policy meshfit set last (Keras' default before it set any): the global policy is the
-# user's own whenever it differs from this one.
+# user's own whenever it differs from this one. And the user's own policy seen last: it stays
+# theirs after a scope put it back (recorded as meshfit's), as Keras keeps a global policy until
+# it is set again, so that connect() run again (a notebook's cells) keeps it too.
 _policy_set = "float32"
+_users_policy: str | None = None
 
 
 def set_dtype_policy(policy) -> None:
@@ -430,11 +433,13 @@ def users_precision() -> str | None:
     """The precision of the global dtype policy where the user set it and meshfit names it
     (float32, mixed_bfloat16, mixed_float16): e.g. tutorial 3's
     `keras.mixed_precision.set_global_policy("mixed_bfloat16")`, before connect() or after it,
-    which precision 'auto' (float32 on a CPU) once replaced unseen. None otherwise."""
+    which precision 'auto' (float32 on a CPU) once replaced unseen. None where the user set none."""
+    global _users_policy
     name = keras.config.dtype_policy().name
-    if name == _policy_set:
-        return None
-    return {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}.get(name)
+    if name != _policy_set:
+        _users_policy = name
+    return {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}.get(
+        _users_policy or "")
 
 
 def connected(info: devices_lib.DeviceInfo, engine: str, precision: str, sharding: str,
