@@ -82,7 +82,8 @@ def test_table_and_json(folder):
     assert table[0].split()[:3] == ["run", "recipe", "device"]
     assert len(table) == 4
     assert "TPU v4" in table[1] and "90.00%" in table[1] and "40.0%" in table[1] and "finished" in table[1]
-    assert "2/3" in table[2] and "unfinished" in table[2]
+    assert "2/3" in table[2] and "unfinished" in table[2] and "75.00% val" in table[2]  # not scored yet
+    assert "90.00% val" not in table[1] and rows[0]["scored_on"] == "test"
     assert "unreadable: metrics.json" in table[3]
     assert {line.index("fashion-mnist-cnn") for line in table[1:]} == {table[0].index("recipe")}
     assert "Intel Xeon" in table[3]  # a damaged metrics.json: the settings still shown

@@ -3,7 +3,8 @@
 A directory holding config.json is a run; any other directory given is searched one level down
 (default: runs/). One row per run: recipe, hardware and settings, epochs done of those planned,
 test accuracy ("-" for a model that is no classifier: --json has every run's test_loss and
-test_mae), training seconds, samples/s, MFU, goodput (training-step time / wall time, from
+test_mae; the last epoch's validation accuracy, marked "val", for a run without a test set or
+not scored yet), training seconds, samples/s, MFU, goodput (training-step time / wall time, from
 metrics.json or, while unfinished, the run's goodput.json) and status:
   finished         metrics.json exists;
   unfinished       killed or still training: progress from history.json or, as training writes
@@ -99,6 +100,10 @@ def _fill(row: dict[str, Any], run: str) -> None:
         "goodput_seconds": spent.get("seconds") if spent else None,
         "epochs_done": len(records), "epochs_planned": source.get("epochs"),
         "test_accuracy": metrics.get("test_accuracy", last.get("val_accuracy")),
+        # where the scores come from: the test split, else (no test set, or not scored yet) the
+        # last epoch's validation, marked "val" in the table
+        "scored_on": ("test" if {"test_accuracy", "test_loss"} & set(metrics) else
+                      "validation" if {"val_accuracy", "val_loss"} & set(last) else None),
         # a model that is no classifier has no accuracy ("-"): its loss and mean absolute error
         "test_loss": metrics.get("test_loss", last.get("val_loss")),
         "test_mae": metrics.get("test_mae", last.get("val_mae")),
@@ -136,11 +141,19 @@ def _cell(key: str, value: Any) -> str:
     return str(value)
 
 
+def _scored_on(key: str, row: dict[str, Any]) -> str:
+    """" val" after a test accuracy that is the validation's (a run without a test set, or not
+    scored yet), so that no validation figure passes for a test one."""
+    scored = key == "test_accuracy" and row.get(key) is not None and row.get("scored_on") == "validation"
+    return " val" if scored else ""
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as plain text columns, numbers right-aligned; "-" where unknown."""
     if not rows:
         return "no runs found"
-    cells = [[title for _, title in COLUMNS]] + [[_cell(k, row.get(k)) for k, _ in COLUMNS] for row in rows]
+    cells = [[title for _, title in COLUMNS]] + [[_cell(k, row.get(k)) + _scored_on(k, row)
+                                                  for k, _ in COLUMNS] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
     right = {"replicas", "epochs", "test_accuracy", "train_seconds", "samples_per_second", "mfu",
              "goodput"}
