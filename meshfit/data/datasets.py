@@ -18,13 +18,8 @@ root folders the layout is the one the canonical downloads unpack to:
 
 A root may also be the dataset's own folder (e.g. `data_dir=".../mnist"`).
 
-Unpacking costs more than training's start-up can spare (Fashion-MNIST's gzip: 0.58 CPU-s,
-CIFAR-10's pickles: 1.76; as .npy files: 0.01 and 0.24, measured 2026-11-27 on the 2-core EPYC),
-so the arrays read once are kept as .npy files in `CACHE/unpacked/` (`_read_through_cache`), named
-by the source files' paths, sizes and modification times and the checks they passed: a changed
-source is read (and checked) again. On disk: MNIST and Fashion-MNIST 52 MB each, CIFAR-10 176 MB,
-per set of source files still there: writing an entry removes those whose sources are gone or
-changed (`_remove_stale_entries`), which could never be read again.
+The arrays read once are kept as .npy files in `CACHE/unpacked/` and read from there while the
+source files are unchanged (meshfit.data.unpacked).
 """
 
 from __future__ import annotations
@@ -32,13 +27,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.client
-import json
 import os
 import shutil
 import sys
 import tarfile
 import tempfile
-import time
 import urllib.request
 from dataclasses import dataclass
 from typing import Iterator
@@ -46,7 +39,7 @@ from typing import Iterator
 import numpy as np
 
 from meshfit import env
-from meshfit.data import FOLDER_VALIDATION_SPLIT, file_formats, folder_scan, image_files, order
+from meshfit.data import FOLDER_VALIDATION_SPLIT, file_formats, folder_scan, image_files, order, unpacked
 from meshfit.watch import progress
 from meshfit.errors import MeshfitError
 
@@ -277,13 +270,6 @@ def _not_empty(dataset: Dataset, found: str) -> Dataset:
     return dataset
 
 
-_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
-# Part of each cache entry's name: raise it when what _read returns or an entry holds changes
-# (2: entries name their sources in sources.json, so that stale ones can be found).
-UNPACKED_FORMAT = 2
-STALE_WRITE_SECONDS = 3600  # a .tmp- folder this old was left by a writer that died
-
-
 def _sources(key: str, found: str) -> list[str]:
     """The files `_read` reads for the dataset found at `found`."""
     if found.endswith(".npz"):
@@ -293,81 +279,12 @@ def _sources(key: str, found: str) -> list[str]:
 
 
 def _read_through_cache(key: str, found: str, verify: bool) -> Dataset:
-    """`_read(key, found, verify)`, from CACHE/unpacked/ when these source files (same paths,
-    sizes and modification times) were read before; else read, checked and kept there.
-
-    Kept arrays were checked when written, so a hit skips the checks: a source replaced by one
-    of the same size and modification time (to the nanosecond) would not be seen; any other change
-    is. Entries are written to a temporary folder and renamed, so concurrent runs (the processes
-    of a job on one host) never see half an entry; an entry that cannot be read is read again
-    from the sources. No writable cache: the sources are read each time."""
-    try:
-        stats = {path: os.stat(path) for path in _sources(key, found)}
-        stamp = [(os.path.abspath(path), st.st_size, st.st_mtime_ns) for path, st in stats.items()]
-    except OSError:  # vanished between _find and here: _read gives the clear error
-        return _read(key, found, verify)
+    """`_read(key, found, verify)`, or its arrays kept when these source files were read before
+    with the same checks (meshfit.data.unpacked)."""
     checks = sorted((k, v) for k, v in PUBLISHED.items() if k[0] == key) if verify else []
-    digest = hashlib.sha256(repr((UNPACKED_FORMAT, key, checks, stamp)).encode()).hexdigest()[:20]
-    entry = os.path.join(_cache_root(), "unpacked", f"{key}-{digest}")
-    try:
-        with open(os.path.join(entry, "class_names.txt"), encoding="utf-8") as f:
-            names = tuple(f.read().split("\n")) if key == "cifar10" else CLASS_NAMES[key]
-        arrays = [np.load(os.path.join(entry, f"{a}.npy"), allow_pickle=False) for a in _ARRAYS]
-        return Dataset(*arrays, names, key)
-    except (OSError, ValueError):  # not kept yet, or an entry cut short: read the sources
-        pass
-    dataset = _read(key, found, verify)
-    tmp = None
-    try:
-        os.makedirs(os.path.dirname(entry), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(entry), prefix=".tmp-")
-        for a in _ARRAYS:
-            np.save(os.path.join(tmp, f"{a}.npy"), getattr(dataset, a))
-        with open(os.path.join(tmp, "class_names.txt"), "w", encoding="utf-8") as f:
-            f.write("\n".join(dataset.class_names))
-        with open(os.path.join(tmp, "sources.json"), "w", encoding="utf-8") as f:
-            json.dump(stamp, f)
-        os.rename(tmp, entry)  # fails where another run kept it first: this copy is then dropped
-        _remove_stale_entries(os.path.dirname(entry))
-    except OSError:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dataset
-
-
-def _remove_stale_entries(unpacked: str) -> None:
-    """Removes the entries of `unpacked` that can never be read again: their source files gone or
-    changed (a stamp no longer matches), or no sources.json (written by UNPACKED_FORMAT 1); and
-    folders a writer that died left half-written. Without this the cache grew by up to 176 MB
-    for each copy of a dataset ever read (another path, a fresh download, a test's folder).
-
-    A run reading an entry removed meanwhile loses nothing: its np.load fails and it reads the
-    sources (the OSError branch of `_read_through_cache`)."""
-    for name in os.listdir(unpacked):
-        folder = os.path.join(unpacked, name)
-        try:
-            if name.startswith(".tmp-"):
-                stale = time.time() - os.stat(folder).st_mtime > STALE_WRITE_SECONDS
-            else:
-                stale = not _sources_unchanged(folder)
-        except OSError:  # removed by another run meanwhile, or a source not ours to look at: kept
-            continue
-        if stale:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _sources_unchanged(entry: str) -> bool:
-    """Whether the source files an entry was read from are all there, unchanged."""
-    try:
-        with open(os.path.join(entry, "sources.json"), encoding="utf-8") as f:
-            stamp = json.load(f)
-        for path, size, mtime_ns in stamp:
-            st = os.stat(path)
-            if (st.st_size, st.st_mtime_ns) != (size, mtime_ns):
-                return False
-    except (FileNotFoundError, ValueError):  # a source gone; no sources.json (format 1), or cut
-        return False
-    return True
+    return unpacked.read_through(os.path.join(_cache_root(), "unpacked"), key, _sources(key, found),
+                                 checks, read=lambda: _read(key, found, verify),
+                                 make=lambda arrays, names: Dataset(*arrays, names, key))
 
 
 def _read(key: str, found: str, verify: bool) -> Dataset:

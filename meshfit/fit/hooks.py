@@ -5,13 +5,11 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
 
 - Placement (JAX, several devices): a batch whose rows split across the devices is sharded
   along its first axis, as Keras' `DataParallel` does. One that does not (an epoch's last batch,
-  a validation remainder, `predict` on 3 images, fewer samples than devices) is placed whole on
-  every device and computed there replicated, instead of failing with JAX's IndivisibleError; on
-  several hosts that is every process's rows (each passes its own), and `predict` gives each
-  process back its rows' outputs (meshfit.fit.hosts). Every sample counts exactly as on one
-  device (no cut, no padding: see meshfit.fit.sources for why padding is not exact); the price
-  is one more compilation for that shape and that batch computed on every device rather than
-  split.
+  a validation remainder, `predict` on 3 images) is placed whole on every device (on several
+  hosts, every process's rows: meshfit.fit.hosts, whose predict returns each its own rows)
+  instead of failing with JAX's IndivisibleError. Every sample counts exactly as on one device
+  (no cut, no padding: see meshfit.fit.sources for why padding is not exact); the price is one
+  more compilation for that shape and that batch computed on every device rather than split.
 - Weights in their shards (JAX, several devices): a variable whose layout splits it is drawn
   straight into its shards, never whole on one device first (meshfit.fit.sharded_init).
 - Progress and the stall guard (JAX): every train, test and predict dispatch is counted
@@ -191,7 +189,7 @@ def _make_function_hook(make: Callable, attribute: str) -> Callable:
         if function is not None and not getattr(function, "_meshfit_counted", False):
             function = _counted(function, self.steps_per_execution if steps else 0)
             if attribute == "predict_function" and _active is not None and _active.hosts > 1:
-                function = _process_rows_returned(function)
+                function = hosts.returning_process_rows(function)
             setattr(self, attribute, function)
         if (steps and function is not None and not getattr(function, "_meshfit_timed", False)
                 and accounting()):
@@ -211,19 +209,6 @@ def _counted(function: Callable, steps: int) -> Callable:
 
     step._meshfit_counted = True
     return step
-
-
-def _process_rows_returned(function: Callable) -> Callable:
-    """A predict function `(state, iterator) -> (outputs, state)` whose outputs are this
-    process's rows as numpy (meshfit.fit.hosts.process_rows): on several hosts, `predict(x)` on
-    each process returns the outputs of its own x, as Keras' predict does on one."""
-
-    def predict(state, iterator):
-        outputs, state = function(state, iterator)
-        return jax.tree.map(hosts.process_rows, outputs), state
-
-    predict._meshfit_counted = True
-    return predict
 
 
 # --------------------------------------------------------------------------------- goodput

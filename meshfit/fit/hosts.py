@@ -179,7 +179,7 @@ def predict_across_hosts(model, batches: Iterable[Any]):
 # ------------------------------------------- plain Keras fit, evaluate and predict on several hosts
 # In a user's own `model.fit/evaluate/predict` on several hosts each process passes its own rows
 # (Keras' multi-process input: the global batch is every process's rows together). Two cases
-# Keras cannot take, mended by meshfit.fit.hooks with these two helpers:
+# Keras cannot take, mended by meshfit.fit.hooks with these helpers:
 
 def whole_on_every_device(per_process_batch: Any, mesh: Mesh) -> jax.Array:
     """A batch whose rows of all processes together do not split across the devices (an epoch's
@@ -217,3 +217,16 @@ def process_rows(output: Any) -> Any:
                            "back to each process by its rows; pass every process as many samples")
     mine = rows // count
     return whole[jax.process_index() * mine:(jax.process_index() + 1) * mine]
+
+
+def returning_process_rows(function):
+    """A predict function `(state, iterator) -> (outputs, state)` whose outputs are this
+    process's rows as numpy (process_rows): on several hosts, `predict(x)` on each process
+    returns the outputs of its own x, as Keras' predict does on one."""
+
+    def predict(state, iterator):
+        outputs, state = function(state, iterator)
+        return jax.tree.map(process_rows, outputs), state
+
+    predict._meshfit_counted = True  # as the function it wraps (meshfit.fit.hooks)
+    return predict
