@@ -192,7 +192,7 @@ def test_each_sample_is_trained_once_per_epoch_over_all_processes(tmp_path):
 
 # A user's own script, unchanged: plain fit (203 samples in batches of 40: a last batch of 3 per
 # process), validation (37), evaluate (batches of 16: 11 last) and predict (9 in batches of 4),
-# each process passing its own rows (Keras' multi-process input). Run on one process (4 devices)
+# each process passing its own rows (Keras' multi-process input), 3 steps per execution. Run on one process (4 devices)
 # with the argument I, it prints what process I of a 2 x 2 job must print.
 PLAIN_KERAS = """
 import json, sys
@@ -207,7 +207,7 @@ with strategy.scope():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(2)])
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                  metrics=["accuracy"], steps_per_execution=3)
 history = model.fit(x, y, batch_size=40, epochs=2, verbose=0, shuffle=False,
                     validation_data=(x[:37], y[:37]))
 scores = model.evaluate(x, y, batch_size=16, verbose=0)

@@ -127,10 +127,11 @@ def _guarded(method: Callable) -> Callable:
     def guarded(self, *args, **kwargs):
         if _active is None:
             return method(self, *args, **kwargs)
-        with stall.watching(), (goodput.ledger().part("eval") if method.__name__ == "evaluate"
-                                else contextlib.nullcontext()):
+        name = method.__name__
+        with stall.watching(), goodput.ledger().part("eval") if name == "evaluate" else (
+                hosts.one_batch_per_dispatch(self, name == "predict" and _active.hosts > 1)):
             result = method(self, *args, **kwargs)
-            if method.__name__ == "fit":
+            if name == "fit":
                 jax.block_until_ready([v.value for v in self.variables])
             return result
 

@@ -11,6 +11,7 @@ On the TensorFlow engine (one process, one device) nothing here runs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from typing import Any, Iterable, Sequence
 
@@ -230,3 +231,19 @@ def returning_process_rows(function):
 
     predict._meshfit_counted = True  # as the function it wraps (meshfit.fit.hooks)
     return predict
+
+
+@contextlib.contextmanager
+def one_batch_per_dispatch(model, several_hosts: bool):
+    """For predict on several hosts: one batch per dispatch, whatever the model's
+    steps_per_execution. Keras joins a dispatch's outputs on the devices, which interleaves the
+    processes' rows batch by batch; process_rows gives each process its rows of one batch."""
+    steps = model.steps_per_execution
+    if steps == 1 or not several_hosts:
+        yield
+        return
+    model.steps_per_execution, model.predict_function = 1, None  # made again, of one step
+    try:
+        yield
+    finally:
+        model.steps_per_execution, model.predict_function = steps, None
