@@ -54,7 +54,7 @@ def connect(require: str | None = None, simulate_devices: int | None = None,
     simulate_devices: run on this many JAX CPU devices (also $MESHFIT_SIMULATE_DEVICES); the
       older keyword `simulate` is still accepted.
     precision: 'auto', 'float32', 'bfloat16' or 'float16' (variables stay float32). 'auto': the
-      hardware's, unless the user set Keras' global dtype policy (Strategy.activate).
+      hardware's, unless the user set a mixed global dtype policy (Strategy.activate).
     engine: 'auto', 'jax' or 'tensorflow' (also $MESHFIT_ENGINE).
     sharding: 'auto' (default), 'data' or 'fsdp' (see meshfit.parallel.modes). 'auto' lays
       variables out as 'data' until a model's first fit plans its train step with fit's batch

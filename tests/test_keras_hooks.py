@@ -88,13 +88,12 @@ def test_a_recompiled_model_keeps_its_add_loss_term_with_the_report(strategy, ca
 def test_a_dtype_policy_the_user_sets_wins_over_precision_auto_not_over_one_asked(
         strategy, capsys, monkeypatch):
     """Tutorial 3 sets `mixed_bfloat16` itself: under precision 'auto' (float32 on the CPU) the
-    scope keeps it, and the strategy reports it, as does connect() run again; a precision given
-    to connect() wins over it."""
+    scope keeps it, and the strategy reports it, as does connect() run again and a scope after
+    clear_session(); a precision given to connect() wins over it."""
     import keras
 
     import meshfit
     from meshfit.fit import strategy as strategy_module
-    from meshfit.fit.strategy import set_dtype_policy
 
     monkeypatch.setattr(strategy_module, "_users_policy", None)  # this test's, not the next's
     try:
@@ -105,14 +104,30 @@ def test_a_dtype_policy_the_user_sets_wins_over_precision_auto_not_over_one_aske
         model.fit(np.zeros((16, 4), "float32"), np.zeros(16, "int32"), batch_size=8, verbose=2)
         assert "epoch 1/1" in capsys.readouterr().out
         again = meshfit.connect(simulate_devices=8, engine="jax", verbose=False)
+        keras.backend.clear_session()  # Keras' policy back to float32: not the user's choice
         assert again.precision == "bfloat16"
         assert tiny_model(again).layers[0].dtype_policy.name == "mixed_bfloat16"
         asked = meshfit.connect(simulate_devices=8, engine="jax", verbose=False, precision="float32")
         keras.mixed_precision.set_global_policy("mixed_bfloat16")
         assert tiny_model(asked).layers[0].dtype_policy.name == "float32"
         assert keras.config.dtype_policy().name == "mixed_bfloat16"  # the scope restores the user's
-        keras.mixed_precision.set_global_policy("float32")  # and once more the user's, under 'auto'
-        assert tiny_model(strategy).layers[0].dtype_policy.name == "float32"
-        assert strategy.precision == "float32"
     finally:
-        set_dtype_policy("float32")
+        strategy_module.set_dtype_policy("float32")
+
+
+def test_clear_session_keeps_the_precision_auto_chose(strategy, monkeypatch):
+    """keras.backend.clear_session() resets Keras' policy to float32 (meshfit's own runs call it
+    before building): a strategy whose 'auto' chose bfloat16 (an accelerator's) keeps it."""
+    import keras
+
+    from meshfit.fit import strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "_users_policy", None)
+    chosen = strategy_module.Strategy(strategy.info, "jax", "bfloat16", precision_auto=True)
+    try:
+        chosen.activate()
+        keras.backend.clear_session()
+        assert tiny_model(chosen).layers[0].dtype_policy.name == "mixed_bfloat16"
+        assert chosen.precision == "bfloat16"
+    finally:
+        strategy_module.set_dtype_policy("float32")

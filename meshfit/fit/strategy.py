@@ -289,8 +289,8 @@ class Strategy:
     def activate(self) -> None:
         """Make this strategy's distribution and precision the global Keras ones, and this the
         strategy plain `model.fit`/`evaluate`/`predict` run under (see meshfit.fit.hooks). Under
-        precision 'auto', a dtype policy the user set (before connect() or since) is kept and
-        becomes the strategy's precision (see users_precision)."""
+        precision 'auto', a mixed dtype policy the user set (before connect() or since) is kept
+        and becomes the strategy's precision (see users_precision)."""
         if self.precision_auto:
             self.precision = users_precision() or self.precision
         set_dtype_policy(planning.keras_policy(self.precision))
@@ -414,12 +414,13 @@ def plan(build, global_batch: int, input_shapes=None, verbose: bool = True) -> m
     return memory_plan.plan_build(strategy, build, global_batch, input_shapes, verbose)
 
 
-# The dtype policy meshfit set last (Keras' default before it set any): the global policy is the
-# user's own whenever it differs from this one. And the user's own policy seen last: it stays
-# theirs after a scope put it back (recorded as meshfit's), as Keras keeps a global policy until
-# it is set again, so that connect() run again (a notebook's cells) keeps it too.
+# The dtype policy meshfit set last (Keras' default before it set any): a mixed policy that differs
+# from it is the user's own. The user's seen last stays theirs after a scope put it back (then
+# recorded as meshfit's) and after clear_session() (which resets Keras' policy to float32), as
+# they set it once: connect() run again (a notebook's cells) keeps it too.
 _policy_set = "float32"
 _users_policy: str | None = None
+_USERS_PRECISIONS = {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
 
 
 def set_dtype_policy(policy) -> None:
@@ -430,16 +431,16 @@ def set_dtype_policy(policy) -> None:
 
 
 def users_precision() -> str | None:
-    """The precision of the global dtype policy where the user set it and meshfit names it
-    (float32, mixed_bfloat16, mixed_float16): e.g. tutorial 3's
+    """The precision of the mixed dtype policy the user set, if any: e.g. tutorial 3's
     `keras.mixed_precision.set_global_policy("mixed_bfloat16")`, before connect() or after it,
-    which precision 'auto' (float32 on a CPU) once replaced unseen. None where the user set none."""
+    which precision 'auto' (float32 on a CPU) once replaced unseen. float32 is never taken for
+    the user's: it is Keras' default and what keras.backend.clear_session() leaves, which must not
+    turn an accelerator's bfloat16 into float32 (precision="float32" asks for it)."""
     global _users_policy
     name = keras.config.dtype_policy().name
-    if name != _policy_set:
+    if name != _policy_set and name in _USERS_PRECISIONS:
         _users_policy = name
-    return {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}.get(
-        _users_policy or "")
+    return _USERS_PRECISIONS.get(_users_policy or "")
 
 
 def connected(info: devices_lib.DeviceInfo, engine: str, precision: str, sharding: str,
