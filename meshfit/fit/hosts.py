@@ -4,7 +4,9 @@ batches, and these helpers give each its share or gather the results.
 `fit_arguments()` (used by `Strategy.fit`) cuts fit's data to this process's rows of every global
 batch (the rows of meshfit.parallel.cluster.local_rows); `predict_across_hosts()` gathers outputs
 that Keras' predict cannot; `agree_on_seed()` starts every process from the same weights; `Vote`
-lets the processes agree on a number (e.g. "stop, on this signal") without a host sync.
+lets the processes agree on a number (e.g. "stop, on this signal") without a host sync. A
+user's own plain `fit/evaluate/predict`, where each process passes its own rows, gets
+`whole_on_every_device`, `process_rows` and `one_batch_per_dispatch` (through meshfit.fit.hooks).
 On the TensorFlow engine (one process, one device) nothing here runs.
 """
 
