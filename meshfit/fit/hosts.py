@@ -199,18 +199,17 @@ def process_rows(output: Any) -> Any:
     """This process's rows of a model output that spans the hosts, as numpy: the outputs of the
     rows it passed, in order (Keras' predict fetches whole outputs, which it cannot on several
     hosts: "Fetching value for `jax.Array` that spans non-addressable ... devices is not
-    possible"). Split on its rows: this process's shards, each once. Whole on every device (a
-    batch placed by whole_on_every_device): the process's block of its process-ordered rows.
-    Otherwise (split on another axis only) gathered first, then cut the same way."""
+    possible"). Split on its rows: its host-local part, as local_batch takes it. Whole on every
+    device (a batch placed by whole_on_every_device): the process's block of its process-ordered
+    rows. Otherwise (split on another axis only) gathered first, then cut the same way."""
     if not isinstance(output, jax.Array) or output.is_fully_addressable or not output.ndim:
         return output
-    spec = tuple(getattr(output.sharding, "spec", None) or ())
+    sharding = output.sharding
+    spec = tuple(getattr(sharding, "spec", None) or ())
     if spec[:1] not in ((), (None,)) and all(axis is None for axis in spec[1:]):
-        blocks = {}
-        for shard in output.addressable_shards:  # a block of rows may sit on several devices
-            blocks.setdefault(shard.index[0].indices(output.shape[0])[:2], shard.data)
-        return np.concatenate([np.asarray(blocks[k]) for k in sorted(blocks)])
-    if output.sharding.is_fully_replicated:
+        return np.asarray(multihost_utils.global_array_to_host_local_array(output, sharding.mesh,
+                                                                           sharding.spec))
+    if sharding.is_fully_replicated:
         whole = np.asarray(output.addressable_data(0))
     else:
         whole = np.asarray(multihost_utils.process_allgather(output, tiled=True))

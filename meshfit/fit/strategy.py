@@ -420,7 +420,7 @@ def plan(build, global_batch: int, input_shapes=None, verbose: bool = True) -> m
 # they set it once: connect() run again (a notebook's cells) keeps it too.
 _policy_set = "float32"
 _users_policy: str | None = None
-_USERS_PRECISIONS = {"mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+_USERS_PRECISIONS = {planning.keras_policy(p): p for p in ("bfloat16", "float16")}  # the mixed ones
 
 
 def set_dtype_policy(policy) -> None:
