@@ -263,6 +263,46 @@ def test_a_cpu_run_prints_no_cuda_error_of_the_tensorflow_wheel():
     assert "cuInit" not in err and "CUDA error" not in err, err
 
 
+def test_tensorflow_imported_after_connect_on_jax_prints_no_load_notices():
+    """On the JAX engine TensorFlow comes in with a user's own import (keras-hub's tensorflow-text,
+    tf.data): its load notices ("oneDNN custom operations are on", "Could not find cuda drivers",
+    on a GPU machine a cuInit error) are dropped there too, and TensorFlow works."""
+    script = ("import meshfit; meshfit.connect(engine='jax', verbose=False)\n"
+              "import tensorflow as tf\n"
+              "print(int(tf.reduce_sum(tf.constant([1, 2]))))\n")
+    code, out, err = finish(run_python(["-c", script], {**ONE_CPU, "TF_CPP_MIN_LOG_LEVEL": None}))
+    assert code == 0 and out.strip() == "3", err[-2000:]
+    notices = [line for line in err.splitlines()
+               if any(n.decode() in line for n in engine._LOAD_NOTICES) or "cuInit" in line]
+    assert not notices, err
+
+
+def test_the_first_tensorflow_import_keeps_every_other_line_and_its_loader(tmp_path):
+    """A stand-in `tensorflow` writes a load notice and another line to file descriptor 2 as it
+    loads: the notice is dropped, the other line kept; the module's loader still answers for the
+    package (resources), and the finder is gone after its one import."""
+    package = tmp_path / "tensorflow"
+    package.mkdir()
+    (package / "data.txt").write_text("resource")
+    (package / "__init__.py").write_text(textwrap.dedent("""
+        import os, types
+        os.write(2, b"I0000 port.cc:153] oneDNN custom operations are on. You may see...\\n")
+        os.write(2, b"a line of the user's own\\n")
+        config = types.SimpleNamespace(list_physical_devices=lambda: os.write(2, b"listed\\n"))
+    """))
+    script = textwrap.dedent("""
+        import importlib.resources, sys
+        from meshfit.parallel import engine
+        engine.drop_tensorflow_notices_at_import()
+        import tensorflow
+        print(importlib.resources.files("tensorflow").joinpath("data.txt").read_text())
+        print(any(isinstance(f, engine._TensorFlowImportedQuietly) for f in sys.meta_path))
+    """)
+    code, out, err = finish(run_python(["-c", script], {"PYTHONPATH": str(tmp_path)}))
+    assert code == 0 and out.split() == ["resource", "False"], err[-2000:]
+    assert err.splitlines() == ["a line of the user's own", "listed"], err
+
+
 def test_connect_keeps_compiled_programs_in_the_users_cache(tmp_path):
     """JAX programs (the batch order's, on every engine) are cached across runs under
     $XDG_CACHE_HOME/meshfit/jax, where the user set no cache of their own."""

@@ -21,6 +21,7 @@ TensorFlow, at the top or in a function.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import importlib.util
 import os
 import sys
@@ -54,17 +55,29 @@ def tensorflow_notices_dropped(loads_tensorflow: bool = True):
     if not loads_tensorflow or "tensorflow" in sys.modules:
         yield
         return
+    with _notices_dropped():
+        yield
+        if "tensorflow" in sys.modules:
+            _list_devices(sys.modules["tensorflow"])
+
+
+def _list_devices(tensorflow) -> None:
+    # The `tensorflow` wheel calls cuInit when it first lists its devices (a model's first
+    # variable), not as it loads, and logs its failure as an error whatever TF_CPP_MIN_LOG_LEVEL
+    # said before `import jax` set it to 1: list them while its notices are dropped.
+    tensorflow.config.list_physical_devices()
+
+
+@contextlib.contextmanager
+def _notices_dropped():
+    """Capture file descriptor 2 for the block, then write back all but _LOAD_NOTICES' lines
+    (the other lines are delayed, never lost; also when the block raises)."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:
             yield
-            if "tensorflow" in sys.modules:
-                # The `tensorflow` wheel calls cuInit when it first lists its devices (a model's
-                # first variable), not as it loads, and logs its failure as an error whatever
-                # TF_CPP_MIN_LOG_LEVEL said before `import jax` set it to 1: list them here.
-                sys.modules["tensorflow"].config.list_physical_devices()
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
@@ -74,6 +87,50 @@ def tensorflow_notices_dropped(loads_tensorflow: bool = True):
             kept = b"".join(line for line in lines if not any(n in line for n in _LOAD_NOTICES))
             if kept:
                 os.write(2, kept)
+
+
+class _TensorFlowImportedQuietly(importlib.abc.MetaPathFinder):
+    """On the JAX engine TensorFlow is imported, if ever, by the user's program or a library
+    (keras-hub's tensorflow-text, a tf.data pipeline), not inside a block meshfit could wrap: this
+    finder drops its load notices wherever that first import happens. It finds `tensorflow` with
+    the other finders and wraps the loader; its one use removes it from sys.meta_path."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "tensorflow":
+            return None
+        with contextlib.suppress(ValueError):  # another thread's import took it out first
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)  # the other finders': this one is gone
+        if spec is not None and spec.loader is not None:
+            spec.loader = _LoaderDroppingNotices(spec.loader)
+        return spec
+
+
+class _LoaderDroppingNotices:
+    """A module loader that runs another's exec_module with TensorFlow's load notices dropped;
+    all else (create_module, get_resource_reader, ...) is the other loader's."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        with _notices_dropped():
+            self._loader.exec_module(module)
+            _list_devices(module)
+
+
+def drop_tensorflow_notices_at_import() -> None:
+    """Have TensorFlow's first import in this process, wherever it happens, drop its load notices
+    (the JAX engine's; TensorFlow's engine imports it in tensorflow_notices_dropped)."""
+    if "tensorflow" not in sys.modules and not any(
+            isinstance(finder, _TensorFlowImportedQuietly) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _TensorFlowImportedQuietly())
 
 
 # Optional imports at Keras' top (`try: import x`) for features no meshfit command uses: on a GPU
@@ -207,6 +264,8 @@ def activate(engine: str) -> None:
                           "the meshfit command line, so a run resumed there is not bit-identical; "
                           f"import meshfit first or set {ONEDNN}=1", stacklevel=3)
         os.environ.setdefault(ONEDNN, "1")  # oneDNN kernels: 2-4x faster CNNs on x86
+    else:
+        drop_tensorflow_notices_at_import()
 
 
 def start_engine(simulate_devices: int | None, engine: str | None,
