@@ -80,6 +80,26 @@ def test_links_are_followed_once_and_never_back_up(tmp_path):
         "a/everything", "a/more again", "b/itself"}
 
 
+@pytest.mark.parametrize("link", ["root", "class", "file"])
+def test_an_image_reached_under_two_classes_is_a_one_line_error(tmp_path, link):
+    """A class folder that is a link to the dataset's folder (or to another class), or an image
+    linked into a second class, would label the same image twice: one line naming both."""
+    root = tmp_path / "data"
+    write_folder(root, {"cat": 2, "dog": 3})
+    if link == "root":
+        os.symlink(root, root / "all")
+    elif link == "class":
+        os.symlink(root / "dog", root / "pup")
+    else:
+        os.symlink(root / "dog" / "001.png", root / "cat" / "stray.png")
+    with pytest.raises(MeshfitError) as error:
+        folder_scan.scan(root)
+    message = str(error.value)
+    classes = {"root": ("all", "cat"), "class": ("dog", "pup"), "file": ("cat", "dog")}[link]
+    assert "\n" not in message and "remove the link" in message, message
+    assert all(f"(class {name})" in message for name in classes), message
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda root: None, "does not exist"),
     (lambda root: os.makedirs(root), "has no class sub-folders"),

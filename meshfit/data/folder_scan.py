@@ -10,7 +10,10 @@ Bad data, decided once:
     truncated before its size, not an image): skipped at scan and listed in `Folder.skipped`
     with the reason; hidden files (".name") are ignored;
   - a link to a folder is followed, unless that folder is above it or was listed already (a loop,
-    or a second name for it): skipped, so each image is listed once, under one class;
+    or a second name for it): skipped, so each image is listed once within its class;
+  - one file reached under two classes (a class folder that is a link to the dataset's folder or
+    into another class, a linked or hard-linked file): a one-line MeshfitError, since an image
+    has one class;
   - a missing folder, no class folders, a class folder left with no readable image, or a single
     class: a one-line MeshfitError saying what to do.
 A file whose header reads but whose pixels do not decode is an error when its batch is decoded
@@ -95,6 +98,7 @@ def scan(path: str | os.PathLike, class_names: tuple[str, ...] | None = None) ->
         files += found
         labels += [label] * len(found)
         skipped += left_out
+    _check_one_class_each(files, labels, classes)
     if skipped:
         images = [(p, why) for p, why in skipped if why.startswith("unreadable")]
         path, why = (images or skipped)[0]
@@ -137,6 +141,21 @@ def _class_files(folder: str) -> tuple[list[str], list[tuple[str, str]]]:
     found = [p for p, problem in zip(candidates, problems) if problem is None]
     skipped += [(p, problem) for p, problem in zip(candidates, problems) if problem is not None]
     return sorted(found), sorted(skipped)  # paths under one folder: sorted as their names
+
+
+def _check_one_class_each(files: list[str], labels: list[int], classes: tuple[str, ...]) -> None:
+    """A MeshfitError where one file (the same device and inode: links and hard links followed) is
+    listed under two classes. The walk of each class cannot see it: a class folder that is a link
+    to the dataset's folder lists every other class's images under its own name."""
+    first = {}
+    for path, label in zip(files, labels):
+        stat = os.stat(path)  # one call per file beside the header check's open and read
+        seen_path, seen_label = first.setdefault((stat.st_dev, stat.st_ino), (path, label))
+        if seen_label != label:
+            raise MeshfitError(
+                f"{path} (class {classes[label]}) is the same file as {seen_path} (class "
+                f"{classes[seen_label]}), reached through a link: an image has one class; remove "
+                "the link (or the class folder that is one) that puts it under both")
 
 
 def _real_ancestors(folder: str) -> list[str]:
