@@ -31,7 +31,7 @@ def _stop_on_ctrl_c_while_starting() -> None:
 if _os.path.basename(_sys.argv[0] if _sys.argv else "") in ("meshfit", "meshfit.exe"):
     _stop_on_ctrl_c_while_starting()  # first thing: the console script imports meshfit.cli (0.15 s)
 
-from meshfit.errors import MeshfitError, TrainingInterrupted  # noqa: E402
+from meshfit.errors import MeshfitError, TrainingDiverged, TrainingInterrupted  # noqa: E402
 from meshfit.parallel import engine as _engine
 from meshfit.parallel import modes as _modes
 from meshfit.parallel import planning as _planning
@@ -39,7 +39,7 @@ from meshfit.parallel import sharding as _sharding
 
 __version__ = "0.1.0"
 __all__ = ["connect", "plan", "verify", "Strategy", "EpochReport", "Recipe", "MeshfitError", "TrainingInterrupted",
-           "__version__"]
+           "TrainingDiverged", "__version__"]
 
 
 def connect(require: str | None = None, simulate_devices: int | None = None,

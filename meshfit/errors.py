@@ -1,6 +1,7 @@
 """The exceptions meshfit raises for user-facing problems: MeshfitError (the CLI prints it as one
-line), and TrainingInterrupted, the MeshfitError of a run stopped on a signal after saving (here,
-without Keras: a caller catches it around train(), imported before the engine is chosen).
+line); TrainingInterrupted, the MeshfitError of a run stopped on a signal after saving; and
+TrainingDiverged, of a run stopped because its weights became NaN or inf (here, without Keras: a
+caller catches them around train(), imported before the engine is chosen).
 
 A problem with an entry in the troubleshooting page (docs/troubleshooting.md, "Troubleshooting" on
 the site) names it: `MeshfitError(message, see="anchor")` ends the line with
@@ -33,3 +34,8 @@ class TrainingInterrupted(MeshfitError):
         self.signum = signum
         self.checkpoint = checkpoint
         self.exit_code = 128 + signum
+
+
+class TrainingDiverged(MeshfitError):
+    """Training stopped because the model's state holds NaN or inf; nothing of it was saved, the
+    run's committed checkpoints are as they were (meshfit.run.keras_side.divergence)."""

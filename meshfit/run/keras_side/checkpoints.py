@@ -5,7 +5,8 @@ The parts: meshfit.run.checkpoint_format (a checkpoint's folder and files, read 
 Keras), meshfit.run.keras_side.checkpoint_save (writing and committing one, keeping the newest
 `keep`), meshfit.run.keras_side.checkpoint_restore (loading one into a model).
 
-`Checkpointer` (a Keras callback) saves every N steps or seconds and at every epoch end, and after
+`Checkpointer` (a Keras callback) saves every N steps or seconds and at every epoch end (never a
+state holding NaN or inf: meshfit.run.keras_side.divergence stops the run instead), and after
 a SIGTERM/SIGINT (see `stop_on_signals`) saves at the next step boundary and stops training by
 raising `TrainingInterrupted`. It acts in `on_train_batch_begin`, which Keras calls synchronously
 without logs, so training pays no per-step host synchronization on JAX.
@@ -40,6 +41,7 @@ from meshfit.errors import TrainingInterrupted
 from meshfit.fit import hosts
 from meshfit.parallel import cluster, heartbeat
 from meshfit.run import sharded_arrays, spec
+from meshfit.run.keras_side import divergence
 from meshfit.run.keras_side.checkpoint_restore import check_fits
 from meshfit.run.keras_side.checkpoint_save import (PendingSave, begin_save, not_whole_here,
                                                     sync_variables)
@@ -108,6 +110,8 @@ class Checkpointer(keras.callbacks.Callback):
         self.wait_for_device()  # first: the previous save's write overlaps these steps
         self.wait()
         sync_variables(self.model)
+        divergence.check(self.model, epoch * self.steps_per_epoch + step, self.steps_per_epoch,
+                         self.last_saved, self.write)
         self._last_time = time.monotonic()
         self._saves += 1
         self.saving = True  # a Ctrl-C now waits until the write is handed to its threads

@@ -25,7 +25,7 @@ from meshfit.fit import jax_loop
 from meshfit.parallel import planning
 from meshfit.run import rundir, spec
 from meshfit.run.evaluate import headline, score_line
-from meshfit.run.keras_side import checkpoint_save, checkpoints
+from meshfit.run.keras_side import checkpoint_save, checkpoints, divergence
 from meshfit.run.keras_side.callbacks import RecipeCallbacks
 from meshfit.run.keras_side.scores import evaluate_model, score
 from meshfit.run.results import totals, write_metrics, write_results
@@ -295,6 +295,10 @@ def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
         with source_failure_raised(batches):
             fit(strategy, model, batches, callbacks, checkpointer, start, o.epochs,
                 run_spec.micro_batches)
+        # The last save checked the state it saved; this also covers --checkpoint-every off and
+        # the steps after a save, before model.keras is written from it.
+        divergence.check(model, len(history) * run_spec.steps_per_epoch,
+                         run_spec.steps_per_epoch, checkpointer.last_saved, chief)
     finally:
         watch.close()
         goodput.ledger().write()  # stopped (a signal, an error): the ledger as of now

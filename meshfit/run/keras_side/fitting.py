@@ -23,7 +23,7 @@ import numpy as np
 
 from meshfit import __version__, recipes
 from meshfit.data import splits as data
-from meshfit.errors import MeshfitError
+from meshfit.errors import MeshfitError, TrainingDiverged
 from meshfit.fit import memory_plan, sharded_init, tf_microbatch
 from meshfit.parallel import cluster, planning, stall
 from meshfit.run import checkpoint_format, local_copies, models, rundir, spec
@@ -69,8 +69,12 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
                 if asked.options.verbose:
                     announce(asked.run, run_spec, asked.saved, resume_state,
                              has_test=dataset.test is not None)
-            history, report = fit_run(asked, strategy, model, batches, dataset, run_spec,
-                                      resume_state, local.folder if local.writer else None)
+            try:
+                history, report = fit_run(asked, strategy, model, batches, dataset, run_spec,
+                                          resume_state, local.folder if local.writer else None)
+            except TrainingDiverged:
+                local.remove()  # copies newer than the last checkpoint may hold the NaN state
+                raise
             metrics = score_and_write(asked, model, history, dataset, run_spec, chief, report.peak)
             local.remove()  # the run finished: its copies are of no more use
             return metrics
