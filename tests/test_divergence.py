@@ -6,6 +6,7 @@ import os
 import pytest
 from helpers import cli_env, run_meshfit
 
+from meshfit.errors import MeshfitError
 from meshfit.run import local_copies, rundir
 
 # tiny's linear model, its learning rate 0.02 for 7 steps and then inf: the 8th step makes the
@@ -67,3 +68,6 @@ def test_a_diverged_run_stops_in_one_line_and_keeps_its_checkpoints(tmp_path, en
     assert saved == ["ckpt-00000003", "ckpt-00000006"], saved
     assert not os.path.exists(os.path.join(run, "model.keras"))
     assert not os.path.exists(local_copies.folder_of(run))  # copies of the NaN steps removed
+    with pytest.raises(MeshfitError, match=r"has not finished training \(no model.keras yet; its "
+                       r"newest checkpoint: ckpt-00000006\); finish it with: meshfit train --resume"):
+        rundir.locate_model(run)  # predict, eval and export say so

@@ -196,6 +196,17 @@ class ModelFiles:
     config: dict = field(default_factory=dict)
 
 
+def _unfinished(run: str) -> str | None:
+    """For a run directory whose training has not finished (config.json, no model.keras yet):
+    one line saying so and how to finish it; else None."""
+    if not os.path.isfile(os.path.join(run, CONFIG)) or os.path.isfile(os.path.join(run, MODEL)):
+        return None
+    saved = list_checkpoints(os.path.join(run, CHECKPOINTS))
+    newest = f"; its newest checkpoint: {os.path.basename(saved[-1])}" if saved else ""
+    return (f"{run} has not finished training (no {MODEL} yet{newest}); finish it with: "
+            f"meshfit train --resume {run}")
+
+
 def locate_model(path: str | os.PathLike) -> ModelFiles:
     """Resolve a run directory, a .keras file or an .onnx file to its model files."""
     path = os.fspath(path)
@@ -205,7 +216,7 @@ def locate_model(path: str | os.PathLike) -> ModelFiles:
     if os.path.isdir(path):
         keras_path, onnx_path = os.path.join(path, MODEL), os.path.join(path, ONNX)
         if not os.path.isfile(keras_path) and not os.path.isfile(onnx_path):
-            raise MeshfitError(f"{path} has no {MODEL} (nor {ONNX}); {hint}")
+            raise MeshfitError(_unfinished(path) or f"{path} has no {MODEL} (nor {ONNX}); {hint}")
         return ModelFiles(path, keras_path if os.path.isfile(keras_path) else None, onnx_path,
                           read_config(path, required=False))
     stem, ext = os.path.splitext(path)
@@ -227,7 +238,8 @@ def locate_run(run_or_model: str | os.PathLike) -> tuple[str, str]:
         run, model_path = os.path.dirname(path) or ".", path
     hint = f"{HINT} (or the {MODEL} inside it)"
     if not os.path.isfile(model_path):
-        raise MeshfitError(f"{model_path} not found; {hint}")
+        raise MeshfitError((os.path.basename(model_path) == MODEL and _unfinished(run))
+                           or f"{model_path} not found; {hint}")
     if not os.path.isfile(os.path.join(run, CONFIG)):
         raise MeshfitError(f"{run} has no {CONFIG}, so its dataset is unknown; {hint}")
     return run, model_path
