@@ -472,3 +472,33 @@ def test_a_metric_counting_samples_has_one_samples_share_as_its_floor():
     ok, summed = verdicts.verdicts
     assert ok.ok and ok.worst <= 1.0 + 1e-9, ok
     assert not summed.ok and summed.diverges_at == 1 and summed.variable == "metric accuracy"
+
+
+def test_a_reference_that_turns_nan_is_a_one_line_error_and_a_configuration_that_alone_does_diverges():
+    """Distances from NaN mean nothing (NaN compares false with every threshold, so everything
+    passed): a reference whose weights become NaN or inf is a one-line error naming the step; a
+    configuration whose weights alone turn NaN diverges at that step."""
+    import types
+
+    from meshfit.run import verify_report
+
+    class Explodes(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):  # 0.1 for the first 2 steps, then inf
+            return ops.where(step < 2, 0.1, float("inf"))
+
+    with pytest.raises(meshfit.MeshfitError) as error:
+        verify(lambda: compiled(mlp(), keras.optimizers.SGD(Explodes())))
+    message = str(error.value)
+    assert "\n" not in message and "holds NaN or inf after step 3" in message, message
+    assert "(--steps 2)" in message and "lower the learning rate" in message, message
+
+    def trace(kernel):
+        return types.SimpleNamespace(steps=[1, 2], logs=[{"loss": 0.5}, {"loss": 0.4}],
+                                     weights=[[np.ones(3)], [np.asarray(kernel)]],
+                                     paths=["dense/kernel"], seconds=1.0)
+
+    reference = trace([1.0, 1.0, 1.0])
+    verdicts = verify_report.judge(reference, reference, {"nan": trace([1.0, np.nan, 1.0])},
+                                   roundoff=2.0 ** -24, precision="float32", global_batch=32)
+    (verdict,) = verdicts.verdicts
+    assert not verdict.ok and verdict.diverges_at == 2 and verdicts.exit_code == 1, verdict

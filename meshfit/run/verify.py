@@ -285,6 +285,7 @@ def _judged(training, base, build_spec, source, runs: list[Configuration], *, st
     reference = training.train(reference_strategy, build, source, start=start, **common)
     floor = training.train(reference_strategy, build, source,
                            start=training.perturbed(start, roundoff, seed), **common)
+    verify_report.check_finite(reference, floor, "1 device")
     traces, refusals = {}, {}
     for run in runs:
         if run.engine != "jax" or run.processes > 1:

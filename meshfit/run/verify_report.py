@@ -9,6 +9,10 @@ weights and logs; micro-batches advance them per slice), a log's (loss, metric)
 reference and the reference trained again from weights moved by one rounding unit of the compute
 dtype (meshfit.run.keras_side.verify_training.perturbed): how far rounding alone carries two
 correct runs apart through these steps of this model.
+
+Only finite training can be compared: a reference or floor run whose weights or logs hold NaN or
+inf is a one-line error (check_finite), and a configuration's NaN distance counts as infinite,
+so a configuration that alone turns NaN diverges (NaN compares false with every threshold).
 """
 
 from __future__ import annotations
@@ -143,13 +147,45 @@ def _variable_distances(weights, reference) -> list[float]:
             out.append(0.0)  # a counter (see the module docstring)
             continue
         a64, r64 = a.astype(np.float64), r.astype(np.float64)
-        out.append(float(np.linalg.norm(a64 - r64) / max(np.linalg.norm(r64), _TINY)))
+        out.append(_nan_as_inf(float(np.linalg.norm(a64 - r64) / max(np.linalg.norm(r64), _TINY))))
     return out
 
 
 def _log_distances(logs: dict[str, float], reference: dict[str, float]) -> dict[str, float]:
-    return {name: (abs(logs[name] - value) / max(abs(value), _TINY) if name in logs else math.inf)
+    return {name: (_nan_as_inf(abs(logs[name] - value) / max(abs(value), _TINY))
+                   if name in logs else math.inf)
             for name, value in reference.items()}
+
+
+def _nan_as_inf(distance: float) -> float:
+    return math.inf if math.isnan(distance) else distance
+
+
+def first_non_finite(trace) -> int | None:
+    """The first step after which a trace's weights or logs hold NaN or inf, else None."""
+    import numpy as np  # start-up: see _variable_distances
+
+    for step, logs, weights in zip(trace.steps, trace.logs, trace.weights):
+        if not all(math.isfinite(v) for v in logs.values()) or not all(
+                np.isfinite(w).all() for w in weights if np.issubdtype(w.dtype, np.floating)):
+            return step
+    return None
+
+
+def check_finite(reference, floor, reference_name: str) -> None:
+    """A MeshfitError where the reference or its floor twin is not finite: distances from NaN
+    mean nothing, and every configuration would pass."""
+    from meshfit.errors import MeshfitError
+
+    for trace, what in ((reference, f"the reference ({reference_name})"),
+                        (floor, "the reference trained from weights moved by one rounding unit")):
+        step = first_non_finite(trace)
+        if step is None:
+            continue
+        fewer = f", or verify fewer steps (--steps {step - 1})" if step > 1 else ""
+        raise MeshfitError(f"{what} holds NaN or inf after step {step}: verify compares training "
+                           f"that stays finite; lower the learning rate or look for NaN or inf in the "
+                           f"data{fewer}")
 
 
 def _reference_at(reference, step: int, last: int) -> tuple[dict[str, float], list]:
