@@ -122,7 +122,9 @@ class _LoaderDroppingNotices:
     def exec_module(self, module):
         with _notices_dropped():
             self._loader.exec_module(module)
-            _list_devices(module)
+            # Best effort: the user's import must not fail where it would not without meshfit.
+            with contextlib.suppress(Exception):
+                _list_devices(module)
 
 
 def drop_tensorflow_notices_at_import() -> None:
