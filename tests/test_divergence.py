@@ -1,7 +1,11 @@
-"""The divergence guard (meshfit.run.keras_side.divergence): a run whose weights become NaN or inf
-stops with one line, and keeps the checkpoints it had; nothing of the diverged state is saved."""
+"""Runs that cannot go on: the divergence guard (meshfit.run.keras_side.divergence), a run whose
+weights become NaN or inf stops with one line and keeps the checkpoints it had, nothing of the
+diverged state saved; and a device out of memory during training, one line with the fix."""
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from helpers import cli_env, run_meshfit
@@ -71,3 +75,39 @@ def test_a_diverged_run_stops_in_one_line_and_keeps_its_checkpoints(tmp_path, en
     with pytest.raises(MeshfitError, match=r"has not finished training \(no model.keras yet; its "
                        r"newest checkpoint: ckpt-00000006\); finish it with: meshfit train --resume"):
         rundir.locate_model(run)  # predict, eval and export say so
+
+
+def test_a_device_out_of_memory_during_training_is_one_line_with_the_fix(tmp_path):
+    """XLA's RESOURCE_EXHAUSTED mid-run (raised here by a callback at step 5, as JAX raises it
+    from a step's allocation) ends train() with a MeshfitError naming the resume command with
+    micro-batches; the checkpoint before it is intact."""
+    recipe = tmp_path / "diverging.py"
+    recipe.write_text(DIVERGING_RECIPE.replace("0.02, float(\"inf\")", "0.02, 0.02"))
+    script = textwrap.dedent(f"""
+        import keras, meshfit
+        from meshfit.run.train import train
+
+        class OutOfMemory(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                if batch == 5:
+                    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                       "allocate 17179869184 bytes.\\nBufferAssignment ...")
+
+        try:
+            train({str(recipe)!r}, out={str(tmp_path / "run")!r}, checkpoint_every="3",
+                  tensorboard=False, verbose=False, callbacks=[OutOfMemory()])
+        except meshfit.MeshfitError as error:
+            print(error)
+    """)
+    env = {**os.environ, **cli_env(tmp_path, engine="tensorflow")}
+    env = {k: v for k, v in env.items() if v is not None}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    message = out.stdout.strip().splitlines()[-1]
+    assert message.startswith("out of device memory (RESOURCE_EXHAUSTED: Out of memory while "
+                              "trying to allocate 17179869184 bytes.)"), message
+    assert f"meshfit train --resume {tmp_path / 'run'} --micro-batches 2" in message, message
+    assert "docs/troubleshooting.md#out-of-device-memory" in message, message
+    saved = rundir.list_checkpoints(os.path.join(tmp_path / "run", rundir.CHECKPOINTS))
+    assert [os.path.basename(p) for p in saved] == ["ckpt-00000003"], saved

@@ -72,12 +72,33 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
             try:
                 history, report = fit_run(asked, strategy, model, batches, dataset, run_spec,
                                           resume_state, local.folder if local.writer else None)
+                metrics = score_and_write(asked, model, history, dataset, run_spec, chief,
+                                          report.peak)
             except TrainingDiverged:
                 local.remove()  # copies newer than the last checkpoint may hold the NaN state
                 raise
-            metrics = score_and_write(asked, model, history, dataset, run_spec, chief, report.peak)
+            except Exception as error:
+                oom = out_of_memory(error, asked.run)
+                if oom is None:
+                    raise
+                raise oom from error
             local.remove()  # the run finished: its copies are of no more use
             return metrics
+
+
+def out_of_memory(error: Exception, run: str) -> MeshfitError | None:
+    """The one-line error for a device running out of memory during training or scoring (XLA's
+    RESOURCE_EXHAUSTED, at compilation or allocation: the memory plan did not see it, see
+    docs/troubleshooting.md), else None."""
+    text = str(error).strip()
+    if not text.startswith("RESOURCE_EXHAUSTED") and "RESOURCE_EXHAUSTED:" not in text[:200]:
+        return None
+    first = text.splitlines()[0][:200]
+    return MeshfitError(f"out of device memory ({first}); its committed checkpoints are intact: "
+                        f"continue with a smaller share of each batch per device, meshfit train "
+                        f"--resume {run} --micro-batches 2 (the same training; not with batch "
+                        "normalization), or train again with a smaller --global-batch or "
+                        "--sharding fsdp (meshfit plan prints what fits)", see="out-of-device-memory")
 
 
 def resumed_step(resume_state: dict | None, steps_per_epoch: int) -> int:
