@@ -161,6 +161,16 @@ def drop_state_field(checkpoint: str, field: str) -> None:
 
 # Recipe-file text for tests that write recipe files (the file must `import os`): a callback that
 # SIGKILLs the run at the start of the train batch KILL_AT="epoch,batch" names.
+# The test recipes' data: 160 bright or dark 8x8 grey images (128 to train, 32 to test), from a
+# callable in memory; recipe files paste it below their `import numpy as np`.
+BRIGHT_OR_DARK_DATASET = '''def dataset(seed):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 2, 160)
+    x = np.clip(70 + 110 * labels[:, None, None, None] + rng.normal(0, 30, (160, 8, 8, 1)), 0, 255)
+    return (x[:128].astype("uint8"), labels[:128]), (x[128:].astype("uint8"), labels[128:])
+'''
+
+
 KILL_AT_CALLBACKS = '''def callbacks():
     import signal
 

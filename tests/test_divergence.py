@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import cli_env, run_meshfit
+from helpers import BRIGHT_OR_DARK_DATASET, cli_env, run_meshfit
 
 from meshfit.errors import MeshfitError
 from meshfit.run import local_copies, rundir
@@ -21,12 +21,7 @@ import numpy as np
 import meshfit
 
 
-def dataset(seed):
-    rng = np.random.default_rng(0)
-    labels = rng.integers(0, 2, 160)
-    x = np.clip(70 + 110 * labels[:, None, None, None] + rng.normal(0, 30, (160, 8, 8, 1)), 0, 255)
-    return (x[:128].astype("uint8"), labels[:128]), (x[128:].astype("uint8"), labels[128:])
-
+''' + BRIGHT_OR_DARK_DATASET + '''
 
 def build_model(input_shape, num_classes):
     import keras

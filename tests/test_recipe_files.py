@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 from PIL import Image
-from helpers import KILL_AT_CALLBACKS, cli_env, run_meshfit
+from helpers import BRIGHT_OR_DARK_DATASET, KILL_AT_CALLBACKS, cli_env, run_meshfit
 
 from meshfit.data import splits as data
 from meshfit import recipes
@@ -22,12 +22,7 @@ import numpy as np
 import meshfit
 
 
-def dataset(seed):
-    rng = np.random.default_rng(0)
-    labels = rng.integers(0, 2, 160)
-    x = np.clip(70 + 110 * labels[:, None, None, None] + rng.normal(0, 30, (160, 8, 8, 1)), 0, 255)
-    return (x[:128].astype("uint8"), labels[:128]), (x[128:].astype("uint8"), labels[128:])
-
+''' + BRIGHT_OR_DARK_DATASET + '''
 
 def build_model(input_shape, num_classes):
     import keras

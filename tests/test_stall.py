@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import cli_env, environment, run_meshfit
+from helpers import BRIGHT_OR_DARK_DATASET, cli_env, environment, run_meshfit
 
 from meshfit.parallel import devices, heartbeat, stall
 from meshfit.run import checkpoint_format, rundir
@@ -146,12 +146,7 @@ import keras
 import meshfit
 ''' + HANGING_LAYER + '''
 
-def dataset(seed):
-    rng = np.random.default_rng(0)
-    labels = rng.integers(0, 2, 160)
-    x = np.clip(70 + 110 * labels[:, None, None, None] + rng.normal(0, 30, (160, 8, 8, 1)), 0, 255)
-    return (x[:128].astype("uint8"), labels[:128]), (x[128:].astype("uint8"), labels[128:])
-
+''' + BRIGHT_OR_DARK_DATASET + '''
 
 def build_model(input_shape, num_classes):
     return keras.Sequential([keras.Input(input_shape), keras.layers.Rescaling(1 / 255),
