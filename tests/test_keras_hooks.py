@@ -58,6 +58,31 @@ def test_every_dispatch_is_progress_and_fit_evaluate_predict_are_guarded(strateg
     assert all(depth >= 1 for _, depth in guarded) and stall._depth == 0
 
 
+@pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
+def test_a_device_out_of_memory_in_plain_keras_is_jaxs_error_with_a_note_on_the_fixes(strategy, method):
+    """XLA's RESOURCE_EXHAUSTED (raised here by a callback, as JAX raises it from a step) reaches
+    the user as it is, its type and text unchanged, with one note naming meshfit's fixes."""
+    import keras
+
+    class OutOfMemory(keras.callbacks.Callback):
+        def _raise(self, batch, logs=None):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 64 bytes.")
+
+        on_train_batch_begin = on_test_batch_begin = on_predict_batch_begin = _raise
+
+    x = np.zeros((16, 4), "float32")
+    y = np.zeros(16, "int32")
+    model = tiny_model(strategy)
+    arguments = (x,) if method == "predict" else (x, y)
+    with pytest.raises(RuntimeError, match="^RESOURCE_EXHAUSTED: Out of memory") as caught:
+        getattr(model, method)(*arguments, batch_size=8, verbose=0, callbacks=[OutOfMemory()])
+    (note,) = caught.value.__notes__
+    assert "micro_batches=K" in note and "sharding='fsdp'" in note and "\n" not in note, note
+    with pytest.raises(ValueError) as other:  # any other error: no note
+        model.fit(x, np.zeros(15, "int32"), verbose=0)
+    assert not getattr(other.value, "__notes__", None)
+
+
 def test_a_recompiled_model_keeps_its_add_loss_term_with_the_report(strategy, capsys):
     """keras-io's subclassing guide: compile with a loss, fit, compile without one, fit again.
     The epoch report's FLOP count once traced the step with labels the loss rejected, and the

@@ -54,7 +54,7 @@ import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshfit import env
-from meshfit.fit import hosts, jax_loop, keras_internals, memory_plan, sharded_init, sources
+from meshfit.fit import hosts, jax_loop, keras_internals, memory_plan, out_of_memory, sharded_init, sources
 from meshfit.parallel import heartbeat, stall
 from meshfit.watch import goodput
 from meshfit.watch.keras_side import progress_bar
@@ -118,18 +118,18 @@ def _install() -> None:
 
 
 def _guarded(method: Callable) -> Callable:
-    """Keras' fit, evaluate or predict under the stall guard while a meshfit strategy is active.
-    fit returns once its last step has run: dispatch is asynchronous, so without the wait a step
-    that never finishes would be waited for after fit, unguarded (evaluate and predict return
-    computed values already)."""
+    """Keras' fit, evaluate or predict under the stall guard while a meshfit strategy is active,
+    an out-of-memory error noted (meshfit.fit.out_of_memory). fit returns once its last step has
+    run: dispatch is asynchronous, so without the wait a step that never finishes would be waited
+    for after fit, unguarded (evaluate and predict return computed values already)."""
 
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         if _active is None:
             return method(self, *args, **kwargs)
         name = method.__name__
-        with stall.watching(), goodput.ledger().part("eval") if name == "evaluate" else (
-                hosts.one_batch_per_dispatch(self, name == "predict" and _active.hosts > 1)):
+        with stall.watching(), out_of_memory.noted(), goodput.ledger().part("eval") if name == \
+                "evaluate" else hosts.one_batch_per_dispatch(self, name == "predict" and _active.hosts > 1):
             result = method(self, *args, **kwargs)
             if name == "fit":
                 jax.block_until_ready([v.value for v in self.variables])

@@ -24,7 +24,7 @@ import numpy as np
 from meshfit import __version__, recipes
 from meshfit.data import splits as data
 from meshfit.errors import MeshfitError, TrainingDiverged
-from meshfit.fit import memory_plan, sharded_init, tf_microbatch
+from meshfit.fit import memory_plan, out_of_memory, sharded_init, tf_microbatch
 from meshfit.parallel import cluster, planning, stall
 from meshfit.run import checkpoint_format, local_copies, models, rundir, spec
 from meshfit.run.keras_side import checkpoint_restore
@@ -78,27 +78,12 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
                 local.remove()  # copies newer than the last checkpoint may hold the NaN state
                 raise
             except Exception as error:
-                oom = out_of_memory(error, asked.run)
+                oom = out_of_memory.run_error(error, asked.run)
                 if oom is None:
                     raise
                 raise oom from error
             local.remove()  # the run finished: its copies are of no more use
             return metrics
-
-
-def out_of_memory(error: Exception, run: str) -> MeshfitError | None:
-    """The one-line error for a device running out of memory during training or scoring (XLA's
-    RESOURCE_EXHAUSTED, at compilation or allocation: the memory plan did not see it, see
-    docs/troubleshooting.md), else None."""
-    text = str(error).strip()
-    if not text.startswith("RESOURCE_EXHAUSTED") and "RESOURCE_EXHAUSTED:" not in text[:200]:
-        return None
-    first = text.splitlines()[0][:200]
-    return MeshfitError(f"out of device memory ({first}); its committed checkpoints are intact: "
-                        f"continue with a smaller share of each batch per device, meshfit train "
-                        f"--resume {run} --micro-batches 2 (the same training; not with batch "
-                        "normalization), or train again with a smaller --global-batch or "
-                        "--sharding fsdp (meshfit plan prints what fits)", see="out-of-device-memory")
 
 
 def resumed_step(resume_state: dict | None, steps_per_epoch: int) -> int:
