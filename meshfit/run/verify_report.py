@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshfit.errors import MeshfitError
+
 # A configuration diverges at the first step where its distance passes TOLERANCE x the floor
 # (a floor below MIN_FLOOR counts as MIN_FLOOR, about one float32 rounding, so that a floor of
 # ~0, as in a model whose weights barely move, cannot make rounding look like a bug).
@@ -175,8 +177,6 @@ def first_non_finite(trace) -> int | None:
 def check_finite(reference, floor, reference_name: str) -> None:
     """A MeshfitError where the reference or its floor twin is not finite: distances from NaN
     mean nothing, and every configuration would pass."""
-    from meshfit.errors import MeshfitError
-
     for trace, what in ((reference, f"the reference ({reference_name})"),
                         (floor, "the reference trained from weights moved by one rounding unit")):
         step = first_non_finite(trace)
