@@ -58,6 +58,25 @@ def test_every_dispatch_is_progress_and_fit_evaluate_predict_are_guarded(strateg
     assert all(depth >= 1 for _, depth in guarded) and stall._depth == 0
 
 
+def test_a_distribution_the_user_sets_after_connect_computes_every_sample(strategy):
+    """keras.io's DataParallel guide sets its own distribution (here on 4 of the 8 devices):
+    batches that do not split over its devices (a last batch of 6, predict on 3 rows) are
+    computed whole on each, as under meshfit's own, instead of JAX's IndivisibleError."""
+    import jax
+    import keras
+
+    x = np.random.default_rng(0).normal(size=(38, 4)).astype("float32")
+    y = np.arange(38) % 3
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()[:4]))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # 16, 16 and 6
+    assert np.isfinite(history.history["loss"][0])
+    kernel, bias = (np.asarray(v.value) for v in model.weights)
+    expected = keras.ops.convert_to_numpy(keras.activations.softmax(x[:3] @ kernel + bias))
+    np.testing.assert_allclose(model.predict(x[:3], verbose=0), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("method", ["fit", "evaluate", "predict"])
 def test_a_device_out_of_memory_in_plain_keras_is_jaxs_error_with_a_note_on_the_fixes(strategy, method):
     """XLA's RESOURCE_EXHAUSTED (raised here by a callback, as JAX raises it from a step) reaches

@@ -7,9 +7,10 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   along its first axis, as Keras' `DataParallel` does. One that does not (an epoch's last batch,
   a validation remainder, `predict` on 3 images) is placed whole on every device (on several
   hosts, every process's rows: meshfit.fit.hosts, whose predict returns each its own rows)
-  instead of failing with JAX's IndivisibleError. Every sample counts exactly as on one device
-  (no cut, no padding: see meshfit.fit.sources for why padding is not exact); the price is one
-  more compilation for that shape and that batch computed on every device rather than split.
+  instead of failing with JAX's IndivisibleError (meshfit.fit.batch_placement; also under a
+  distribution the user set). Every sample counts exactly as on one device (no cut, no padding:
+  see meshfit.fit.sources for why padding is not exact); the price is one more compilation for
+  that shape and that batch computed on every device rather than split.
 - Weights in their shards (JAX, several devices): a variable whose layout splits it is drawn
   straight into its shards, never whole on one device first (meshfit.fit.sharded_init).
 - Progress and the stall guard (JAX): every train, test and predict dispatch is counted
@@ -46,15 +47,14 @@ import itertools
 import os
 import threading
 import time
-import warnings
 from typing import Any, Callable
 
 import jax
 import keras
-from jax.sharding import NamedSharding, PartitionSpec
 
 from meshfit import env
-from meshfit.fit import hosts, jax_loop, keras_internals, memory_plan, out_of_memory, sharded_init, sources
+from meshfit.fit import (batch_placement, hosts, jax_loop, keras_internals, memory_plan, out_of_memory,
+                         sharded_init, sources)
 from meshfit.parallel import heartbeat, stall
 from meshfit.watch import goodput
 from meshfit.watch.keras_side import progress_bar
@@ -63,7 +63,6 @@ from meshfit.watch.keras_side.report import EpochReport
 
 _active = None  # the Strategy activated last, or None
 _report_off = contextvars.ContextVar("meshfit_report_off", default=False)
-_fit_batches = contextvars.ContextVar("meshfit_fit_batches", default=None)  # inside fit: rows seen
 _FUNCTIONS = ("train_function", "test_function", "predict_function")  # each made by make_<name>
 
 
@@ -108,7 +107,7 @@ def _install() -> None:
     keras_internals.apply_patches({
         "fit: report and loop": _fit_hook,
         "make_train_function: timed (TensorFlow)": _tensorflow_timed if accounting() else None,
-        "distribute_data_input": _placement_hook,
+        "distribute_data_input": functools.partial(batch_placement.hook, active=lambda: _active),
         "distribute_tensor": functools.partial(sources.divisible_placement, active=active),
         "JaxVariable._initialize_with_initializer": sharded_init.initializer_hook(
             lambda: _distributed(_active), sources.divisible_sharding),
@@ -128,55 +127,15 @@ def _guarded(method: Callable) -> Callable:
         if _active is None:
             return method(self, *args, **kwargs)
         name = method.__name__
-        with stall.watching(), out_of_memory.noted(), goodput.ledger().part("eval") if name == \
-                "evaluate" else hosts.one_batch_per_dispatch(self, name == "predict" and _active.hosts > 1):
+        with stall.watching(), out_of_memory.noted(), goodput.ledger().part("eval") if (
+                name == "evaluate") else hosts.one_batch_per_dispatch(
+                    self, name == "predict" and _active.hosts > 1):
             result = method(self, *args, **kwargs)
             if name == "fit":
                 jax.block_until_ready([v.value for v in self.variables])
             return result
 
     return guarded
-
-
-def _placement_hook(place: Callable) -> Callable:
-    """Keras' `distribute_data_input(batch, layout, batch_dim_name)`, placing batches that do not
-    split across the devices whole on every device (on several hosts, every process's rows)."""
-
-    @functools.wraps(place)
-    def distribute_data_input(per_process_batch, layout, batch_dim_name):
-        strategy = _active
-        shape = getattr(per_process_batch, "shape", ())
-        if not shape or not _distributed(strategy):
-            return place(per_process_batch, layout, batch_dim_name)
-        sharding = getattr(layout, "backend_layout", layout)
-        # Keras 3.16 stacks a dispatch's k batches on a new leading axis, which its layout leaves
-        # whole: the rows are then the second axis.
-        stacked = tuple(getattr(sharding, "spec", ()))[:1] == (None,) and len(shape) > 1
-        rows = shape[1 if stacked else 0] * strategy.hosts  # each process passes as many rows
-        splits = rows % strategy.replicas == 0 and rows > 0
-        _note_batch(rows, splits, strategy.replicas)
-        if splits:
-            return place(per_process_batch, layout, batch_dim_name)
-        if strategy.hosts > 1:
-            return hosts.whole_on_every_device(per_process_batch, sharding.mesh)
-        return jax.device_put(per_process_batch, NamedSharding(sharding.mesh, PartitionSpec()))
-
-    return distribute_data_input
-
-
-def _note_batch(rows: int, splits: bool, replicas: int) -> None:
-    """Inside `fit`, once: warn when a batch that cannot split is as large as any before it, so
-    the batch size itself does not split (a shorter last batch is normal and needs no word)."""
-    seen = _fit_batches.get()
-    if seen is None:
-        return
-    if not splits and rows >= seen.get("largest", 0) and not seen.get("warned"):
-        seen["warned"] = True
-        warnings.warn(f"a batch of {rows} samples does not split across {replicas} devices: such "
-                      f"batches are computed whole on every device (every sample counts, but they "
-                      f"are not split); a batch size that is a multiple of {replicas} avoids it",
-                      stacklevel=2)
-    seen["largest"] = max(rows, seen.get("largest", 0))
 
 
 def _make_function_hook(make: Callable, attribute: str) -> Callable:
@@ -446,7 +405,7 @@ def _fit_hook(fit: Callable) -> Callable:
         if (strategy.engine == "jax" and self.train_function is None and self.jit_compile
                 and not self.run_eagerly):
             jax_loop.install(self, self.steps_per_execution)
-        token = _fit_batches.set({})
+        token = batch_placement.fit_batches.set({})
         _clock.last = None
         report = next((c for c in arguments.get("callbacks") or [] if isinstance(c, EpochReport)), None)
         if report is not None and report.input_source is None:
@@ -456,7 +415,7 @@ def _fit_hook(fit: Callable) -> Callable:
         try:
             history = fit(*bound.args, **bound.kwargs)
         finally:
-            _fit_batches.reset(token)
+            batch_placement.fit_batches.reset(token)
             if ledger.base == "train":
                 ledger.switch("other")
         if history is not None and ledger.owner is None:  # a plain fit: the process so far
