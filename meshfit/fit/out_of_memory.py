@@ -15,12 +15,16 @@ ENTRY = "out-of-device-memory"  # docs/troubleshooting.md
 
 def first_line(error: BaseException) -> str | None:
     """The first line of XLA's out-of-memory message in `error` (up to 200 characters), else None.
-    Keras may put its own line first ("Exception encountered when calling ...")."""
+    Keras may put its own line first ("Exception encountered when calling ..."). The line must
+    speak of memory (GPUs: "Out of memory while trying to allocate", TPUs: "Ran out of memory in
+    memory space hbm"): gRPC, which JAX's coordination service speaks, has a RESOURCE_EXHAUSTED
+    of its own (a message too large)."""
     text = str(error).strip()
     at = text.find("RESOURCE_EXHAUSTED")
     if at < 0 or at > 200:
         return None
-    return text[at:].splitlines()[0][:200]
+    line = text[at:].splitlines()[0][:200]
+    return line if "memory" in line.lower() else None
 
 
 @contextlib.contextmanager
