@@ -159,8 +159,6 @@ def drop_state_field(checkpoint: str, field: str) -> None:
         f.write(json.dumps(manifest))
 
 
-# Recipe-file text for tests that write recipe files (the file must `import os`): a callback that
-# SIGKILLs the run at the start of the train batch KILL_AT="epoch,batch" names.
 # The test recipes' data: 160 bright or dark 8x8 grey images (128 to train, 32 to test), from a
 # callable in memory; recipe files paste it below their `import numpy as np`.
 BRIGHT_OR_DARK_DATASET = '''def dataset(seed):
@@ -171,6 +169,8 @@ BRIGHT_OR_DARK_DATASET = '''def dataset(seed):
 '''
 
 
+# Recipe-file text for tests that write recipe files (the file must `import os`): a callback that
+# SIGKILLs the run at the start of the train batch KILL_AT="epoch,batch" names.
 KILL_AT_CALLBACKS = '''def callbacks():
     import signal
 

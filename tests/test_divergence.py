@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from helpers import BRIGHT_OR_DARK_DATASET, cli_env, run_meshfit
+from helpers import BRIGHT_OR_DARK_DATASET, cli_env, environment, run_meshfit
 
 from meshfit.errors import MeshfitError
 from meshfit.run import local_copies, rundir
@@ -94,10 +94,8 @@ def test_a_device_out_of_memory_during_training_is_one_line_with_the_fix(tmp_pat
         except meshfit.MeshfitError as error:
             print(error)
     """)
-    env = {**os.environ, **cli_env(tmp_path, engine="tensorflow")}
-    env = {k: v for k, v in env.items() if v is not None}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300, env=env)
+                         timeout=300, env=environment(cli_env(tmp_path, engine="tensorflow")))
     assert out.returncode == 0, out.stderr[-3000:]
     message = out.stdout.strip().splitlines()[-1]
     assert message.startswith("out of device memory (RESOURCE_EXHAUSTED: Out of memory while "
