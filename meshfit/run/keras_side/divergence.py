@@ -1,12 +1,14 @@
-"""The divergence guard of meshfit's training runs: a state holding NaN or inf is never saved.
+"""The divergence guard of meshfit's training runs: weights holding NaN or inf are never saved.
 
 A run whose loss diverged goes on training NaN weights to the end, and its checkpoints, saved
 every 60 s and each epoch, would replace the good ones it keeps (the newest 3) within minutes:
 the work before the divergence lost. So before each save, and once training ends, one
-computation asks whether every floating variable of the model and its optimizer is finite; if
-one is not, the run stops with TrainingDiverged, its committed checkpoints as they were. A
-mixed-float16 run's loss scaling skips the steps whose gradients overflow, so its weights stay
-finite and it is never stopped for them.
+computation asks whether every trainable variable is finite; if one is not, the run stops with
+TrainingDiverged, its committed checkpoints as they were. Trainable variables only: a NaN
+gradient reaches them at the step it appears (the optimizer's slots and batch statistics follow
+them), while a non-trainable one may hold an infinity by design (a running minimum starting at
+inf). A mixed-float16 run's loss scaling skips the steps whose gradients overflow, so its weights
+stay finite and it is never stopped for them.
 
 This module imports Keras at the top: import it after `meshfit.connect()`.
 """
@@ -17,7 +19,6 @@ import keras
 import numpy as np
 
 from meshfit.errors import TrainingDiverged
-from meshfit.run.keras_side.checkpoint_save import variable_groups
 
 
 def _finite_flags(values: list) -> object:
@@ -34,11 +35,9 @@ if keras.backend.backend() == "jax":
 
 
 def non_finite(model) -> str | None:
-    """The path of the first floating variable of the model or its optimizer holding NaN or
-    inf, else None. On several processes every process calls it at the same point."""
-    groups = variable_groups(model)
-    variables = [v for v in groups["model"] + groups["optimizer"]
-                 if "float" in str(v.dtype)]
+    """The path of the first trainable floating variable holding NaN or inf, else None. On
+    several processes every process calls it at the same point."""
+    variables = [v for v in model.trainable_variables if "float" in str(v.dtype)]
     if not variables:
         return None
     flags = np.asarray(keras.ops.convert_to_numpy(_finite_flags([v.value for v in variables])))
