@@ -37,5 +37,11 @@ class TrainingInterrupted(MeshfitError):
 
 
 class TrainingDiverged(MeshfitError):
-    """Training stopped because the model's state holds NaN or inf; nothing of it was saved, the
-    run's committed checkpoints are as they were (meshfit.run.keras_side.divergence)."""
+    """Training stopped because the model's weights hold NaN or inf; nothing of them was saved,
+    the run's committed checkpoints are as they were (meshfit.run.keras_side.divergence).
+    `step`: the global step after which they did; `variable`: the first such variable's path."""
+
+    def __init__(self, message: str, step: int, variable: str):
+        super().__init__(message)
+        self.step = step
+        self.variable = variable

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 from helpers import BRIGHT_OR_DARK_DATASET, cli_env, environment, run_meshfit
 
+from meshfit.commands import runs
 from meshfit.errors import MeshfitError
 from meshfit.run import local_copies, rundir
 
@@ -70,6 +71,8 @@ def test_a_diverged_run_stops_in_one_line_and_keeps_its_checkpoints(tmp_path, en
     with pytest.raises(MeshfitError, match=r"has not finished training \(no model.keras yet; its "
                        r"newest checkpoint: ckpt-00000006\); finish it with: meshfit train --resume"):
         rundir.locate_model(run)  # predict, eval and export say so
+    (row,) = runs.collect([run])
+    assert row["status"] == "diverged at step 8", row
 
 
 def test_a_device_out_of_memory_during_training_is_one_line_with_the_fix(tmp_path):

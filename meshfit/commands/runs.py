@@ -9,6 +9,7 @@ metrics.json or, while unfinished, the run's goodput.json) and status:
   finished         metrics.json exists;
   unfinished       killed or still training: progress from history.json or, as training writes
                    that only at the end, the newest checkpoint's state.json;
+  diverged at step N  stopped because its weights became NaN or inf (its diverged.json);
   unreadable: ...  a damaged or missing JSON file (the reason follows).
 `--json` prints the rows as JSON; `--plot OUT.png` draws test accuracy and loss of every run
 against training time and against epochs; `--goodput-plot OUT.png` draws each run's wall time as
@@ -22,7 +23,8 @@ import os
 from typing import Any
 
 from meshfit.errors import MeshfitError
-from meshfit.run.rundir import CHECKPOINT_STATE, CHECKPOINTS, CONFIG, HISTORY, METRICS, list_checkpoints
+from meshfit.run.rundir import (CHECKPOINT_STATE, CHECKPOINTS, CONFIG, DIVERGED, HISTORY, METRICS,
+                                list_checkpoints)
 from meshfit.watch import figures, goodput
 
 _SETTINGS = ("recipe", "device_kind", "platform", "replicas", "precision", "engine")
@@ -111,9 +113,15 @@ def _fill(row: dict[str, Any], run: str) -> None:
         "samples_per_second": metrics.get("samples_per_second",
                                           samples / seconds if seconds and samples else None),
         "mfu": metrics.get("mfu", _mean([r.get("mfu") for r in records])),
-        "status": "finished" if finished else "unfinished",
+        "status": "finished" if finished else _stopped_for_good(run) or "unfinished",
     })
     row["epochs"] = f"{row['epochs_done']}/{row['epochs_planned'] or '?'}"
+
+
+def _stopped_for_good(run: str) -> str | None:
+    """'diverged at step N' for a run stopped because its weights became NaN or inf, else None."""
+    path = os.path.join(run, DIVERGED)
+    return f"diverged at step {_read(path).get('step')}" if os.path.isfile(path) else None
 
 
 def _unfinished_goodput(run: str) -> dict[str, Any] | None:

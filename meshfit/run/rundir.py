@@ -33,6 +33,7 @@ CONFIG, HISTORY, METRICS = "config.json", "history.json", "metrics.json"
 MODEL, ONNX, CURVES = "model.keras", "model.onnx", "curves.png"
 CHECKPOINTS, TENSORBOARD, LOCK = "checkpoints", "tensorboard", ".lock"
 RECIPE = "recipe.py"
+DIVERGED = "diverged.json"  # a run stopped because its weights became NaN or inf: where and why
 CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8,})$")  # checkpoints/ckpt-<global step>
 CHECKPOINT_STATE = "state.json"  # where training stands (see meshfit.run.checkpoint_format)
 CHECKPOINT_ARRAYS = "arrays.npz"  # the variables (meshfit 0.1 called them state.npz)

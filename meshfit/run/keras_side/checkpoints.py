@@ -111,7 +111,7 @@ class Checkpointer(keras.callbacks.Callback):
         self.wait()
         sync_variables(self.model)
         divergence.check(self.model, epoch * self.steps_per_epoch + step, self.steps_per_epoch,
-                         self.last_saved, self.write)
+                         self.directory, self.write)
         self._last_time = time.monotonic()
         self._saves += 1
         self.saving = True  # a Ctrl-C now waits until the write is handed to its threads

@@ -19,6 +19,7 @@ import keras
 import numpy as np
 
 from meshfit.errors import TrainingDiverged
+from meshfit.run import rundir
 
 
 def _finite_flags(values: list) -> object:
@@ -45,21 +46,23 @@ def non_finite(model) -> str | None:
     return variables[bad[0]].path if len(bad) else None
 
 
-def check(model, global_step: int, steps_per_epoch: int, last_saved: str | None,
+def check(model, global_step: int, steps_per_epoch: int, checkpoints: str,
           writer: bool = True) -> None:
-    """Raise TrainingDiverged when the model's state is not finite after `global_step`;
-    last_saved: the newest checkpoint committed, known to the process that writes them
-    (`writer`; None there: none yet)."""
+    """Raise TrainingDiverged when the model's weights are not finite after `global_step`;
+    checkpoints: the run's checkpoint folder, whose newest committed checkpoint the line names
+    on the process that writes them (`writer`; the others may not see that folder)."""
     path = non_finite(model)
     if path is None:
         return
     epoch = global_step // steps_per_epoch + (1 if global_step % steps_per_epoch else 0)
+    saved = rundir.list_checkpoints(checkpoints) if writer else []
     if not writer:
         kept = "the run's committed checkpoints are kept, nothing after them was saved"
-    elif last_saved:
-        kept = f"the checkpoints up to {last_saved} are kept, nothing after them was saved"
+    elif saved:
+        kept = f"the checkpoints up to {saved[-1]} are kept, nothing after them was saved"
     else:
         kept = "no checkpoint of it was saved"
     raise TrainingDiverged(
         f"training diverged: {path} holds NaN or inf after step {global_step} (epoch {epoch}); "
-        f"{kept}; lower the learning rate, or look for NaN or inf in the data, and train again")
+        f"{kept}; lower the learning rate, or look for NaN or inf in the data, and train again",
+        global_step, path)

@@ -298,7 +298,7 @@ def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
         # The last save checked the state it saved; this also covers --checkpoint-every off and
         # the steps after a save, before model.keras is written from it.
         divergence.check(model, len(history) * run_spec.steps_per_epoch,
-                         run_spec.steps_per_epoch, checkpointer.last_saved, chief)
+                         run_spec.steps_per_epoch, checkpointer.directory, chief)
     finally:
         watch.close()
         goodput.ledger().write()  # stopped (a signal, an error): the ledger as of now

@@ -66,6 +66,8 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
             if chief:
                 write_recipe(asked.run, asked.recipe)
                 write_config(asked.run, run_spec, asked.saved_config, resume_state, command)
+                with contextlib.suppress(FileNotFoundError):  # this session trains it anew
+                    os.remove(os.path.join(asked.run, rundir.DIVERGED))
                 if asked.options.verbose:
                     announce(asked.run, run_spec, asked.saved, resume_state,
                              has_test=dataset.test is not None)
@@ -74,8 +76,12 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
                                           resume_state, local.folder if local.writer else None)
                 metrics = score_and_write(asked, model, history, dataset, run_spec, chief,
                                           report.peak)
-            except TrainingDiverged:
+            except TrainingDiverged as diverged:
                 local.remove()  # copies newer than the last checkpoint may hold the NaN state
+                if chief:  # for `meshfit runs` (its status) until a resumed session starts
+                    rundir.write_json(os.path.join(asked.run, rundir.DIVERGED),
+                                      {"step": diverged.step, "variable": diverged.variable,
+                                       "error": str(diverged)})
                 raise
             except Exception as error:
                 oom = out_of_memory.run_error(error, asked.run)
