@@ -30,9 +30,8 @@ from meshfit.commands import verify as verify_command
 from meshfit.errors import MeshfitError
 from meshfit.parallel import cluster, engine
 from meshfit.run import options
-from meshfit.watch import goodput
+from meshfit.watch import figures, goodput
 
-FIGURE_FORMATS = (".png", ".jpg", ".jpeg", ".pdf", ".svg")  # what `predict --show` can write
 COMMANDS = {
     "info": "print the devices found, engine, precision and batch multiple",
     "train": "train a recipe, a recipe file or a folder of images; write a run directory",
@@ -193,8 +192,7 @@ def run_predict(args: argparse.Namespace) -> int:
         raise MeshfitError(f"--top-k must be at least 1, got {args.top_k}")
     if args.threads is not None and args.threads < 1:
         raise MeshfitError(f"--threads must be at least 1, got {args.threads}")
-    if args.show and os.path.splitext(args.show)[1].lower() not in FIGURE_FORMATS:
-        raise MeshfitError(f"--show {args.show}: name a {', '.join(FIGURE_FORMATS)} file")
+    figures.check_path("--show", args.show)
     if args.benchmark is not None:
         stats = inference.benchmark_latency(args.model, n=args.benchmark, backend=args.backend,
                                             threads=args.threads)
@@ -327,6 +325,8 @@ def add_runs_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_runs(args: argparse.Namespace) -> int:
     """The table of runs (finished and unfinished) and, with --plot, their curves."""
+    figures.check_path("--plot", args.plot)
+    figures.check_path("--goodput-plot", args.goodput_plot)
     rows = runs.collect(args.dirs)
     print(runs.to_json(rows) if args.json else runs.format_table(rows), flush=True)
     if args.plot:

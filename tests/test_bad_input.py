@@ -336,3 +336,14 @@ def test_a_missing_data_folder_is_named_before_the_devices_connect(tmp_path, cap
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"image folder {tmp_path / 'missing'} does not exist" in err[0], err
+
+
+@pytest.mark.parametrize("args", [["runs", "--plot", "curves.txt"], ["runs", "--goodput-plot", "bars"],
+                                  ["verify", "fashion-mnist-cnn", "--plot", "v.bmp"]])
+def test_a_picture_flag_naming_no_picture_format_is_one_line_before_any_work(args, tmp_path):
+    """matplotlib refused the suffix only after the work, with a traceback (or, given none, wrote
+    another file than the one named)."""
+    args = [*args[:-1], str(tmp_path / args[-1])]
+    out = run_meshfit(*args, env=cli_env(tmp_path), timeout=120)
+    one_line_error(out, "name a .png, .jpg, .jpeg, .pdf, .svg file")
+    assert "meshfit connected" not in out.stdout and os.listdir(tmp_path) == []

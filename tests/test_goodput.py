@@ -495,3 +495,17 @@ def test_tensorflow_times_the_wait_for_a_slow_generator_too(tmp_path):
     assert spent["seconds"]["input_wait"] >= 0.5 * 12 * 0.05
     assert sum(spent["seconds"].values()) == pytest.approx(spent["wall_seconds"], rel=1e-3)
     assert "meshfit: input-bound:" in out.stdout
+
+
+def test_a_ledger_that_cannot_be_written_leaves_no_file_behind(tmp_path, monkeypatch):
+    """A run directory whose renames fail (its config.json unwritable too): the ledger's write is
+    skipped without a trace, so the same --out can be given again (it refuses other files)."""
+    ledger = goodput.Ledger(start=time.time())
+    ledger.persist_to = str(tmp_path / "goodput.json")
+
+    def refused(*args, **kwargs):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "replace", refused)
+    ledger.write()
+    assert os.listdir(tmp_path) == []

@@ -20,6 +20,7 @@ from meshfit.parallel import planning
 from meshfit.run import options, spec
 from meshfit.run import verify as verify_lib
 from meshfit.run import verify_engines
+from meshfit.watch import figures
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    figures.check_path("--plot", args.plot)
     counts = verify_lib.parse_counts(args.devices, "--devices")
     shardings = verify_lib.parse_shardings(args.sharding)
     engines = verify_engines.parse_engines(args.engines)

@@ -168,13 +168,16 @@ class Ledger:
         now = time.time()
         record = {**self.totals(now), "written_at": now, "steps_done": self.first_step + self.steps,
                   "train_steps": self.steps + self.earlier_steps, "finished": self.finished}
+        tmp = f"{self.persist_to}.{os.getpid()}.tmp"
         try:
-            tmp = f"{self.persist_to}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 json.dump(record, f)
             os.replace(tmp, self.persist_to)
         except OSError:  # a read-only or vanished run directory: accounting never stops training
-            pass
+            # Nor leaves a file behind: a run that failed to start (its config.json unwritable)
+            # is started again with the same --out, which refuses a folder of other files.
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
         self._written = now
 
     def resume(self, path: str, checkpoint_step: int,
