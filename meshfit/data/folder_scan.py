@@ -88,17 +88,18 @@ def scan(path: str | os.PathLike, class_names: tuple[str, ...] | None = None) ->
     if len(classes) == 1:
         raise MeshfitError(f"{root} has a single class folder ({classes[0]}); a classifier needs "
                            f"at least two: put each class's images in its own sub-folder of {root}")
-    files, labels, skipped = [], [], []
+    files, labels, identities, skipped = [], [], [], []
     for label, name in enumerate(classes):
         found, left_out = _class_files(os.path.join(root, name))
         if not found:
             why = f" ({len(left_out)} file(s) skipped: unreadable or not images)" if left_out else ""
             raise MeshfitError(f"class folder {os.path.join(root, name)} has no readable images{why}; "
                                f"add {', '.join(IMAGE_EXTENSIONS)} files or remove the folder")
-        files += found
+        files += [path for path, _ in found]
+        identities += [identity for _, identity in found]
         labels += [label] * len(found)
         skipped += left_out
-    _check_one_class_each(files, labels, classes)
+    _check_one_class_each(files, labels, identities, classes)
     if skipped:
         images = [(p, why) for p, why in skipped if why.startswith("unreadable")]
         path, why = (images or skipped)[0]
@@ -107,8 +108,9 @@ def scan(path: str | os.PathLike, class_names: tuple[str, ...] | None = None) ->
     return Folder(root, classes, tuple(files), np.asarray(labels, dtype=np.int32), tuple(skipped))
 
 
-def _class_files(folder: str) -> tuple[list[str], list[tuple[str, str]]]:
-    """(readable image files, skipped (path, reason)) under one class folder, sorted by path."""
+def _class_files(folder: str) -> tuple[list[tuple[str, tuple[int, int]]], list[tuple[str, str]]]:
+    """(readable image files with their (device, inode), skipped (path, reason)) under one class
+    folder, sorted by path."""
     candidates, skipped = [], []
     # Links are followed (a class folder may be a link to where its images are), but not into a
     # folder this walk has been in or one above the class folder: os.walk keeps no such record, and
@@ -137,20 +139,31 @@ def _class_files(folder: str) -> tuple[list[str], list[tuple[str, str]]]:
             else:
                 skipped.append((path, "not an image file (suffix)"))
     with concurrent.futures.ThreadPoolExecutor(default_workers()) as pool:
-        problems = list(pool.map(header_problem, candidates, chunksize=64))
-    found = [p for p, problem in zip(candidates, problems) if problem is None]
-    skipped += [(p, problem) for p, problem in zip(candidates, problems) if problem is not None]
+        examined = list(pool.map(_examined, candidates, chunksize=64))
+    found = [(p, identity) for p, (problem, identity) in zip(candidates, examined) if problem is None]
+    skipped += [(p, problem) for p, (problem, _) in zip(candidates, examined) if problem is not None]
     return sorted(found), sorted(skipped)  # paths under one folder: sorted as their names
 
 
-def _check_one_class_each(files: list[str], labels: list[int], classes: tuple[str, ...]) -> None:
+def _examined(path: str) -> tuple[str | None, tuple[int, int] | None]:
+    """(header_problem(path), and where it is None the file's (device, inode)), on the scan's
+    threads: a stat is a round trip on a network file system (gcsfuse), so it goes beside the
+    header's open and read, not in a loop of its own after them."""
+    problem = header_problem(path)
+    if problem is not None:
+        return problem, None
+    stat = os.stat(path)
+    return None, (stat.st_dev, stat.st_ino)
+
+
+def _check_one_class_each(files: list[str], labels: list[int], identities: list[tuple[int, int]],
+                          classes: tuple[str, ...]) -> None:
     """A MeshfitError where one file (the same device and inode: links and hard links followed) is
     listed under two classes. The walk of each class cannot see it: a class folder that is a link
     to the dataset's folder lists every other class's images under its own name."""
     first = {}
-    for path, label in zip(files, labels):
-        stat = os.stat(path)  # one call per file beside the header check's open and read
-        seen_path, seen_label = first.setdefault((stat.st_dev, stat.st_ino), (path, label))
+    for path, label, identity in zip(files, labels, identities):
+        seen_path, seen_label = first.setdefault(identity, (path, label))
         if seen_label != label:
             raise MeshfitError(
                 f"{path} (class {classes[label]}) is the same file as {seen_path} (class "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import math
 import warnings
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshfit.fit import hosts
+from meshfit.parallel.sharding import axis_parts
 
 fit_batches = contextvars.ContextVar("meshfit_fit_batches", default=None)  # inside fit: rows seen
 
@@ -41,9 +41,8 @@ def hook(place: Callable, active: Callable[[], Any]) -> Callable:
         # Keras 3.16 stacks a dispatch's k batches on a new leading axis, which its layout leaves
         # whole: the rows are then the second axis.
         axis = 1 if tuple(sharding.spec)[:1] == (None,) and len(shape) > 1 else 0
-        names = tuple(sharding.spec)[axis] if axis < len(sharding.spec) else None
-        names = names if isinstance(names, (tuple, list)) else (names,)
-        parts = math.prod(sharding.mesh.shape[n] for n in names if n is not None)
+        entry = tuple(sharding.spec)[axis] if axis < len(sharding.spec) else None
+        parts = axis_parts(entry, dict(sharding.mesh.shape))
         rows = shape[axis] * jax.process_count()  # each process passes as many rows
         splits = rows % parts == 0 and rows > 0
         note_batch(rows, splits, parts)

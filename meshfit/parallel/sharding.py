@@ -208,14 +208,20 @@ def bytes_per_device(shape: Sequence[int], dtype: Any, spec: Sequence[Any],
     return count
 
 
+def axis_parts(entry: Any, axis_sizes: dict[str, int]) -> int:
+    """How many parts a dimension is split into by its spec entry (None, an axis name, or a tuple
+    of names), the mesh's axis sizes by name."""
+    names = entry if isinstance(entry, (tuple, list)) else (entry,)
+    return math.prod(axis_sizes.get(n, 1) for n in names if n is not None)
+
+
 def divisible_spec(shape: Sequence[int], spec: Sequence[Any], axis_sizes: dict[str, int]) -> list:
     """`spec` with every dimension the named mesh axes do not divide made whole (None): a batch
     of 3 rows on 8 devices is then held whole on each, as `predict` holds one (see
     meshfit.fit.hooks), rather than failing with JAX's IndivisibleError."""
     kept = list(spec) + [None] * (len(shape) - len(spec))
     for i, entry in enumerate(kept[:len(shape)]):
-        names = entry if isinstance(entry, (tuple, list)) else (entry,)
-        parts = math.prod(axis_sizes.get(n, 1) for n in names if n is not None)
+        parts = axis_parts(entry, axis_sizes)
         if parts > 1 and shape[i] % parts:
             kept[i] = None
     return kept[:len(shape)]
