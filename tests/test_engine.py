@@ -280,7 +280,9 @@ def test_tensorflow_imported_after_connect_on_jax_prints_no_load_notices():
 def test_the_first_tensorflow_import_keeps_every_other_line_and_its_loader(tmp_path):
     """A stand-in `tensorflow` writes a load notice and another line to file descriptor 2 as it
     loads: the notice is dropped, the other line kept; the module's loader still answers for the
-    package (resources), and the finder is gone after its one import."""
+    package (resources), and the finder is gone after its one import, not before: a lookup
+    without an import (connect()'s summary asks whether TensorFlow is installed on one CPU
+    device) once took it out, and keras-hub's import of TensorFlow printed every notice."""
     package = tmp_path / "tensorflow"
     package.mkdir()
     (package / "data.txt").write_text("resource")
@@ -294,6 +296,7 @@ def test_the_first_tensorflow_import_keeps_every_other_line_and_its_loader(tmp_p
         import importlib.resources, sys
         from meshfit.parallel import engine
         engine.drop_tensorflow_notices_at_import()
+        assert engine.installed("tensorflow") and "tensorflow" not in sys.modules
         import tensorflow
         print(importlib.resources.files("tensorflow").joinpath("data.txt").read_text())
         print(any(isinstance(f, engine._TensorFlowImportedQuietly) for f in sys.meta_path))

@@ -238,6 +238,37 @@ def test_plain_fit_reports_goodput_mfu_and_eval(strategy, tmp_path, monkeypatch,
     assert [line for line in out.splitlines() if line.startswith("epoch ") and "MFU n/a" in line] == []
 
 
+def test_the_epochs_train_seconds_are_the_ledgers_train_whenever_its_clock_is_read(
+        strategy, tmp_path, monkeypatch):
+    """Every read of the ledger's clock here is 1 ms later than the one before (as a thread
+    switch under load makes it): the epochs' windows still hold all of the ledger's train. They
+    once read an edge apart from the switch at it, so the time between was train in no window
+    (2 ms an epoch here; 0.5 ms in one elastic run in CI)."""
+    import meshfit
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rng = np.random.default_rng(0)
+    x, y = rng.random((256, 16), dtype="float32"), rng.integers(0, 4, 256)
+    model = _model(strategy)
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)  # compiled before the timed fit
+    reads = iter(range(1, 10**9))
+
+    class LateClock:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def time(self):
+            return time.time() + 1e-3 * next(reads)
+
+    monkeypatch.setattr(goodput, "time", LateClock())
+    before = goodput.ledger().charged()["train"]
+    report = meshfit.EpochReport(batch_size=64, stream=open(os.devnull, "w"))
+    model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[report])
+    trained = goodput.ledger().charged()["train"] - before
+    assert len(report.epochs) == 3
+    assert sum(e["train_seconds"] for e in report.epochs) == pytest.approx(trained, abs=1e-9)
+
+
 def test_a_slow_generator_is_input_wait_and_gets_the_input_bound_line(strategy, tmp_path,
                                                                       monkeypatch, capsys):
     """Each batch comes 1 s late, far longer than any step of this model, loaded or not: the

@@ -26,6 +26,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import threading
 import warnings
 
 from meshfit import env
@@ -93,25 +94,33 @@ class _TensorFlowImportedQuietly(importlib.abc.MetaPathFinder):
     """On the JAX engine TensorFlow is imported, if ever, by the user's program or a library
     (keras-hub's tensorflow-text, a tf.data pipeline), not inside a block meshfit could wrap: this
     finder drops its load notices wherever that first import happens. It finds `tensorflow` with
-    the other finders and wraps the loader; its one use removes it from sys.meta_path."""
+    the other finders and wraps the loader; it leaves sys.meta_path once TensorFlow has loaded,
+    not at a lookup: meshfit's own question whether TensorFlow is installed (`installed`, asked by
+    connect()'s summary on one CPU device) took it out before the user's import came."""
+
+    def __init__(self):
+        self._looking = threading.local()  # inside its own lookup through the other finders
 
     def find_spec(self, name, path=None, target=None):
-        if name != "tensorflow":
+        if name != "tensorflow" or getattr(self._looking, "now", False):
             return None
-        with contextlib.suppress(ValueError):  # another thread's import took it out first
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)  # the other finders': this one is gone
+        self._looking.now = True
+        try:
+            spec = importlib.util.find_spec(name)  # the other finders' (this one answers None)
+        finally:
+            self._looking.now = False
         if spec is not None and spec.loader is not None:
-            spec.loader = _LoaderDroppingNotices(spec.loader)
+            spec.loader = _LoaderDroppingNotices(spec.loader, self)
         return spec
 
 
 class _LoaderDroppingNotices:
-    """A module loader that runs another's exec_module with TensorFlow's load notices dropped;
-    all else (create_module, get_resource_reader, ...) is the other loader's."""
+    """A module loader that runs another's exec_module with TensorFlow's load notices dropped,
+    then takes `finder` out of sys.meta_path; all else (create_module, get_resource_reader, ...)
+    is the other loader's."""
 
-    def __init__(self, loader):
-        self._loader = loader
+    def __init__(self, loader, finder):
+        self._loader, self._finder = loader, finder
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -125,6 +134,8 @@ class _LoaderDroppingNotices:
             # Best effort: the user's import must not fail where it would not without meshfit.
             with contextlib.suppress(Exception):
                 _list_devices(module)
+        with contextlib.suppress(ValueError):  # another thread's import took it out first
+            sys.meta_path.remove(self._finder)
 
 
 def drop_tensorflow_notices_at_import() -> None:

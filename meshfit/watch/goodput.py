@@ -96,11 +96,14 @@ class Ledger:
         self.seconds[current] += now - self._since
         self._since = now
 
-    def switch(self, part: str) -> None:
-        """From now on, time outside any open `part()` goes to `part`."""
+    def switch(self, part: str) -> dict[str, float]:
+        """From now on, time outside any open `part()` goes to `part`. Returns the parts charged
+        up to the switch (as `charged()` would at that instant): a window's edge read in the same
+        step, so no time falls between the edge and the switch."""
         with self._lock:
             self._charge(time.time())
             self._base = part
+            return dict(self.seconds)
 
     @property
     def base(self) -> str:
