@@ -290,6 +290,39 @@ def test_the_tensorflow_engine_trains_the_same_model_as_jax():
     assert 0 < verdict.worst <= 30, result.lines()  # measured, never trivially zero
 
 
+class Reconstruction(keras.Model):
+    """Trained on x alone (fit(x), no y: a keras-hub task whose preprocessor makes the targets
+    from the strings is fitted so); its loss is add_loss's."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.encode, self.decode = layers.Dense(4, name="encode"), layers.Dense(FEATURES, name="decode")
+
+    def call(self, x):
+        out = self.decode(self.encode(x))
+        self.add_loss(ops.mean(ops.square(out - x)))
+        return out
+
+
+def reconstruction():
+    model = Reconstruction()
+    model.compile(keras.optimizers.SGD(0.1))
+    return model
+
+
+def test_a_model_trained_on_x_alone_is_equal_here_and_on_the_tensorflow_engine():
+    """y=None, as meshfit.verify's signature allows: every configuration, and the other engine's
+    process (which receives the batches), trains on x alone. It failed with an IndexError on
+    np.asarray(None)[index] as it read the first batch."""
+    result = verify(reconstruction, X, None, sharding="data,fsdp", resume=True,
+                    engines="jax,tensorflow")
+    assert result.exit_code == 0, result.lines()
+    assert [v.name for v in result.verdicts] == [
+        "8 devices, data", "8 devices, fsdp", "8 devices, data, resumed after step 2",
+        "1 device, tensorflow engine"]
+    assert all(0 < v.worst <= 30 for v in result.verdicts), result.lines()
+
+
 def test_engines_on_a_model_that_draws_random_numbers_are_not_comparable():
     result = verify(small_cnn_with_dropout, IMAGES, LABELS, batch_size=16, devices=(1,),
                     engines=("jax", "tensorflow"))

@@ -153,7 +153,9 @@ def target_recipe(target: str, devices: int, engine: str = "jax"):
 
 
 def array_source(x, y, global_batch: int) -> Callable[[int], Iterator]:
-    """Batches of arrays in order: batch s holds samples s*B .. s*B+B-1 (cycling past the end)."""
+    """Batches of arrays in order: batch s holds samples s*B .. s*B+B-1 (cycling past the end);
+    y None for a model that fits on x alone (a keras-hub task whose preprocessor makes the
+    targets from the strings)."""
     import numpy as np  # start-up: this module is read by the command line before the data
 
     def rows(a, index):
@@ -167,7 +169,7 @@ def array_source(x, y, global_batch: int) -> Callable[[int], Iterator]:
         step = start
         while True:
             index = np.arange(step * global_batch, (step + 1) * global_batch) % n
-            yield rows(x, index), rows(y, index)
+            yield rows(x, index), None if y is None else rows(y, index)  # None: fit(x) alone
             step += 1
 
     return source
@@ -185,7 +187,8 @@ def verify(build_model: Callable[[], Any], x, y=None, *, batch_size: int,
 
     build_model: a function returning a compiled Keras model (or a RecipeModel), called once
     per run under its devices, as one builds inside `strategy.scope()`. x, y: arrays (or dicts
-    of arrays) taken in order, `batch_size` samples a step (the global batch, split over the devices); or x a function
+    of arrays; y None for a model fitted on x alone, as a keras-hub task with its preprocessor
+    is on strings) taken in order, `batch_size` samples a step (the global batch, split over the devices); or x a function
     `x(first_step)` yielding (x, y) global batches from that step on (a resume reads from the
     middle), y then None. devices: counts such as (1, 2, 8); sharding: modes, 'auto' and
     'model:K'. micro_batches, steps_per_dispatch: values to try on the largest device count.

@@ -78,9 +78,11 @@ def not_comparable(engine: str, paths: Sequence[str]) -> str | None:
 
 
 def _flat(prefix: str, value, out: dict) -> None:
-    """A batch part (an array or a dict of arrays) into `out` under `prefix`."""
+    """A batch part (an array, a dict of arrays, or None: no y) into `out` under `prefix`."""
     import numpy as np  # start-up: this module is read by the command line before the data
 
+    if value is None:
+        return
     if isinstance(value, dict):
         for key, part in value.items():
             out[f"{prefix}/{key}"] = np.asarray(part)
@@ -89,10 +91,11 @@ def _flat(prefix: str, value, out: dict) -> None:
 
 
 def unflat(arrays, prefix: str):
-    """What `_flat` wrote under `prefix`: an array, or a dict of arrays."""
+    """What `_flat` wrote under `prefix`: an array, a dict of arrays, or None (nothing)."""
     if prefix in arrays:
         return arrays[prefix]
-    return {key[len(prefix) + 1:]: arrays[key] for key in arrays if key.startswith(prefix + "/")}
+    return {key[len(prefix) + 1:]: arrays[key] for key in arrays
+            if key.startswith(prefix + "/")} or None
 
 
 def importable(function) -> bool:

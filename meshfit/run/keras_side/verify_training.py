@@ -98,9 +98,10 @@ def _assign(variables, values) -> None:
 
 
 def _join(batches: list) -> Any:
-    """Several global batches (x, y) as one (their samples one after another)."""
+    """Several global batches (x, y) as one (their samples one after another; a y of None,
+    x alone, stays None)."""
     return keras.tree.map_structure(lambda *parts: np.concatenate([np.asarray(p) for p in parts]),
-                                    *batches)
+                                    *batches, none_is_leaf=False)
 
 
 def new_model(strategy: Strategy, build: Callable[[], Any], seed: int, first_batch) -> Any:
