@@ -1,7 +1,8 @@
 """keras-hub language models on 8 simulated devices, as their users write them: plain `generate`
 and `fit` after `meshfit.connect()`, compared with one device. Models are small random
 configurations (no weights are downloaded): a Gemma-shaped and a Llama-shaped causal LM fed token
-ids directly (preprocessor=None)."""
+ids directly (preprocessor=None), and a Gemma fine-tuned with LoRA on strings through its
+preprocessor, on a SentencePiece vocabulary trained here."""
 
 import dataclasses
 
@@ -317,3 +318,59 @@ def test_vit_under_fsdp_x_model_takes_one_device_step(strategy):
             np.testing.assert_allclose(got, want, atol=2e-6, err_msg=variable.path)
     finally:
         connect_eight_devices()
+
+
+INSTRUCTIONS = ["Instruction:\nWhat is a cat?\n\nResponse:\nA cat is a small animal.",
+                "Instruction:\nWhat is a dog?\n\nResponse:\nA dog is a loyal animal.",
+                "Instruction:\nName a colour.\n\nResponse:\nRed is a colour."] * 4
+
+
+def gemma_on_strings(strategy):
+    """keras.io's Gemma LoRA guide on a tiny random Gemma: a SentencePiece vocabulary trained on
+    the texts (no download), GemmaCausalLM with its preprocessor, LoRA, AdamW without decay on
+    biases and scales, greedy sampling; fit on the strings, 3 a batch (not a multiple of 8), then
+    generate from a string. Returns (losses, generated text)."""
+    import io
+
+    import sentencepiece
+
+    proto = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(INSTRUCTIONS * 20), model_writer=proto, vocab_size=24, model_type="WORD",
+        pad_id=0, bos_id=1, eos_id=2, unk_id=3, pad_piece="<pad>", bos_piece="<bos>",
+        eos_piece="<eos>", unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        minloglevel=2)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        tokenizer = keras_hub.models.GemmaTokenizer(proto=proto.getvalue())
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=tokenizer.vocabulary_size(), num_layers=2, num_query_heads=4,
+            num_key_value_heads=2, hidden_dim=32, intermediate_dim=64, head_dim=8)
+        model = keras_hub.models.GemmaCausalLM(
+            backbone=backbone,
+            preprocessor=keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=24))
+        backbone.enable_lora(rank=4)
+        optimizer = keras.optimizers.AdamW(learning_rate=5e-3, weight_decay=0.01)
+        optimizer.exclude_from_weight_decay(var_names=["bias", "scale"])
+        model.compile(optimizer=optimizer, sampler="greedy",
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      weighted_metrics=[keras.metrics.SparseCategoricalAccuracy()])
+    losses = model.fit(INSTRUCTIONS, batch_size=3, epochs=2, verbose=0).history["loss"]
+    return losses, model.generate("Instruction:\nWhat is a cat?\n\nResponse:\n", max_length=20)
+
+
+def test_gemma_fine_tuned_with_lora_on_strings_trains_and_generates_as_one_device(strategy):
+    """The path most users take: strings through keras-hub's preprocessor (a grain pipeline keras-hub
+    builds), on 8 devices under fsdp x model 2 and data, as on one."""
+    one = one_device(strategy)
+    try:
+        with one.scope():  # fit too: the 8 devices' strategy is the one connected
+            expected_losses, expected_text = gemma_on_strings(one)
+    finally:
+        connect_eight_devices()
+    for mode in (dict(sharding="fsdp", model_parallel=2), dict(sharding="data")):
+        strategy = meshfit.connect(simulate_devices=8, engine="jax", verbose=False, **mode)
+        losses, text = gemma_on_strings(strategy)
+        np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+        assert text == expected_text and text.startswith("Instruction:")
+    connect_eight_devices()
