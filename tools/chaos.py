@@ -251,12 +251,13 @@ def table(baseline: dict | None, chaos: dict) -> str:
         *parts_rows(chaos),
         *change_rows(generations),
         ("steps run again", f"{again}"),
-        ("goodput", f"{goodput.get('fraction')}"),
+        ("goodput", f"{goodput['fraction']:.3f}" if goodput.get("fraction") is not None else "-"),
         ("goodput's parts (s)", ", ".join(f"{k} {v:.1f}" for k, v in goodput.get("seconds", {}).items() if v)),
         ("wall (s, with faults / baseline)", f"{chaos['wall']:.1f} / {baseline['wall']:.1f}" if baseline
          else f"{chaos['wall']:.1f} / -"),
         ("throughput ratio to the baseline", f"{baseline['wall'] / chaos['wall']:.2f}"
-         if baseline and baseline["exit"] == chaos["exit"] == 0 else "- (a run did not finish)"),
+         if baseline and baseline["exit"] == chaos["exit"] == 0
+         else "- (no baseline run)" if not baseline else "- (a run did not finish)"),
     ]
     return "\n".join(["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
 
