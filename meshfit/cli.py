@@ -160,7 +160,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result), flush=True)
     else:
-        print(f"{evaluate.score_line(result)}  ({result['samples']} images"
+        print(f"{evaluate.score_line(result)}  ({result['samples']} {result['sample_name']}"
               f"{' of ' + result['data'] if args.data else ''})")
     return 0
 

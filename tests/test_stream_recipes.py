@@ -261,3 +261,69 @@ def test_bad_streamed_sources_are_one_line_errors(returned, changes, message):
     with pytest.raises(MeshfitError) as error:
         data.load(_recipe(lambda seed: returned, **changes), None, 0)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# A label per position (a language model's next tokens): token sequences of 6, each token the one
+# before plus 1 (mod 8), batches of 16; 45 test sequences, the last batch of 13.
+SEQUENCE_RECIPE = '''"""next: the next token at every position (a test recipe)."""
+import numpy as np
+
+import meshfit
+
+
+def sequences(seed, n):
+    start = np.random.default_rng(seed).integers(0, 8, (n, 1))
+    tokens = (start + np.arange(7)) % 8
+    return tokens[:, :-1].astype("int32"), tokens[:, 1:].astype("int32")
+
+
+def dataset(seed):
+    def batches(x, y):
+        return lambda: ((x[i:i + 16], y[i:i + 16]) for i in range(0, len(x), 16))
+
+    return {"train": batches(*sequences(seed, 160)), "test": batches(*sequences(seed + 1, 45)),
+            "class_names": [str(t) for t in range(8)]}
+
+
+def build_model(input_shape, num_classes):
+    import keras
+
+    tokens = keras.Input(input_shape, dtype="int32")
+    return keras.Model(tokens, keras.layers.Dense(num_classes)(keras.layers.Embedding(8, 16)(tokens)))
+
+
+def optimizer(steps_per_epoch, epochs):
+    import keras
+
+    return keras.optimizers.Adam(0.05)
+
+
+def loss():
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+RECIPE = meshfit.Recipe(name="next", dataset=dataset, build_model=build_model, optimizer=optimizer,
+                        loss=loss, epochs=3, input_shape=(6,))
+'''
+
+
+def test_a_label_per_position_is_scored_on_every_sequence_once(tmp_path):
+    """A test source of 45 sequences x 6 positions: 45 samples (not the 270 labels: Keras was
+    asked for 270 / 16 batches of 3 and warned "Your input ran out of data"; with a last batch
+    short of 16, its padding rows stayed among the outputs and the score failed), every position
+    scored; the lines call them samples, not images."""
+    recipe = tmp_path / "next.py"
+    recipe.write_text(SEQUENCE_RECIPE)
+    run, changes = str(tmp_path / "run"), cli_env(tmp_path, engine="tensorflow")
+    out = run_meshfit("train", str(recipe), "--out", run, env=changes)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ran out of data" not in out.stdout + out.stderr, out.stdout + out.stderr
+    metrics = json.load(open(os.path.join(run, "metrics.json")))
+    assert metrics["test_samples"] == 45 and metrics["test_accuracy"] > 0.9, metrics
+    assert "of 16 samples (global batch)" in out.stdout and "(45 samples); wrote" in out.stdout
+    scored = run_meshfit("eval", run, env=changes)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert f"test accuracy {metrics['test_accuracy']:.4f}" in scored.stdout
+    assert "(45 samples)" in scored.stdout

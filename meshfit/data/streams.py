@@ -278,13 +278,19 @@ class TrainStream:
 class EvalSource:
     """A validation or test Source, read once for its labels and sample count.
 
-    labels: int32 (N,) of every sample, in order; len(): N.
+    labels: int32 of every label, in order: (N,), or N x L for a label per position (a language
+    model's next tokens), flattened; len(): N, the samples (rows). Counted apart: the labels'
+    count once stood for the rows, so a language model's test set was read as L times its
+    batches (Keras warned "Your input ran out of data") and a last batch's padding was kept.
     """
 
     def __init__(self, source: Any, name: str, num_classes: int):
         self.source = Source(source, name)
         self.name = name
-        labels = [np.asarray(batch[1]).reshape(-1) for batch in self.source.batches(0)]
+        labels, self.rows = [], 0
+        for batch in self.source.batches(0):
+            labels.append(np.asarray(batch[1]).reshape(-1))
+            self.rows += _rows(batch)
         self.labels = np.concatenate(labels).astype(np.int32) if labels else np.zeros(0, np.int32)
         if not len(self.labels):
             raise MeshfitError(f"the recipe's {name} source yielded no samples")
@@ -294,7 +300,7 @@ class EvalSource:
                                f"{num_classes - 1}")
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return self.rows
 
 
 class EvalStream:
@@ -335,7 +341,7 @@ class EvalStream:
     def trim(self, outputs: np.ndarray) -> np.ndarray:
         """The first N rows of outputs computed on the padded batches."""
         seen = np.concatenate(self._seen) if self._seen else np.zeros(0, np.int32)
-        if len(seen) != self.num_samples or not np.array_equal(seen, self.source.labels):
+        if len(seen) != len(self.source.labels) or not np.array_equal(seen, self.source.labels):
             raise MeshfitError(f"the recipe's {self.source.name} source yielded other samples on a "
                                "second pass; it must yield the same samples in the same order every "
                                "time (do not shuffle it)")

@@ -72,6 +72,12 @@ class RunSpec:
     fsdp_min_bytes: int | None = None  # fsdp's threshold (bytes); None: the default (older runs)
     model_parallel: int = 1  # devices per model replica (the mesh's 'model' axis)
 
+    @property
+    def sample_name(self) -> str:
+        """What a sample is called in printed lines: images for (H, W, C) inputs, else samples
+        (token sequences, feature rows)."""
+        return "images" if len(self.input_shape) == 3 else "samples"
+
     def to_dict(self) -> dict[str, Any]:
         """The specification as JSON-ready data, in field order."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}

@@ -350,7 +350,8 @@ def score_and_write(asked, model, history: list, dataset, run_spec: RunSpec, chi
         write_metrics(run, metrics)
         if asked.options.verbose:
             name, _, _, samples = headline(scores)
-            shown = f"{score_line(scores)}  ({samples} images); " if samples is not None else ""
+            shown = (f"{score_line(scores)}  ({samples} {run_spec.sample_name}); "
+                     if samples is not None else "")
             print(goodput.format_block(metrics["goodput"], metrics["mfu"], peak), flush=True)
             print(f"{shown}wrote {run}", flush=True)
     return metrics

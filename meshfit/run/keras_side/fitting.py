@@ -448,5 +448,5 @@ def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state,
         sized = " cache-sized" if run_spec.engine == "tensorflow" else " per-device"
         per_dispatch += f", gradients summed over {run_spec.micro_batches}{sized} micro-batches"
     print(f"training {run_spec.recipe}: {run_spec.epochs} epoch(s) x {run_spec.steps_per_epoch} steps "
-          f"of {run_spec.global_batch} images (global batch){per_dispatch}, seed {run_spec.seed}; "
+          f"of {run_spec.global_batch} {run_spec.sample_name} (global batch){per_dispatch}, seed {run_spec.seed}; "
           f"{evaluation_note(run_spec, has_test)}run directory {run}", flush=True)
