@@ -327,3 +327,13 @@ def test_a_label_per_position_is_scored_on_every_sequence_once(tmp_path):
     assert scored.returncode == 0, scored.stderr[-3000:]
     assert f"test accuracy {metrics['test_accuracy']:.4f}" in scored.stdout
     assert "(45 samples)" in scored.stdout
+    # its ONNX copy is checked on int32 token ids (float32 inputs were refused by the copy);
+    # meshfit predict, which answers image files, says so in one line (a traceback before)
+    exported = run_meshfit("export", run, "--format", "onnx", env=changes)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    from PIL import Image
+
+    Image.new("L", (8, 8)).save(tmp_path / "x.png")
+    refused = run_meshfit("predict", run, str(tmp_path / "x.png"), env=changes)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "takes inputs of shape (6,), not images" in refused.stderr

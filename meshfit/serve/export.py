@@ -210,9 +210,12 @@ def _export_onnx_here(files: rundir.ModelFiles, out: str) -> None:
 
 
 def _check_input(model, shape: tuple[int, ...], keras) -> tuple[np.ndarray, np.ndarray]:
-    """(x, Keras' output for x): 8 inputs of `shape` to compare the ONNX copy on, random pixel
-    values 0-255, or zeros for a model that takes no such values (token ids of an Embedding)."""
-    pixels = np.random.default_rng(0).integers(0, 256, (8, *shape)).astype(np.float32)
+    """(x, Keras' output for x): 8 inputs of `shape` and of the model's input dtype (float32, or
+    int32 token ids: the ONNX copy refuses another) to compare the ONNX copy on, random values
+    0-255, or zeros for a model that takes no such values (token ids past an Embedding's range)."""
+    inputs = getattr(model, "inputs", None)  # a subclassed model declares none: float32
+    dtype = keras.backend.standardize_dtype(inputs[0].dtype) if inputs else "float32"
+    pixels = np.random.default_rng(0).integers(0, 256, (8, *shape)).astype(dtype)
     for x in (pixels, np.zeros_like(pixels)):
         try:
             with on_cpu(keras):

@@ -53,10 +53,22 @@ def load_image(path: str, input_shape: Sequence[int]) -> np.ndarray:
 
 def check_model(path: str | os.PathLike) -> None:
     """A one-line MeshfitError unless `path` names a model (run directory, .keras or .onnx) whose
-    .keras file, if any, is a zip archive; quick: nothing is loaded."""
+    .keras file, if any, is a zip archive, and whose run's inputs are images; quick: nothing is
+    loaded."""
     files = rundir.locate_model(path)
     if files.keras_path:
         models.check_keras_file(files.keras_path)
+    if files.config.get("input_shape") is not None:
+        check_takes_images(files.source, files.config["input_shape"])
+
+
+def check_takes_images(model: str, input_shape: Sequence[int]) -> None:
+    """A one-line MeshfitError unless `input_shape` is an image's (H, W, C): meshfit predict
+    answers image files (a model of token ids or feature rows is predicted from Python)."""
+    if len(input_shape) != 3:
+        raise MeshfitError(f"{model} takes inputs of shape {tuple(input_shape)}, not images; "
+                           "meshfit predict answers image files: predict from Python with "
+                           "keras.saving.load_model(...).predict(x)")
 
 
 def check_images(paths: Sequence[str]) -> None:
@@ -68,6 +80,7 @@ def check_images(paths: Sequence[str]) -> None:
 
 def load_images(paths: Sequence[str], input_shape: Sequence[int]) -> np.ndarray:
     """Image files as one uint8 batch (N, H, W, C) for a model with `input_shape` (H, W, C)."""
+    check_takes_images("the model", input_shape)  # a bare .keras or .onnx file: no config read
     return np.stack([load_image(p, input_shape) for p in paths])
 
 
