@@ -1,7 +1,13 @@
 """Checkpoints and resume from plain Python: Keras' own `keras.callbacks.BackupAndRestore` under
 `meshfit.connect()` on 8 simulated devices, as docs/guides/checkpoints.md tells a `model.fit`
 user. A fit stopped after epoch 1 and run again resumes at epoch 2 (from the weights and
-optimizer state saved then) and ends with the weights of a fit that was never stopped."""
+optimizer state saved then) and ends with the weights of a fit that was never stopped. And
+Keras' saving from a job of 2 processes under fsdp (meshfit.fit.saving)."""
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -53,3 +59,68 @@ def test_backup_and_restore_resumes_at_the_epoch_and_ends_as_an_unstopped_fit(st
     assert history.epoch == [2]  # only the epoch that was not done
     for got, want in zip(resumed, expected):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+USER_PROGRAM = textwrap.dedent("""
+    import sys
+
+    import numpy as np
+
+    import meshfit
+
+    strategy = meshfit.connect(sharding="fsdp", fsdp_min_bytes=1, verbose=False)
+    import jax
+    import keras
+
+    folder = sys.argv[1]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
+    assert not model.layers[0].kernel.value.is_fully_addressable  # split across the processes
+    model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(folder + "/backup"),
+                         keras.callbacks.ModelCheckpoint(folder + "/last.keras")])
+    model.save(folder + "/model.keras")
+    model.save_weights(folder + "/model.weights.h5")
+    np.savez(f"{folder}/got-{jax.process_index()}.npz", *model.get_weights())
+""")
+
+
+def test_a_job_of_two_processes_saves_an_fsdp_model_with_keras_own_calls(strategy, tmp_path):
+    """Every process runs the same program: BackupAndRestore and ModelCheckpoint each epoch, then
+    model.save, save_weights and get_weights, on variables split across the 2 processes' 4
+    devices, into one folder they share. It failed at the first save (JAX: "Fetching value for
+    `jax.Array` that spans non-addressable ... devices"); with the variables replicated, the two
+    writers of one .weights.h5 failed in h5py ("name already exists") and BackupAndRestore's
+    removal of its folder raced (FileNotFoundError). Now each file is whole (the trained weights
+    of the same fit on this process's 8 devices), and nothing else is left in the folder."""
+    import keras
+
+    program = tmp_path / "user_program.py"
+    program.write_text(USER_PROGRAM)
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    done = subprocess.run([sys.executable, "-m", "meshfit", "launch", "--processes", "2",
+                           "--devices-per-process", "2", "--", sys.executable, str(program), str(folder)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert sorted(os.listdir(folder)) == ["got-0.npz", "got-1.npz", "last.keras", "model.keras",
+                                          "model.weights.h5"]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0)
+    expected, _ = fit(strategy, x, y, epochs=3)
+    saved = keras.saving.load_model(folder / "model.keras")
+    weights_only = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
+                                     keras.layers.Dense(3, activation="softmax")])
+    weights_only.load_weights(folder / "model.weights.h5")
+    for got in (saved.get_weights(), keras.saving.load_model(folder / "last.keras").get_weights(),
+                weights_only.get_weights(), *(list(np.load(folder / f"got-{i}.npz").values())
+                                              for i in (0, 1))):
+        for value, want in zip(got, expected, strict=True):
+            np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-6)

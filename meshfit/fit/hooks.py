@@ -54,7 +54,7 @@ import keras
 
 from meshfit import env
 from meshfit.fit import (batch_placement, hosts, jax_loop, keras_internals, memory_plan, out_of_memory,
-                         sharded_init, sources)
+                         saving, sharded_init, sources)
 from meshfit.parallel import heartbeat, stall
 from meshfit.watch import goodput
 from meshfit.watch.keras_side import progress_bar
@@ -113,6 +113,11 @@ def _install() -> None:
             lambda: _distributed(_active), sources.divisible_sharding),
         **{f"make_{name}": functools.partial(_make_function_hook, attribute=name) for name in _FUNCTIONS},
         **{f"{name}: stall guard": _guarded for name in ("fit", "evaluate", "predict")},
+        "Variable.__array__": saving.gathered_reads,
+        "saving_lib.save_model": saving.renamed_model_files,
+        "H5IOStore.__init__": saving.renamed_h5_stores,
+        "H5IOStore.close": saving.renamed_h5_closes,
+        "file_utils.rmtree": saving.shared_removals,
     })
 
 

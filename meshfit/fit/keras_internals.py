@@ -67,6 +67,10 @@ _NAMES = {
     "unscale_loss_for_distribution": ("keras.src.losses.loss", "unscale_loss_for_distribution"),
     "draw_seed": ("keras.src.random.seed_generator", "draw_seed"),
     "tensorflow_handle": ("keras.src.utils.module_utils", "tensorflow"),
+    "KerasVariable": ("keras.src.backend.common.variables", "Variable"),
+    "saving_lib": ("keras.src.saving.saving_lib", None),
+    "H5IOStore": ("keras.src.saving.saving_lib", "H5IOStore"),
+    "file_utils": ("keras.src.utils.file_utils", None),
 }
 _JAX_NAMES = {  # the JAX backend's, read only on that engine
     "distribution_lib": ("keras.src.backend.jax.distribution_lib", None),
@@ -209,6 +213,22 @@ def _jax_variable() -> type:
     return _name("JaxVariable")
 
 
+def _keras_variable() -> type:
+    return _name("KerasVariable")
+
+
+def _saving_lib():
+    return _name("saving_lib")
+
+
+def _h5_store() -> type:
+    return _name("H5IOStore")
+
+
+def _file_utils():
+    return _name("file_utils")
+
+
 def variables_drawn_by(draw: Callable[[Any, tuple, str, Any], Any]) -> Callable[[Callable], Callable]:
     """The wrapper of `JaxVariable._initialize_with_initializer` (PATCHES): a variable's value is
     `draw(initializer, shape, dtype, layout)` (layout: the variable's JAX layout, e.g. a
@@ -309,6 +329,22 @@ PATCHES = (
           "evaluate runs under the stall guard, its time charged to goodput's eval", "as fit"),
     Patch("predict: stall guard", backend_trainer, "predict", "jax", ("self",),
           "predict runs under the stall guard", "as fit"),
+    Patch("Variable.__array__", _keras_variable, "__array__", "jax", ("self", "dtype"),
+          "on several processes, a variable split across them is read whole (gathered from every "
+          "process) by Keras' saving, numpy() and get_weights",
+          "Keras reads each variable with np.array, which JAX refuses for an array other "
+          "processes hold part of"),
+    Patch("saving_lib.save_model", _saving_lib, "save_model", "jax", ("model", "filepath"),
+          "on several processes, each writes a private .keras file and renames it over the target",
+          "model.save and ModelCheckpoint write the path they are given from every process"),
+    Patch("H5IOStore.__init__", _h5_store, "__init__", "jax", ("self", "path_or_io", "archive", "mode"),
+          "on several processes, a .weights.h5 (or keras-hub's .lora.h5) is written to a private "
+          "file", "as saving_lib.save_model: save_weights and BackupAndRestore write it from every process"),
+    Patch("H5IOStore.close", _h5_store, "close", "jax", ("self",),
+          "that private file is renamed over the target once complete", "as H5IOStore.__init__"),
+    Patch("file_utils.rmtree", _file_utils, "rmtree", "jax", ("path",),
+          "on several processes, a folder another process removes at the same time is removed to "
+          "the end, not an error", "BackupAndRestore removes its folder from every process at the end of fit"),
 )
 _applied: set[str] = set()  # names of the patches applied in this process
 

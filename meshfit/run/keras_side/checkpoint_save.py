@@ -29,6 +29,7 @@ import keras
 import numpy as np
 
 from meshfit.errors import MeshfitError
+from meshfit.fit import saving
 from meshfit.parallel import cluster
 from meshfit.run import rundir, sharded_arrays, spec
 from meshfit.run.checkpoint_format import (EXTRA, FORMAT, MANIFEST, NPZ_FORMAT, STATE_ARRAYS, STATE_JSON,
@@ -96,14 +97,10 @@ def gather_for_saving(model) -> None:
     point, after training (the variables then hold numpy arrays: save, do not train further)."""
     if keras.backend.backend() != "jax" or not cluster.multi_process():
         return
-    from jax.experimental import multihost_utils
-
     for v in [*model.variables, *variable_groups(model)["optimizer"]]:
-        value = v.value
-        if getattr(value, "is_fully_addressable", True) or value.is_fully_replicated:
-            continue
-        # Not v.assign: that would lay the value out over the devices again.
-        v._value = np.asarray(multihost_utils.process_allgather(value, tiled=True))
+        value = saving.whole(v.value)
+        if value is not None:
+            v._value = value  # not v.assign: that would lay it out over the devices again
 
 
 def _fsync_dir(path: str) -> None:

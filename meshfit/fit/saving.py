@@ -1,0 +1,153 @@
+"""Keras' own saving from a job of several processes (meshfit launch, SLURM, a TPU slice), as the
+same program calls it on every process: model.save, save_weights and get_weights,
+ModelCheckpoint, BackupAndRestore, keras-hub's save_lora_weights.
+
+Two things failed there (2 processes x 2 simulated devices, a user's plain fit, 2026-11-29):
+- A variable split across processes (fsdp, model parallel) cannot be read by one process: JAX
+  raised "Fetching value for `jax.Array` that spans non-addressable (non process local)
+  devices". Reading one (Keras' `Variable.__array__`, which every save and `numpy()` go through)
+  now gathers its value from every process: a collective, which every process enters at the same
+  read because the same saving code reads the same variables in the same order. A read on one
+  process alone would wait for the others; the stall guard ends that wait with one line.
+- Every process wrote the same file, and on a file system they share two writers of one file
+  failed (h5py: "Unable to synchronously create group (name already exists)"). Each process now
+  writes its own temporary file beside the target and renames it over the target once complete,
+  so the target is always one whole file (every process writes the same values), and each host
+  gets its copy where the hosts share no disk. Likewise BackupAndRestore's removal of its folder
+  at the end of fit, by every process at once: the one that finds an entry gone (another took
+  it) finishes the removal instead of raising FileNotFoundError.
+Imports Keras' side of JAX; the patches are applied by meshfit.fit.hooks
+(meshfit.fit.keras_internals.PATCHES) and act only in a job of several processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+from typing import Any, Callable
+
+import numpy as np
+
+from meshfit.parallel import cluster, stall
+
+
+def whole(value: Any) -> np.ndarray | None:
+    """The whole of a JAX array split across processes, gathered from every process (a
+    collective: every process calls it for the same array); None for any other value, which
+    this process can read itself."""
+    if getattr(value, "is_fully_addressable", True) or value.is_fully_replicated:
+        return None
+    from jax.experimental import multihost_utils
+
+    with stall.watching():
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+
+
+def gathered_reads(keras_array: Callable) -> Callable:
+    """The wrapper of Keras' `Variable.__array__`: a variable split across processes is read
+    whole (see `whole`)."""
+
+    @functools.wraps(keras_array)
+    def __array__(self, dtype=None):
+        found = whole(self.value) if cluster.multi_process() else None
+        if found is None:
+            return keras_array(self, dtype)
+        return found if dtype is None else found.astype(dtype)
+
+    return __array__
+
+
+def _private_path(target: str) -> str:
+    """This process's temporary file beside `target`, with the same extension (Keras checks it)."""
+    folder, name = os.path.split(target)
+    return os.path.join(folder, f".{name}.{os.getpid()}.tmp{os.path.splitext(name)[1]}")
+
+
+@contextlib.contextmanager
+def _written_then_renamed(target: str):
+    """Yield this process's temporary path; once the block has written it, rename it over
+    `target` (removed when the block fails)."""
+    temporary = _private_path(target)
+    try:
+        yield temporary
+        os.replace(temporary, target)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+
+
+def _local_file(path: Any) -> str | None:
+    """`path` as a string where it names a file on a local or mounted file system (not a file
+    object, nor gs://, hf:// and other remote paths, which Keras writes in one piece)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    path = os.fspath(path)
+    return None if "://" in path else path
+
+
+def renamed_model_files(keras_save: Callable) -> Callable:
+    """The wrapper of Keras' `saving_lib.save_model` (a .keras archive): written to a private
+    file and renamed over the target in a job of several processes."""
+
+    @functools.wraps(keras_save)
+    def save_model(model, filepath, *args, **kwargs):
+        target = _local_file(filepath)
+        if target is None or not target.endswith(".keras") or not cluster.multi_process():
+            return keras_save(model, filepath, *args, **kwargs)
+        with _written_then_renamed(target) as temporary:
+            return keras_save(model, temporary, *args, **kwargs)
+
+    return save_model
+
+
+def renamed_h5_closes(store_close: Callable) -> Callable:
+    """The wrapper of Keras' `H5IOStore.close`: a store that `renamed_h5_stores` gave a private
+    file renames it over its target once closed."""
+
+    @functools.wraps(store_close)
+    def close(self, *args, **kwargs):
+        result = store_close(self, *args, **kwargs)
+        target = getattr(self, "_meshfit_target", None)
+        if target is not None:
+            self._meshfit_target = None
+            os.replace(os.fspath(self.path_or_io), target)
+        return result
+
+    close.renames = True
+    return close
+
+
+def renamed_h5_stores(store_init: Callable) -> Callable:
+    """The wrapper of Keras' `H5IOStore.__init__` (a .weights.h5 file, keras-hub's .lora.h5): a
+    store written to a path in a job of several processes writes a private file, renamed over
+    the target at close (renamed_h5_closes). A store class with a close of its own (Keras'
+    sharded store, several files) is left as it is."""
+
+    @functools.wraps(store_init)
+    def __init__(self, path_or_io, archive=None, mode="r", *args, **kwargs):
+        target = _local_file(path_or_io)
+        private = (mode == "w" and archive is None and target is not None
+                   and getattr(type(self).close, "renames", False) and cluster.multi_process())
+        self._meshfit_target = target if private else None
+        store_init(self, _private_path(target) if private else path_or_io, archive, mode,
+                   *args, **kwargs)
+
+    return __init__
+
+
+def shared_removals(keras_rmtree: Callable) -> Callable:
+    """The wrapper of Keras' `file_utils.rmtree`: in a job of several processes, a folder another
+    process removes at the same time is removed to the end, not an error."""
+
+    @functools.wraps(keras_rmtree)
+    def rmtree(path, *args, **kwargs):
+        try:
+            return keras_rmtree(path, *args, **kwargs)
+        except FileNotFoundError:
+            if not cluster.multi_process():
+                raise
+            shutil.rmtree(path, ignore_errors=True)
+
+    return rmtree
