@@ -16,8 +16,9 @@ Two things failed there (2 processes x 2 simulated devices, a user's plain fit, 
   gets its copy where the hosts share no disk. Likewise BackupAndRestore's removal of its folder
   at the end of fit, by every process at once: the one that finds an entry gone (another took
   it) finishes the removal instead of raising FileNotFoundError.
-Imports Keras' side of JAX; the patches are applied by meshfit.fit.hooks
-(meshfit.fit.keras_internals.PATCHES) and act only in a job of several processes.
+The wrappers here are applied by meshfit.fit.hooks (meshfit.fit.keras_internals.PATCHES, which
+names what each replaces) and change nothing in a single process. An .h5 store whose save fails
+before its close leaves its temporary file, `.<target>.<pid>.tmp.h5`, beside the target.
 """
 
 from __future__ import annotations
