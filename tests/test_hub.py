@@ -374,3 +374,80 @@ def test_gemma_fine_tuned_with_lora_on_strings_trains_and_generates_as_one_devic
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
         assert text == expected_text and text.startswith("Instruction:")
     connect_eight_devices()
+
+
+JOB_PROGRAM = '''
+import sys
+
+import jax
+import numpy as np
+
+import meshfit
+
+strategy = meshfit.connect(sharding="fsdp", model_parallel=2, fsdp_min_bytes=1, verbose=False)
+import keras
+import keras_hub
+
+folder = sys.argv[1]
+keras.utils.set_random_seed(0)
+with strategy.scope():
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=1, num_query_heads=4,
+                                              num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
+                                              head_dim=8)
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    backbone.enable_lora(rank=4)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), sampler="greedy",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+assert not all(v.value.is_fully_addressable for v in model.trainable_variables)  # split across processes
+tokens = np.random.default_rng(0).integers(1, 64, (16, 9)).astype("int32")
+model.fit({"token_ids": tokens[:, :-1], "padding_mask": np.ones((16, 8), bool)}, tokens[:, 1:],
+          batch_size=8, epochs=1, verbose=0)
+backbone.save_lora_weights(folder + "/adapters.lora.h5")
+prompts = {"token_ids": np.pad(tokens[:4, :3], ((0, 0), (0, 5))),
+           "padding_mask": np.pad(np.ones((4, 3), bool), ((0, 0), (0, 5)))}
+generated = model.generate(prompts, stop_token_ids=None)["token_ids"]
+np.savez(f"{folder}/process-{jax.process_index()}.npz", generated, *model.get_weights())
+'''
+
+
+def test_a_job_of_two_processes_generates_and_saves_lora_adapters_split_across_them(strategy, tmp_path):
+    """keras-hub on a TPU slice's shape in miniature: 2 processes x 2 devices, fsdp x model 2, LoRA
+    adapters split across the processes; fit, then save_lora_weights and generate on every
+    process. Both failed with JAX's "Fetching value for `jax.Array` that spans non-addressable
+    ... devices" (meshfit.fit.saving). Every process gets every prompt's tokens, those one device
+    gives from the same weights, and the adapters file holds the trained adapters."""
+    import subprocess
+    import sys
+
+    program = tmp_path / "job.py"
+    program.write_text(JOB_PROGRAM)
+    done = subprocess.run([sys.executable, "-m", "meshfit", "launch", "--processes", "2",
+                           "--devices-per-process", "2", "--", sys.executable, str(program), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    results = [list(np.load(tmp_path / f"process-{i}.npz").values()) for i in (0, 1)]
+    for got, want in zip(results[1], results[0], strict=True):
+        np.testing.assert_array_equal(got, want)
+    generated, weights = results[0][0], results[0][1:]
+    one = one_device(strategy)
+    try:
+        with one.scope():
+            backbone = keras_hub.models.GemmaBackbone(
+                vocabulary_size=64, num_layers=1, num_query_heads=4, num_key_value_heads=2,
+                hidden_dim=32, intermediate_dim=64, head_dim=8)
+            model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+            backbone.enable_lora(rank=4)
+            model.compile(sampler="greedy")
+            model.set_weights(weights)
+            tokens = np.random.default_rng(0).integers(1, 64, (16, 9)).astype("int32")
+            prompts = {"token_ids": np.pad(tokens[:4, :3], ((0, 0), (0, 5))),
+                       "padding_mask": np.pad(np.ones((4, 3), bool), ((0, 0), (0, 5)))}
+            np.testing.assert_array_equal(model.generate(prompts, stop_token_ids=None)["token_ids"],
+                                          generated)
+            adapters = [np.asarray(v) for v in backbone.trainable_variables]
+            backbone.load_lora_weights(str(tmp_path / "adapters.lora.h5"))
+            for got, want in zip(backbone.trainable_variables, adapters, strict=True):
+                np.testing.assert_array_equal(np.asarray(got), want)
+            assert any(np.abs(a).sum() > 0 for a in adapters)
+    finally:
+        connect_eight_devices()

@@ -114,6 +114,7 @@ def _install() -> None:
         **{f"make_{name}": functools.partial(_make_function_hook, attribute=name) for name in _FUNCTIONS},
         **{f"{name}: stall guard": _guarded for name in ("fit", "evaluate", "predict")},
         "Variable.__array__": saving.gathered_reads,
+        "backend.convert_to_numpy": saving.gathered_conversions,
         "saving_lib.save_model": saving.renamed_model_files,
         "H5IOStore.__init__": saving.renamed_h5_stores,
         "H5IOStore.close": saving.renamed_h5_closes,

@@ -71,6 +71,7 @@ _NAMES = {
     "saving_lib": ("keras.src.saving.saving_lib", None),
     "H5IOStore": ("keras.src.saving.saving_lib", "H5IOStore"),
     "file_utils": ("keras.src.utils.file_utils", None),
+    "backend": ("keras.src.backend", None),
 }
 _JAX_NAMES = {  # the JAX backend's, read only on that engine
     "distribution_lib": ("keras.src.backend.jax.distribution_lib", None),
@@ -229,6 +230,10 @@ def _file_utils():
     return _name("file_utils")
 
 
+def _backend_module():
+    return _name("backend")
+
+
 def variables_drawn_by(draw: Callable[[Any, tuple, str, Any], Any]) -> Callable[[Callable], Callable]:
     """The wrapper of `JaxVariable._initialize_with_initializer` (PATCHES): a variable's value is
     `draw(initializer, shape, dtype, layout)` (layout: the variable's JAX layout, e.g. a
@@ -334,6 +339,9 @@ PATCHES = (
           "process) by Keras' saving, numpy() and get_weights",
           "Keras reads each variable with np.array, which JAX refuses for an array other "
           "processes hold part of"),
+    Patch("backend.convert_to_numpy", _backend_module, "convert_to_numpy", "jax", ("x",),
+          "on several processes, an array split across them is read whole (keras-hub's generate "
+          "returns its tokens so)", "ops.convert_to_numpy reads arrays with np.array, as above"),
     Patch("saving_lib.save_model", _saving_lib, "save_model", "jax", ("model", "filepath"),
           "on several processes, each writes a private .keras file and renames it over the target",
           "model.save and ModelCheckpoint write the path they are given from every process"),

@@ -1,12 +1,13 @@
-"""Keras' own saving from a job of several processes (meshfit launch, SLURM, a TPU slice), as the
-same program calls it on every process: model.save, save_weights and get_weights,
-ModelCheckpoint, BackupAndRestore, keras-hub's save_lora_weights.
+"""Keras' own saving and reading of values from a job of several processes (meshfit launch,
+SLURM, a TPU slice), as the same program calls them on every process: model.save, save_weights
+and get_weights, ModelCheckpoint, BackupAndRestore, keras-hub's save_lora_weights and generate.
 
 Two things failed there (2 processes x 2 simulated devices, a user's plain fit, 2026-11-29):
 - A variable split across processes (fsdp, model parallel) cannot be read by one process: JAX
   raised "Fetching value for `jax.Array` that spans non-addressable (non process local)
-  devices". Reading one (Keras' `Variable.__array__`, which every save and `numpy()` go through)
-  now gathers its value from every process: a collective, which every process enters at the same
+  devices"; so did keras-hub's generate, whose tokens are split over the batch. Reading one
+  (Keras' `Variable.__array__`, which every save and `numpy()` go through, and
+  `backend.convert_to_numpy`, ops.convert_to_numpy's) now gathers its value from every process: a collective, which every process enters at the same
   read because the same saving code reads the same variables in the same order. A read on one
   process alone would wait for the others; the stall guard ends that wait with one line.
 - Every process wrote the same file, and on a file system they share two writers of one file
@@ -58,6 +59,19 @@ def gathered_reads(keras_array: Callable) -> Callable:
         return found if dtype is None else found.astype(dtype)
 
     return __array__
+
+
+def gathered_conversions(keras_convert: Callable) -> Callable:
+    """The wrapper of Keras' `backend.convert_to_numpy` (ops.convert_to_numpy: keras-hub's
+    generate returns its tokens through it, which are split over the batch across processes):
+    an array split across processes is read whole (see `whole`)."""
+
+    @functools.wraps(keras_convert)
+    def convert_to_numpy(x, *args, **kwargs):
+        found = whole(x) if cluster.multi_process() else None
+        return keras_convert(x, *args, **kwargs) if found is None else found
+
+    return convert_to_numpy
 
 
 def _private_path(target: str) -> str:
