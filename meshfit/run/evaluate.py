@@ -80,6 +80,6 @@ def evaluate(run_or_model: str, data_dir: str | None = None, *, folder: str | No
                                            scores.is_classifier(model, saved.class_names),
                                            recipe.tta_translate)
     return {**{f"{name}_{key}": value for key, value in result.items()}, "split": name,
-            "samples": data.size(split), "sample_name": saved.sample_name, "data": dataset.source, "recipe": recipe.name,
-            "model": model_path, "engine": strategy.engine, "replicas": strategy.replicas,
-            "platform": strategy.platform}
+            "samples": data.size(split), "sample_name": saved.sample_name, "data": dataset.source,
+            "recipe": recipe.name, "model": model_path, "engine": strategy.engine,
+            "replicas": strategy.replicas, "platform": strategy.platform}
