@@ -230,8 +230,13 @@ def _file_utils():
     return _name("file_utils")
 
 
-def _backend_module():
-    return _name("backend")
+def _numpy_conversions():
+    """Where ops.convert_to_numpy finds the backend's convert_to_numpy at each call: the module
+    keras.src.backend (Keras 3.15); Keras 3.16 moved it to keras.src.backend.jax.ops.core."""
+    backend = _name("backend")
+    if hasattr(backend, "convert_to_numpy"):
+        return backend
+    return private("keras.src.backend.jax.ops.core")
 
 
 def variables_drawn_by(draw: Callable[[Any, tuple, str, Any], Any]) -> Callable[[Callable], Callable]:
@@ -339,7 +344,7 @@ PATCHES = (
           "process) by Keras' saving, numpy() and get_weights",
           "Keras reads each variable with np.array, which JAX refuses for an array other "
           "processes hold part of"),
-    Patch("backend.convert_to_numpy", _backend_module, "convert_to_numpy", "jax", ("x",),
+    Patch("backend.convert_to_numpy", _numpy_conversions, "convert_to_numpy", "jax", ("x",),
           "on several processes, an array split across them is read whole (keras-hub's generate "
           "returns its tokens so)", "ops.convert_to_numpy reads arrays with np.array, as above"),
     Patch("saving_lib.save_model", _saving_lib, "save_model", "jax", ("model", "filepath"),
