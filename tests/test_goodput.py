@@ -2,6 +2,7 @@
 a run's wall time goes, for plain model.fit after connect() and for meshfit train, killed and
 resumed."""
 
+import io
 import json
 import os
 import signal
@@ -262,7 +263,7 @@ def test_the_epochs_train_seconds_are_the_ledgers_train_whenever_its_clock_is_re
 
     monkeypatch.setattr(goodput, "time", LateClock())
     before = goodput.ledger().charged()["train"]
-    report = meshfit.EpochReport(batch_size=64, stream=open(os.devnull, "w"))
+    report = meshfit.EpochReport(batch_size=64, stream=io.StringIO())
     model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[report])
     trained = goodput.ledger().charged()["train"] - before
     assert len(report.epochs) == 3
