@@ -285,6 +285,20 @@ def test_command_line_runs_meshfit_with_this_python():
     assert "MESHFIT_LOCAL_DEVICE_IDS" not in env
 
 
+def test_a_python_that_cannot_import_meshfit_is_refused_before_any_process_starts(tmp_path):
+    """`python` on the PATH the system's while meshfit runs from a virtual environment that is not
+    activated: every process ended in ModuleNotFoundError; now one line naming this Python. Stand-in
+    Pythons answer the import question with their exit code."""
+    for name, code in (("python3", 1), ("python3.99", 0)):
+        (tmp_path / name).write_text(f"#!/bin/sh\nexit {code}\n")
+        (tmp_path / name).chmod(0o755)
+    with pytest.raises(MeshfitError) as error:
+        local.command_line([str(tmp_path / "python3"), "train.py"])
+    assert "cannot import meshfit" in str(error.value) and sys.executable in str(error.value)
+    assert local.command_line([str(tmp_path / "python3.99"), "train.py"])[0] == str(tmp_path / "python3.99")
+    assert local.command_line([sys.executable, "train.py"]) == [sys.executable, "train.py"]
+
+
 def test_launch_prefixes_lines_with_the_process_index():
     out = run_meshfit("launch", "--processes", "2", "--", sys.executable, "-c",
                       "import os; print('hello from', os.environ['MESHFIT_PROCESS_ID'], "
