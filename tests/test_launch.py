@@ -24,7 +24,7 @@ from helpers import (assert_same_weights, cli_env, environment, model_weights, r
 from meshfit import env
 from meshfit.fit import hosts
 from meshfit.parallel import cluster
-from meshfit.launch import local, watchdog
+from meshfit.launch import job_command, local, watchdog
 from meshfit.run import rundir
 from meshfit.errors import MeshfitError
 
@@ -275,10 +275,10 @@ print("python", flush=True)
 # ---------------------------------------------------------------------------------- the launcher
 
 def test_command_line_runs_meshfit_with_this_python():
-    assert local.command_line(["--", "meshfit", "train"]) == [sys.executable, "-m", "meshfit", "train"]
-    assert local.command_line(["python", "x.py"]) == ["python", "x.py"]
+    assert job_command.command_line(["--", "meshfit", "train"]) == [sys.executable, "-m", "meshfit", "train"]
+    assert job_command.command_line(["python", "x.py"]) == ["python", "x.py"]
     with pytest.raises(MeshfitError, match="no command to launch"):
-        local.command_line(["--"])
+        job_command.command_line(["--"])
     env = local.process_environment(1, 2, 1234, 4, base={"MESHFIT_LOCAL_DEVICE_IDS": "0"})
     assert env["MESHFIT_COORDINATOR"] == "127.0.0.1:1234" and env["MESHFIT_PROCESS_ID"] == "1"
     assert env["MESHFIT_NUM_PROCESSES"] == "2" and env["MESHFIT_SIMULATE_DEVICES"] == "4"
@@ -293,10 +293,10 @@ def test_a_python_that_cannot_import_meshfit_is_refused_before_any_process_start
         (tmp_path / name).write_text(f"#!/bin/sh\nexit {code}\n")
         (tmp_path / name).chmod(0o755)
     with pytest.raises(MeshfitError) as error:
-        local.command_line([str(tmp_path / "python3"), "train.py"])
+        job_command.command_line([str(tmp_path / "python3"), "train.py"])
     assert "cannot import meshfit" in str(error.value) and sys.executable in str(error.value)
-    assert local.command_line([str(tmp_path / "python3.99"), "train.py"])[0] == str(tmp_path / "python3.99")
-    assert local.command_line([sys.executable, "train.py"]) == [sys.executable, "train.py"]
+    assert job_command.command_line([str(tmp_path / "python3.99"), "train.py"])[0] == str(tmp_path / "python3.99")
+    assert job_command.command_line([sys.executable, "train.py"]) == [sys.executable, "train.py"]
 
 
 def test_launch_prefixes_lines_with_the_process_index():

@@ -98,7 +98,7 @@ import time
 from typing import Any, Callable
 
 from meshfit.errors import MeshfitError
-from meshfit.launch import growth, local, losses, mesh_history, slurm_step, train_argv, watchdog
+from meshfit.launch import growth, job_command, local, losses, mesh_history, slurm_step, train_argv, watchdog
 from meshfit.launch.output import Output
 from meshfit.launch.spares import Spares
 from meshfit.run import checkpoint_format, local_copies, rundir
@@ -156,7 +156,7 @@ def elastic_launch(command: list[str], processes: int | None, devices_per_proces
     allocation this runs in, meshfit.launch.slurm_step: processes default to its tasks;
     devices_per_process, each task's devices for the records and the batch split, defaults to
     the command's --simulate-devices, else 1)."""
-    argv, run = train_argv.train_command(local.command_line(command))
+    argv, run = train_argv.train_command(job_command.command_line(command))
     if spares is not None and spares < 0:
         raise MeshfitError(f"--spares must be at least 0, got {spares}")
     if spares and via != "local":

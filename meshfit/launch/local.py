@@ -47,6 +47,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 from meshfit import env
 from meshfit.parallel import heartbeat, stall
+from meshfit.launch.job_command import command_line
 from meshfit.launch.output import Output
 from meshfit.launch.process import GLOO_CONNECTED, KEPT_LINES, Process
 from meshfit.launch.watchdog import (FROZEN_SECONDS, GRACE_SECONDS, INIT_TIMEOUT_SECONDS, Watch, diagnosis,
@@ -67,47 +68,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def command_line(command: Sequence[str]) -> list[str]:
-    """COMMAND as run: a leading `meshfit` becomes this Python's `-m meshfit`."""
-    command = list(command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise MeshfitError("no command to launch; give one after --, e.g. "
-                           "meshfit launch --processes 2 -- meshfit train")
-    if command[0] == "meshfit":
-        return [sys.executable, "-m", "meshfit", *command[1:]]
-    _check_python(command)
-    return command
-
-
-def _check_python(command: list[str]) -> None:
-    """A one-line MeshfitError when the command's program is a Python (python, python3,
-    python3.12, a path to one) other than this one that cannot import meshfit where the command
-    runs: every process would end in a ModuleNotFoundError (`meshfit` run from a virtual
-    environment that is not activated, and `python` on the PATH the system's)."""
-    program = command[0]
-    name = os.path.basename(program)
-    if not (name == "python" or name.startswith("python3")) or name.endswith((".py", ".sh")):
-        return
-    found = shutil.which(program)
-    # Paths, not their targets: a virtual environment's python links to the system's binary.
-    if found is None or os.path.abspath(found) == os.path.abspath(sys.executable):
-        return
-    # Asked from where the program's own imports start: a script's folder, else here (-m, -c).
-    script = command[1] if len(command) > 1 and not command[1].startswith("-") else None
-    where = os.path.dirname(os.path.abspath(script)) if script else None
-    try:
-        importable = subprocess.run([found, "-c", "import meshfit"], capture_output=True, cwd=where,
-                                    timeout=120).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return  # not a Python this can ask: the launch says what happens
-    if not importable:
-        raise MeshfitError(f"{program} is {found}, which cannot import meshfit (this meshfit runs "
-                           f"on {sys.executable}); launch that Python: -- {sys.executable} ..., or "
-                           "activate its environment first")
 
 
 def process_environment(index: int, processes: int, port: int, devices_per_process: int,
