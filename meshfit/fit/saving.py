@@ -38,7 +38,8 @@ from meshfit.parallel import cluster, stall
 def whole(value: Any) -> np.ndarray | None:
     """The whole of a JAX array split across processes, gathered from every process (a
     collective: every process calls it for the same array); None for any other value, which
-    this process can read itself."""
+    this process can read itself: in a single process every array is fully addressable, so the
+    wrappers below ask nothing more of the job before calling it."""
     if getattr(value, "is_fully_addressable", True) or value.is_fully_replicated:
         return None
     from jax.experimental import multihost_utils
@@ -53,7 +54,7 @@ def gathered_reads(keras_array: Callable) -> Callable:
 
     @functools.wraps(keras_array)
     def __array__(self, dtype=None):
-        found = whole(self.value) if cluster.multi_process() else None
+        found = whole(self.value)
         if found is None:
             return keras_array(self, dtype)
         return found if dtype is None else found.astype(dtype)
@@ -68,7 +69,7 @@ def gathered_conversions(keras_convert: Callable) -> Callable:
 
     @functools.wraps(keras_convert)
     def convert_to_numpy(x, *args, **kwargs):
-        found = whole(x) if cluster.multi_process() else None
+        found = whole(x)
         return keras_convert(x, *args, **kwargs) if found is None else found
 
     return convert_to_numpy
