@@ -13,6 +13,14 @@ import numpy as np
 import pytest
 
 
+def samples():
+    """128 rows of 6 features and 3 classes: 4 steps of 32, 4 rows per device on 8 (the job's
+    program below draws the same)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 6)).astype("float32")
+    return x, (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0)
+
+
 def fit(strategy, x, y, epochs, callbacks=()):
     """A small model fitted from seed 0 with plain model.fit; its weights and History."""
     import keras
@@ -45,9 +53,7 @@ def test_backup_and_restore_resumes_at_the_epoch_and_ends_as_an_unstopped_fit(st
     import keras
 
     assert strategy.replicas == 8
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(128, 6)).astype("float32")  # 4 steps of 32: 4 rows per device
-    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0)
+    x, y = samples()
     expected, _ = fit(strategy, x, y, epochs=3)
 
     backup = str(tmp_path / "backup")
@@ -111,13 +117,9 @@ def test_a_job_of_two_processes_saves_an_fsdp_model_with_keras_own_calls(strateg
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert sorted(os.listdir(folder)) == ["got-0.npz", "got-1.npz", "last.keras", "model.keras",
                                           "model.weights.h5"]
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(128, 6)).astype("float32")
-    y = (x[:, 0] > 0).astype("int32") + (x[:, 1] > 0)
-    expected, _ = fit(strategy, x, y, epochs=3)
+    expected, _ = fit(strategy, *samples(), epochs=3)
     saved = keras.saving.load_model(folder / "model.keras")
-    weights_only = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
-                                     keras.layers.Dense(3, activation="softmax")])
+    weights_only = keras.models.clone_model(saved)  # the architecture, its own weights
     weights_only.load_weights(folder / "model.weights.h5")
     for got in (saved.get_weights(), keras.saving.load_model(folder / "last.keras").get_weights(),
                 weights_only.get_weights(), *(list(np.load(folder / f"got-{i}.npz").values())
