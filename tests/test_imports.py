@@ -203,8 +203,8 @@ def _imports(tree: ast.AST, inside_functions: bool | None = None):
 
 # The packages from the bottom up: a module imports only modules of its own package or of one
 # below it (the root, meshfit/__init__.py, is the public face and reaches up to fit/ in connect()).
-LAYERS = ("errors", "env", "parallel", "watch", "data", "fit", "recipes", "run", "serve", "launch",
-          "commands", "cli", "__main__")
+LAYERS = ("errors", "env", "files", "parallel", "watch", "data", "fit", "recipes", "run", "serve",
+          "launch", "commands", "cli", "__main__")
 
 
 def _layer(module: str) -> int:

@@ -12,8 +12,9 @@ Two things failed there (2 processes x 2 simulated devices, a user's plain fit, 
   process alone would wait for the others; the stall guard ends that wait with one line.
 - Every process wrote the same file, and on a file system they share two writers of one file
   failed (h5py: "Unable to synchronously create group (name already exists)"). Each process now
-  writes its own temporary file beside the target and renames it over the target once complete,
-  so the target is always one whole file (every process writes the same values), and each host
+  writes its own temporary file beside the target and renames it over the target once complete
+  (meshfit.files.atomic_path for a .keras archive; an .h5 store, opened and closed apart, renames
+  its own at close), so the target is always one whole file (every process writes the same values), and each host
   gets its copy where the hosts share no disk. Likewise BackupAndRestore's removal of its folder
   at the end of fit, by every process at once: the one that finds an entry gone (another took
   it) finishes the removal instead of raising FileNotFoundError.
@@ -24,7 +25,6 @@ before its close leaves its temporary file, `.<target>.<pid>.tmp.h5`, beside the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import shutil
@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from meshfit.files import atomic_path
 from meshfit.parallel import cluster, stall
 
 
@@ -81,19 +82,6 @@ def _private_path(target: str) -> str:
     return os.path.join(folder, f".{name}.{os.getpid()}.tmp{os.path.splitext(name)[1]}")
 
 
-@contextlib.contextmanager
-def _written_then_renamed(target: str):
-    """Yield this process's temporary path; once the block has written it, rename it over
-    `target` (removed when the block fails)."""
-    temporary = _private_path(target)
-    try:
-        yield temporary
-        os.replace(temporary, target)
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
-
-
 def _local_file(path: Any) -> str | None:
     """`path` as a string where it names a file on a local or mounted file system (not a file
     object, nor gs://, hf:// and other remote paths, which Keras writes in one piece)."""
@@ -112,7 +100,7 @@ def renamed_model_files(keras_save: Callable) -> Callable:
         target = _local_file(filepath)
         if target is None or not target.endswith(".keras") or not cluster.multi_process():
             return keras_save(model, filepath, *args, **kwargs)
-        with _written_then_renamed(target) as temporary:
+        with atomic_path(target, ".keras") as temporary:
             return keras_save(model, temporary, *args, **kwargs)
 
     return save_model

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from meshfit.files import atomic_path
 from meshfit.run import models, rundir
 from meshfit.run.evaluate import headline
 
@@ -52,7 +53,7 @@ def totals(history: list[dict[str, Any]]) -> dict[str, Any]:
 def write_results(run: str, model, history: list, metrics: dict[str, Any]) -> None:
     """model.keras, history.json and curves.png in the run directory (metrics.json, which says
     the run finished, comes last: write_metrics)."""
-    with rundir.atomic_path(os.path.join(run, rundir.MODEL), ".keras") as tmp:
+    with atomic_path(os.path.join(run, rundir.MODEL), ".keras") as tmp:
         with models.without_distribution():  # saving alone under the multi-host mesh would wait for the others
             models.save(model, tmp)
     rundir.write_json(os.path.join(run, rundir.HISTORY), history)

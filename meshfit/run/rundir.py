@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from meshfit.errors import MeshfitError
+from meshfit.files import atomic_path
 
 CONFIG, HISTORY, METRICS = "config.json", "history.json", "metrics.json"
 MODEL, ONNX, CURVES = "model.keras", "model.onnx", "curves.png"
@@ -115,32 +116,6 @@ def lock(run: str) -> Iterator[None]:
             handle.seek(0)
             handle.truncate()
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def atomic_path(out: str, suffix: str = "") -> Iterator[str]:
-    """A temporary path beside `out` that replaces `out` only when the block succeeds, so that a
-    reader (a resumed run, a concurrent `meshfit predict`) never sees a half-written file."""
-    folder = os.path.dirname(os.path.abspath(out))
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".tmp-{os.path.basename(out)}-", suffix=suffix)
-    except OSError as e:
-        raise MeshfitError(f"cannot write {out} ({e}); choose a writable directory") from e
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        yield tmp
-        try:
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; give it a normal file's mode
-            os.replace(tmp, out)
-        except OSError as e:
-            raise MeshfitError(f"cannot write {out} ({e.strerror or e}); choose a writable "
-                               "directory") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def write_json(path: str, data: Any) -> None:

@@ -23,6 +23,7 @@ import warnings
 import numpy as np
 
 from meshfit.errors import MeshfitError
+from meshfit.files import atomic_path
 from meshfit.parallel.engine import installed, loaded_backend
 from meshfit.run import models, rundir
 from meshfit.run.models import check_keras_file, import_keras, load_keras_model, on_cpu
@@ -104,7 +105,7 @@ def export_keras(source: str | os.PathLike, out: str | None = None) -> str:
         raise MeshfitError(f"Keras cannot save model {type(model).__name__} as a .keras file of "
                            f"its own ({why}); give its classes a get_config(), or use --format "
                            "onnx")
-    with rundir.atomic_path(out, ".keras") as tmp, on_cpu(keras):
+    with atomic_path(out, ".keras") as tmp, on_cpu(keras):
         model.save(tmp)
     return out
 
@@ -183,7 +184,7 @@ def _export_onnx_here(files: rundir.ModelFiles, out: str) -> None:
         "recipe": files.config.get("recipe"),
         "dataset": files.config.get("dataset"),
     }
-    with rundir.atomic_path(out, ".onnx") as tmp:
+    with atomic_path(out, ".onnx") as tmp:
         with warnings.catch_warnings(), on_cpu(keras):
             warnings.simplefilter("ignore", FutureWarning)  # Keras' tf2onnx/numpy 2 patch
             try:

@@ -34,6 +34,9 @@ import threading
 import time
 from typing import Any, Iterator
 
+from meshfit.errors import MeshfitError
+from meshfit.files import atomic_path
+
 PARTS = ("startup", "setup", "compile", "train", "input_wait", "eval", "checkpoint", "lost", "other")
 LABELS = {"input_wait": "input wait"}
 COLORS = {"train": "#2ca02c", "compile": "#ff7f0e", "input_wait": "#d62728", "eval": "#1f77b4",
@@ -171,16 +174,13 @@ class Ledger:
         now = time.time()
         record = {**self.totals(now), "written_at": now, "steps_done": self.first_step + self.steps,
                   "train_steps": self.steps + self.earlier_steps, "finished": self.finished}
-        tmp = f"{self.persist_to}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, self.persist_to)
-        except OSError:  # a read-only or vanished run directory: accounting never stops training
-            # Nor leaves a file behind: a run that failed to start (its config.json unwritable)
-            # is started again with the same --out, which refuses a folder of other files.
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+        # A read-only or vanished run directory: accounting never stops training, nor leaves a
+        # file behind (atomic_path removes its temporary), nor makes the folder again: a run that
+        # failed to start (its config.json unwritable) is started again with the same --out,
+        # which refuses a folder of other files.
+        with contextlib.suppress(MeshfitError, OSError), \
+                atomic_path(self.persist_to, ".json", make_folder=False) as tmp, open(tmp, "w") as f:
+            json.dump(record, f)
         self._written = now
 
     def resume(self, path: str, checkpoint_step: int,

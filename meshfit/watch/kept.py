@@ -8,11 +8,14 @@ are skipped where the folder is not writable, so the figure is measured again ne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Any
 
 from meshfit import env
+from meshfit.errors import MeshfitError
+from meshfit.files import atomic_path
 
 
 def path(name: str) -> str:
@@ -32,14 +35,9 @@ def read(name: str) -> dict[str, Any]:
 
 def keep(name: str, key: str, value: Any) -> None:
     """Keep `value` under `key` in NAME, beside the figures already there."""
-    file = path(name)
-    try:
-        os.makedirs(os.path.dirname(file), exist_ok=True)
-        kept = read(name)
-        kept[key] = value
-        tmp = f"{file}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(kept, f, indent=1)
-        os.replace(tmp, file)
-    except OSError:  # no writable cache: measured again next time
-        pass
+    kept = read(name)
+    kept[key] = value
+    # No writable cache: measured again next time.
+    with contextlib.suppress(MeshfitError, OSError), atomic_path(path(name), ".json") as tmp, \
+            open(tmp, "w") as f:
+        json.dump(kept, f, indent=1)

@@ -24,6 +24,7 @@ import numpy as np
 from meshfit import __version__, recipes
 from meshfit.data import splits as data
 from meshfit.errors import MeshfitError, TrainingDiverged
+from meshfit.files import atomic_path
 from meshfit.fit import memory_plan, out_of_memory, sharded_init, tf_microbatch
 from meshfit.parallel import cluster, planning, stall
 from meshfit.run import checkpoint_format, local_copies, models, rundir, spec
@@ -300,7 +301,7 @@ def write_recipe(run: str, recipe: recipes.Recipe) -> None:
     """RUN/recipe.py: the text of a recipe file (or of a generated recipe) as it was trained."""
     path = os.path.join(run, rundir.RECIPE)
     if recipe.text is not None and not os.path.exists(path):
-        with rundir.atomic_path(path, ".py") as tmp, open(tmp, "w", encoding="utf-8") as f:
+        with atomic_path(path, ".py") as tmp, open(tmp, "w", encoding="utf-8") as f:
             f.write(recipe.text)
 
 
