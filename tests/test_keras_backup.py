@@ -126,3 +126,42 @@ def test_a_job_of_two_processes_saves_an_fsdp_model_with_keras_own_calls(strateg
                                               for i in (0, 1))):
         for value, want in zip(got, expected, strict=True):
             np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-6)
+
+
+ALONE_PROGRAM = textwrap.dedent("""
+    import sys
+
+    import meshfit
+
+    strategy = meshfit.connect(sharding="fsdp", fsdp_min_bytes=1, verbose=False)
+    import jax
+    import keras
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16)])
+    assert not model.layers[0].kernel.value.is_fully_addressable  # split across the processes
+    if jax.process_index() == 0:
+        model.save(sys.argv[1] + "/model.keras")
+""")
+
+
+def test_a_save_on_process_zero_alone_is_one_line_naming_the_fix(tmp_path):
+    """The common `if jax.process_index() == 0: model.save(...)` on variables split across the
+    processes cannot gather them (the others never read them): it waited in the gather until
+    the stall guard ended the job, 600 s later, with a line that could not say why. Now the save
+    fails after half the stall timeout (here 5 s) with the fix, and leaves no file behind."""
+    program = tmp_path / "user_program.py"
+    program.write_text(ALONE_PROGRAM)
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    done = subprocess.run([sys.executable, "-m", "meshfit", "launch", "--processes", "2",
+                           "--devices-per-process", "2", "--", sys.executable, str(program), str(folder)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "MESHFIT_STALL_TIMEOUT": "10"})
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out[-4000:]
+    assert ("MeshfitError: process 0 read a value split across the job's 2 processes" in out
+            and "the others did not read it within 5 s" in out
+            and "not under `if jax.process_index() == 0`" in out), out[-4000:]
+    assert "hung" not in out, out[-4000:]  # the verdict is the read's, not the stall guard's
+    assert os.listdir(folder) == []

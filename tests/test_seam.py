@@ -246,3 +246,35 @@ def test_gloo_on_the_loopback_or_a_warning_where_jaxlib_lacks_it(monkeypatch):
     with pytest.warns(UserWarning, match="listen on this host name's address"):
         jax_internals.gloo_on_loopback()
     assert _jax.make_gloo_tcp_collectives is None
+
+
+def test_the_coordination_barrier_exists_and_times_out_into_false(monkeypatch):
+    """every_process_reaches reads JAX's distributed client (its barrier is checked in a job by
+    tests/test_keras_backup.py): here a client that times out answers False, another error is
+    raised, and a JAX without the client lets the caller go on (True)."""
+    from jax._src import distributed
+    from jax._src.lib import _jax
+
+    assert hasattr(distributed.global_state, "client")
+    assert "timeout_in_ms" in _jax.DistributedRuntimeClient.wait_at_barrier.__doc__
+
+    class Client:
+        def __init__(self, error=None):
+            self.error, self.calls = error, []
+
+        def wait_at_barrier(self, barrier, timeout_in_ms):
+            self.calls.append((barrier, timeout_in_ms))
+            if self.error:
+                raise self.error
+
+    timed_out = Client(RuntimeError("DEADLINE_EXCEEDED: Barrier timed out. Id: b::0"))
+    monkeypatch.setattr(distributed.global_state, "client", timed_out)
+    assert jax_internals.every_process_reaches("b", 2.5) is False
+    assert timed_out.calls == [("b", 2500)]
+    monkeypatch.setattr(distributed.global_state, "client", Client())
+    assert jax_internals.every_process_reaches("c", 1) is True
+    monkeypatch.setattr(distributed.global_state, "client", Client(RuntimeError("UNAVAILABLE")))
+    with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+        jax_internals.every_process_reaches("d", 1)
+    monkeypatch.setattr(distributed.global_state, "client", None)  # no wait_at_barrier
+    assert jax_internals.every_process_reaches("e", 1) is True

@@ -7,9 +7,12 @@ Two things failed there (2 processes x 2 simulated devices, a user's plain fit, 
   raised "Fetching value for `jax.Array` that spans non-addressable (non process local)
   devices"; so did keras-hub's generate, whose tokens are split over the batch. Reading one
   (Keras' `Variable.__array__`, which every save and `numpy()` go through, and
-  `backend.convert_to_numpy`, ops.convert_to_numpy's) now gathers its value from every process: a collective, which every process enters at the same
-  read because the same saving code reads the same variables in the same order. A read on one
-  process alone would wait for the others; the stall guard ends that wait with one line.
+  `backend.convert_to_numpy`, ops.convert_to_numpy's) now gathers its value from every process:
+  a collective, which every process enters at the same read because the same saving code reads
+  the same variables in the same order. A read on one process alone (a save under `if
+  jax.process_index() == 0`) waited for the others until the stall guard ended it, 600 s later,
+  with a line that could not say why: each read now first meets the others at a barrier of JAX's
+  coordination service, which times out (READ_WAIT_SECONDS) into a one-line error naming the fix.
 - Every process wrote the same file, and on a file system they share two writers of one file
   failed (h5py: "Unable to synchronously create group (name already exists)"). Each process now
   writes its own temporary file beside the target and renames it over the target once complete
@@ -26,25 +29,53 @@ before its close leaves its temporary file, `.<target>.<pid>.tmp.h5`, beside the
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import shutil
 from typing import Any, Callable
 
 import numpy as np
 
+from meshfit.errors import MeshfitError
 from meshfit.files import atomic_path
-from meshfit.parallel import cluster, stall
+from meshfit.parallel import cluster, jax_internals, stall
+
+
+# How long a process reading a split value waits for the others to read it too before it says
+# that they never will (a save under `if jax.process_index() == 0`): the gather of one variable
+# keeps the processes within one file write of each other, so a wait of seconds means they went
+# elsewhere. Half the stall timeout where that is shorter, so this line comes before the stall
+# guard's and meshfit launch's verdicts, which cannot say what the process waited for.
+READ_WAIT_SECONDS = 60
+_reads = itertools.count()  # the barriers' names: every process reads in the same order
+
+
+def read_wait_seconds() -> float:
+    """Seconds a read of a split value waits for every process to reach it (see READ_WAIT_SECONDS)."""
+    stall_seconds = stall.timeout_seconds()
+    return min(READ_WAIT_SECONDS, stall_seconds / 2) if stall_seconds else READ_WAIT_SECONDS
 
 
 def whole(value: Any) -> np.ndarray | None:
     """The whole of a JAX array split across processes, gathered from every process (a
     collective: every process calls it for the same array); None for any other value, which
     this process can read itself: in a single process every array is fully addressable, so the
-    wrappers below ask nothing more of the job before calling it."""
+    wrappers below ask nothing more of the job before calling it. A read the other processes do
+    not join within read_wait_seconds() is a one-line MeshfitError, not a hang."""
     if getattr(value, "is_fully_addressable", True) or value.is_fully_replicated:
         return None
+    import jax
     from jax.experimental import multihost_utils
 
+    seconds = read_wait_seconds()
+    if not jax_internals.every_process_reaches(f"meshfit-read-{next(_reads)}", seconds):
+        raise MeshfitError(
+            f"process {jax.process_index()} read a value split across the job's "
+            f"{jax.process_count()} processes (a variable under fsdp or model parallel, or "
+            f"generate's tokens) and the others did not read it within {seconds:g} s: Keras' "
+            "saving, get_weights and keras-hub's generate gather such a value from every "
+            "process, so call them on every process, not under `if jax.process_index() == 0` "
+            "(each process writes the same file)", see="a-job-hangs")
     with stall.watching():
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 

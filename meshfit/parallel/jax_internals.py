@@ -96,6 +96,32 @@ def backends_started() -> bool:
     return started()
 
 
+def every_process_reaches(barrier: str, seconds: float) -> bool:
+    """Wait up to `seconds` until every process of the job reaches `barrier` (a name each process
+    uses once, in the same order); False where one did not in that time.
+
+    Private: `jax._src.distributed.global_state.client.wait_at_barrier`, the barrier of JAX's
+    coordination service (orbax-checkpoint's is the same call). JAX's public barrier,
+    multihost_utils.sync_global_devices, is a device collective, which waits without end for a
+    process that never comes. A barrier that timed out fails only itself; later ones pass (checked
+    on JAX 0.10.2 and 0.12.0.1). A JAX lacking it: True at once, so the caller goes on to
+    its collective as before (the stall guard then ends a wait for a process that never comes).
+    """
+    try:
+        from jax._src import distributed
+
+        wait = distributed.global_state.client.wait_at_barrier
+    except (ImportError, AttributeError):
+        return True
+    try:
+        wait(barrier, max(1, int(seconds * 1000)))
+    except Exception as e:  # jax.errors.JaxRuntimeError; the service's status is in its text
+        if "DEADLINE_EXCEEDED" in str(e):
+            return False
+        raise
+    return True
+
+
 def gloo_on_loopback() -> None:
     """Make gloo's collectives listen on 127.0.0.1 rather than on this host name's address.
 
