@@ -535,3 +535,42 @@ def test_a_reference_that_turns_nan_is_a_one_line_error_and_a_configuration_that
                                    roundoff=2.0 ** -24, precision="float32", global_batch=32)
     (verdict,) = verdicts.verdicts
     assert not verdict.ok and verdict.diverges_at == 2 and verdicts.exit_code == 1, verdict
+
+
+def test_steps_whose_floor_would_pass_any_model_are_not_judged():
+    """A model that amplifies rounding until a one-unit nudge moves its weights and loss by more
+    than 1/30 (MobileNetV2 from random weights, SGD: 2.0 and 0.23 by step 3) passed every
+    configuration, another model included: such steps are left out and named, a defect before
+    them still diverges, and a model blind from its first step is a one-line error."""
+    import types
+
+    from meshfit.run import verify_report
+
+    def trace(losses, kernels):
+        return types.SimpleNamespace(steps=[1, 2, 3], logs=[{"loss": v} for v in losses],
+                                     weights=[[np.asarray(k, "float64")] for k in kernels],
+                                     paths=["dense/kernel"], seconds=1.0)
+
+    reference = trace([1.0, 0.9, 0.8], [[1.0, 1.0], [1.0, 1.1], [1.0, 1.2]])
+    floor = trace([1.0, 0.9 * (1 + 1e-6), 0.8 * 1.5], [[1.0, 1.0], [1.0, 1.1], [3.0, -1.2]])
+    other_model = trace([1.0, 0.9, 2.0], [[1.0, 1.0], [1.0, 1.1], [-5.0, 5.0]])
+    defect = trace([1.0, 0.95, 0.8], [[1.0, 1.0], [1.0, 1.5], [1.0, 1.2]])
+    verdicts = verify_report.judge(reference, floor, {"other model at step 3": other_model,
+                                                      "defect at step 2": defect},
+                                   roundoff=2.0 ** -24, precision="float32", global_batch=8)
+    late, early = verdicts.verdicts
+    assert verdicts.judged == 2 and late.ok and late.judged == 2, late
+    assert not early.ok and early.diverges_at == 2 and verdicts.exit_code == 1
+    lines = verdicts.lines()
+    assert lines[2].startswith("step 3 not judged: from step 3 rounding alone moves the weights"), lines
+    assert "equal within rounding through step 2" in late.line(3)
+    assert verdicts.as_dict()["judged_steps"] == 2
+    alone = verify_report.judge(reference, floor, {"other model at step 3": other_model},
+                                roundoff=2.0 ** -24, precision="float32", global_batch=8)
+    assert alone.lines()[-1] == "every configuration trains the reference's model through step 2 of 3"
+
+    blind = trace([1.5, 0.9, 0.8], [[3.0, -1.0], [1.0, 1.1], [1.0, 1.2]])
+    with pytest.raises(meshfit.MeshfitError) as error:
+        verify_report.judge(reference, blind, {"any": other_model}, roundoff=2.0 ** -24,
+                            precision="float32", global_batch=8)
+    assert "\n" not in str(error.value) and "verify cannot judge this model: after step 1" in str(error.value)

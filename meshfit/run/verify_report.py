@@ -35,6 +35,13 @@ from meshfit.errors import MeshfitError
 # computes a program to the same bits whatever the load, so a busy machine does not move these.
 TOLERANCE = 30.0
 MIN_FLOOR = 1e-7
+# A step whose floor reaches 1 / TOLERANCE in the weights and in the loss and metrics cannot be
+# judged: there a configuration 100% off the reference, another model altogether, is within
+# TOLERANCE x the floor. A model that amplifies rounding that much (MobileNetV2 from random weights
+# under training=False, SGD 1e-2, 16 images a step: floors 2.0 and 0.23 by step 3, 2026-11-29)
+# is judged on the steps before; fashion-mnist-cnn's floors in bfloat16, 4.2e-2 and 6.4e-4 after
+# 4 steps, stay judged (its loss floor is tight).
+BLIND_FLOOR = 1.0 / TOLERANCE
 _TINY = 1e-30
 
 
@@ -52,14 +59,19 @@ class Verdict:
     diverges_at: int | None = None
     times_floor: float = 0.0  # at that step
     variable: str | None = None  # the variable (or "metric NAME") that moved most there
+    judged: int | None = None  # the last step judged, where the floor stops sooner (BLIND_FLOOR)
 
     @property
     def ok(self) -> bool:
         return self.diverges_at is None
 
     def line(self, steps: int) -> str:
+        if self.judged is not None and self.steps[0] > self.judged:
+            return f"  {self.name:42s} not judged: its first dispatch ends after step {self.judged}"
         if self.ok:
-            return f"  {self.name:42s} equal within rounding ({_times(self.worst)} the floor at most)"
+            through = f" through step {self.judged}" if self.judged is not None else ""
+            return (f"  {self.name:42s} equal within rounding{through} ({_times(self.worst)} the "
+                    "floor at most)")
         return (f"  {self.name:42s} diverges from step {self.diverges_at} of {steps}, "
                 f"{_times(self.times_floor)} the floor, most in {self.variable}")
 
@@ -78,6 +90,7 @@ class Verdicts:
     log_floor: list[float]
     reference_seconds: float
     refusals: dict[str, str] = field(default_factory=dict)  # not run: name -> meshfit's reason
+    judged: int | None = None  # the last step judged, where the floor stops sooner (BLIND_FLOOR)
     more: list[Verdicts] = field(default_factory=list)  # further precisions, each its own floor
 
     @property
@@ -97,6 +110,21 @@ class Verdicts:
                 f"{MIN_FLOOR:g} counts as {MIN_FLOOR:g}; a metric that counts samples, such as "
                 f"accuracy, has at least one sample's share).")
 
+    def blind_line(self) -> str | None:
+        """Why the steps after `judged` were not judged, or None when every step was."""
+        if self.judged is None:
+            return None
+        blind = self.floor_steps.index(self.judged) + 1
+        first = self.floor_steps[blind]
+        left_out = f"step {first}" if first == self.steps else f"steps {first}-{self.steps}"
+        return (f"{left_out} not judged: from step "
+                f"{self.floor_steps[blind]} rounding alone moves the weights by "
+                f"{self.weight_floor[blind]:.1e} and the loss and metrics by "
+                f"{self.log_floor[blind]:.1e} (relative), past 1/{TOLERANCE:g}: within {TOLERANCE:g} x "
+                "that, a configuration training another model altogether would pass; this model "
+                "amplifies rounding that much (a lower learning rate, or normalized activations, "
+                "amplify it less)")
+
     def lines(self) -> list[str]:
         head = (f"reference: 1 device, {self.steps} steps of {self.global_batch} samples, "
                 f"{self.precision} ({self.reference_seconds:.1f} s)")
@@ -108,6 +136,8 @@ class Verdicts:
                         f"({other.reference_seconds:.1f} s) and floor {other.weight_floor[-1]:.1e} "
                         f"(weights), {other.log_floor[-1]:.1e} (loss and metrics), one rounding "
                         f"unit 2^{round(math.log2(other.roundoff))}")
+            if other.judged is not None:
+                body.append(f"{other.precision}: {other.blind_line()}")
             for v in other.verdicts:
                 verdict = v.line(self.steps).strip()[len(v.name):].strip()
                 body.append(f"  {v.name + ', ' + other.precision:42s} {verdict}")
@@ -115,7 +145,10 @@ class Verdicts:
         bad = sum(not v.ok for v in every)
         tail = ("every configuration trains the reference's model" if not bad else
                 f"{bad} of {len(every)} configuration(s) diverge: see docs/guides/verify.md")
-        return [head, self.floor_line(), *body, tail]
+        if self.judged is not None and not bad:
+            tail += f" through step {self.judged} of {self.steps}"
+        blind = [self.blind_line()] if self.judged is not None else []
+        return [head, self.floor_line(), *blind, *body, tail]
 
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "steps": self.steps, "global_batch": self.global_batch,
@@ -123,7 +156,7 @@ class Verdicts:
                 "floor": {"how": "reference trained from weights moved by one rounding unit",
                           "roundoff": self.roundoff, "steps": self.floor_steps,
                           "weights": self.weight_floor, "logs": self.log_floor},
-                "reference_seconds": self.reference_seconds,
+                "reference_seconds": self.reference_seconds, "judged_steps": self.judged or self.steps,
                 "configurations": [
                     {"name": v.name, "ok": v.ok,
                      "verdict": v.line(self.steps).strip()[len(v.name):].strip(),
@@ -207,10 +240,12 @@ def judge(reference, floor, traces: dict, *, roundoff: float, precision: str,
     log_floor = [max(_log_distances(a, r).values(), default=0.0)
                  for a, r in zip(floor.logs, reference.logs)]
     floor_at = dict(zip(reference.steps, zip(weight_floor, log_floor)))
+    judged = _last_judged(reference.steps, weight_floor, log_floor)
+    through = None if judged == reference.steps[-1] else judged
     counted = _counted_metrics(reference, global_batch)
     verdicts = []
     for name, trace in traces.items():
-        verdict = Verdict(name, 0.0, trace.seconds, list(trace.steps), [], [])
+        verdict = Verdict(name, 0.0, trace.seconds, list(trace.steps), [], [], judged=through)
         last = 0
         for step, logs, weights in zip(trace.steps, trace.logs, trace.weights):
             ref_logs, ref_weights = _reference_at(reference, step, last)
@@ -220,6 +255,8 @@ def judge(reference, floor, traces: dict, *, roundoff: float, precision: str,
             w, l = max(variables, default=0.0), max(log_distances.values(), default=0.0)
             verdict.weight_distance.append(w)
             verdict.log_distance.append(l)
+            if step > judged:
+                continue  # drawn, not judged
             fw, fl = floor_at[step]
             times_w = w / max(fw, MIN_FLOOR)
             times_l = max((d / max(fl, counted.get(name, 0.0) / max(abs(ref_logs[name]), _TINY),
@@ -236,7 +273,23 @@ def judge(reference, floor, traces: dict, *, roundoff: float, precision: str,
         verdicts.append(verdict)
     return Verdicts(verdicts, reference.steps[-1], global_batch, precision, roundoff,
                     list(reference.steps), weight_floor, log_floor, reference.seconds,
-                    refusals=dict(refusals or {}))
+                    refusals=dict(refusals or {}), judged=through)
+
+
+def _last_judged(steps: list[int], weight_floor: list[float], log_floor: list[float]) -> int:
+    """The last step before the first whose floors both reach BLIND_FLOOR (all steps: the last);
+    a MeshfitError where that is the first step (nothing could be judged)."""
+    for i, (step, fw, fl) in enumerate(zip(steps, weight_floor, log_floor)):
+        if fw >= BLIND_FLOOR and fl >= BLIND_FLOOR:
+            if i == 0:
+                raise MeshfitError(
+                    f"verify cannot judge this model: after step {step} rounding alone moves its "
+                    f"weights by {fw:.1e} and its loss and metrics by {fl:.1e} (relative), so any "
+                    f"configuration, another model altogether, would be within {TOLERANCE:g} x that; "
+                    "lower the learning rate or normalize the activations (BatchNormalization in "
+                    "training, LayerNormalization) so that rounding moves it less")
+            return steps[i - 1]
+    return steps[-1]
 
 
 def _counted_metrics(reference, global_batch: int) -> dict[str, float]:
@@ -280,6 +333,9 @@ def plot(verdicts: Verdicts, reference, traces: dict, path: str) -> None:
     distances.plot(verdicts.floor_steps, floor, "k:", label="rounding floor")
     distances.plot(verdicts.floor_steps, [TOLERANCE * f for f in floor], "r:",
                    label=f"threshold ({TOLERANCE:g} x floor)")
+    if verdicts.judged is not None:
+        distances.axvline(verdicts.judged + 0.5, color="grey", linestyle="--",
+                          label=f"judged through step {verdicts.judged}")
     distances.set_yscale("log")
     losses.set(xlabel="step", ylabel="loss", title="loss per step")
     distances.set(xlabel="step", ylabel="weight distance from the reference (relative)",
