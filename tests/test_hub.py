@@ -359,9 +359,10 @@ def gemma_on_strings(strategy):
     return losses, model.generate("Instruction:\nWhat is a cat?\n\nResponse:\n", max_length=20)
 
 
-def test_gemma_fine_tuned_with_lora_on_strings_trains_and_generates_as_one_device(strategy):
+def test_gemma_fine_tuned_with_lora_on_strings_trains_and_generates_as_one_device(strategy, caplog):
     """The path most users take: strings through keras-hub's preprocessor (a grain pipeline keras-hub
-    builds), on 8 devices under fsdp x model 2 and data, as on one."""
+    builds), on 8 devices under fsdp x model 2 and data, as on one; without grain's warning on
+    keras-hub's read-ahead at each call (meshfit.fit.library_logs)."""
     one = one_device(strategy)
     try:
         with one.scope():  # fit too: the 8 devices' strategy is the one connected
@@ -374,6 +375,21 @@ def test_gemma_fine_tuned_with_lora_on_strings_trains_and_generates_as_one_devic
         np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
         assert text == expected_text and text.startswith("Instruction:")
     connect_eight_devices()
+    assert not [r for r in caplog.records if "prefetch_buffer_size" in r.getMessage()]
+
+
+def test_only_keras_hubs_read_ahead_warning_of_grain_is_dropped(strategy, caplog):
+    """keras-hub 0.32's ReadOptions(prefetch_buffer_size=8) beside grain's 16 threads warned at every
+    call on strings; a user's own ReadOptions still warns."""
+    import logging
+
+    import grain
+
+    with caplog.at_level(logging.WARNING):
+        grain.ReadOptions(prefetch_buffer_size=8)  # keras-hub's
+        grain.ReadOptions(prefetch_buffer_size=4, num_threads=10)  # a user's own
+    messages = [r.getMessage() for r in caplog.records if "prefetch_buffer_size" in r.getMessage()]
+    assert len(messages) == 1 and messages[0].startswith("prefetch_buffer_size=4 is smaller than num_threads=10")
 
 
 JOB_PROGRAM = '''

@@ -53,8 +53,8 @@ import jax
 import keras
 
 from meshfit import env
-from meshfit.fit import (batch_placement, hosts, jax_loop, keras_internals, memory_plan, out_of_memory,
-                         saving, sharded_init, sources)
+from meshfit.fit import (batch_placement, hosts, jax_loop, keras_internals, library_logs, memory_plan,
+                         out_of_memory, saving, sharded_init, sources)
 from meshfit.parallel import heartbeat, stall
 from meshfit.watch import goodput
 from meshfit.watch.keras_side import progress_bar
@@ -101,6 +101,7 @@ def _distributed(strategy) -> bool:
 @functools.cache
 def _install() -> None:
     """Wrap Keras' trainer and its JAX placement and variables (keras_internals.PATCHES)."""
+    library_logs.drop()
     if keras.backend.backend() == "jax" and accounting():
         jax.monitoring.register_event_time_span_listener(_on_compile_span)
         goodput.compile_events = True
