@@ -115,6 +115,24 @@ def test_the_slowest_host_and_the_input_bound_advice():
     assert "--steps-per-dispatch" in goodput.input_bound_line(3.0, 10.0, "arrays", 1, "gpu")
 
 
+def test_a_keras_hub_tasks_own_pipeline_gets_advice_its_user_can_follow(strategy):
+    """fit(texts) on a keras-hub task reaches Keras' fit as a grain pipeline the task built around
+    its preprocessor: the advice is to preprocess once, not to tune grain workers the user does
+    not hold; a grain dataset given to a model without a preprocessor keeps grain's."""
+    import types
+
+    import grain
+
+    from meshfit.fit import hooks
+
+    pipeline = grain.MapDataset.source([1, 2, 3]).to_iter_dataset()
+    task, plain = types.SimpleNamespace(preprocessor=object()), types.SimpleNamespace()
+    assert hooks.input_source(pipeline, task) == "preprocessor"
+    assert hooks.input_source(pipeline, plain) == hooks.input_source(pipeline) == "grain"
+    line = goodput.input_bound_line(3.0, 10.0, "preprocessor")
+    assert "model.preprocessor(data)" in line and "preprocessor=None" in line
+
+
 def test_the_cpu_peak_is_probed_once_and_cached(strategy, tmp_path, monkeypatch):
     from meshfit.watch import peak
 

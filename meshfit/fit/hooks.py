@@ -356,8 +356,10 @@ def _tensorflow_timed(make: Callable) -> Callable:
     return make_train_function
 
 
-def input_source(x) -> str:
-    """The kind of a fit's data source, for the input-bound line's advice (goodput.input_fix)."""
+def input_source(x, model=None) -> str:
+    """The kind of a fit's data source, for the input-bound line's advice (goodput.input_fix):
+    a grain dataset given to the fit of a model with a preprocessor is the pipeline a keras-hub
+    task built from the user's strings or arrays ('preprocessor'), which the user does not hold."""
     if x is None:
         return "arrays"
     name = f"{type(x).__module__}.{type(x).__name__}".lower()
@@ -368,7 +370,7 @@ def input_source(x) -> str:
     if "tensorflow" in name:
         return "tf.data"
     if "grain" in name:
-        return "grain"
+        return "preprocessor" if getattr(model, "preprocessor", None) is not None else "grain"
     if "folders" in name:
         return "folder"
     return "arrays" if sources.is_arrays(x, None) else "generator"
@@ -416,7 +418,7 @@ def _fit_hook(fit: Callable) -> Callable:
         _clock.last = None
         report = next((c for c in arguments.get("callbacks") or [] if isinstance(c, EpochReport)), None)
         if report is not None and report.input_source is None:
-            report.input_source = input_source(arguments.get("x"))
+            report.input_source = input_source(arguments.get("x"), self)
         _with_epoch_clock(arguments, report)
         ledger = goodput.ledger()
         try:

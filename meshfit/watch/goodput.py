@@ -325,7 +325,8 @@ def slowest(per_host: list[dict[str, Any]]) -> dict[str, Any]:
 def input_fix(source: str | None, steps_per_dispatch: int = 1, platform: str = "cpu") -> str:
     """The change that helps an input-bound run, by its kind of source: 'folder' (images
     decoded from disk), 'generator' (a Python generator or iterator), 'pydataset', 'tf.data',
-    'grain', 'arrays' (in memory)."""
+    'grain', 'preprocessor' (a keras-hub task's own pipeline of its preprocessor), 'arrays' (in
+    memory)."""
     fixes = {
         "folder": "decode with more workers (the folder source's workers=N; by default one per "
                   "core this process may use) or store the images at the training size",
@@ -336,6 +337,10 @@ def input_fix(source: str | None, steps_per_dispatch: int = 1, platform: str = "
         "tf.data": "add .cache() and .prefetch(tf.data.AUTOTUNE) and map with "
                    "num_parallel_calls=tf.data.AUTOTUNE",
         "grain": "raise the grain pipeline's worker count (mp_prefetch) and read-ahead",
+        "preprocessor": "run the model's preprocessor once before training (x, y, sample_weight "
+                        "= model.preprocessor(data)) and fit a task built with preprocessor=None "
+                        "on its output, or give fit a pipeline of your own with workers (grain, "
+                        "tf.data)",
         "arrays": "keep the arrays on the devices (meshfit train does: data.arrays) or pass a "
                   "tf.data.Dataset with .prefetch()",
     }
