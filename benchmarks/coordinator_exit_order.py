@@ -8,9 +8,18 @@ client.h] Terminating process because the JAX distributed service detected fatal
 closed"), although nothing failed. With --shutdown both call `jax.distributed.shutdown()` first
 (its barrier waits for every process) and both exit with code 143.
 
-    python benchmarks/coordinator_exit_order.py [--shutdown]
+The abort is the default of jaxlib's `missed_heartbeat_callback`
+(`get_distributed_runtime_client`'s parameter, which jax.distributed.initialize does not pass).
+With --callback each process gives it a Python function (jaxlib's function wrapped as
+meshfit.parallel.jax_internals.gloo_on_loopback wraps another) that would print one line and exit
+with code 3: process 1 still aborts, now with "terminate called after throwing an instance of
+'std::bad_cast'" (SIGABRT; the function is never called), since jaxlib cannot hand it the
+absl::Status it is called with. So a survivor of a lost process 0 outside `meshfit launch`
+(srun, a TPU slice's hosts) cannot end with a line of its own; the launcher reads the abort.
 
-Seen with jax and jaxlib 0.10.2 on CPU. meshfit leaves this way after a stop on a signal
+    python benchmarks/coordinator_exit_order.py [--shutdown | --callback]
+
+Seen with jax and jaxlib 0.10.2 on CPU; --callback also with 0.12.0.1 (2026-11-29). meshfit leaves this way after a stop on a signal
 (meshfit.parallel.cluster.exit_failed(together=True)).
 """
 
@@ -24,9 +33,20 @@ import time
 LATE_SECONDS = 3  # process 1 leaves this long after process 0
 
 
-def member(process_id: int, port: int, shutdown: bool) -> None:
+def member(process_id: int, port: int, shutdown: bool, callback: bool) -> None:
     """One process of the job: join, line up, leave with code 143."""
     os.environ["JAX_PLATFORMS"] = "cpu"
+    if callback:
+        import functools
+
+        from jax._src.lib import _jax
+
+        def lost(*status):
+            print(f"process {process_id}: the job lost a process: {status}", flush=True)
+            os._exit(3)
+
+        _jax.get_distributed_runtime_client = functools.partial(
+            _jax.get_distributed_runtime_client, missed_heartbeat_callback=lost)
     import jax
     from jax.experimental import multihost_utils
 
@@ -43,20 +63,23 @@ def member(process_id: int, port: int, shutdown: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shutdown", action="store_true", help="jax.distributed.shutdown() first")
+    parser.add_argument("--callback", action="store_true",
+                        help="a Python missed_heartbeat_callback in place of the abort")
     parser.add_argument("--member", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.member is not None:
-        return member(args.member, args.port, args.shutdown)
+        return member(args.member, args.port, args.shutdown, args.callback)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    flag = ["--shutdown"] if args.shutdown else []
+    flag = ["--shutdown"] if args.shutdown else ["--callback"] if args.callback else []
     jobs = [subprocess.Popen([sys.executable, __file__, "--member", str(i), "--port", str(port), *flag],
                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
     for i, job in enumerate(jobs):
         _, err = job.communicate(timeout=300)
-        fatal = [line for line in err.splitlines() if "Terminating process" in line]
+        fatal = [line for line in err.splitlines()
+                 if "Terminating process" in line or "std::bad_cast" in line]
         print(f"process {i}: exit code {job.returncode}" + (f"; {fatal[0][:160]}" if fatal else ""))
 
 
