@@ -20,6 +20,20 @@ def test_simulate_after_jax_started_is_a_clear_error(strategy):
         meshfit.connect(simulate_devices=4, verbose=False)
 
 
+def test_a_count_of_simulated_devices_may_be_its_digits_and_nothing_else(strategy, monkeypatch):
+    """A program's `connect(simulate=sys.argv[1])` gets its devices; a word is one line, not
+    Python's TypeError from comparing a string with 1."""
+    from meshfit.parallel import devices
+
+    assert devices.requested_simulation(" 8") == devices.requested_simulation(8) == 8
+    meshfit.connect(simulate="8", engine="jax", verbose=False)  # the 8 devices JAX has: accepted
+    for bad in ("eight", "8.0", True):
+        with pytest.raises(meshfit.MeshfitError, match=f"simulate_devices={bad!r} is not a whole number"):
+            meshfit.connect(simulate=bad, verbose=False)
+    monkeypatch.delenv("MESHFIT_SIMULATE_DEVICES", raising=False)
+    assert devices.requested_simulation(None) is None
+
+
 def test_cli_info_json_reports_eight_replicas():
     out = run_meshfit("info", "--simulate-devices", "8", "--json", env={"XLA_FLAGS": ""}, timeout=120)
     assert out.returncode == 0, out.stderr

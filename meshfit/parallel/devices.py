@@ -158,11 +158,16 @@ def memory_bytes(info: DeviceInfo, asked: int | None = None) -> int | None:
         return None
 
 
-def requested_simulation(simulate_devices: int | None) -> int | None:
-    """The simulated device count asked for by argument, else by $MESHFIT_SIMULATE_DEVICES."""
-    if simulate_devices is not None:
-        return simulate_devices
-    return env.read_int(env.SIMULATE_DEVICES, example=8)
+def requested_simulation(simulate_devices: int | str | None) -> int | None:
+    """The simulated device count asked for by argument (a whole number, or its digits: a
+    program's `connect(simulate=sys.argv[1])`), else by $MESHFIT_SIMULATE_DEVICES."""
+    if simulate_devices is None:
+        return env.read_int(env.SIMULATE_DEVICES, example=8)
+    text = str(simulate_devices).strip()
+    if isinstance(simulate_devices, bool) or not text.lstrip("-").isdigit():
+        raise MeshfitError(f"simulate_devices={simulate_devices!r} is not a whole number of "
+                           "devices; give e.g. simulate_devices=8")
+    return int(text)
 
 
 def cpu_model() -> str:
