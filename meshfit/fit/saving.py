@@ -12,7 +12,8 @@ Two things failed there (2 processes x 2 simulated devices, a user's plain fit, 
   the same variables in the same order. A read on one process alone (a save under `if
   jax.process_index() == 0`) waited for the others until the stall guard ended it, 600 s later,
   with a line that could not say why: each read now first meets the others at a barrier of JAX's
-  coordination service, which times out (READ_WAIT_SECONDS) into a one-line error naming the fix.
+  coordination service, which warns after a minute and then ends the wait with a one-line error
+  naming the fix (READ_WARN_SECONDS).
 - Every process wrote the same file, and on a file system they share two writers of one file
   failed (h5py: "Unable to synchronously create group (name already exists)"). Each process now
   writes its own temporary file beside the target and renames it over the target once complete
@@ -32,6 +33,8 @@ import functools
 import itertools
 import os
 import shutil
+import sys
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -41,19 +44,48 @@ from meshfit.files import atomic_path
 from meshfit.parallel import cluster, jax_internals, stall
 
 
-# How long a process reading a split value waits for the others to read it too before it says
-# that they never will (a save under `if jax.process_index() == 0`): the gather of one variable
-# keeps the processes within one file write of each other, so a wait of seconds means they went
-# elsewhere. Half the stall timeout where that is shorter, so this line comes before the stall
-# guard's and meshfit launch's verdicts, which cannot say what the process waited for.
-READ_WAIT_SECONDS = 60
+# A process reading a split value first meets the others at a barrier of JAX's coordination
+# service: a save under `if jax.process_index() == 0` otherwise waited in the gather until the
+# stall guard ended it, 600 s later, with a line that could not say why. The wait has two stages.
+# After READ_WARN_SECONDS (half the wait, where shorter) one line names the likely cause, and the
+# wait goes on, since a process may be late for a reason (work of its own before a save that all
+# processes make). It ends with an error at 90% of the stall timeout, the user's bound on a pause,
+# so that this line comes before the stall guard's and meshfit launch's verdicts; without the
+# guard (MESHFIT_STALL_TIMEOUT=0), after a day. A barrier that timed out fails at once for the
+# processes that come after (JAX 0.10.2 and 0.12.0.1): they go on to the second stage too.
+READ_WARN_SECONDS = 60
+UNGUARDED_READ_WAIT_SECONDS = 86400
 _reads = itertools.count()  # the barriers' names: every process reads in the same order
 
 
-def read_wait_seconds() -> float:
-    """Seconds a read of a split value waits for every process to reach it (see READ_WAIT_SECONDS)."""
+def read_waits() -> tuple[float, float]:
+    """(seconds before the warning, seconds before the error) of a read of a split value."""
     stall_seconds = stall.timeout_seconds()
-    return min(READ_WAIT_SECONDS, stall_seconds / 2) if stall_seconds else READ_WAIT_SECONDS
+    limit = 0.9 * stall_seconds if stall_seconds else UNGUARDED_READ_WAIT_SECONDS
+    return min(READ_WARN_SECONDS, limit / 2), limit
+
+
+def _meet_every_process() -> None:
+    """Wait until every process of the job comes to this read (see READ_WARN_SECONDS)."""
+    import jax
+
+    barrier, (warn, limit) = f"meshfit-read-{next(_reads)}", read_waits()
+    begun = time.monotonic()
+    if jax_internals.every_process_reaches(barrier, warn):
+        return
+    waited = time.monotonic() - begun
+    where = (f"process {jax.process_index()} reads a value split across the job's "
+             f"{jax.process_count()} processes (a variable under fsdp or model parallel, or "
+             "generate's tokens)")
+    fix = ("Keras' saving, get_weights and keras-hub's generate gather such a value from every "
+           "process, so call them on every process, not under `if jax.process_index() == 0` "
+           "(each process writes the same file)")
+    if waited >= 0.9 * warn:  # this process waited the first stage through: others are late
+        print(f"meshfit: warning: {where} and has waited {waited:.0f} s for the others to read it "
+              f"too; {fix}. Waiting up to {limit:g} s", file=sys.stderr, flush=True)
+    if not jax_internals.every_process_reaches(barrier + "-late", max(1.0, limit - waited)):
+        raise MeshfitError(f"{where} and the others did not read it within {limit:g} s: {fix}",
+                           see="a-job-hangs")
 
 
 def whole(value: Any) -> np.ndarray | None:
@@ -61,21 +93,12 @@ def whole(value: Any) -> np.ndarray | None:
     collective: every process calls it for the same array); None for any other value, which
     this process can read itself: in a single process every array is fully addressable, so the
     wrappers below ask nothing more of the job before calling it. A read the other processes do
-    not join within read_wait_seconds() is a one-line MeshfitError, not a hang."""
+    not join is a warning line, then a one-line MeshfitError (_meet_every_process), not a hang."""
     if getattr(value, "is_fully_addressable", True) or value.is_fully_replicated:
         return None
-    import jax
     from jax.experimental import multihost_utils
 
-    seconds = read_wait_seconds()
-    if not jax_internals.every_process_reaches(f"meshfit-read-{next(_reads)}", seconds):
-        raise MeshfitError(
-            f"process {jax.process_index()} read a value split across the job's "
-            f"{jax.process_count()} processes (a variable under fsdp or model parallel, or "
-            f"generate's tokens) and the others did not read it within {seconds:g} s: Keras' "
-            "saving, get_weights and keras-hub's generate gather such a value from every "
-            "process, so call them on every process, not under `if jax.process_index() == 0` "
-            "(each process writes the same file)", see="a-job-hangs")
+    _meet_every_process()
     with stall.watching():
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
