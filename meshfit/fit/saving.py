@@ -18,8 +18,8 @@ Two things failed there (2 processes x 2 simulated devices, a user's plain fit, 
   failed (h5py: "Unable to synchronously create group (name already exists)"). Each process now
   writes its own temporary file beside the target and renames it over the target once complete
   (meshfit.files.atomic_path for a .keras archive; an .h5 store, opened and closed apart, renames
-  its own at close), so the target is always one whole file (every process writes the same values), and each host
-  gets its copy where the hosts share no disk. Likewise BackupAndRestore's removal of its folder
+  its own at close), so the target is always one whole file (every process writes the same
+  values), and each host gets its copy where the hosts share no disk. Likewise BackupAndRestore's removal of its folder
   at the end of fit, by every process at once: the one that finds an entry gone (another took
   it) finishes the removal instead of raising FileNotFoundError.
 The wrappers here are applied by meshfit.fit.hooks (meshfit.fit.keras_internals.PATCHES, which

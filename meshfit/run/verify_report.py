@@ -117,13 +117,12 @@ class Verdicts:
         blind = self.floor_steps.index(self.judged) + 1
         first = self.floor_steps[blind]
         left_out = f"step {first}" if first == self.steps else f"steps {first}-{self.steps}"
-        return (f"{left_out} not judged: from step "
-                f"{self.floor_steps[blind]} rounding alone moves the weights by "
+        return (f"{left_out} not judged: from step {first} rounding alone moves the weights by "
                 f"{self.weight_floor[blind]:.1e} and the loss and metrics by "
-                f"{self.log_floor[blind]:.1e} (relative), past 1/{TOLERANCE:g}: within {TOLERANCE:g} x "
-                "that, a configuration training another model altogether would pass; this model "
-                "amplifies rounding that much (a lower learning rate, or normalized activations, "
-                "amplify it less)")
+                f"{self.log_floor[blind]:.1e} (relative), past 1/{TOLERANCE:g}: within "
+                f"{TOLERANCE:g} x that, a configuration training another model altogether would "
+                "pass; this model amplifies rounding that much (a lower learning rate, or "
+                "normalized activations, amplify it less)")
 
     def lines(self) -> list[str]:
         head = (f"reference: 1 device, {self.steps} steps of {self.global_batch} samples, "
