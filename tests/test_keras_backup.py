@@ -67,6 +67,24 @@ def test_backup_and_restore_resumes_at_the_epoch_and_ends_as_an_unstopped_fit(st
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_reading_a_variable_takes_numpys_copy_without_a_warning(strategy):
+    """numpy 2 asks __array__ for `copy`; Keras' Variable.__array__ lacks it, so every
+    np.array(variable) (Keras' own saving and get_weights make many) warned a DeprecationWarning.
+    meshfit's wrapper of it takes `copy`, and copy=True gives an array of its own."""
+    import warnings
+
+    import keras
+
+    with strategy.scope():
+        variable = keras.Variable(np.arange(8.0, dtype="float32"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        copied = np.array(variable, copy=True)
+        shared = np.asarray(variable, dtype="float64")
+    copied[0] = 5.0
+    assert float(np.asarray(variable)[0]) == 0.0 and shared.dtype == np.float64
+
+
 USER_PROGRAM = textwrap.dedent("""
     import sys
 
@@ -132,31 +150,37 @@ ALONE_PROGRAM = textwrap.dedent("""
     import sys
     import time
 
+    import numpy as np
+
     import meshfit
 
     strategy = meshfit.connect(sharding="fsdp", fsdp_min_bytes=1, verbose=False)
     import jax
     import keras
 
-    folder, late = sys.argv[1], sys.argv[2] == "late"
+    folder, when = sys.argv[1], sys.argv[2]
     with strategy.scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16)])
+        model.compile(optimizer="adam", loss="mse")
     assert not model.layers[0].kernel.value.is_fully_addressable  # split across the processes
-    if late and jax.process_index() == 1:
+    if when == "late" and jax.process_index() == 1:
         time.sleep(6)  # work of its own before the save every process makes
-    if late or jax.process_index() == 0:
+    if when == "predict" and jax.process_index() == 0:
+        model.predict(np.ones((4, 6), "float32"), verbose=0)
+    if when in ("alone", "late") and (when == "late" or jax.process_index() == 0):
         model.save(folder + "/model.keras")
 """)
 
 
-@pytest.mark.parametrize("when", ["alone", "late"])
-def test_a_save_on_process_zero_alone_is_one_line_naming_the_fix(tmp_path, when):
+@pytest.mark.parametrize("when", ["alone", "late", "predict"])
+def test_a_save_or_predict_on_process_zero_alone_is_one_line_naming_the_fix(tmp_path, when):
     """The common `if jax.process_index() == 0: model.save(...)` on variables split across the
-    processes cannot gather them (the others never read them): it waited in the gather until
-    the stall guard ended the job, 600 s later, with a line that could not say why. Now a warning
-    names the fix after half the wait (here 4.5 s of 9, 90% of a stall timeout of 10 s), and
-    the save fails at the end of it, leaving no file. A process that comes late (6 s) to a save
-    that every process makes meets the others after the warning: the save succeeds."""
+    processes cannot gather them (the others never read them), nor can predict run on process 0
+    alone: each waited in a collective until the stall guard ended the job, 600 s later, with a
+    line that could not say why. Now a warning names the fix after half the wait (here 4.5 s of
+    9, 90% of a stall timeout of 10 s), and the call fails at the end of it, leaving no file. A
+    process that comes late (6 s) to a save that every process makes meets the others after the
+    warning: the save succeeds."""
     program = tmp_path / "user_program.py"
     program.write_text(ALONE_PROGRAM)
     folder = tmp_path / "shared"
@@ -167,8 +191,10 @@ def test_a_save_on_process_zero_alone_is_one_line_naming_the_fix(tmp_path, when)
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "MESHFIT_STALL_TIMEOUT": "10"})
     out = done.stdout + done.stderr
-    warning = ("[0] meshfit: warning: process 0 reads a value split across the job's 2 processes "
-               "(a variable under fsdp or model parallel, or generate's tokens) and has waited")
+    doing = ("calls predict, which runs on the devices of all 2 processes" if when == "predict" else
+             "reads a value split across the job's 2 processes (a variable under fsdp or model "
+             "parallel, or generate's tokens)")
+    warning = f"[0] meshfit: warning: process 0 {doing} and has waited"
     assert warning in out and "not under `if jax.process_index() == 0`" in out, out[-4000:]
     assert "[1] meshfit: warning" not in out, out[-4000:]  # the late one waited for no one
     if when == "late":
@@ -176,6 +202,5 @@ def test_a_save_on_process_zero_alone_is_one_line_naming_the_fix(tmp_path, when)
         assert os.listdir(folder) == ["model.keras"]
         return
     assert done.returncode != 0 and "hung" not in out, out[-4000:]  # the read's verdict, not the guard's
-    assert "MeshfitError: process 0 reads a value split across the job's 2 processes" in out, out[-4000:]
-    assert "and the others did not read it within 9 s" in out, out[-4000:]
+    assert f"MeshfitError: process 0 {doing} and the others did not come to it within 9 s" in out, out[-4000:]
     assert os.listdir(folder) == []

@@ -55,7 +55,7 @@ import keras
 from meshfit import env
 from meshfit.fit import (batch_placement, hosts, jax_loop, keras_internals, library_logs, memory_plan,
                          out_of_memory, saving, sharded_init, sources)
-from meshfit.parallel import heartbeat, stall
+from meshfit.parallel import cluster, heartbeat, stall
 from meshfit.watch import goodput
 from meshfit.watch.keras_side import progress_bar
 from meshfit.watch.keras_side.epoch_clock import EpochClock
@@ -134,6 +134,9 @@ def _guarded(method: Callable) -> Callable:
         if _active is None:
             return method(self, *args, **kwargs)
         name = method.__name__
+        if cluster.multi_process():  # made on one process alone it would wait in a collective
+            hosts.meet_every_process(f"calls {name}, which runs on the devices of all "
+                                     f"{jax.process_count()} processes")
         with stall.watching(), out_of_memory.noted(), goodput.ledger().part("eval") if (
                 name == "evaluate") else hosts.one_batch_per_dispatch(
                     self, name == "predict" and _active.hosts > 1):

@@ -4,7 +4,9 @@ batches, and these helpers give each its share or gather the results.
 `fit_arguments()` (used by `Strategy.fit`) cuts fit's data to this process's rows of every global
 batch (the rows of meshfit.parallel.cluster.local_rows); `predict_across_hosts()` gathers outputs
 that Keras' predict cannot; `agree_on_seed()` starts every process from the same weights; `Vote`
-lets the processes agree on a number (e.g. "stop, on this signal") without a host sync. A
+lets the processes agree on a number (e.g. "stop, on this signal") without a host sync;
+`meet_every_process()` makes a call that every process must make (fit, evaluate, predict, a read
+of a split value) a warning, then an error, when one process makes it alone. A
 user's own plain `fit/evaluate/predict`, where each process passes its own rows, gets
 `whole_on_every_device`, `process_rows` and `one_batch_per_dispatch` (through meshfit.fit.hooks).
 On the TensorFlow engine (one process, one device) nothing here runs.
@@ -15,6 +17,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
+import sys
+import time
 from typing import Any, Iterable, Sequence
 
 import jax
@@ -27,7 +32,51 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshfit.errors import MeshfitError
 from meshfit.fit import keras_internals
 from meshfit.fit.sources import SplitBatches
-from meshfit.parallel import cluster, heartbeat
+from meshfit.parallel import cluster, heartbeat, jax_internals, stall
+
+
+# A call that runs on every process (fit, evaluate, predict; a read of a value split across
+# processes in Keras' saving) first meets the other processes at a barrier of JAX's coordination
+# service: made on process 0 alone (under `if jax.process_index() == 0`) it otherwise waited in a
+# collective until the stall guard ended it, 600 s later, with a line that could not say why.
+# The wait has two stages. After MEET_WARN_SECONDS (half the wait, where shorter) one line names
+# the likely cause and the wait goes on, since a process may be late for a reason (work of its
+# own before a call every process makes). It ends with an error at 90% of the stall timeout, the
+# user's bound on a pause, so that this line comes before the stall guard's and meshfit launch's
+# verdicts; without the guard (MESHFIT_STALL_TIMEOUT=0), after a day. A barrier that timed out
+# fails at once for the processes that come after (JAX 0.10.2 and 0.12.0.1): they go on to the
+# second stage too.
+MEET_WARN_SECONDS = 60
+UNGUARDED_MEET_SECONDS = 86400
+_meetings = itertools.count()  # the barriers' names: every process makes the same calls in order
+EVERY_PROCESS = ("in a job of several processes fit, evaluate, predict, keras-hub's generate and "
+                 "Keras' saving of variables split across processes run on every process, so call "
+                 "them on every process, not under `if jax.process_index() == 0` (each process "
+                 "writes the same file)")
+
+
+def meet_waits() -> tuple[float, float]:
+    """(seconds before the warning, seconds before the error) of meet_every_process."""
+    stall_seconds = stall.timeout_seconds()
+    limit = 0.9 * stall_seconds if stall_seconds else UNGUARDED_MEET_SECONDS
+    return min(MEET_WARN_SECONDS, limit / 2), limit
+
+
+def meet_every_process(doing: str) -> None:
+    """Wait until every process of the job comes to this call (see MEET_WARN_SECONDS); `doing`
+    says what this process does, for the warning and the error ('calls predict')."""
+    barrier, (warn, limit) = f"meshfit-meet-{next(_meetings)}", meet_waits()
+    begun = time.monotonic()
+    if jax_internals.every_process_reaches(barrier, warn):
+        return
+    waited = time.monotonic() - begun
+    where = f"process {jax.process_index()} {doing}"
+    if waited >= 0.9 * warn:  # this process waited the first stage through: others are late
+        print(f"meshfit: warning: {where} and has waited {waited:.0f} s for the others to come to "
+              f"it too; {EVERY_PROCESS}. Waiting up to {limit:g} s", file=sys.stderr, flush=True)
+    if not jax_internals.every_process_reaches(barrier + "-late", max(1.0, limit - waited)):
+        raise MeshfitError(f"{where} and the others did not come to it within {limit:g} s: "
+                           f"{EVERY_PROCESS}", see="a-job-hangs")
 
 
 class Vote:

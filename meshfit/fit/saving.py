@@ -11,17 +11,17 @@ Two things failed there (2 processes x 2 simulated devices, a user's plain fit, 
   a collective, which every process enters at the same read because the same saving code reads
   the same variables in the same order. A read on one process alone (a save under `if
   jax.process_index() == 0`) waited for the others until the stall guard ended it, 600 s later,
-  with a line that could not say why: each read now first meets the others at a barrier of JAX's
-  coordination service, which warns after a minute and then ends the wait with a one-line error
-  naming the fix (READ_WARN_SECONDS).
+  with a line that could not say why: each read now first meets the others
+  (hosts.meet_every_process), which warns after a minute and then ends the wait with a one-line
+  error naming the fix.
 - Every process wrote the same file, and on a file system they share two writers of one file
   failed (h5py: "Unable to synchronously create group (name already exists)"). Each process now
   writes its own temporary file beside the target and renames it over the target once complete
   (meshfit.files.atomic_path for a .keras archive; an .h5 store, opened and closed apart, renames
   its own at close), so the target is always one whole file (every process writes the same
-  values), and each host gets its copy where the hosts share no disk. Likewise BackupAndRestore's removal of its folder
-  at the end of fit, by every process at once: the one that finds an entry gone (another took
-  it) finishes the removal instead of raising FileNotFoundError.
+  values), and each host gets its copy where the hosts share no disk. Likewise BackupAndRestore's
+  removal of its folder at the end of fit, by every process at once: the one that finds an entry
+  gone (another took it) finishes the removal instead of raising FileNotFoundError.
 The wrappers here are applied by meshfit.fit.hooks (meshfit.fit.keras_internals.PATCHES, which
 names what each replaces) and change nothing in a single process. An .h5 store whose save fails
 before its close leaves its temporary file, `.<target>.<pid>.tmp.h5`, beside the target.
@@ -30,62 +30,15 @@ before its close leaves its temporary file, `.<target>.<pid>.tmp.h5`, beside the
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import shutil
-import sys
-import time
 from typing import Any, Callable
 
 import numpy as np
 
-from meshfit.errors import MeshfitError
 from meshfit.files import atomic_path
-from meshfit.parallel import cluster, jax_internals, stall
-
-
-# A process reading a split value first meets the others at a barrier of JAX's coordination
-# service: a save under `if jax.process_index() == 0` otherwise waited in the gather until the
-# stall guard ended it, 600 s later, with a line that could not say why. The wait has two stages.
-# After READ_WARN_SECONDS (half the wait, where shorter) one line names the likely cause, and the
-# wait goes on, since a process may be late for a reason (work of its own before a save that all
-# processes make). It ends with an error at 90% of the stall timeout, the user's bound on a pause,
-# so that this line comes before the stall guard's and meshfit launch's verdicts; without the
-# guard (MESHFIT_STALL_TIMEOUT=0), after a day. A barrier that timed out fails at once for the
-# processes that come after (JAX 0.10.2 and 0.12.0.1): they go on to the second stage too.
-READ_WARN_SECONDS = 60
-UNGUARDED_READ_WAIT_SECONDS = 86400
-_reads = itertools.count()  # the barriers' names: every process reads in the same order
-
-
-def read_waits() -> tuple[float, float]:
-    """(seconds before the warning, seconds before the error) of a read of a split value."""
-    stall_seconds = stall.timeout_seconds()
-    limit = 0.9 * stall_seconds if stall_seconds else UNGUARDED_READ_WAIT_SECONDS
-    return min(READ_WARN_SECONDS, limit / 2), limit
-
-
-def _meet_every_process() -> None:
-    """Wait until every process of the job comes to this read (see READ_WARN_SECONDS)."""
-    import jax
-
-    barrier, (warn, limit) = f"meshfit-read-{next(_reads)}", read_waits()
-    begun = time.monotonic()
-    if jax_internals.every_process_reaches(barrier, warn):
-        return
-    waited = time.monotonic() - begun
-    where = (f"process {jax.process_index()} reads a value split across the job's "
-             f"{jax.process_count()} processes (a variable under fsdp or model parallel, or "
-             "generate's tokens)")
-    fix = ("Keras' saving, get_weights and keras-hub's generate gather such a value from every "
-           "process, so call them on every process, not under `if jax.process_index() == 0` "
-           "(each process writes the same file)")
-    if waited >= 0.9 * warn:  # this process waited the first stage through: others are late
-        print(f"meshfit: warning: {where} and has waited {waited:.0f} s for the others to read it "
-              f"too; {fix}. Waiting up to {limit:g} s", file=sys.stderr, flush=True)
-    if not jax_internals.every_process_reaches(barrier + "-late", max(1.0, limit - waited)):
-        raise MeshfitError(f"{where} and the others did not read it within {limit:g} s: {fix}",
-                           see="a-job-hangs")
+from meshfit.fit import hosts
+from meshfit.parallel import cluster, stall
 
 
 def whole(value: Any) -> np.ndarray | None:
@@ -93,26 +46,34 @@ def whole(value: Any) -> np.ndarray | None:
     collective: every process calls it for the same array); None for any other value, which
     this process can read itself: in a single process every array is fully addressable, so the
     wrappers below ask nothing more of the job before calling it. A read the other processes do
-    not join is a warning line, then a one-line MeshfitError (_meet_every_process), not a hang."""
+    not join is a warning line, then a one-line MeshfitError (hosts.meet_every_process), not a
+    hang."""
     if getattr(value, "is_fully_addressable", True) or value.is_fully_replicated:
         return None
+    import jax
     from jax.experimental import multihost_utils
 
-    _meet_every_process()
+    hosts.meet_every_process(f"reads a value split across the job's {jax.process_count()} "
+                             "processes (a variable under fsdp or model parallel, or generate's "
+                             "tokens)")
     with stall.watching():
         return np.asarray(multihost_utils.process_allgather(value, tiled=True))
 
 
 def gathered_reads(keras_array: Callable) -> Callable:
     """The wrapper of Keras' `Variable.__array__`: a variable split across processes is read
-    whole (see `whole`)."""
+    whole (see `whole`). It takes numpy 2's `copy` too, which Keras' lacks (numpy then retried
+    without it and warned, a DeprecationWarning at every np.array(variable)): copy=True returns
+    an array of its own; otherwise the value may share memory, as Keras' did."""
 
     @functools.wraps(keras_array)
-    def __array__(self, dtype=None):
+    def __array__(self, dtype=None, copy=None):
         found = whole(self.value)
         if found is None:
-            return keras_array(self, dtype)
-        return found if dtype is None else found.astype(dtype)
+            value = keras_array(self, dtype)
+        else:
+            value = found if dtype is None else found.astype(dtype)
+        return np.array(value, copy=True) if copy else value
 
     return __array__
 
