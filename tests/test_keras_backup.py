@@ -154,33 +154,40 @@ ALONE_PROGRAM = textwrap.dedent("""
 
     import meshfit
 
-    strategy = meshfit.connect(sharding="fsdp", fsdp_min_bytes=1, verbose=False)
+    folder, when = sys.argv[1], sys.argv[2]
+    strategy = meshfit.connect(sharding="data" if when == "replicated" else "fsdp",
+                               fsdp_min_bytes=1, verbose=False)
     import jax
     import keras
 
-    folder, when = sys.argv[1], sys.argv[2]
     with strategy.scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16)])
         model.compile(optimizer="adam", loss="mse")
-    assert not model.layers[0].kernel.value.is_fully_addressable  # split across the processes
+    kernel = model.layers[0].kernel.value
+    assert not kernel.is_fully_addressable and kernel.is_fully_replicated == (when == "replicated")
     if when == "late" and jax.process_index() == 1:
         time.sleep(6)  # work of its own before the save every process makes
     if when == "predict" and jax.process_index() == 0:
         model.predict(np.ones((4, 6), "float32"), verbose=0)
-    if when in ("alone", "late") and (when == "late" or jax.process_index() == 0):
+    if when == "computed" and jax.process_index() == 0:  # as keras-hub's generate: a program of
+        # every process's devices, its result whole on each, read on process 0 alone
+        whole = jax.sharding.NamedSharding(kernel.sharding.mesh, jax.sharding.PartitionSpec())
+        keras.ops.convert_to_numpy(jax.jit(lambda k: k.sum(axis=0), out_shardings=whole)(kernel))
+    if when == "late" or (when in ("alone", "replicated") and jax.process_index() == 0):
         model.save(folder + "/model.keras")
 """)
 
 
-@pytest.mark.parametrize("when", ["alone", "late", "predict"])
+@pytest.mark.parametrize("when", ["alone", "late", "predict", "computed", "replicated"])
 def test_a_save_or_predict_on_process_zero_alone_is_one_line_naming_the_fix(tmp_path, when):
     """The common `if jax.process_index() == 0: model.save(...)` on variables split across the
-    processes cannot gather them (the others never read them), nor can predict run on process 0
-    alone: each waited in a collective until the stall guard ended the job, 600 s later, with a
-    line that could not say why. Now a warning names the fix after half the wait (here 4.5 s of
-    9, 90% of a stall timeout of 10 s), and the call fails at the end of it, leaving no file. A
-    process that comes late (6 s) to a save that every process makes meets the others after the
-    warning: the save succeeds."""
+    processes cannot gather them (the others never read them), nor can predict, or a program of
+    every process's devices (keras-hub's generate), run on process 0 alone: each waited in a
+    collective, until the stall guard ended the job 600 s later with a line that could not say
+    why, or for ever (generate). Now a warning names the fix after half the wait (here 4.5 s of 9, 90% of a
+    stall timeout of 10 s), and the call fails at the end of it, leaving no file. A process that
+    comes late (6 s) to a save that every process makes meets the others after the warning: the
+    save succeeds; and so does a save on process 0 alone of variables every process holds whole."""
     program = tmp_path / "user_program.py"
     program.write_text(ALONE_PROGRAM)
     folder = tmp_path / "shared"
@@ -191,9 +198,14 @@ def test_a_save_or_predict_on_process_zero_alone_is_one_line_naming_the_fix(tmp_
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "MESHFIT_STALL_TIMEOUT": "10"})
     out = done.stdout + done.stderr
-    doing = ("calls predict, which runs on the devices of all 2 processes" if when == "predict" else
-             "reads a value split across the job's 2 processes (a variable under fsdp or model "
-             "parallel, or generate's tokens)")
+    if when == "replicated":
+        assert done.returncode == 0 and "warning" not in out, out[-4000:]
+        assert os.listdir(folder) == ["model.keras"]
+        return
+    doing = {"predict": "calls predict, which runs on the devices of all 2 processes",
+             "computed": "reads a value computed on the devices of all 2 processes"}.get(
+        when, "reads a value split across the job's 2 processes (a variable under fsdp or model "
+              "parallel, or generate's tokens)")
     warning = f"[0] meshfit: warning: process 0 {doing} and has waited"
     assert warning in out and "not under `if jax.process_index() == 0`" in out, out[-4000:]
     assert "[1] meshfit: warning" not in out, out[-4000:]  # the late one waited for no one
@@ -202,5 +214,7 @@ def test_a_save_or_predict_on_process_zero_alone_is_one_line_naming_the_fix(tmp_
         assert os.listdir(folder) == ["model.keras"]
         return
     assert done.returncode != 0 and "hung" not in out, out[-4000:]  # the read's verdict, not the guard's
-    assert f"MeshfitError: process 0 {doing} and the others did not come to it within 9 s" in out, out[-4000:]
+    ending = ("its computation did not end within 9 s" if when == "computed" else
+              "the others did not come to it within 9 s")
+    assert f"MeshfitError: process 0 {doing} and {ending}" in out, out[-4000:]
     assert os.listdir(folder) == []

@@ -79,6 +79,32 @@ def meet_every_process(doing: str) -> None:
                            f"{EVERY_PROCESS}", see="a-job-hangs")
 
 
+def wait_until_computed(value: jax.Array, doing: str) -> None:
+    """Wait until `value`, an array on the devices of several processes, is computed; `doing` says
+    what this process does ('reads a value computed on ...'). Its computation ends only when every
+    process runs it: one that only this process runs (keras-hub's generate, predict_on_batch
+    under `if jax.process_index() == 0`) waited for ever. So the wait warns and ends as
+    meet_every_process's does. No barrier: a value the others computed with this process, which
+    only this one reads, is read as soon as it is ready."""
+    if value.is_ready():
+        return
+    warn, limit = meet_waits()
+    begun, pause, warned = time.monotonic(), 0.001, False
+    where = f"process {jax.process_index()} {doing}"
+    while not value.is_ready():
+        waited = time.monotonic() - begun
+        if waited >= limit:
+            raise MeshfitError(f"{where} and its computation did not end within {limit:g} s (it "
+                               f"ends when every process runs it): {EVERY_PROCESS}", see="a-job-hangs")
+        if waited >= warn and not warned:
+            print(f"meshfit: warning: {where} and has waited {waited:.0f} s for its computation, "
+                  f"which ends when every process runs it; {EVERY_PROCESS}. Waiting up to "
+                  f"{limit:g} s", file=sys.stderr, flush=True)
+            warned = True
+        time.sleep(pause)
+        pause = min(0.05, 2 * pause)  # a value that is nearly ready is read at once
+
+
 class Vote:
     """The processes agree on a number without waiting for each other at every call.
 

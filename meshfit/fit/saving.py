@@ -46,12 +46,17 @@ def whole(value: Any) -> np.ndarray | None:
     collective: every process calls it for the same array); None for any other value, which
     this process can read itself: in a single process every array is fully addressable, so the
     wrappers below ask nothing more of the job before calling it. A read the other processes do
-    not join is a warning line, then a one-line MeshfitError (hosts.meet_every_process), not a
-    hang."""
-    if getattr(value, "is_fully_addressable", True) or value.is_fully_replicated:
+    not join, or of a value whose computation they do not run, is a warning line, then a one-line
+    MeshfitError (hosts.meet_every_process, hosts.wait_until_computed), not a hang."""
+    if getattr(value, "is_fully_addressable", True):
         return None
     import jax
     from jax.experimental import multihost_utils
+
+    if value.is_fully_replicated:  # read here, once its computation (of every process) is done
+        hosts.wait_until_computed(value, f"reads a value computed on the devices of all "
+                                         f"{jax.process_count()} processes")
+        return None
 
     hosts.meet_every_process(f"reads a value split across the job's {jax.process_count()} "
                              "processes (a variable under fsdp or model parallel, or generate's "
