@@ -82,8 +82,8 @@ def meet_every_process(doing: str) -> None:
 def wait_until_computed(value: jax.Array, doing: str) -> None:
     """Wait until `value`, an array on the devices of several processes, is computed; `doing` says
     what this process does ('reads a value computed on ...'). Its computation ends only when every
-    process runs it: one that only this process runs (keras-hub's generate, predict_on_batch
-    under `if jax.process_index() == 0`) waited for ever. So the wait warns and ends as
+    process runs it: one that only this process runs (keras-hub's generate under `if
+    jax.process_index() == 0`) waited for ever. So the wait warns and ends as
     meet_every_process's does. No barrier: a value the others computed with this process, which
     only this one reads, is read as soon as it is ready."""
     if value.is_ready():
