@@ -56,6 +56,14 @@ def test_every_dispatch_is_progress_and_fit_evaluate_predict_are_guarded(strateg
     assert after[0] == trained[0] and after[1] - trained[1] >= 3 + 2  # test and predict: reports
     assert {name for name, _ in guarded} == {"fit", "evaluate", "predict"}
     assert all(depth >= 1 for _, depth in guarded) and stall._depth == 0
+    watched = []  # a custom loop's calls (no callbacks): the depth seen when each starts
+    step = model.make_train_function
+    model.train_function = None
+    model.make_train_function = lambda *a, **k: watched.append(stall._depth) or step(*a, **k)
+    model.train_on_batch(x[:16], y[:16])
+    model.test_on_batch(x[:16], y[:16])
+    model.predict_on_batch(x[:16])
+    assert watched and watched[0] >= 1 and stall._depth == 0
 
 
 def test_a_distribution_the_user_sets_after_connect_computes_every_sample(strategy):

@@ -113,7 +113,8 @@ def _install() -> None:
         "JaxVariable._initialize_with_initializer": sharded_init.initializer_hook(
             lambda: _distributed(_active), sources.divisible_sharding),
         **{f"make_{name}": functools.partial(_make_function_hook, attribute=name) for name in _FUNCTIONS},
-        **{f"{name}: stall guard": _guarded for name in ("fit", "evaluate", "predict")},
+        **{f"{name}: stall guard": _guarded for name in ("fit", "evaluate", "predict", "train_on_batch",
+                                                         "test_on_batch", "predict_on_batch")},
         "Variable.__array__": saving.gathered_reads,
         "backend.convert_to_numpy": saving.gathered_conversions,
         "saving_lib.save_model": saving.renamed_model_files,
@@ -134,7 +135,10 @@ def _guarded(method: Callable) -> Callable:
         if _active is None:
             return method(self, *args, **kwargs)
         name = method.__name__
-        if cluster.multi_process():  # made on one process alone it would wait in a collective
+        if cluster.multi_process() and name in ("fit", "evaluate", "predict"):
+            # Made on one process alone it would wait in a collective. Not each *_on_batch: one
+            # barrier a step (a custom loop's) would cost the job a round trip to the
+            # coordination service every step; the stall guard ends theirs.
             hosts.meet_every_process(f"calls {name}, which runs on the devices of all "
                                      f"{jax.process_count()} processes")
         with stall.watching(), out_of_memory.noted(), goodput.ledger().part("eval") if (

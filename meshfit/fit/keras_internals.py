@@ -339,6 +339,10 @@ PATCHES = (
           "evaluate runs under the stall guard, its time charged to goodput's eval", "as fit"),
     Patch("predict: stall guard", backend_trainer, "predict", "jax", ("self",),
           "predict runs under the stall guard", "as fit"),
+    *(Patch(f"{name}: stall guard", backend_trainer, name, "jax", ("self",),
+            f"{name} runs under the stall guard",
+            "as fit: a custom loop of them (a GAN's) made on one process alone waited for ever")
+      for name in ("train_on_batch", "test_on_batch", "predict_on_batch")),
     Patch("Variable.__array__", _keras_variable, "__array__", "jax", ("self", "dtype"),
           "on several processes, a variable split across them is read whole (gathered from every "
           "process) by Keras' saving, numpy() and get_weights",
