@@ -13,7 +13,9 @@ os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable
 from meshfit.parallel import devices  # noqa: E402 (light: no JAX yet)
 
 devices.use_simulated_devices(8)  # the device count and meshfit's other XLA flags for simulated devices
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # as meshfit.parallel.engine.activate
+# TensorFlow's and XLA's C++ log lines off in the suite's processes but for fatal ones (a user's
+# run keeps warnings and errors: `import jax` sets the level to 1, and meshfit leaves it).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # One JAX compilation cache for the session, its xdist workers and every meshfit subprocess they
 # start (all inherit this environment): the suite compiles the same small programs in dozens of
 # processes. Entries are keyed by program, flags and devices, so a hit is the same executable.

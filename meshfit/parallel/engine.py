@@ -266,10 +266,12 @@ def activate(engine: str) -> None:
     """Set what Keras reads at its first import so that it runs on `engine`. The import itself
     happens above the engine line (meshfit.fit imports Keras at its top; a recipe file may import
     it first), inside tensorflow_notices_dropped(): nothing in the light core imports Keras."""
+    # No TF_CPP_MIN_LOG_LEVEL here: device discovery has imported JAX, whose import sets it to 1
+    # where unset (TensorFlow's and XLA's C++ warnings and errors kept: meshfit launch reads the
+    # latter), so a setdefault here did nothing; TensorFlow's load notices, its failed cuInit
+    # among them, are dropped where it is first imported (tensorflow_notices_dropped,
+    # drop_tensorflow_notices_at_import).
     os.environ["KERAS_BACKEND"] = engine
-    # TensorFlow's C++ chatter, errors too: the `tensorflow` wheel logs a failed cuInit as an
-    # error on every machine without CUDA, and a real TensorFlow failure raises in Python anyway
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if engine == "tensorflow":
         if "tensorflow" in sys.modules and ONEDNN not in os.environ:
             warnings.warn("TensorFlow was imported before meshfit, with its own oneDNN default (off "
