@@ -72,9 +72,8 @@ def meet_every_process(doing: str) -> None:
     waited = time.monotonic() - begun
     where = f"process {jax.process_index()} {doing}"
     if waited >= 0.9 * warn:  # this process waited the first stage through: others are late
-        print(f"meshfit: warning: {where} and has waited {waited:.0f} s for the others to come to "
-              f"it too; one that only this process makes never ends: {EVERY_PROCESS}. Waiting up "
-              f"to {limit:g} s", file=sys.stderr, flush=True)
+        _still_waiting(where, waited, "for the others to come to it too (a call that only this "
+                       "process makes never ends)", limit)
     if not jax_internals.every_process_reaches(barrier + "-late", max(1.0, limit - waited)):
         raise MeshfitError(f"{where} and the others did not come to it within {limit:g} s: "
                            f"{EVERY_PROCESS}", see="a-job-hangs")
@@ -98,12 +97,17 @@ def wait_until_computed(value: jax.Array, doing: str) -> None:
             raise MeshfitError(f"{where} and its computation did not end within {limit:g} s (it "
                                f"ends when every process runs it): {EVERY_PROCESS}", see="a-job-hangs")
         if waited >= warn and not warned:
-            print(f"meshfit: warning: {where} and has waited {waited:.0f} s for its computation, "
-                  f"which ends when every process runs it (one that only this process runs never "
-                  f"does): {EVERY_PROCESS}. Waiting up to {limit:g} s", file=sys.stderr, flush=True)
+            _still_waiting(where, waited, "for its computation, which ends when every process "
+                           "runs it (one that only this process runs never does)", limit)
             warned = True
         time.sleep(pause)
         pause = min(0.05, 2 * pause)  # a value that is nearly ready is read at once
+
+
+def _still_waiting(where: str, waited: float, what: str, limit: float) -> None:
+    """The warning of meet_every_process and wait_until_computed, once their first stage is over."""
+    print(f"meshfit: warning: {where} and has waited {waited:.0f} s {what}: {EVERY_PROCESS}. "
+          f"Waiting up to {limit:g} s", file=sys.stderr, flush=True)
 
 
 class Vote:
