@@ -27,6 +27,9 @@ plain `model.fit`/`evaluate`/`predict` (and `*_on_batch`) as solid as `Strategy.
   `_tensorflow_timed`); evaluate is charged as eval. $MESHFIT_GOODPUT=0 turns the timing off.
   After fit, the History returned carries `history.goodput` (the parts, MFU and its peak) and,
   where fit printed its report, the goodput block is printed once.
+- Compiled steps (JAX): a model that Keras would run op by op only because one of its own layers
+  (RandomRotation, RandomZoom, ...) declines XLA is compiled anyway, op by op again where a layer
+  does not trace, with a warning (meshfit.fit.declined_jit).
 - `fit`: the per-epoch report (unless `verbose=0` or an EpochReport is given; in a Jupyter
   kernel with verbose left at "auto", meshfit's live bar and Keras' one line per epoch) and, on JAX,
   meshfit's on-device k-step loop (`meshfit.fit.jax_loop`), as `Strategy.fit` has them.
@@ -53,8 +56,8 @@ import jax
 import keras
 
 from meshfit import env
-from meshfit.fit import (batch_placement, hosts, jax_loop, keras_internals, library_logs, memory_plan,
-                         out_of_memory, saving, sharded_init, sources)
+from meshfit.fit import (batch_placement, declined_jit, hosts, jax_loop, keras_internals, library_logs,
+                         memory_plan, out_of_memory, saving, sharded_init, sources)
 from meshfit.parallel import cluster, heartbeat, stall
 from meshfit.watch import goodput
 from meshfit.watch.keras_side import progress_bar
@@ -107,6 +110,7 @@ def _install() -> None:
         goodput.compile_events = True
     keras_internals.apply_patches({
         "fit: report and loop": _fit_hook,
+        "compile: jit_compile asked": declined_jit.recording_compile,
         "make_train_function: timed (TensorFlow)": _tensorflow_timed if accounting() else None,
         "distribute_data_input": functools.partial(batch_placement.hook, active=lambda: _active),
         "distribute_tensor": functools.partial(sources.divisible_placement, active=active),
@@ -153,12 +157,17 @@ def _guarded(method: Callable) -> Callable:
 
 
 def _make_function_hook(make: Callable, attribute: str) -> Callable:
-    """`Trainer.make_*_function`, whose function reports each call as progress (heartbeat)."""
+    """`Trainer.make_*_function`, whose function reports each call as progress (heartbeat), compiled
+    where only one of Keras' layers would keep it op by op (meshfit.fit.declined_jit)."""
     steps = attribute == "train_function"
 
     @functools.wraps(make)
     def make_function(self, force=False):
-        make(self, force)
+        layers = declined_jit.declining_layers(self) if _active is not None else []
+        if layers and (force or getattr(self, attribute) is None):
+            declined_jit.make(make, self, force, attribute, layers)
+        else:
+            make(self, force)
         function = getattr(self, attribute)
         if function is not None and not getattr(function, "_meshfit_counted", False):
             function = _counted(function, self.steps_per_execution if steps else 0)

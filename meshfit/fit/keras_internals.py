@@ -72,6 +72,7 @@ _NAMES = {
     "H5IOStore": ("keras.src.saving.saving_lib", "H5IOStore"),
     "file_utils": ("keras.src.utils.file_utils", None),
     "backend": ("keras.src.backend", None),
+    "Trainer": ("keras.src.trainers.trainer", "Trainer"),
 }
 _JAX_NAMES = {  # the JAX backend's, read only on that engine
     "distribution_lib": ("keras.src.backend.jax.distribution_lib", None),
@@ -198,12 +199,39 @@ def is_backend_class(cls: type) -> bool:
     return cls.__module__.startswith(_BACKEND_MODULES)
 
 
+def is_keras_layer(cls: type) -> bool:
+    """True for a layer class of Keras' own (keras.src.layers), not a user's subclass of one."""
+    return cls.__module__.startswith("keras.src.layers.")
+
+
+def layers_declining_jit(model) -> list:
+    """The layers of `model` whose `supports_jit` is False: what makes Keras' jit_compile="auto"
+    (its private model_supports_jit, reading the same attribute) run the model op by op."""
+    return [layer for layer in model._flatten_layers() if not layer.supports_jit]
+
+
+@contextlib.contextmanager
+def jit_compiled(model):
+    """Inside the block `model.jit_compile` is True, whatever its layers say (Keras' setter turns
+    True into False, with a warning, for a model with a layer declining XLA); False after it.
+    meshfit.fit.declined_jit makes the compiled step functions there."""
+    model._jit_compile = True
+    try:
+        yield
+    finally:
+        model._jit_compile = False
+
+
 def backend_trainer() -> type:
     """The trainer class of Keras' backend that keras.Model takes `fit` from (JAXTrainer, ...)."""
     found = next((c for c in type.mro(keras.Model) if "fit" in vars(c) and is_backend_class(c)), None)
     if found is None:
         raise lacking(f"backend trainer with fit in {_BACKEND_MODULES}* among keras.Model's bases")
     return found
+
+
+def _trainer() -> type:
+    return _name("Trainer")
 
 
 def _jax_distribution_lib():
@@ -325,13 +353,20 @@ PATCHES = (
           "a variable whose layout splits it is drawn by one compiled program into its shards",
           "Keras draws variables under 250 MiB x devices whole on one device, compiling per variable; "
           "its public layout= path needs initializers that take layout, which its own do not"),
+    Patch("compile: jit_compile asked", _trainer, "compile", "jax", ("self", "optimizer"),
+          "remembers whether the user passed jit_compile=False (then kept op by op)",
+          "Keras keeps only the resolved value, False also where a layer declined XLA"),
     Patch("make_train_function", backend_trainer, "make_train_function", "jax", _TRAINER_METHOD,
-          "each dispatch is counted for the heartbeat and timed for goodput",
-          "the train function is made inside fit, where no callback sees each dispatch"),
+          "each dispatch is counted for the heartbeat and timed for goodput; a model that one of "
+          "Keras' layers keeps op by op is compiled (meshfit.fit.declined_jit)",
+          "the train function is made inside fit, where no callback sees each dispatch; Keras "
+          "offers no way past a layer's supports_jit = False"),
     Patch("make_test_function", backend_trainer, "make_test_function", "jax", _TRAINER_METHOD,
-          "each dispatch is counted for the heartbeat", "as make_train_function"),
+          "each dispatch is counted for the heartbeat; compiled as make_train_function's",
+          "as make_train_function"),
     Patch("make_predict_function", backend_trainer, "make_predict_function", "jax", _TRAINER_METHOD,
-          "each dispatch is counted for the heartbeat", "as make_train_function"),
+          "each dispatch is counted for the heartbeat; compiled as make_train_function's",
+          "as make_train_function"),
     Patch("fit: stall guard", backend_trainer, "fit", "jax", ("self",),
           "fit runs under the stall guard and returns once its last step has run",
           "a collective that never finishes otherwise hangs, or XLA aborts the process"),
