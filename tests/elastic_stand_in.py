@@ -23,6 +23,8 @@ decisions (limits, growing back) start processes that take milliseconds instead 
   the launcher's stall watchdog, MESHFIT_STALL_TIMEOUT), once process 0 committed that step;
   the others report once more (as before a collective) and wait;
 - --freeze P@S: process P SIGSTOPs itself after global step S (the launcher's stop continues it);
+  --freeze early: the highest process SIGSTOPs itself before its first step in the run's first
+  4 generations (a burst of stops from outside, nothing committed in between), the others wait;
 - --pause SECONDS: each step takes that long (a generation that trains for a while);
 - --hold-below N: a job of fewer than N processes waits after its first checkpoint (for the
   launcher's SIGTERM that grows the mesh back); every wait ends after SAFETY_SECONDS with exit 3;
@@ -53,6 +55,16 @@ def launch(argv: list[str]) -> int:
 
     train_argv.train_command = train_command
     return cli.main(["launch", *argv])
+
+
+def _resumed(run: str) -> list:
+    """config.json's "resumed" entries of `run` (one per generation after the first) once process 0
+    wrote it for this generation (every process waits for the others before a step)."""
+    try:
+        with open(os.path.join(run, "config.json")) as f:
+            return json.load(f).get("resumed", [])
+    except FileNotFoundError:
+        return []
 
 
 def train(argv: list[str]) -> int:
@@ -129,6 +141,10 @@ def train(argv: list[str]) -> int:
         _wait(until=os.path.join(status, "dying"))
         _abort_as_jax_does(index)
         _wait()
+    if args.freeze == "early" and len(_resumed(run)) < 4:
+        if index == count - 1:
+            os.kill(os.getpid(), signal.SIGSTOP)  # until the launcher kills it: lost before a step
+        _wait()  # the others, in their first collective
     victim, when = (count - 1, first + 1) if who == "last" else (int(who), int(when)) \
         if who.isdigit() else (None, 0)
     while step < args.steps:
@@ -145,7 +161,7 @@ def train(argv: list[str]) -> int:
             _wait(until=os.path.join(status, "dying"))
             _abort_as_jax_does(index)
             _wait()
-        if args.freeze and (index, step) == tuple(map(int, args.freeze.split("@"))):
+        if args.freeze not in (None, "early") and (index, step) == tuple(map(int, args.freeze.split("@"))):
             os.kill(os.getpid(), signal.SIGSTOP)  # until the launcher's SIGTERM and SIGCONT
         if count > 1 and args.hang and step == int(args.hang.partition("@")[2]):
             _wait(until=os.path.join(folder, f"ckpt-{step:08d}", "manifest.json"))

@@ -237,6 +237,18 @@ def test_losses_between_saves_never_stop_the_job(tmp_path):
     assert [m[0] for m in meshes(run)] == [4, 2, 1]
 
 
+def test_processes_stopped_from_outside_are_no_restarts_without_progress(tmp_path):
+    """--freeze early: each of the run's first 4 generations loses its highest process to SIGSTOP
+    before a step, a burst of stops from outside with nothing committed in between. Such a loss
+    cannot repeat by itself, so none counts toward --max-restarts-without-progress (3), which 4
+    SIGKILLs before a step would pass (the limit's test above): the run finishes."""
+    run = str(tmp_path / "run")
+    job = stand_in_launch(["--processes", "2", "--no-grow"], ["--out", run, "--freeze", "early"])
+    assert job.returncode == 0, job.stderr
+    assert job.stderr.count("stopped (SIGSTOP) for 0.5 s (seen in /proc); generation") == 4, job.stderr
+    assert meshes(run) == [(2, 0, 0), (2, 0, 0), (1, 0, 0), (1, 0, 0), (1, 0, 6)]
+
+
 @pytest.mark.parametrize("flags", [["--no-grow"], ["--min-processes", "2"]])
 def test_a_hung_process_is_named_in_one_line(tmp_path, monkeypatch, flags):
     """The stall watchdog names hung process 1: a job that goes on prints only the elastic line,

@@ -211,6 +211,7 @@ class Ended:
     verdict_line: str = ""
     start_seconds: float | None = None  # from the start to the first training step seen (1 s resolution)
     stop_seconds: float = 0.0  # from the launcher's first stop to the last process's end
+    signal_stopped: bool = False  # the verdict: processes stopped by a signal from outside (SIGSTOP)
 
     def report(self, show: str) -> int:
         """Print the line naming what failed (if anything did); the launch's exit code."""
@@ -270,7 +271,7 @@ def run_job(argv: list[str], processes: int, devices_per_process: int, port: int
     ended = time.monotonic()
     return Ended(started, missing=missing, positions=positions, init_timeout=watch.init_timeout,
                  behind=watch.behind, steps=steps, seconds=ended - began,
-                 timed_out=watch.timed_out, **waited._asdict(),
+                 timed_out=watch.timed_out, signal_stopped=watch.signal_stopped, **waited._asdict(),
                  start_seconds=None if watch.first_step is None else watch.first_step - began,
                  stop_seconds=ended - (output.stopping_at or ended))
 

@@ -53,6 +53,7 @@ class Watch:
         self.timed_out = False  # the job ran past launch's --timeout
         self.stopped_since: dict[int, tuple[float, str]] = {}  # processes seen stopped: since when, state
         self.first_step: float | None = None  # when a process was first seen training (the poll's time)
+        self.signal_stopped = False  # the job was stopped for processes stopped by a signal (SIGSTOP)
 
     def missing(self) -> list[int]:
         """The processes that never began joining while others did (else [])."""
@@ -104,6 +105,7 @@ class Watch:
         self.behind = frozen
         who = ", ".join(map(str, frozen))
         if all(self.stopped_since[i][1] == "T" for i in frozen):
+            self.signal_stopped = True
             return (f"process(es) {who} of {self.processes} stopped (SIGSTOP) for "
                     f"{limits['T']:g} s (seen in /proc)")
         return (f"process(es) {who} of {self.processes} held by a tracer for {heartbeat_limit:g} s "
