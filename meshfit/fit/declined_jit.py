@@ -13,7 +13,7 @@ functions are compiled anyway, with Keras' own `make_*_function`: the same step,
 Where a layer does not trace (Keras 3.15's RandomCrop cutting a larger image slices with traced
 offsets: IndexError), the first call's tracing fails before anything runs (no buffer donated), and
 that function runs op by op from then on, as Keras would have, with one warning naming the layer
-and the fix. Not compiled anyway: a model compiled with `jit_compile=False` or `run_eagerly=True`
+and the fix (upstream-ready report: docs/reference/keras-augmentation-jit.md). Not compiled anyway: a model compiled with `jit_compile=False` or `run_eagerly=True`
 (the user's choice), and one whose own layers (not Keras') decline XLA, which may rely on running
 eagerly (Python side effects per call).
 """
@@ -64,15 +64,16 @@ def make(make_function: Callable, model, force: bool, attribute: str, layers: li
     eager = getattr(model, attribute)
     with keras_internals.jit_compiled(model):
         make_function(model, True)
-    setattr(model, attribute, _CompiledElseEager(getattr(model, attribute), eager, layers, attribute))
+    setattr(model, attribute, _CompiledElseEager(model, getattr(model, attribute), eager, layers, attribute))
 
 
 class _CompiledElseEager:
     """`function(state, iterator)`: the compiled one, or from a first call that fails to trace,
     the op-by-op one, given the batches that call read."""
 
-    def __init__(self, compiled: Callable, eager: Callable, layers: list[str], attribute: str):
-        self.compiled, self.eager, self.layers, self.attribute = compiled, eager, layers, attribute
+    def __init__(self, model, compiled: Callable, eager: Callable, layers: list[str], attribute: str):
+        self.model, self.compiled, self.eager = model, compiled, eager
+        self.layers, self.attribute = layers, attribute
         self.chosen: Callable | None = None
 
     def __call__(self, state, iterator):
@@ -86,6 +87,7 @@ class _CompiledElseEager:
         except Exception as error:  # noqa: BLE001 (tracing fails with any error the layer raises)
             if any(a.is_deleted() for a in jax.tree.leaves(state) if isinstance(a, jax.Array)):
                 raise  # a step ran (donating the state) before this failed: nothing to redo
+            keras_internals.forget_failed_trace(self.model)  # else op by op drops add_loss terms
             result = self.eager(state, itertools.chain(read, iterator))  # its own error, if any
             self.chosen = self.eager
             warnings.warn(self._warning(error), stacklevel=2)

@@ -210,6 +210,17 @@ def layers_declining_jit(model) -> list:
     return [layer for layer in model._flatten_layers() if not layer.supports_jit]
 
 
+def forget_failed_trace(model) -> None:
+    """Empty `model._losses_override` where a failed trace of its step left it non-empty. Keras'
+    JAX `compute_loss_and_updates` puts the traced `add_loss` terms there and empties it only when
+    the trace gets through the loss, and the next trace of the step takes that stale list for
+    the forward pass' losses and empties it: those terms silently dropped from the next fit or
+    evaluate (docs/reference/keras-losses-override.md). (meshfit.watch.keras_side.report, below
+    this package, does the same for its own traces.)"""
+    if getattr(model, "_losses_override", None):  # only a failed trace leaves it non-empty
+        model._losses_override = []
+
+
 @contextlib.contextmanager
 def jit_compiled(model):
     """Inside the block `model.jit_compile` is True, whatever its layers say (Keras' setter turns
