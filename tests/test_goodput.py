@@ -123,12 +123,12 @@ def test_a_keras_hub_tasks_own_pipeline_gets_advice_its_user_can_follow(strategy
 
     import grain
 
-    from meshfit.fit import hooks
+    from meshfit.fit import sources
 
     pipeline = grain.MapDataset.source([1, 2, 3]).to_iter_dataset()
     task, plain = types.SimpleNamespace(preprocessor=object()), types.SimpleNamespace()
-    assert hooks.input_source(pipeline, task) == "preprocessor"
-    assert hooks.input_source(pipeline, plain) == hooks.input_source(pipeline) == "grain"
+    assert sources.kind(pipeline, task) == "preprocessor"
+    assert sources.kind(pipeline, plain) == sources.kind(pipeline) == "grain"
     line = goodput.input_bound_line(3.0, 10.0, "preprocessor")
     assert "model.preprocessor(data)" in line and "preprocessor=None" in line
 

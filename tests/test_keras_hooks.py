@@ -183,3 +183,37 @@ def test_clear_session_keeps_the_precision_auto_chose(strategy, monkeypatch):
         assert chosen.precision == "bfloat16"
     finally:
         strategy_module.set_dtype_policy("float32")
+
+
+def test_clear_session_keeps_the_strategys_devices_and_precision(strategy):
+    """A hyperparameter loop calls keras.backend.clear_session() between trials, often inside the
+    scope: Keras drops every global setting there, and the next model was built on one device,
+    in float32, silently. Both aliases Keras exports (keras.backend, keras.utils)."""
+    import keras
+
+    import meshfit
+
+    bf16 = meshfit.connect(simulate_devices=8, engine="jax", precision="bfloat16", verbose=False)
+    try:
+        with bf16.scope():
+            for clear in (keras.backend.clear_session, keras.utils.clear_session):
+                clear()
+                model = tiny_model(bf16)
+                assert len(model.weights[0].value.sharding.device_set) == 8
+                assert keras.config.dtype_policy().name == "mixed_bfloat16"
+        keras.backend.clear_session(free_memory=False)  # outside the scope: connect()'s settings
+        assert keras.distribution.distribution() is not None
+        assert keras.config.dtype_policy().name == "mixed_bfloat16"
+    finally:
+        strategy.activate()
+
+
+def test_fit_takes_a_callback_list_as_keras_does(strategy):
+    import keras
+
+    x = np.random.default_rng(0).normal(size=(40, 4)).astype("float32")
+    model = tiny_model(strategy)
+    history = keras.callbacks.History()
+    given = keras.callbacks.CallbackList([history], add_history=False, model=model)
+    model.fit(x, np.arange(40) % 3, batch_size=8, epochs=2, verbose=0, callbacks=given)
+    assert len(history.history["loss"]) == 2

@@ -125,7 +125,22 @@ def _install() -> None:
         "H5IOStore.__init__": saving.renamed_h5_stores,
         "H5IOStore.close": saving.renamed_h5_closes,
         "file_utils.rmtree": saving.shared_removals,
+        **dict.fromkeys(("keras.backend.clear_session", "keras.utils.clear_session"), _settings_kept),
     })
+
+
+def _settings_kept(clear_session: Callable) -> Callable:
+    """Keras' clear_session, after which the active Strategy's distribution and dtype policy are
+    Keras' again (clear_session drops every global setting; a Strategy's scope or connect() set
+    them, and a model built next would be on one device, in float32)."""
+
+    @functools.wraps(clear_session)
+    def clear(*args, **kwargs):
+        clear_session(*args, **kwargs)
+        if _active is not None:
+            _active.activate()
+
+    return clear
 
 
 def _guarded(method: Callable) -> Callable:
@@ -372,26 +387,6 @@ def _tensorflow_timed(make: Callable) -> Callable:
     return make_train_function
 
 
-def input_source(x, model=None) -> str:
-    """The kind of a fit's data source, for the input-bound line's advice (goodput.input_fix):
-    a grain dataset given to the fit of a model with a preprocessor is the pipeline a keras-hub
-    task built from the user's strings or arrays ('preprocessor'), which the user does not hold."""
-    if x is None:
-        return "arrays"
-    name = f"{type(x).__module__}.{type(x).__name__}".lower()
-    if inspect.isgenerator(x) or isinstance(x, (map, filter, zip)) or name.endswith("iterator"):
-        return "generator"
-    if isinstance(x, keras.utils.PyDataset):
-        return "pydataset"
-    if "tensorflow" in name:
-        return "tf.data"
-    if "grain" in name:
-        return "preprocessor" if getattr(model, "preprocessor", None) is not None else "grain"
-    if "folders" in name:
-        return "folder"
-    return "arrays" if sources.is_arrays(x, None) else "generator"
-
-
 def goodput_of(report: EpochReport | None) -> dict[str, Any]:
     """{"goodput": the ledger's parts so far, "mfu", "peak"} (MFU over every timed epoch of
     `report`, with its peak and where that comes from)."""
@@ -432,9 +427,11 @@ def _fit_hook(fit: Callable) -> Callable:
             jax_loop.install(self, self.steps_per_execution)
         token = batch_placement.fit_batches.set({})
         _clock.last = None
-        report = next((c for c in arguments.get("callbacks") or [] if isinstance(c, EpochReport)), None)
+        given = arguments.get("callbacks") or []
+        given = given.callbacks if isinstance(given, keras.callbacks.CallbackList) else given
+        report = next((c for c in given if isinstance(c, EpochReport)), None)
         if report is not None and report.input_source is None:
-            report.input_source = input_source(arguments.get("x"), self)
+            report.input_source = sources.kind(arguments.get("x"), self)
         _with_epoch_clock(arguments, report)
         ledger = goodput.ledger()
         try:

@@ -25,6 +25,7 @@ batch smaller than the replicas (or than the micro-batches) is left out whole.
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 import warnings
 from typing import Any, Callable, Sequence
@@ -281,3 +282,23 @@ def divisible_sharding(shape: tuple, layout: NamedSharding) -> NamedSharding:
     if spec == list(layout.spec) + [None] * (len(shape) - len(layout.spec)):
         return layout
     return NamedSharding(layout.mesh, PartitionSpec(*spec))
+
+
+def kind(x, model=None) -> str:
+    """The kind of a fit's data source, for the input-bound line's advice (goodput.input_fix):
+    a grain dataset given to the fit of a model with a preprocessor is the pipeline a keras-hub
+    task built from the user's strings or arrays ('preprocessor'), which the user does not hold."""
+    if x is None:
+        return "arrays"
+    name = f"{type(x).__module__}.{type(x).__name__}".lower()
+    if inspect.isgenerator(x) or isinstance(x, (map, filter, zip)) or name.endswith("iterator"):
+        return "generator"
+    if isinstance(x, keras.utils.PyDataset):
+        return "pydataset"
+    if "tensorflow" in name:
+        return "tf.data"
+    if "grain" in name:
+        return "preprocessor" if getattr(model, "preprocessor", None) is not None else "grain"
+    if "folders" in name:
+        return "folder"
+    return "arrays" if is_arrays(x, None) else "generator"
