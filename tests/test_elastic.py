@@ -635,6 +635,24 @@ def test_a_frozen_process_is_lost_at_once_a_traced_one_after_the_heartbeat(monke
     assert fresh.frozen([SimpleNamespace(index=0)], 300.0) is None
 
 
+def test_a_process_in_a_callbacks_own_code_is_not_hung(tmp_path):
+    """The launcher's stall watchdog: while a process runs a Keras callback's own code (a user's
+    evaluation it waits for), the others wait for it in a collective and the job is not hung; once
+    it waits elsewhere without progress for the stall timeout, it is."""
+    from meshfit.launch import watchdog
+
+    def report(doing):
+        for index, what in enumerate((doing, "device")):
+            (tmp_path / f"progress-{index}").write_text(f"3 3 3 {what}\n")
+
+    watch = watchdog.Watch(str(tmp_path), 2, 60, 5)
+    report("callback")
+    assert watch.poll(100.0) is None and watch.poll(110.0) is None
+    report("device")
+    assert watch.poll(114.0) is None
+    assert watch.poll(116.0).startswith("the job hung: no process made progress for 5 s")
+
+
 def test_a_lost_process_starts_again_at_once_in_its_slot(tmp_path):
     """--on-loss restart (the default): process 1 lost after step 2 starts again at once, so the
     next generation has the same mesh (one change, kind restart) and no growth follows."""

@@ -240,3 +240,59 @@ def test_plain_fit_that_stalls_ends_with_one_line(tmp_path):
                                               "MESHFIT_STALL_TIMEOUT": "5", "HANG_FILE": hang}))
     stalled_output_is_one_line(out, 5)
     assert "not reached" not in out.stdout
+
+
+WAITING_CALLBACK = '''
+import subprocess
+import sys
+import time
+import meshfit
+strategy = meshfit.connect(simulate_devices=8, engine="jax", verbose=False)
+import keras, numpy as np
+
+class Waits(keras.callbacks.Callback):  # an evaluation job or upload it waits for, a pdb prompt
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            time.sleep(4)
+
+    def on_epoch_end(self, epoch, logs=None):
+        subprocess.run(["sleep", "4"])
+
+with strategy.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+x = np.random.rand(32, 3).astype("float32")
+model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, callbacks=[Waits()])
+print("fit done")
+'''
+
+
+def test_a_callback_that_waits_longer_than_the_stall_timeout_is_no_stall():
+    """A user's callback may wait as long as it likes, as in plain Keras: its own code is no
+    device computation (before, the guard ended such a fit after MESHFIT_STALL_TIMEOUT with a
+    line saying it waited in one). Each wait here is twice the timeout, on a busy machine."""
+    with busy_machine():
+        out = subprocess.run([sys.executable, "-c", WAITING_CALLBACK], capture_output=True, text=True,
+                             timeout=600, env=environment({"XLA_FLAGS": "", "MESHFIT_SIMULATE_DEVICES": None,
+                                                           "MESHFIT_STALL_TIMEOUT": "2"}))
+    assert out.returncode == 0 and "fit done" in out.stdout, out.stderr[-3000:]
+
+
+def test_a_callbacks_own_code_is_callback_work_unless_it_waits_on_the_devices():
+    """Frames innermost first: a callback's own code called from Keras' callbacks (the trainer
+    further out) is a callback's; one that waits in JAX itself is a device computation."""
+    import jax
+
+    scope = {"jax": jax}
+    trainer = "/x/keras/src/backend/jax/trainer.py"
+    callbacks = "/x/keras/src/callbacks/callback_list.py"
+    exec(compile("import sys\ndef user(inner):\n    return inner()\n", "/home/me/train.py", "exec"), scope)
+    exec(compile("def keras_calls(f):\n    return f()\n", callbacks, "exec"), scope)
+    exec(compile("def trainer(f):\n    return f()\n", trainer, "exec"), scope)
+    exec(compile("import sys\ndef device():\n    return sys._getframe()\n", "/x/jax/_src/array.py", "exec"), scope)
+    here = lambda: sys._getframe()  # noqa: E731 (the callback's innermost frame)
+    frame = scope["trainer"](lambda: scope["keras_calls"](lambda: scope["user"](here)))
+    assert heartbeat._doing(frame)[0] == "callback"
+    frame = scope["trainer"](lambda: scope["keras_calls"](lambda: scope["user"](scope["device"])))
+    assert heartbeat._doing(frame)[0] == "device"
+    assert heartbeat._doing(scope["trainer"](here))[0] == "device"  # the step, through C++

@@ -23,7 +23,7 @@ HEARTBEAT_TIMEOUT_SECONDS = 60  # meshfit.parallel.cluster's default of MESHFIT_
 FROZEN_SECONDS = 0.5
 WHERE = {"device": "in a device computation", "input": "waiting for input", "checkpoint":
          "on a checkpoint", "compiling": "compiling", "thread": "waiting for another thread",
-         "python": "in Python"}  # heartbeat.where()'s kinds
+         "callback": "in a Keras callback", "python": "in Python"}  # heartbeat.where()'s kinds
 
 
 def never_joined(missing: Sequence[int], processes: int, init_timeout: float) -> str:
@@ -72,7 +72,10 @@ class Watch:
         if self.first_step is None and any(c[0] > 0 for c in progress.values()):
             self.first_step = now
         armed = self.last_progress is not None or any(c[2] > 1 for c in found.values())
-        if armed and progress != self.progress:  # from a second dispatch: the first compiled
+        # A process in a callback's own code waits for nothing of the job's (its own stall guard
+        # does not count it either): the others may wait for it in a collective, not hung.
+        busy = any(c[3] == "callback" for c in found.values())
+        if armed and (progress != self.progress or busy):  # from a second dispatch: the first compiled
             self.last_progress = now
         self.progress = progress
         if self.stall_timeout and self.last_progress is not None and \

@@ -88,9 +88,12 @@ def counts() -> tuple[int, int, int]:
 # kind decides: a checkpoint that waits for its arrays waits on the device, and so does a batch
 # being placed on the devices, while one still being read or decoded is input. A jitted function
 # called through JAX's C++ fast path leaves no JAX frame, so the places that call the train, test
-# and predict steps and the processes' votes count as device too. A main thread that waits for
-# another thread (Keras 3 runs batch-end callbacks, which read the step's logs, in a thread pool) is
-# doing what the first waiting thread it may wait for does.
+# and predict steps and the processes' votes count as device too. Code a Keras callback runs
+# (keras/src/callbacks/ calls it; the trainer's frame lies further out) is a callback's own, unless
+# it waits on the devices, for input or on a checkpoint itself (innermost frames first): a user's
+# callback may take as long as it likes, as in plain Keras (an evaluation job it waits for, a pdb
+# prompt). A main thread that waits for another thread (Keras 3 runs batch-end callbacks, which
+# read the step's logs, in a thread pool) is doing what the first waiting thread it may wait for does.
 _COMPILING = ("/jax/_src/compiler.py", "/jax/_src/interpreters/partial_eval.py")
 _KINDS = (
     ("device", ("/jax/_src/", "/jaxlib/", "/keras/src/backend/jax/trainer.py",
@@ -99,6 +102,7 @@ _KINDS = (
                     "/meshfit/run/keras_side/checkpoint")),  # checkpoints.py and checkpoint_*.py
     ("input", ("/keras/src/trainers/data_adapters/", "/keras/src/trainers/epoch_iterator.py",
                "/tensorflow/python/data/", "/grain/", "/meshfit/data/", "/meshfit/fit/sources.py")),
+    ("callback", ("/keras/src/callbacks/",)),
 )
 _THREAD_WAITS = ("/threading.py", "/queue.py", "/concurrent/futures/")
 DOING = {
@@ -107,6 +111,7 @@ DOING = {
     "input": "waits for the next batch",
     "device": "waits in a device computation (its collectives) or a transfer",
     "thread": "waits for another thread",
+    "callback": "runs a Keras callback's own code",
     "python": "runs Python code",
 }
 
@@ -122,7 +127,7 @@ def where() -> tuple[str, str]:
             t.ident for t in threading.enumerate() if t.name.startswith("meshfit-")}
         for ident, frame in frames.items():
             other = _doing(frame) if ident not in ours else ("python", "")
-            if other[0] in ("device", "input", "checkpoint"):
+            if other[0] in ("device", "input", "checkpoint", "callback"):
                 return other
     return _doing(main)
 

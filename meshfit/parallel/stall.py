@@ -5,7 +5,9 @@ JAX, entered by meshfit.fit.hooks, and the whole of `meshfit train` after connec
 thread looks once a second at the progress counts (every training, test and predict dispatch
 reports, meshfit.parallel.heartbeat.advance) and at the main thread. Time counts as stalled only
 while nothing moves and the main thread is blocked: it used no CPU that second (a slow step on a
-busy machine still gets some) and is not compiling or tracing (which can take minutes). After
+busy machine still gets some), is not compiling or tracing (which can take minutes) and is not
+in a Keras callback's own code (a user's callback may wait as long as it likes, as in plain Keras:
+for an evaluation job, an upload, a pdb prompt). After
 MESHFIT_STALL_TIMEOUT seconds (default 600, 0: never) of stall the process prints one line naming
 what the main thread waits for (heartbeat.where: a device computation, the next batch, a
 checkpoint, another thread), e.g.
@@ -121,7 +123,7 @@ def _guard_loop(seconds: float) -> None:
         # machine still gets some), or, where threads' CPU time is unknown, runs Python.
         working = (kind == "python" if main_cpu is None or was is None
                    else main_cpu - was >= WORKING_CPU_SECONDS)
-        if _depth == 0 or moved != last or kind == "compiling" or working:
+        if _depth == 0 or moved != last or kind in ("compiling", "callback") or working:
             last, since, cpu = moved, now, _cpu_seconds()
         elif now - since >= seconds:
             _stop(now - since, kind, at, _cpu_seconds() - cpu, moved[0])
