@@ -217,3 +217,40 @@ def test_fit_takes_a_callback_list_as_keras_does(strategy):
     given = keras.callbacks.CallbackList([history], add_history=False, model=model)
     model.fit(x, np.arange(40) % 3, batch_size=8, epochs=2, verbose=0, callbacks=given)
     assert len(history.history["loss"]) == 2
+
+
+def test_sparse_inputs_train_as_their_dense_values_do(strategy):
+    """keras.Input(sparse=True) fed a scipy.sparse matrix or a tf.SparseTensor: each sparse batch
+    is placed whole on every device (Keras' placement shards its values and indices by the
+    batch's layout and fails with JAX's ValueError, also under its own DataParallel), so the
+    numbers are those of the same values dense."""
+    import keras
+    import scipy.sparse
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = ((rng.random((40, 10)) > 0.7) * rng.random((40, 10))).astype("float32")
+    y = rng.random((40, 1)).astype("float32")
+
+    def trained(sparse, data):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            inputs = keras.Input((10,), sparse=sparse)
+            model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+            model.compile("sgd", "mse")
+        losses = model.fit(data, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history["loss"]
+        return losses, model.evaluate(data, y, batch_size=16, verbose=0)
+
+    dense = trained(False, x)
+    sparse = trained(True, scipy.sparse.csr_matrix(x))
+    np.testing.assert_allclose(sparse[0], dense[0], rtol=1e-5)
+    np.testing.assert_allclose(sparse[1], dense[1], rtol=1e-5)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        inputs = keras.Input((10,), sparse=True)
+        model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+        model.compile("sgd", "mse")
+    stored = np.argwhere(x != 0)
+    batches = tf.data.Dataset.from_tensor_slices((tf.SparseTensor(stored, x[x != 0], x.shape), y)).batch(16)
+    np.testing.assert_allclose(model.fit(batches, epochs=2, verbose=0, shuffle=False).history["loss"],
+                               dense[0], rtol=1e-5)

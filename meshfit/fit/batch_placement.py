@@ -18,8 +18,10 @@ import warnings
 from typing import Any, Callable
 
 import jax
+from jax.experimental import sparse
 from jax.sharding import NamedSharding, PartitionSpec
 
+from meshfit.errors import MeshfitError
 from meshfit.fit import hosts
 from meshfit.parallel.sharding import axis_parts
 
@@ -38,6 +40,8 @@ def hook(place: Callable, active: Callable[[], Any]) -> Callable:
         if not shape or strategy is None or strategy.engine != "jax" or \
                 not isinstance(sharding, NamedSharding):
             return place(per_process_batch, layout, batch_dim_name)
+        if isinstance(per_process_batch, sparse.JAXSparse):
+            return _sparse_whole(per_process_batch, sharding.mesh)
         # Keras 3.16 stacks a dispatch's k batches on a new leading axis, which its layout leaves
         # whole: the rows are then the second axis.
         axis = 1 if tuple(sharding.spec)[:1] == (None,) and len(shape) > 1 else 0
@@ -53,6 +57,19 @@ def hook(place: Callable, active: Callable[[], Any]) -> Callable:
         return jax.device_put(per_process_batch, NamedSharding(sharding.mesh, PartitionSpec()))
 
     return distribute_data_input
+
+
+def _sparse_whole(batch, mesh):
+    """A sparse batch (`keras.Input(sparse=True)`: a BCOO from a tf.SparseTensor or scipy.sparse
+    matrix), whole on every device. Keras shards each of its arrays by the batch's layout, but
+    its stored values and indices are no rows of the batch (the values are of rank 1, which the
+    layout does not fit: JAX's ValueError, also under Keras' own DataParallel); whole, every
+    sample counts exactly as on one device, as for a batch that does not split."""
+    if jax.process_count() > 1:  # each process holds other rows: no whole batch without a gather
+        raise MeshfitError(f"a sparse input batch cannot be split over {jax.process_count()} "
+                           "processes; pass it dense (e.g. x.todense(), tf.sparse.to_dense) on "
+                           "several processes")
+    return jax.device_put(batch, NamedSharding(mesh, PartitionSpec()))
 
 
 def note_batch(rows: int, splits: bool, parts: int) -> None:
