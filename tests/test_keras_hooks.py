@@ -185,6 +185,26 @@ def test_clear_session_keeps_the_precision_auto_chose(strategy, monkeypatch):
         strategy_module.set_dtype_policy("float32")
 
 
+def test_float32_set_after_a_mixed_policy_is_the_users_choice(strategy, monkeypatch):
+    """As in plain Keras, a model after `set_global_policy("float32")` is float32 with its own
+    optimizer, though an earlier one was mixed_float16 (meshfit kept mixed_float16 before, and
+    compile wrapped the optimizer in a LossScaleOptimizer)."""
+    import keras
+
+    from meshfit.fit import strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "_users_policy", None)
+    try:
+        keras.mixed_precision.set_global_policy("mixed_float16")
+        assert tiny_model(strategy).layers[0].dtype_policy.name == "mixed_float16"
+        keras.mixed_precision.set_global_policy("float32")
+        model = tiny_model(strategy)
+        assert model.layers[0].dtype_policy.name == "float32"
+        assert type(model.optimizer).__name__ == "SGD" and strategy.precision == "float32"
+    finally:
+        strategy_module.set_dtype_policy("float32")
+
+
 def test_clear_session_keeps_the_strategys_devices_and_precision(strategy):
     """A hyperparameter loop calls keras.backend.clear_session() between trials, often inside the
     scope: Keras drops every global setting there, and the next model was built on one device,

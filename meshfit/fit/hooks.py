@@ -136,8 +136,10 @@ def _settings_kept(clear_session: Callable) -> Callable:
 
     @functools.wraps(clear_session)
     def clear(*args, **kwargs):
+        policy = keras.config.dtype_policy()
         clear_session(*args, **kwargs)
         if _active is not None:
+            keras.config.set_dtype_policy(policy)  # the user's stays theirs (Strategy.users_precision)
             _active.activate()
 
     return clear

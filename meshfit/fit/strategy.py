@@ -414,13 +414,13 @@ def plan(build, global_batch: int, input_shapes=None, verbose: bool = True) -> m
     return memory_plan.plan_build(strategy, build, global_batch, input_shapes, verbose)
 
 
-# The dtype policy meshfit set last (Keras' default before it set any): a mixed policy that differs
-# from it is the user's own. The user's seen last stays theirs after a scope put it back (then
-# recorded as meshfit's) and after clear_session() (which resets Keras' policy to float32), as
-# they set it once: connect() run again (a notebook's cells) keeps it too.
+# The dtype policy meshfit set last (Keras' default before it set any): a policy that differs from
+# it is the user's own. The user's seen last stays theirs after a scope put it back (then
+# recorded as meshfit's) and after clear_session() (which meshfit's hook makes keep the policy,
+# meshfit.fit.hooks), as they set it once: connect() run again (a notebook's cells) keeps it too.
 _policy_set = "float32"
 _users_policy: str | None = None
-_USERS_PRECISIONS = {planning.keras_policy(p): p for p in ("bfloat16", "float16")}  # the mixed ones
+_USERS_PRECISIONS = {planning.keras_policy(p): p for p in ("float32", "bfloat16", "float16")}
 
 
 def set_dtype_policy(policy) -> None:
@@ -431,11 +431,12 @@ def set_dtype_policy(policy) -> None:
 
 
 def users_precision() -> str | None:
-    """The precision of the mixed dtype policy the user set, if any: e.g. tutorial 3's
+    """The precision of the dtype policy the user set, if any: e.g. tutorial 3's
     `keras.mixed_precision.set_global_policy("mixed_bfloat16")`, before connect() or after it,
-    which precision 'auto' (float32 on a CPU) once replaced unseen. float32 is never taken for
-    the user's: it is Keras' default and what keras.backend.clear_session() leaves, which must not
-    turn an accelerator's bfloat16 into float32 (precision="float32" asks for it)."""
+    which precision 'auto' (float32 on a CPU) once replaced unseen, or "float32" set after a
+    mixed one (the next model in float32, as in plain Keras). Keras' own float32, its default
+    before meshfit set any policy, is not the user's: it must not turn an accelerator's bfloat16
+    into float32 (precision="float32" asks for it)."""
     global _users_policy
     name = keras.config.dtype_policy().name
     if name != _policy_set and name in _USERS_PRECISIONS:
