@@ -7,15 +7,17 @@ makes Keras' `jit_compile="auto"` run the whole model's train, test and predict 
 on JAX too, where most of them trace: keras-io's Vision Transformer and Compact Convolutional
 Transformer put them inside the model. Each op is then a program of its own on every device: a
 small CNN with RandomFlip, RandomRotation and RandomZoom trained 8.4x slower op by op than
-compiled on 8 simulated CPU devices (benchmarks/declined_jit.py, BENCHMARKS.md section 2). So while a meshfit Strategy is active on JAX, such a model's step
-functions are compiled anyway, with Keras' own `make_*_function`: the same step, one program.
+compiled on 8 simulated CPU devices (benchmarks/declined_jit.py, BENCHMARKS.md section 2). So
+while a meshfit Strategy is active on JAX, such a model's step functions are compiled anyway,
+with Keras' own `make_*_function`: the same step, one program.
 
 Where a layer does not trace (Keras 3.15's RandomCrop cutting a larger image slices with traced
 offsets: IndexError), the first call's tracing fails before anything runs (no buffer donated), and
 that function runs op by op from then on, as Keras would have, with one warning naming the layer
-and the fix (upstream-ready report: docs/reference/keras-augmentation-jit.md). Not compiled anyway: a model compiled with `jit_compile=False` or `run_eagerly=True`
-(the user's choice), and one whose own layers (not Keras') decline XLA, which may rely on running
-eagerly (Python side effects per call).
+and the fix (upstream-ready report: docs/reference/keras-augmentation-jit.md). Not compiled
+anyway: a model compiled with `jit_compile=False` or `run_eagerly=True` (the user's choice), and
+one whose own layers (not Keras') decline XLA, which may rely on running eagerly (Python side
+effects per call).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def make(make_function: Callable, model, force: bool, attribute: str, layers: li
     eager = getattr(model, attribute)
     with keras_internals.jit_compiled(model):
         make_function(model, True)
-    setattr(model, attribute, _CompiledElseEager(model, getattr(model, attribute), eager, layers, attribute))
+    compiled = getattr(model, attribute)
+    setattr(model, attribute, _CompiledElseEager(model, compiled, eager, layers, attribute))
 
 
 class _CompiledElseEager:

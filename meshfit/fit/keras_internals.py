@@ -405,8 +405,8 @@ PATCHES = (
           "file", "as saving_lib.save_model: save_weights and BackupAndRestore write it from every process"),
     Patch("H5IOStore.close", _h5_store, "close", "jax", ("self",),
           "that private file is renamed over the target once complete", "as H5IOStore.__init__"),
-    *(Patch(f"{owner}.clear_session", functools.partial(importlib.import_module, owner), "clear_session",
-            None, ("free_memory",),
+    *(Patch(f"{owner}.clear_session", functools.partial(importlib.import_module, owner),
+            "clear_session", None, ("free_memory",),
             "the active meshfit Strategy's distribution and dtype policy are set again after it",
             "Keras' clear_session drops every global setting, inside a Strategy's scope too: a "
             "hyperparameter loop's models were built silently on one device")
