@@ -246,3 +246,24 @@ def test_meshfit_train_chooses_model_parallelism_before_the_mesh_and_records_it(
         assert metrics["model_parallel"] == 2 and metrics["resumed"] and metrics["epochs"] == 2
     finally:
         connect_eight_devices()
+
+
+def test_auto_plans_a_batch_the_devices_do_not_split_as_it_trains_whole():
+    """sharding 'auto' with a device memory plans at the first fit with its batch; one of 3 rows
+    on 8 devices, which fit places whole on every device, is planned so (its split placement
+    does not lower: the plan stopped the fit) and trains as under sharding 'data'."""
+    import keras
+
+    losses = {}
+    try:
+        for sharding in ("auto", "data"):
+            meshfit.connect(simulate_devices=8, verbose=False, sharding=sharding, device_memory="16GB")
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)])
+            model.compile(optimizer="adam", loss="mse")
+            history = model.fit(np.ones((6, 4), "float32"), np.zeros((6, 2), "float32"), batch_size=3,
+                                epochs=1, verbose=0)
+            losses[sharding] = history.history["loss"]
+    finally:
+        connect_eight_devices()
+    assert losses["auto"] == losses["data"]

@@ -42,9 +42,13 @@ def step_arguments(model, global_batch: int, mesh=None, specs: dict | None = Non
         spec = (specs or {}).get(id(v), [None] * len(v.shape))
         return jax.ShapeDtypeStruct(tuple(v.shape), v.dtype, sharding=placed(spec))
 
+    # A batch whose rows do not split over the batch axis is placed whole on every device
+    # (meshfit.fit.batch_placement), and planned so: its sharded placement does not lower.
+    rows = "batch" if mesh is None or global_batch % dict(mesh.shape).get("batch", 1) == 0 else None
+
     def batch(shape, dtype):
         shape = (global_batch,) + tuple(shape[1:])
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed(["batch"] + [None] * (len(shape) - 1)))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=placed([rows] + [None] * (len(shape) - 1)))
 
     state = tuple([variable(v) for v in group] for group in state_groups(model))
     if data is not None:
