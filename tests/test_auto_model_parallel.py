@@ -267,3 +267,27 @@ def test_auto_plans_a_batch_the_devices_do_not_split_as_it_trains_whole():
     finally:
         connect_eight_devices()
     assert losses["auto"] == losses["data"]
+
+
+def test_a_step_that_cannot_be_planned_names_each_tries_error(monkeypatch, strategy):
+    """The plan lowers the step with sparse labels, then with labels shaped as the outputs; where
+    both fail, the line gives each one's error (the second alone blamed a label shape before,
+    printing two equal shapes, when the cause was elsewhere)."""
+    import keras
+
+    from meshfit.fit.memory_plan import lowering
+
+    tries = iter([ValueError("the real cause\nmore"), ValueError("target.shape != output.shape")])
+
+    def fails(*_, **__):
+        raise next(tries)
+
+    monkeypatch.setattr(lowering.report, "lower_train_step", fails)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(MeshfitError) as error:
+        lowering.compiled_bytes(model, 8, None, {})
+    assert str(error.value) == ("cannot plan the memory of this model's train step (with sparse "
+                                "labels: the real cause; with labels shaped as the outputs: "
+                                "target.shape != output.shape)")

@@ -172,7 +172,7 @@ def compiled_bytes(model, global_batch: int, mesh, specs, data=None,
                    input_shapes=None) -> tuple[int, int, dict]:
     """(total, temporaries, step_cost) per device of the compiled step for a global batch (bytes).
     total = XLA's arguments + outputs not aliased to them (the state is donated) + temporaries."""
-    last_error = None
+    errors = {}
     for one_hot in (False, True) if data is None else (False,):  # sparse labels first, as meshfit's recipes use
         arguments = step_arguments(model, global_batch, mesh, specs, one_hot, data, input_shapes)
         try:
@@ -182,10 +182,11 @@ def compiled_bytes(model, global_batch: int, mesh, specs, data=None,
             stats = compiled.memory_analysis()
             break
         except Exception as error:  # a loss wanting the other label shape
-            last_error = error
-    else:
-        raise MeshfitError(f"cannot plan the memory of this model's train step "
-                           f"({str(last_error).splitlines()[0] if str(last_error) else type(last_error).__name__})")
+            errors["labels shaped as the outputs" if one_hot else "sparse labels"] = error
+    else:  # each try's own error: either may be the one that says why (a label shape, or not)
+        said = "; ".join(f"with {labels}: {(str(e).splitlines() or [type(e).__name__])[0][:200]}"
+                         for labels, e in errors.items())
+        raise MeshfitError(f"cannot plan the memory of this model's train step ({said})")
     total = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
              + stats.temp_size_in_bytes)
     return int(total), int(stats.temp_size_in_bytes), step_cost(compiled)
