@@ -291,3 +291,13 @@ def test_a_step_that_cannot_be_planned_names_each_tries_error(monkeypatch, strat
     assert str(error.value) == ("cannot plan the memory of this model's train step (with sparse "
                                 "labels: the real cause; with labels shaped as the outputs: "
                                 "target.shape != output.shape)")
+
+
+def test_where_neither_mode_fits_auto_takes_the_smaller():
+    """A small model's fsdp step (gathering every weight where it is used) can need more than its
+    replicated one: where neither fits, the smaller is trained (fsdp before, whatever its size)."""
+    from meshfit.fit.memory_plan import choice
+
+    mode, why = choice.auto_sharding({"data": plan("data", 1, 325, 1), "fsdp": plan("fsdp", 1, 328, 1)}, 60)
+    assert mode == "data" and why.endswith("neither fits")
+    assert choice.auto_sharding({"data": plan("data", 1, 400, 1), "fsdp": plan("fsdp", 1, 200, 1)}, 60)[0] == "fsdp"

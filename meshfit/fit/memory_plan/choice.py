@@ -35,7 +35,8 @@ def plan_memory(model, strategy, global_batch: int, device_memory: int | None,
 
 
 def auto_sharding(plans: dict[str, ModePlan], device_memory: int | None) -> tuple[str, str]:
-    """The mode `auto` picks from the plans and why: data when it fits or memory is unknown."""
+    """The mode `auto` picks from the plans and why: data when it fits or memory is unknown, else
+    fsdp where it fits, else the smaller of the two."""
     data = plans[AUTO.first.name]
     fsdp = plans.get(AUTO.fallback.name)
     if device_memory is None:
@@ -47,7 +48,10 @@ def auto_sharding(plans: dict[str, ModePlan], device_memory: int | None) -> tupl
              f"{sharding.format_bytes(device_memory)}")
     if fsdp.fits:
         return fsdp.mode, f"{needs}; sharded: {sharding.format_bytes(fsdp.total)}"
-    return fsdp.mode, f"{needs}, and sharded it needs {sharding.format_bytes(fsdp.total)}: neither fits"
+    # Neither fits: the smaller, the nearer to fitting (a small model's fsdp step, gathering
+    # every weight where it is used, can need more than its replicated one).
+    nearer = data if data.total < fsdp.total else fsdp
+    return nearer.mode, f"{needs}, and sharded it needs {sharding.format_bytes(fsdp.total)}: neither fits"
 
 
 def sharding_to_use(plan: MemoryPlan, asked) -> str:
