@@ -898,3 +898,48 @@ def test_a_lost_process_has_the_others_killed_at_once_where_nothing_newer_is_sav
     assert [p.popen.returncode for p in ended.started] == [-signal.SIGKILL] * 2
     asked = sorted(os.listdir(tmp_path))
     assert asked == ([] if lost_at_once else ["asked-0"] if how == "SIGKILL" else ["asked-0", "asked-1"])
+
+
+WAITING_CALLBACK = '''
+import time
+import meshfit
+strategy = meshfit.connect()
+import jax, keras, numpy as np
+
+class Waits(keras.callbacks.Callback):  # process 0 waits for an evaluation job of its own
+    def on_epoch_end(self, epoch, logs=None):
+        if jax.process_index() == 0 and epoch == 0:
+            time.sleep(8)
+
+with strategy.scope():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+x = np.random.default_rng(jax.process_index()).random((16, 3), dtype=np.float32)
+model.fit(x, x[:, :1], batch_size=4, epochs=2, verbose=0, callbacks=[Waits()])
+print("fit done")
+'''
+
+
+def test_a_process_waiting_in_its_callback_is_no_hung_job(tmp_path, monkeypatch):
+    """Process 0's callback waits 8 s, 4 x the stall timeout, while process 1 waits for it in the
+    next step's collective: the launcher's watchdog sees process 0 in a callback's own code
+    (its progress file) and the job goes on, as plain Keras would (it named it hung before)."""
+    monkeypatch.setenv(env.STALL_TIMEOUT, "2")
+    script = tmp_path / "waits.py"
+    script.write_text(WAITING_CALLBACK)
+    out = run_meshfit(*launch_args(sys.executable, str(script), devices=1), timeout=SAFETY_SECONDS)
+    assert out.returncode == 0 and out.stdout.count("fit done") == 2, out.stderr[-3000:]
+
+
+def test_a_peer_in_its_callback_is_seen_from_the_launchers_folder(tmp_path, monkeypatch):
+    """What each process's own stall guard reads: another process's progress file saying it runs
+    a callback's own code (its own file does not count)."""
+    from meshfit.parallel import heartbeat
+
+    monkeypatch.setenv(env.LAUNCH_STATUS, str(tmp_path))
+    monkeypatch.setenv(env.PROCESS_ID, "1")
+    (tmp_path / "progress-1").write_text("3 3 3 callback\n")
+    (tmp_path / "progress-0").write_text("3 3 3 device\n")
+    assert not heartbeat.a_peer_runs_a_callback()
+    (tmp_path / "progress-0").write_text("3 4 3 callback\n")
+    assert heartbeat.a_peer_runs_a_callback()

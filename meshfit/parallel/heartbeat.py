@@ -48,6 +48,15 @@ def _directory() -> str | None:
     return os.environ.get(env.LAUNCH_STATUS, "").strip() or None
 
 
+def a_peer_runs_a_callback() -> bool:
+    """True where another process of this `meshfit launch` job reports that it runs a Keras
+    callback's own code (its progress file, in the launcher's folder this process sees): this
+    one may then wait for it in a collective, and is not stalled."""
+    directory = _directory()
+    return directory is not None and any(
+        doing == "callback" for index, (*_, doing) in progress(directory).items() if str(index) != _index())
+
+
 def _index() -> str:
     for name in (env.PROCESS_ID, "SLURM_PROCID"):
         value = os.environ.get(name, "").strip()

@@ -7,7 +7,8 @@ reports, meshfit.parallel.heartbeat.advance) and at the main thread. Time counts
 while nothing moves and the main thread is blocked: it used no CPU that second (a slow step on a
 busy machine still gets some), is not compiling or tracing (which can take minutes) and is not
 in a Keras callback's own code (a user's callback may wait as long as it likes, as in plain Keras:
-for an evaluation job, an upload, a pdb prompt). After
+for an evaluation job, an upload, a pdb prompt), nor waiting while another process of a `meshfit
+launch` job on this machine is (its progress file says so). After
 MESHFIT_STALL_TIMEOUT seconds (default 600, 0: never) of stall the process prints one line naming
 what the main thread waits for (heartbeat.where: a device computation, the next batch, a
 checkpoint, another thread), e.g.
@@ -123,7 +124,8 @@ def _guard_loop(seconds: float) -> None:
         # machine still gets some), or, where threads' CPU time is unknown, runs Python.
         working = (kind == "python" if main_cpu is None or was is None
                    else main_cpu - was >= WORKING_CPU_SECONDS)
-        if _depth == 0 or moved != last or kind in ("compiling", "callback") or working:
+        if (_depth == 0 or moved != last or kind in ("compiling", "callback") or working
+                or heartbeat.a_peer_runs_a_callback()):
             last, since, cpu = moved, now, _cpu_seconds()
         elif now - since >= seconds:
             _stop(now - since, kind, at, _cpu_seconds() - cpu, moved[0])
