@@ -27,7 +27,8 @@ def _fit(strategy, first, jit_compile="auto"):
         model = keras.Sequential([keras.Input((12, 12, 3)), *first(), keras.layers.RandomFlip(),
                                   keras.layers.Conv2D(4, 3), keras.layers.GlobalAveragePooling2D(),
                                   keras.layers.Dense(4)])
-        model.compile(keras.optimizers.SGD(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        model.compile(keras.optimizers.SGD(0.05),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=jit_compile)
     call = rotation.call
 
@@ -101,3 +102,23 @@ def test_op_by_op_stays_where_the_user_or_a_users_layer_chose_it(strategy):
     assert calls >= 2 * 5  # each training step op by op
     *_, calls = _fit(strategy, _rotation, jit_compile=False)
     assert calls >= 2 * 5
+
+
+def test_the_k_step_loop_leaves_such_a_model_to_keras_function(strategy):
+    """meshfit train installs the on-device k-step loop (a resume mid-epoch, --steps-per-dispatch)
+    whatever the model: one that Keras' own layers keep op by op gets Keras' function instead, so
+    a layer that does not trace runs op by op with the warning, not an IndexError."""
+    import keras
+
+    from meshfit.fit import jax_loop
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((12, 12, 3)), *_crop_and_rotation(),
+                                  keras.layers.GlobalAveragePooling2D(),
+                                  keras.layers.Dense(4)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    jax_loop.install(model, 2)
+    assert model.train_function is None and model.steps_per_execution == 2
+    x, y = _data()
+    with pytest.warns(UserWarning, match="RandomCrop declined XLA"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
-from meshfit.fit import keras_internals
+from meshfit.fit import declined_jit, keras_internals
 from meshfit.parallel import heartbeat
 from meshfit.parallel.planning import check_steps_per_dispatch
 
@@ -107,7 +107,9 @@ def install(model, steps: int = 1) -> None:
     check_steps_per_dispatch(steps)
     model.steps_per_execution = steps
     model.train_function = None
-    if keras.backend.backend() == "jax":
+    # A model that Keras' own layers keep op by op takes Keras' function, which meshfit compiles
+    # where it traces and runs op by op where it does not (meshfit.fit.declined_jit).
+    if keras.backend.backend() == "jax" and not declined_jit.declining_layers(model):
         model.train_function = _TrainFunction(model, steps)
 
 
