@@ -87,6 +87,7 @@ def test_reading_a_variable_takes_numpys_copy_without_a_warning(strategy):
 
 USER_PROGRAM = textwrap.dedent("""
     import sys
+    import time
 
     import numpy as np
 
@@ -106,6 +107,17 @@ USER_PROGRAM = textwrap.dedent("""
                                   keras.layers.Dense(3, activation="softmax")])
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="sparse_categorical_crossentropy")
     assert not model.layers[0].kernel.value.is_fully_addressable  # split across the processes
+    if jax.process_index() == 0:  # a slow last write (a busy disk): the other process's removal
+        from keras.src.saving import saving_lib  # of the backup folder must wait for it
+
+        close = saving_lib.H5IOStore.close
+
+        def slow_close(self, *args, **kwargs):
+            time.sleep(2)
+            return close(self, *args, **kwargs)
+
+        slow_close.renames = True  # still meshfit's renaming close
+        saving_lib.H5IOStore.close = slow_close
     model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0,
               callbacks=[keras.callbacks.BackupAndRestore(folder + "/backup"),
                          keras.callbacks.ModelCheckpoint(folder + "/last.keras")])
@@ -121,8 +133,10 @@ def test_a_job_of_two_processes_saves_an_fsdp_model_with_keras_own_calls(strateg
     devices, into one folder they share. It failed at the first save (JAX: "Fetching value for
     `jax.Array` that spans non-addressable ... devices"); with the variables replicated, the two
     writers of one .weights.h5 failed in h5py ("name already exists") and BackupAndRestore's
-    removal of its folder raced (FileNotFoundError). Now each file is whole (the trained weights
-    of the same fit on this process's 8 devices), and nothing else is left in the folder."""
+    removal of its folder raced (FileNotFoundError), also when process 1 removed the folder while
+    process 0 still wrote its last backup (its close slowed by 2 s here). Now each file is whole
+    (the trained weights of the same fit on this process's 8 devices), and nothing else is left
+    in the folder."""
     import keras
 
     program = tmp_path / "user_program.py"
@@ -144,6 +158,23 @@ def test_a_job_of_two_processes_saves_an_fsdp_model_with_keras_own_calls(strateg
                                               for i in (0, 1))):
         for value, want in zip(got, expected, strict=True):
             np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_slow_last_backup_is_not_removed_under_it(tmp_path):
+    """BackupAndRestore on 2 processes, variables replicated: process 0's last backup closes 2 s
+    late (a busy disk), and process 1, done first, removed the backup folder meanwhile, so process
+    0's rename failed (FileNotFoundError) after training had finished. Each now meets the other
+    before the removal."""
+    program = tmp_path / "user_program.py"
+    program.write_text(USER_PROGRAM.replace('sharding="fsdp", fsdp_min_bytes=1', 'sharding="data"')
+                       .replace("    assert not model.layers[0].kernel.value.is_fully_addressable", ""))
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    done = subprocess.run([sys.executable, "-m", "meshfit", "launch", "--processes", "2",
+                           "--devices-per-process", "1", "--", sys.executable, str(program), str(folder)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "backup" not in os.listdir(folder)
 
 
 ALONE_PROGRAM = textwrap.dedent("""

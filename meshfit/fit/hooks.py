@@ -124,6 +124,7 @@ def _install() -> None:
         "saving_lib.save_model": saving.renamed_model_files,
         "H5IOStore.__init__": saving.renamed_h5_stores,
         "H5IOStore.close": saving.renamed_h5_closes,
+        "BackupAndRestore.on_train_end": saving.met_before_removal,
         "file_utils.rmtree": saving.shared_removals,
         **dict.fromkeys(("keras.backend.clear_session", "keras.utils.clear_session"), _settings_kept),
     })

@@ -411,6 +411,10 @@ PATCHES = (
             "Keras' clear_session drops every global setting, inside a Strategy's scope too: a "
             "hyperparameter loop's models were built silently on one device")
       for owner in ("keras.backend", "keras.utils")),
+    Patch("BackupAndRestore.on_train_end", lambda: keras.callbacks.BackupAndRestore, "on_train_end",
+          "jax", ("self", "logs"),
+          "on several processes, each meets the others before the backup folder is removed",
+          "a process that finished first removed it while another still wrote its last backup"),
     Patch("file_utils.rmtree", _file_utils, "rmtree", "jax", ("path",),
           "on several processes, a folder another process removes at the same time is removed to "
           "the end, not an error", "BackupAndRestore removes its folder from every process at the end of fit"),

@@ -161,6 +161,21 @@ def renamed_h5_stores(store_init: Callable) -> Callable:
     return __init__
 
 
+def met_before_removal(on_train_end: Callable) -> Callable:
+    """The wrapper of Keras' `BackupAndRestore.on_train_end`, which removes the backup folder: in
+    a job of several processes each first meets the others there (every process calls it), so
+    none removes the folder while another still writes its last backup into it (that one's
+    rename then failed, FileNotFoundError, after training had finished)."""
+
+    @functools.wraps(on_train_end)
+    def meet_first(self, logs=None):
+        if cluster.multi_process():
+            hosts.meet_every_process("ends BackupAndRestore, which removes its backup folder")
+        return on_train_end(self, logs)
+
+    return meet_first
+
+
 def shared_removals(keras_rmtree: Callable) -> Callable:
     """The wrapper of Keras' `file_utils.rmtree`: in a job of several processes, a folder another
     process removes at the same time is removed to the end, not an error."""
