@@ -177,3 +177,27 @@ sys.exit(main(["info", "--json"]))
     out = subprocess.run([sys.executable, "-c", TERMINAL_SIGINT + script], capture_output=True,
                          text=True, timeout=300, env=environment(cli_env(tmp_path)))
     assert (out.returncode, out.stderr) == (130, "meshfit: interrupted\n")
+
+
+WRAPPED_INTERRUPT = """
+import sys
+from meshfit.commands import ctrl_c
+
+def command():  # a Ctrl-C in a dataclass field's __set_name__, as Python 3.11 reports it
+    ctrl_c._interrupted = True
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as error:
+        raise RuntimeError("Error calling __set_name__ on 'Field' instance 'mem'") from error
+
+sys.exit(ctrl_c.run(command, lambda code: None))
+"""
+
+
+def test_an_interrupt_python_wraps_in_another_error_is_still_one_line():
+    """Python 3.11 turns a KeyboardInterrupt raised in a class's __set_name__ (Keras' import
+    defines JAX's Pallas dataclasses) into a RuntimeError: a Ctrl-C at that moment of `meshfit
+    info` printed a traceback (CI, the gc test's 300th collection)."""
+    out = subprocess.run([sys.executable, "-c", WRAPPED_INTERRUPT], capture_output=True, text=True,
+                         timeout=120, env=environment())
+    assert out.returncode == 130 and out.stderr.strip() == "meshfit: interrupted", out.stderr

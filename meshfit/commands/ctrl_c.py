@@ -25,7 +25,9 @@ def run(command: Callable[[], int], ended: Callable[[int], None]) -> int:
             code = command()
             if _interrupted and not code:  # its KeyboardInterrupt was swallowed (a library's
                 raise KeyboardInterrupt    # `except BaseException`): the command still stops
-        except KeyboardInterrupt:
+        except BaseException as error:
+            if not (isinstance(error, KeyboardInterrupt) or (_interrupted and _from_interrupt(error))):
+                raise
             # First, before any call (where a pending signal's handler runs): from here a second
             # Ctrl-C or a late redelivery raises nothing. One raised here escaped main, and Python
             # ended the process by SIGINT (a parent saw -2, not 130).
@@ -39,6 +41,19 @@ def run(command: Callable[[], int], ended: Callable[[int], None]) -> int:
 
 
 _interrupted = False  # a SIGINT came while main() ran (its KeyboardInterrupt may have been dropped)
+
+
+def _from_interrupt(error: BaseException) -> bool:
+    """Whether `error` was raised because of a KeyboardInterrupt (its cause or context, at any
+    depth): Python 3.11 turns one raised in a class's `__set_name__` (a dataclass field, as Keras'
+    import defines JAX's Pallas classes) into "RuntimeError: Error calling __set_name__"."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 _deferred = False  # a SIGINT waits for a compiled module to be loaded
