@@ -144,6 +144,25 @@ def test_a_broken_recipe_file_is_one_line_naming_the_file(tmp_path, text, messag
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("fields, message", [
+    ("dataset='mnist', build_model=lambda *_: None, optimizer='adam'",
+     "Recipe optimizer must be a function optimizer(steps_per_epoch, epochs)"),
+    ("dataset='mnist', build_model=keras.Sequential(), optimizer=lambda *_: None",
+     "Recipe build_model must be a function build_model(input_shape, num_classes)"),
+    ("dataset=((1, 2), (3, 4)), build_model=lambda *_: None, optimizer=lambda *_: None",
+     "Recipe dataset must be a built-in name, a folder of images or a function dataset(seed)"),
+])
+def test_a_result_given_for_a_recipe_function_is_one_line(tmp_path, fields, message):
+    """An optimizer object or name, a built model, the dataset function's result: a Python
+    traceback deep in training before (exit 1), now one line naming the field."""
+    path = tmp_path / "mine.py"
+    path.write_text(f"import keras\nimport meshfit\nRECIPE = meshfit.Recipe(name='r', {fields}, epochs=1)\n")
+    with pytest.raises(MeshfitError) as error:
+        recipes.load(str(path))
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+    assert str(error.value).endswith("pass the function itself, not its result")
+
+
 def test_every_builtin_recipe_printed_is_a_recipe_file(tmp_path):
     for name in recipes.names():
         path = tmp_path / f"{name}.py"

@@ -237,8 +237,8 @@ def test_grain_recipe_trains_on_eight_devices(tmp_path):
 
 
 def _recipe(dataset, **changes):
-    return recipes.Recipe(name="bad", dataset=dataset, build_model=None, optimizer=None, epochs=1,
-                          **changes)
+    return recipes.Recipe(name="bad", dataset=dataset, build_model=lambda *_: None,
+                          optimizer=lambda *_: None, epochs=1, **changes)
 
 
 def _batches():

@@ -110,6 +110,16 @@ class Recipe:
     text: str | None = None
 
     def __post_init__(self) -> None:
+        for name, what in _FUNCTIONS.items():
+            value = getattr(self, name)
+            if not callable(value) or hasattr(value, "layers"):  # a built Keras model calls too
+                raise MeshfitError(f"Recipe {name} must be a function {what}, got a "
+                                   f"{type(value).__name__}; pass the function itself, not its result")
+        if not isinstance(self.dataset, (str, os.PathLike)) and not callable(self.dataset):
+            raise MeshfitError(f"Recipe dataset must be a built-in name, a folder of images or a "
+                               f"function dataset(seed) returning ((x_train, y_train), (x_test, "
+                               f"y_test)), got a {type(self.dataset).__name__}; pass the function "
+                               "itself, not its result")
         if self.validation_split is None:  # one default per kind of dataset, on every route
             object.__setattr__(self, "validation_split",
                                splits.default_validation_split(self.dataset))
@@ -121,6 +131,12 @@ class Recipe:
         if isinstance(self.loss, (str, keras.losses.Loss)):
             return self.loss
         return self.loss()
+
+
+# A Recipe's fields that are functions, and what each is called with and returns.
+_FUNCTIONS = {"build_model": "build_model(input_shape, num_classes) returning a Keras model",
+              "optimizer": "optimizer(steps_per_epoch, epochs) returning a Keras optimizer, e.g. "
+                           "lambda steps_per_epoch, epochs: keras.optimizers.Adam(1e-3)"}
 
 
 def names() -> list[str]:
