@@ -113,6 +113,15 @@ def test_early_stopping_decides_after_a_resume_as_without_it(tmp_path):
     assert [r["epoch"] for r in history] == [1, 2]
     assert resumed["test_accuracy"] == pytest.approx(whole["test_accuracy"], abs=1e-6)
 
+    # Stopped after the save at the stop (epoch 2's), before its final files (a Ctrl-C, a kill):
+    # resumed from that save, it trains no epoch 3, as the uninterrupted run did not.
+    os.remove(tmp_path / "whole" / "metrics.json")
+    again = train(resume=str(tmp_path / "whole"), simulate_devices=8, engine="jax", verbose=False,
+                  tensorboard=False)
+    history = json.load(open(tmp_path / "whole" / rundir.HISTORY))
+    assert [r["epoch"] for r in history] == [1, 2]
+    assert again["test_accuracy"] == pytest.approx(whole["test_accuracy"], abs=1e-6)
+
 
 def test_resuming_with_the_recipe_file_runs_only_the_runs_copy(tmp_path):
     """`meshfit train FILE --resume RUN` with the file unchanged does not execute FILE again (its

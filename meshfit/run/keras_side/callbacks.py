@@ -120,6 +120,15 @@ class RecipeCallbacks(keras.callbacks.Callback):
             vars(callback).update(saved)
         self._put_arrays(self._saved_arrays)
 
+    def end_as_stopped(self, model) -> None:
+        """What the end of the fit that a recipe callback stopped did, for a run resumed from the
+        save at that stop (no epoch is left to fit): the callbacks' saved state, then their
+        on_train_end (EarlyStopping's restore_best_weights puts the best weights back)."""
+        self.set_model(model)
+        self.on_train_begin()
+        model.stop_training = True
+        self.on_train_end()
+
     def on_train_end(self, logs=None) -> None:
         # a second fit call (the rest of a cut epoch first) goes on from here
         self._saved, self._saved_arrays = self.state(), self.arrays()

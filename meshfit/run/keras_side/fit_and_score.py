@@ -204,6 +204,8 @@ def make_checkpointer(run: str, run_spec: RunSpec, history: list, own_callbacks,
         local_directory=local_folder,
         extra=lambda: {"seed": run_spec.seed, "history": history, "config": run_spec.to_dict(),
                        "callbacks": own_callbacks.state() if own_callbacks else [],
+                       # a recipe callback (EarlyStopping) ended training at this save
+                       "stopped": bool(own_callbacks and own_callbacks.model.stop_training),
                        "epoch_so_far": earlier.state() if earlier else {}},
         extra_arrays=lambda: own_callbacks.arrays() if own_callbacks else {})
 
@@ -291,6 +293,10 @@ def fit_run(asked, strategy, model, batches, dataset, run_spec: RunSpec,
         earlier, keras.callbacks.LambdaCallback(on_epoch_end=_History(history, report, global_batch)),
         *([own_callbacks] if own_callbacks else []), checkpointer, *(o.callbacks or [])]
     start = (resume_state["epoch"], resume_state["step"]) if resume_state else (0, 0)
+    if resume_state and resume_state.get("stopped"):  # as the run stopped: no epoch more
+        start = (o.epochs, 0)
+        if own_callbacks is not None:
+            own_callbacks.end_as_stopped(model)
     try:
         with source_failure_raised(batches):
             fit(strategy, model, batches, callbacks, checkpointer, start, o.epochs,
