@@ -75,6 +75,7 @@ class RecipeCallbacks(keras.callbacks.Callback):
         self._saved = state
         self._saved_arrays = arrays or {}
         self.epochs, self._epoch = epochs, -1
+        self.stopped = False  # a callback stopped training at the last epoch's end (EarlyStopping)
 
     def set_model(self, model) -> None:
         super().set_model(model)
@@ -145,6 +146,7 @@ class RecipeCallbacks(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None) -> None:
         self._epoch = epoch
         self._each("on_epoch_end", epoch, logs)
+        self.stopped = bool(self.model.stop_training)
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
         self._each("on_train_batch_begin", batch, logs)

@@ -205,7 +205,7 @@ def make_checkpointer(run: str, run_spec: RunSpec, history: list, own_callbacks,
         extra=lambda: {"seed": run_spec.seed, "history": history, "config": run_spec.to_dict(),
                        "callbacks": own_callbacks.state() if own_callbacks else [],
                        # a recipe callback (EarlyStopping) ended training at this save
-                       "stopped": bool(own_callbacks and own_callbacks.model.stop_training),
+                       "stopped": bool(own_callbacks and own_callbacks.stopped),
                        "epoch_so_far": earlier.state() if earlier else {}},
         extra_arrays=lambda: own_callbacks.arrays() if own_callbacks else {})
 
