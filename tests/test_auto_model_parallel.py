@@ -301,22 +301,3 @@ def test_where_neither_mode_fits_auto_takes_the_smaller():
     mode, why = choice.auto_sharding({"data": plan("data", 1, 325, 1), "fsdp": plan("fsdp", 1, 328, 1)}, 60)
     assert mode == "data" and why.endswith("neither fits")
     assert choice.auto_sharding({"data": plan("data", 1, 400, 1), "fsdp": plan("fsdp", 1, 200, 1)}, 60)[0] == "fsdp"
-
-
-def test_no_model_axis_spans_processes(strategy):
-    """Each process feeds its own rows of every batch: a model axis across processes took their
-    different rows for one batch shard (2 x 2 devices, model_parallel=4: other losses on each
-    process, silently). So connect() refuses it in one line, and 'auto' does not try it."""
-    import dataclasses
-
-    from meshfit.fit import strategy as strategy_module
-    from meshfit.fit.memory_plan import choice
-
-    two_hosts = dataclasses.replace(strategy.info, hosts=2, devices_per_host=4)
-    with pytest.raises(MeshfitError, match=r"^model_parallel=8 would span processes of 4 device\(s\) "
-                                           r"each, whose batches differ; use a divisor of 4$"):
-        strategy_module.Strategy(two_hosts, "jax", "float32", model_parallel=8)
-    within = strategy_module.Strategy(two_hosts, "jax", "float32", model_parallel=4)
-    assert within.model_parallel == 4 and choice.model_parallel_candidates(within) == [2, 4]
-    assert choice.model_parallel_candidates(strategy) == [2, 4, 8]
-    strategy.activate()

@@ -199,13 +199,6 @@ class Strategy:
         if model_parallel > 1 and len(info.devices) % model_parallel:
             raise MeshfitError(f"model_parallel={model_parallel} does not divide the "
                                f"{len(info.devices)} devices; use a divisor of {len(info.devices)}")
-        if model_parallel > 1 and info.hosts > 1 and info.devices_per_host % model_parallel:
-            # Each process feeds its own rows of every batch (plain fit; Strategy.fit cuts them
-            # so): a model axis across processes would take their different rows for one batch
-            # shard, training other numbers on each process, silently (2 x 2 devices, K = 4).
-            raise MeshfitError(f"model_parallel={model_parallel} would span processes of "
-                               f"{info.devices_per_host} device(s) each, whose batches differ; use "
-                               f"a divisor of {info.devices_per_host}")
         if distributed:
             # One device needs no distribution: Keras' distributed input path would cost ~0.3 ms/step.
             self._distribution = keras_distribution(list(info.devices), self.sharding,

@@ -61,11 +61,11 @@ def check_model_parallel(model_parallel: int | str | None) -> int:
 
 def parse_fsdp_min_bytes(size: str | int | None) -> int:
     """The fsdp threshold in bytes: `size` ('1MiB', a byte count) parsed, None the default."""
-    parsed = parse_size(size, "--fsdp-min-bytes (fsdp_min_bytes)")
+    parsed = parse_size(size, "--fsdp-min-bytes")
     return DEFAULT_FSDP_MIN_BYTES if parsed is None else parsed
 
 
-def parse_size(text: str | int | None, flag: str = "--device-memory (device_memory)") -> int | None:
+def parse_size(text: str | int | None, flag: str = "--device-memory") -> int | None:
     """A size in bytes from '48MB', '16GB', '1MiB', '512k' or a plain byte count (None stays None).
 
     KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB powers of 1024.

@@ -62,11 +62,9 @@ def sharding_to_use(plan: MemoryPlan, asked) -> str:
 
 
 def model_parallel_candidates(strategy) -> list[int]:
-    """The model parallelism 'auto' may try: the divisors K > 1 of the device count, smallest
-    first, within one process's devices on several (Strategy: no model axis across processes)."""
+    """The model parallelism 'auto' may try: the divisors K > 1 of the device count, smallest first."""
     count = len(strategy.info.devices)
-    within = strategy.info.devices_per_host if strategy.info.hosts > 1 else count
-    return [k for k in range(2, count + 1) if count % k == 0 and within % k == 0]
+    return [k for k in range(2, count + 1) if count % k == 0]
 
 
 def weighs_model_parallel(strategy, plan: MemoryPlan) -> bool:
