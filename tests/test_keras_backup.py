@@ -127,6 +127,20 @@ USER_PROGRAM = textwrap.dedent("""
 """)
 
 
+def _launched(tmp_path, text: str, devices: int):
+    """The folder `text`, a user program, wrote into when run by 2 processes of `devices` devices
+    each under meshfit launch (which must succeed)."""
+    program = tmp_path / "user_program.py"
+    program.write_text(text)
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    done = subprocess.run([sys.executable, "-m", "meshfit", "launch", "--processes", "2",
+                           "--devices-per-process", str(devices), "--", sys.executable, str(program),
+                           str(folder)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return folder
+
+
 def test_a_job_of_two_processes_saves_an_fsdp_model_with_keras_own_calls(strategy, tmp_path):
     """Every process runs the same program: BackupAndRestore and ModelCheckpoint each epoch, then
     model.save, save_weights and get_weights, on variables split across the 2 processes' 4
@@ -139,14 +153,7 @@ def test_a_job_of_two_processes_saves_an_fsdp_model_with_keras_own_calls(strateg
     in the folder."""
     import keras
 
-    program = tmp_path / "user_program.py"
-    program.write_text(USER_PROGRAM)
-    folder = tmp_path / "shared"
-    folder.mkdir()
-    done = subprocess.run([sys.executable, "-m", "meshfit", "launch", "--processes", "2",
-                           "--devices-per-process", "2", "--", sys.executable, str(program), str(folder)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    folder = _launched(tmp_path, USER_PROGRAM, devices=2)
     assert sorted(os.listdir(folder)) == ["got-0.npz", "got-1.npz", "last.keras", "model.keras",
                                           "model.weights.h5"]
     expected, _ = fit(strategy, *samples(), epochs=3)
@@ -165,15 +172,9 @@ def test_a_slow_last_backup_is_not_removed_under_it(tmp_path):
     late (a busy disk), and process 1, done first, removed the backup folder meanwhile, so process
     0's rename failed (FileNotFoundError) after training had finished. Each now meets the other
     before the removal."""
-    program = tmp_path / "user_program.py"
-    program.write_text(USER_PROGRAM.replace('sharding="fsdp", fsdp_min_bytes=1', 'sharding="data"')
-                       .replace("    assert not model.layers[0].kernel.value.is_fully_addressable", ""))
-    folder = tmp_path / "shared"
-    folder.mkdir()
-    done = subprocess.run([sys.executable, "-m", "meshfit", "launch", "--processes", "2",
-                           "--devices-per-process", "1", "--", sys.executable, str(program), str(folder)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    folder = _launched(tmp_path, USER_PROGRAM.replace('sharding="fsdp", fsdp_min_bytes=1', 'sharding="data"')
+                       .replace("    assert not model.layers[0].kernel.value.is_fully_addressable", ""),
+                       devices=1)
     assert "backup" not in os.listdir(folder)
 
 
