@@ -798,8 +798,10 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_the_run_resumes(data_
     assert config["sharding"] == "fsdp" and config["resumed"][-1]["sharding"] == "fsdp"
     for process in (0, 1):  # each process wrote its own shards
         assert os.listdir(os.path.join(final, "arrays", f"ocdbt.process_{process}", "d"))
+    # fsdp's reduce-scatter after the stop adds the gradients in another order than the reference's
+    # all-reduce (see test_a_run_of_one_process_resumes_on_two; CI measured 8.2e-6 on one weight)
     assert_same_weights(model_weights(os.path.join(run, "model.keras")),
-                        model_weights(os.path.join(reference, "model.keras")))
+                        model_weights(os.path.join(reference, "model.keras")), atol=1e-5)
 
 
 @pytest.mark.slow
