@@ -192,12 +192,14 @@ def test_each_sample_is_trained_once_per_epoch_over_all_processes(tmp_path):
 
 # A user's own script, unchanged: plain fit (203 samples in batches of 40: a last batch of 3 per
 # process), validation (37), evaluate (batches of 16: 11 last) and predict (9 in batches of 4),
-# each process passing its own rows (Keras' multi-process input), 3 steps per execution. Run on one process (4 devices)
-# with the argument I, it prints what process I of a 2 x 2 job must print.
+# each process passing its own rows (Keras' multi-process input), 3 steps per execution, with
+# model_parallel $MODEL_PARALLEL. Run on one process (4 devices) with the argument I, it prints
+# what process I of a 2 x 2 job must print.
 PLAIN_KERAS = """
-import json, sys
+import json, os, sys
 import meshfit, numpy as np
-strategy = meshfit.connect(verbose=False, **({"simulate": 4, "engine": "jax"} if sys.argv[1:] else {}))
+strategy = meshfit.connect(verbose=False, model_parallel=int(os.environ["MODEL_PARALLEL"]),
+                           **({"simulate": 4, "engine": "jax"} if sys.argv[1:] else {}))
 import keras, jax
 rng = np.random.default_rng(0)
 x = rng.random((203, 6)).astype("float32")
@@ -213,29 +215,37 @@ history = model.fit(x, y, batch_size=40, epochs=2, verbose=0, shuffle=False,
 scores = model.evaluate(x, y, batch_size=16, verbose=0)
 i = int(sys.argv[1]) if sys.argv[1:] else jax.process_index()
 outputs = model.predict(x[i * 5:i * 5 + 9], batch_size=4, verbose=0)
+# meshfit's own fit: every process passes the global arrays (whole batches: several hosts cut
+# a last one that does not split), which it cuts to the process's rows
+more = strategy.fit(model, x[:200], y[:200], batch_size=40, epochs=1, verbose=0, shuffle=False, report=False)
 print(json.dumps({"process": i, "history": history.history, "scores": scores,
-                  "outputs": outputs.tolist()}), flush=True)
+                  "outputs": outputs.tolist(), "strategy_fit": more.history["loss"]}), flush=True)
 """
 
 
-def test_plain_keras_fit_evaluate_predict_on_two_processes_as_on_one(tmp_path):
+@pytest.mark.parametrize("model_parallel", [1, 4])
+def test_plain_keras_fit_evaluate_predict_on_two_processes_as_on_one(tmp_path, model_parallel):
     """Batches whose rows do not split across all the devices (every process's rows together)
     are computed whole on every device, as on one host, where Keras' placement failed (JAX's
     IndivisibleError); predict returns each process the outputs of its own rows, where Keras
-    could not fetch outputs that span the hosts."""
+    could not fetch outputs that span the hosts. With a model axis across the two processes
+    (model_parallel 4), where Keras' placement took each process's rows for the whole batch
+    (other losses on each process, silently), every process's rows make the one batch."""
     script = tmp_path / "plain_keras.py"
     script.write_text(PLAIN_KERAS)
-    out = run_meshfit(*launch_args(sys.executable, str(script), devices=2), timeout=SAFETY_SECONDS)
+    env = {"MODEL_PARALLEL": str(model_parallel)}
+    out = run_meshfit(*launch_args(sys.executable, str(script), devices=2), env=env,
+                      timeout=SAFETY_SECONDS)
     assert out.returncode == 0, out.stderr[-3000:]
     found = {d["process"]: d for d in (json.loads(line.split(" ", 1)[1])
                                        for line in out.stdout.splitlines() if " {" in line)}
     for i in (0, 1):
         alone = subprocess.run([sys.executable, str(script), str(i)], capture_output=True, text=True,
-                               env=environment(cli_env(tmp_path)), timeout=SAFETY_SECONDS)
+                               env=environment({**cli_env(tmp_path), **env}), timeout=SAFETY_SECONDS)
         assert alone.returncode == 0, alone.stderr[-3000:]
         expected = json.loads(alone.stdout.strip().splitlines()[-1])
         assert len(found[i]["outputs"]) == 9
-        for key in ("history", "scores", "outputs"):
+        for key in ("history", "scores", "outputs", "strategy_fit"):
             np.testing.assert_allclose(np.asarray(found[i][key] if key != "history" else
                                                   [found[i][key][k] for k in sorted(found[i][key])]),
                                        np.asarray(expected[key] if key != "history" else

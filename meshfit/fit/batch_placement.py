@@ -4,7 +4,9 @@
 A batch whose rows split across the devices of its layout's row axis is sharded as Keras would.
 One that does not (an epoch's last batch, a validation remainder, `predict` on 3 images) is
 placed whole on every device (on several hosts, every process's rows: meshfit.fit.hosts) instead
-of failing with JAX's IndivisibleError, so every sample counts exactly as on one device. The
+of failing with JAX's IndivisibleError, so every sample counts exactly as on one device. On
+several hosts, where processes share a block of rows (a model axis across them), every process's
+rows are gathered into the one batch (hosts.rows_are_own_blocks). The
 layout is the current distribution's: meshfit's, or one the user set after connect() with
 `keras.distribution.set_distribution` (keras.io's DataParallel guide does), whose predict on 3
 rows over 4 devices failed so.
@@ -50,11 +52,12 @@ def hook(place: Callable, active: Callable[[], Any]) -> Callable:
         rows = shape[axis] * jax.process_count()  # each process passes as many rows
         splits = rows % parts == 0 and rows > 0
         note_batch(rows, splits, parts)
+        whole = NamedSharding(sharding.mesh, PartitionSpec())
+        if jax.process_count() > 1 and not (splits and hosts.rows_are_own_blocks(sharding, axis)):
+            return hosts.gathered(per_process_batch, sharding if splits else whole, axis)
         if splits:
             return place(per_process_batch, layout, batch_dim_name)
-        if jax.process_count() > 1:
-            return hosts.whole_on_every_device(per_process_batch, sharding.mesh)
-        return jax.device_put(per_process_batch, NamedSharding(sharding.mesh, PartitionSpec()))
+        return jax.device_put(per_process_batch, whole)
 
     return distribute_data_input
 

@@ -8,7 +8,7 @@ lets the processes agree on a number (e.g. "stop, on this signal") without a hos
 `meet_every_process()` makes a call that every process must make (fit, evaluate, predict, a read
 of a split value) a warning, then an error, when one process makes it alone. A
 user's own plain `fit/evaluate/predict`, where each process passes its own rows, gets
-`whole_on_every_device`, `process_rows` and `one_batch_per_dispatch` (through meshfit.fit.hooks).
+`gathered`, `process_rows` and `one_batch_per_dispatch` (through meshfit.fit.hooks).
 On the TensorFlow engine (one process, one device) nothing here runs.
 """
 
@@ -167,12 +167,18 @@ def local_batch(batch: Any, devices: Sequence[Any], process_index: int) -> Any:
     """This process's part of one global batch (a pytree of arrays): what Keras' multi-process input takes.
 
     A cross-host jax.Array (e.g. made on the devices by meshfit.data.arrays) becomes its host-local
-    part without a copy; a host array (the same on every process) is cut to this process's rows.
+    part without a copy, or where its row blocks are shared with other processes (a model axis
+    across processes), the rows of this process's devices out of it; a host array (the same on
+    every process) is cut to this process's rows.
     """
     def part(array):
         if isinstance(array, jax.Array) and not array.is_fully_addressable:
             sharding = array.sharding
-            return multihost_utils.global_array_to_host_local_array(array, sharding.mesh, sharding.spec)
+            if rows_are_own_blocks(sharding, 0):
+                return multihost_utils.global_array_to_host_local_array(array, sharding.mesh,
+                                                                        sharding.spec)
+            return _addressable_rows(array, cluster.local_rows(len(array), len(array), devices,
+                                                               process_index))
         array = np.asarray(array)
         return array[cluster.local_rows(len(array), len(array), devices, process_index)]
 
@@ -259,34 +265,68 @@ def predict_across_hosts(model, batches: Iterable[Any]):
     return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
 
 
+def _addressable_rows(array: jax.Array, rows: np.ndarray) -> np.ndarray:
+    """Rows `rows` (global indices, each held by a device of this process) of a cross-host array,
+    as numpy, read from this process's shards (gathered first where it is split on other axes)."""
+    if any(axis is not None for axis in tuple(array.sharding.spec)[1:]):
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))[rows]
+    blocks = {}  # first row -> the block of rows a shard holds (shards of one block are copies)
+    for shard in array.addressable_shards:
+        blocks.setdefault(shard.index[0].start or 0, shard)
+    held = np.concatenate([np.asarray(blocks[start].data) for start in sorted(blocks)])
+    positions = np.concatenate([np.arange(len(array))[blocks[start].index[0]] for start in sorted(blocks)])
+    return held[np.searchsorted(positions, rows)]
+
+
 # ------------------------------------------- plain Keras fit, evaluate and predict on several hosts
 # In a user's own `model.fit/evaluate/predict` on several hosts each process passes its own rows
-# (Keras' multi-process input: the global batch is every process's rows together). Two cases
-# Keras cannot take, mended by meshfit.fit.hooks with these helpers:
+# (the global batch is every process's rows together; Strategy.fit and meshfit's readers pass the
+# rows cluster.local_rows gives). Keras' placement (jax.make_array_from_process_local_data) takes
+# each process's rows as its devices' block of the batch: wrong where processes share a block.
+# The cases Keras cannot take, mended by meshfit.fit.hooks with these helpers:
 
-def whole_on_every_device(per_process_batch: Any, mesh: Mesh) -> jax.Array:
-    """A batch whose rows of all processes together do not split across the devices (an epoch's
-    last batch, `predict` on 7 samples): every process's rows, in process order, placed whole on
-    every device (Keras' placement fails with JAX's IndivisibleError). A collective: every
-    process places its part of the same batch, as for any batch, with as many rows."""
+@functools.lru_cache(maxsize=64)
+def rows_are_own_blocks(sharding: NamedSharding, axis: int) -> bool:
+    """Whether every block of rows (axis `axis`) that `sharding` gives a device is held by the
+    devices of one process only, so that each process's own rows can be its devices' blocks.
+    Not so where a mesh axis across processes leaves the rows whole or shared (model_parallel
+    spanning processes: 2 x 2 devices, K = 4): Keras' placement then took each process's rows
+    for the whole batch, silently training other numbers on each process."""
+    mesh, spec = sharding.mesh, tuple(sharding.spec)
+    entry = spec[axis] if axis < len(spec) else None
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    holders = collections.defaultdict(set)  # block of rows -> processes whose devices hold it
+    for coordinates, device in np.ndenumerate(mesh.devices):
+        block = tuple(coordinates[mesh.axis_names.index(name)] for name in names)
+        holders[block].add(device.process_index)
+    return all(len(processes) == 1 for processes in holders.values())
+
+
+def gathered(per_process_batch: Any, sharding: NamedSharding, axis: int = 0) -> jax.Array:
+    """Every process's rows (on axis `axis`), in process order, as one batch laid out by
+    `sharding`: for a batch whose rows do not split across the devices (an epoch's last batch,
+    `predict` on 7 samples; laid out whole, where Keras' placement fails with JAX's
+    IndivisibleError) or whose row blocks processes share (rows_are_own_blocks). A collective:
+    every process places its part of the same batch, as for any batch, with as many rows."""
     mine = np.asarray(per_process_batch)
-    everyone = np.asarray(multihost_utils.process_allgather(mine, tiled=True))
-    return jax.make_array_from_callback(everyone.shape, NamedSharding(mesh, PartitionSpec()),
-                                        lambda index: everyone[index])
+    everyone = np.asarray(multihost_utils.process_allgather(mine))  # (processes, *mine.shape)
+    everyone = np.concatenate(list(everyone), axis=axis)
+    return jax.make_array_from_callback(everyone.shape, sharding, lambda index: everyone[index])
 
 
 def process_rows(output: Any) -> Any:
     """This process's rows of a model output that spans the hosts, as numpy: the outputs of the
     rows it passed, in order (Keras' predict fetches whole outputs, which it cannot on several
     hosts: "Fetching value for `jax.Array` that spans non-addressable ... devices is not
-    possible"). Split on its rows: its host-local part, as local_batch takes it. Whole on every
-    device (a batch placed by whole_on_every_device): the process's block of its process-ordered
-    rows. Otherwise (split on another axis only) gathered first, then cut the same way."""
+    possible"). Split on its rows in blocks of one process each: its host-local part, as
+    local_batch takes it. Otherwise (a batch placed by `gathered`, or an output split on other
+    axes too) gathered whole: the process's block of its process-ordered rows."""
     if not isinstance(output, jax.Array) or output.is_fully_addressable or not output.ndim:
         return output
     sharding = output.sharding
     spec = tuple(getattr(sharding, "spec", None) or ())
-    if spec[:1] not in ((), (None,)) and all(axis is None for axis in spec[1:]):
+    if spec[:1] not in ((), (None,)) and all(axis is None for axis in spec[1:]) and \
+            rows_are_own_blocks(sharding, 0):
         return np.asarray(multihost_utils.global_array_to_host_local_array(output, sharding.mesh,
                                                                            sharding.spec))
     if sharding.is_fully_replicated:
