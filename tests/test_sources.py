@@ -188,6 +188,22 @@ def test_a_batch_size_that_does_not_split_is_named_once(strategy):
     assert sum("a batch of 60 samples does not split across 8 devices" in m for m in messages) == 1
 
 
+def test_a_dataset_that_repeats_for_ever_needs_its_steps(strategy):
+    """Keras read such an epoch (or validation) for ever, with no word; Strategy.fit and plain
+    fit in the scope refuse it in one line naming the step count to pass."""
+    import tensorflow as tf
+
+    endless = tf.data.Dataset.from_tensor_slices((X, Y)).batch(BATCH).repeat()
+    model = tiny_model(strategy)
+    with pytest.raises(MeshfitError, match="repeats for ever.*pass steps_per_epoch"):
+        strategy.fit(model, endless)
+    with strategy.scope(), pytest.raises(MeshfitError, match="repeats for ever.*pass validation_steps"):
+        model.fit(X, Y, validation_data=endless, verbose=0)
+    history, _, _ = fit(strategy, model, endless, epochs=2, steps_per_epoch=4,
+                        validation_data=endless, validation_steps=2)
+    assert history["seen"] == [4 * BATCH, 4 * BATCH]
+
+
 def test_a_generator_without_steps_trains_one_epoch_only(strategy):
     with pytest.raises(MeshfitError, match="can be read only once.*pass steps_per_epoch"):
         strategy.fit(tiny_model(strategy), generator(), epochs=2)

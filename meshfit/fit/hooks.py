@@ -410,6 +410,7 @@ def _fit_hook(fit: Callable) -> Callable:
             return fit(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
         arguments = bound.arguments
+        sources.check_fit_ends(arguments)
         callbacks = arguments.get("callbacks")
         if callbacks is None or isinstance(callbacks, (list, tuple)):  # a CallbackList stays as given
             callbacks, verbose = list(callbacks or []), arguments.get("verbose", "auto")

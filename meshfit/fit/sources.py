@@ -188,6 +188,7 @@ def prepare(x: Any, y: Any, global_batch: int | None, replicas: int, micro_batch
     A generator, read only once, needs steps_per_epoch to train more than one epoch.
     """
     kwargs = dict(kwargs)
+    check_fit_ends({"x": x, **kwargs})  # before a wrapper hides the dataset
     if kwargs.get("validation_split") and kwargs.get("validation_data") is None and is_arrays(
             x, y, kwargs.get("sample_weight")):
         # Split first, as Keras' fit does, so that only the training part is cut.
@@ -218,6 +219,24 @@ def prepare(x: Any, y: Any, global_batch: int | None, replicas: int, micro_batch
         _check_rereadable(validation, "validation_steps", kwargs.get("validation_steps"), epochs, kwargs)
         kwargs["validation_data"] = SplitBatches(validation, replicas)
     return x, y, kwargs
+
+
+def check_ends(source: Any, steps_name: str, steps: int | None) -> None:
+    """A tf.data.Dataset that never ends (`.repeat()`) needs a step count: without one Keras reads
+    its first epoch (or validation) for ever, with no word (TensorFlow's Keras 2 refused it)."""
+    if steps or type(source).__module__.split(".")[0] != "tensorflow" or not hasattr(source, "cardinality"):
+        return
+    import tensorflow as tf  # only reached with a tf.data.Dataset, so TensorFlow is imported already
+
+    if int(source.cardinality()) == tf.data.INFINITE_CARDINALITY:
+        raise MeshfitError(f"this tf.data.Dataset repeats for ever, so its epoch never ends: pass "
+                           f"{steps_name} (batches per epoch), or drop its .repeat()")
+
+
+def check_fit_ends(arguments: dict[str, Any]) -> None:
+    """check_ends for the training and validation data of fit's `arguments` (by name)."""
+    check_ends(arguments.get("x"), "steps_per_epoch", arguments.get("steps_per_epoch"))
+    check_ends(arguments.get("validation_data"), "validation_steps", arguments.get("validation_steps"))
 
 
 def _check_rereadable(source: Any, steps_name: str, steps: int | None, epochs: int,
