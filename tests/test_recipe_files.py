@@ -181,6 +181,30 @@ def test_every_builtin_recipe_printed_is_a_recipe_file(tmp_path):
         assert loaded.text == path.read_text()
 
 
+IMAGES = np.zeros((6, 4, 4, 1), np.uint8)
+
+
+@pytest.mark.parametrize("y_train, x_test, message", [
+    (np.zeros(5, np.int32), IMAGES, "returned 6 training images and 5 labels; return one label per image"),
+    (np.eye(2, dtype=np.int32)[[0, 1, 0, 1, 0, 1]], IMAGES, "class labels of shape \\(6, 2\\) \\(one-hot\\?\\)"),
+    (np.full(6, 0.5, np.float32), IMAGES, "labels that are not whole numbers for a sparse categorical loss"),
+    (np.zeros(6, np.int32), np.zeros((6, 5, 5, 1), np.uint8), "test images of shape \\(5, 5, 1\\) and training"),
+])
+def test_a_dataset_callables_bad_labels_or_shapes_are_one_line(y_train, x_test, message):
+    """Each failed deep in Keras' first step (or evaluation), after the run's start."""
+    with pytest.raises(MeshfitError, match=message):
+        data._arrays(((IMAGES, y_train), (x_test, np.zeros(6, np.int32))), "sparse_categorical_crossentropy")
+
+
+def test_whole_number_float_labels_are_classes_under_a_sparse_categorical_loss():
+    """Labels read from a CSV file come as floats: classes for the default loss, targets for mse."""
+    floats = np.array([0, 2, 1, 0, 1, 2], np.float32)
+    classes = data._arrays(((IMAGES, floats), (IMAGES, floats)), "sparse_categorical_crossentropy")
+    assert classes.y_train.dtype == np.int32 and classes.class_names == ("0", "1", "2")
+    targets = data._arrays(((IMAGES, floats), (IMAGES, floats)), "mse")
+    assert targets.y_train.dtype == np.float32 and targets.class_names == ()
+
+
 def test_validation_split_holds_out_a_seeded_share_of_the_training_data():
     x = np.arange(200, dtype=np.uint8).reshape(200, 1, 1, 1)
     y = np.arange(200, dtype=np.int32)

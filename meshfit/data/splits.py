@@ -114,7 +114,7 @@ def load(recipe, data_dir: str | None, seed: int, source: str | None = None) -> 
         result = recipe.dataset(seed)
         if streams.is_streams(result):
             return _streams(recipe, result, source_of(recipe))
-        loaded = _arrays(result)
+        loaded = _arrays(result, recipe.loss)
         name = source_of(recipe)
     else:
         loaded = datasets.load(recipe.dataset, data_dir)
@@ -188,9 +188,12 @@ def _streams(recipe, parts: dict, name: str) -> RunData:
                    evaluated.get("test"))
 
 
-def _arrays(result) -> datasets.Dataset:
+def _arrays(result, loss: Any = None) -> datasets.Dataset:
     """A recipe's dataset callable's arrays as a Dataset: integer labels are classes (named
-    "0".."K-1" unless given), floating-point ones a regression's targets (kept, no classes)."""
+    "0".."K-1" unless given), floating-point ones a regression's targets (kept, no classes),
+    unless the recipe's `loss` is a sparse categorical one: then whole-number floats (labels read
+    from a CSV file) are classes. Anything else is a one-line error naming the fix, before any
+    training (it failed deep in Keras' first step)."""
     if isinstance(result, datasets.Dataset):
         return result
     try:
@@ -207,7 +210,25 @@ def _arrays(result) -> datasets.Dataset:
     if arrays[0].ndim != 4 or arrays[0].dtype != np.uint8 or arrays[2].dtype != np.uint8:
         raise MeshfitError(f"the recipe's dataset callable returned {arrays[0].dtype} images of shape "
                            f"{arrays[0].shape}; return uint8 arrays (N, height, width, channels)")
-    if np.issubdtype(arrays[1].dtype, np.floating):  # targets of a regression: no classes
+    if len(arrays[2]) and arrays[2].shape[1:] != arrays[0].shape[1:]:
+        raise MeshfitError(f"the recipe's dataset callable returned test images of shape "
+                           f"{arrays[2].shape[1:]} and training images of shape {arrays[0].shape[1:]}; "
+                           "return test images of the training images' shape")
+    for part, (x, y) in (("training", arrays[:2]), ("test", arrays[2:])):
+        if len(y) != len(x):
+            raise MeshfitError(f"the recipe's dataset callable returned {len(x)} {part} images and "
+                               f"{len(y)} labels; return one label per image")
+    floating, classifies = np.issubdtype(arrays[1].dtype, np.floating), _sparse_categorical(loss)
+    if (classifies or not floating) and any(y.ndim > 1 and y.shape[1:] != (1,) for y in arrays[1::2]):
+        raise MeshfitError(f"the recipe's dataset callable returned class labels of shape "
+                           f"{arrays[1].shape} (one-hot?); return class indices 0..K-1 of shape "
+                           "(N,), e.g. y.argmax(axis=1), for the loss sparse_categorical_crossentropy")
+    if floating and classifies:
+        if not all(np.array_equal(y, np.round(y)) for y in arrays[1::2]):
+            raise MeshfitError("the recipe's dataset callable returned labels that are not whole "
+                               "numbers for a sparse categorical loss; return class indices "
+                               "0..K-1, or set a regression loss (e.g. loss=\"mse\") for targets")
+    elif floating:  # targets of a regression: no classes
         return datasets.Dataset(arrays[0], arrays[1].astype(np.float32), arrays[2],
                                 arrays[3].astype(np.float32), (), "callable")
     labels = np.concatenate([arrays[1].reshape(-1), arrays[3].reshape(-1)]).astype(np.int64)
@@ -217,6 +238,13 @@ def _arrays(result) -> datasets.Dataset:
     return datasets.Dataset(arrays[0], arrays[1].reshape(-1).astype(np.int32), arrays[2],
                             arrays[3].reshape(-1).astype(np.int32),
                             tuple(str(i) for i in range(classes)), "callable")
+
+
+def _sparse_categorical(loss: Any) -> bool:
+    """Whether a recipe's loss (a Keras loss name or object; a function: not known) takes class
+    indices."""
+    name = loss if isinstance(loss, str) else type(loss).__name__
+    return "sparse_categorical" in name.lower() or "sparsecategorical" in name.lower()
 
 
 def split_arrays(x: np.ndarray, y: np.ndarray, fraction: float, seed: int):
