@@ -177,6 +177,18 @@ def test_image_folder_of_pngs_trains_on_eight_devices(strategy, tmp_path):
     assert accuracy >= 0.9, accuracy
 
 
+@pytest.mark.parametrize("shape, flat", [((1, 1, 1), 64), ((8, 8, 3), 2 * 2 * 64), ((9, 30, 1), 3 * 8 * 64),
+                                         ((10, 10, 1), 1 * 1 * 64), ((28, 28, 1), 5 * 5 * 64)])
+def test_the_folder_cnn_takes_images_of_any_size(shape, flat):
+    """`--data --image-size 8 8` (8x8 digits) ended in Keras' error at the build: under 10 pixels
+    a side its convolutions and poolings are padded; from 10 on it is unchanged."""
+    from meshfit.recipes import image_folder
+
+    model = image_folder.build_cnn(shape, num_classes=3)
+    assert model.get_layer(index=5).output.shape == (None, flat)  # Flatten's features
+    assert model.predict(np.zeros((2,) + shape, np.uint8), verbose=0).shape == (2, 3)
+
+
 def test_steps_per_dispatch_divide_the_epoch_and_default_by_platform():
     from meshfit.parallel.planning import plan_steps_per_dispatch
 
