@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 from helpers import BRIGHT_OR_DARK_DATASET, KILL_AT_CALLBACKS, cli_env, run_meshfit
 
-from meshfit.data import splits as data
+from meshfit.data import folder_scan, splits as data
 from meshfit import recipes
 from meshfit.run import rundir, spec
 from meshfit.errors import MeshfitError
@@ -437,3 +437,9 @@ def test_a_folder_scored_by_name_is_labelled_with_the_runs_classes(tmp_path):
     assert list(scored.test.labels) == [2, 2, 0, 0, 1] and scored.validation is None
     with pytest.raises(MeshfitError, match="not images"):
         data.other_folder(str(tmp_path / "pets"), ("dark", "light", "medium"), (784,))
+    # new photos of a single class are scored too (training on such a folder is refused)
+    shutil.rmtree(tmp_path / "pets" / "dark"), shutil.rmtree(tmp_path / "pets" / "light")
+    one = data.other_folder(str(tmp_path / "pets"), ("dark", "medium"), (8, 8, 3))
+    assert list(one.test.labels) == [1]
+    with pytest.raises(MeshfitError, match="single class folder"):
+        folder_scan.scan(tmp_path / "pets")

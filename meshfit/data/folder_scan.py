@@ -72,10 +72,12 @@ def check_folder(path: str | os.PathLike) -> str:
     return root
 
 
-def scan(path: str | os.PathLike, class_names: tuple[str, ...] | None = None) -> Folder:
+def scan(path: str | os.PathLike, class_names: tuple[str, ...] | None = None,
+         training: bool = True) -> Folder:
     """The image files of `path`, one sub-folder per class; header-checked (see the module docstring).
 
     class_names: the classes this folder must have (a test/ or val/ folder next to train/).
+    training: False for a folder a trained model is scored on, which may hold a single class.
     """
     root = check_folder(path)
     classes = tuple(sorted(d.name for d in os.scandir(root) if d.is_dir() and not d.name.startswith(".")))
@@ -85,7 +87,7 @@ def scan(path: str | os.PathLike, class_names: tuple[str, ...] | None = None) ->
     if class_names is not None and classes != tuple(class_names):
         raise MeshfitError(f"{root} has the class folders {', '.join(classes)} but the training "
                            f"folder has {', '.join(class_names)}; use the same class sub-folders")
-    if len(classes) == 1:
+    if len(classes) == 1 and training:
         raise MeshfitError(f"{root} has a single class folder ({classes[0]}); a classifier needs "
                            f"at least two: put each class's images in its own sub-folder of {root}")
     files, labels, identities, skipped = [], [], [], []

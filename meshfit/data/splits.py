@@ -146,7 +146,7 @@ def other_folder(path: str, class_names: tuple[str, ...], input_shape: tuple[int
     if len(input_shape) != 3 or input_shape[2] not in (1, 3):
         raise MeshfitError(f"the run's model takes inputs of shape {tuple(input_shape)}, not images "
                            "(height, width, 1 or 3 channels); score it on its own data instead")
-    found = folder_scan.scan(path)
+    found = folder_scan.scan(path, training=False)  # new photos of one class score too
     unknown = [name for name in found.class_names if name not in class_names]
     if unknown:
         raise MeshfitError(f"{found.root} has the class folders {', '.join(found.class_names)} but "
