@@ -2,6 +2,7 @@
 user's is touched. These fail before any device or data work, so they are quick."""
 
 import os
+import re
 import shutil
 
 import numpy as np
@@ -53,6 +54,14 @@ def test_out_that_cannot_be_written_is_refused_before_any_work(tmp_path):
     out = run_meshfit("train", "--out", "/proc/meshfit-run", env=cli_env(tmp_path), timeout=120)
     one_line_error(out, "cannot write the run directory /proc/meshfit-run")
     assert "meshfit connected" not in out.stdout  # no devices were touched
+
+
+@pytest.mark.parametrize("name, folder", [("cnn/v2", "cnn-v2"), ("../../etc", "etc"), ("..", "run"),
+                                          ("my model", "my-model"), ("cifar10-fast", "cifar10-fast")])
+def test_a_recipe_name_makes_one_plain_folder_under_runs(name, folder):
+    """A Recipe(name=...) is the user's text: its run went into another folder, or out of runs/."""
+    path = rundir.timestamped(name)
+    assert os.path.dirname(path) == "runs" and re.fullmatch(folder + r"-\d{8}-\d{6}", os.path.basename(path))
 
 
 def test_a_locked_run_directory_names_its_holder(tmp_path):
@@ -301,22 +310,28 @@ def test_a_bad_argument_is_one_line(tmp_path):
     one_line_error(out, "argument --epochs: invalid int value: 'many'")
 
 
-@pytest.mark.parametrize("given", ["images", "images/", "./images", "missing.py"])
+@pytest.mark.parametrize("given", ["images", "images/", "./images", "missing.py", "runs/cnn"])
 def test_a_folder_or_missing_file_given_as_the_recipe_is_named_before_the_devices_connect(
         tmp_path, capsys, monkeypatch, given):
     """`meshfit train my_images` (the first thing a new user tries with a folder) says how to
-    train on a folder; a missing recipe file is named: one line (exit 2), nothing connected."""
+    train on a folder; a run directory, how to train it on; a missing recipe file is named: one
+    line (exit 2), nothing connected."""
     from meshfit import cli
     from meshfit.parallel import engine
 
     monkeypatch.setattr(engine, "start_engine", lambda *a, **k: pytest.fail("connected first"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "images" / "cats").mkdir(parents=True)
+    (tmp_path / "runs" / "cnn").mkdir(parents=True)
+    (tmp_path / "runs" / "cnn" / "config.json").write_text("{}")
     assert cli.main(["train", given]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    expected = (f"{tmp_path / 'missing.py'} does not exist" if given == "missing.py" else
-                f"{tmp_path / 'images'} is a folder, not a recipe file; to train on the images in "
-                f"it (a sub-folder per class): meshfit train --data {tmp_path / 'images'} --image-size")
+    expected = {"missing.py": f"{tmp_path / 'missing.py'} does not exist",
+                "runs/cnn": f"{tmp_path / 'runs' / 'cnn'} is a run directory, not a recipe file; to "
+                            f"train it on: meshfit train --resume {tmp_path / 'runs' / 'cnn'} --epochs N"
+                }.get(given, f"{tmp_path / 'images'} is a folder, not a recipe file; to train on the "
+                             f"images in it (a sub-folder per class): meshfit train --data "
+                             f"{tmp_path / 'images'} --image-size")
     assert len(err) == 1 and expected in err[0], err
 
 

@@ -206,6 +206,9 @@ def check_file(path: str | os.PathLike) -> str:
     """The absolute path of the recipe file `path`, checked before anything slow starts (a
     recipe file runs after the engine): a MeshfitError when it is missing or a folder."""
     path = os.path.abspath(os.fspath(path))
+    if os.path.isfile(os.path.join(path, "config.json")):  # a run directory (meshfit.run.rundir)
+        raise MeshfitError(f"{path} is a run directory, not a recipe file; to train it on: meshfit "
+                           f"train --resume {path} --epochs N (N: its epochs in all)")
     if os.path.isdir(path):  # as a new user tries first: `meshfit train my_images/`
         raise MeshfitError(f"{path} is a folder, not a recipe file; to train on the images in it "
                            f"(a sub-folder per class): meshfit train --data {path} --image-size "

@@ -43,7 +43,10 @@ HINT = "pass a run directory written by meshfit train"
 
 
 def timestamped(name: str, parent: str = "runs") -> str:
-    """A new directory path <parent>/<name>-<YYYYmmdd-HHMMSS>, with a suffix if that exists."""
+    """A new directory path <parent>/<name>-<YYYYmmdd-HHMMSS>, with a suffix if that exists;
+    `name` (a recipe's, the user's text) made one plain folder name: a Recipe(name="cnn/v2") or
+    "../x" would have put the run in another folder, or outside runs/."""
+    name = re.sub(r"[^\w.+-]+", "-", name).strip(".-") or "run"
     base = os.path.join(parent, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     path, n = base, 1
     while os.path.exists(path):
