@@ -3,6 +3,7 @@ batches streamed from disk as the in-memory pipeline's."""
 
 import json
 import os
+import shutil
 import types
 
 import numpy as np
@@ -209,6 +210,19 @@ def test_layout_uses_train_test_and_val_folders_as_given(tmp_path):
     assert (len(split["train"]), len(split["validation"]), len(split["test"])) == (10, 2, 3)
     write_folder(tmp_path / "val", {"c": 1}, seed=2)
     with pytest.raises(MeshfitError, match="same class sub-folders"):
+        folder_scan.layout(tmp_path, 0.2, seed=0)
+
+
+def test_layout_takes_train_alone_and_refuses_val_without_train(tmp_path):
+    """train/ alone is split as a folder of classes would be (it was the one class "train"); val/
+    next to class folders had become a class of its own, silently."""
+    write_folder(tmp_path / "train", {"a": 5, "b": 5})
+    split = folder_scan.layout(tmp_path, 0.2, seed=0)
+    assert split["train"].class_names == ("a", "b") and len(split["validation"]) == 2
+    shutil.move(tmp_path / "train" / "a", tmp_path / "a"), shutil.move(tmp_path / "train" / "b", tmp_path / "b")
+    (tmp_path / "train").rmdir()
+    write_folder(tmp_path / "val", {"a": 1, "b": 1}, seed=2)
+    with pytest.raises(MeshfitError, match=r"has val/ but no train/ folder, so val would be a class"):
         folder_scan.layout(tmp_path, 0.2, seed=0)
 
 

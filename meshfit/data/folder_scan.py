@@ -187,17 +187,23 @@ def _real_ancestors(folder: str) -> list[str]:
 def layout(path: str | os.PathLike, validation_split: float, seed: int) -> dict[str, Folder | None]:
     """{"train", "validation", "test"}: the folders to train, validate and test on.
 
-    A folder with train/ and test/ and/or val/ (or validation/) sub-folders is used as given;
-    without val/, validation_split then splits train/. Otherwise the folder itself is split: in
-    each class round(n * validation_split) files (half up, at least one left in train), chosen
-    with `seed`, go to validation, and "test" is None. validation_split 0: no validation.
+    A folder with a train/ sub-folder, and test/ and/or val/ (or validation/) ones, is used as
+    given; without val/, validation_split then splits train/. Otherwise the folder itself is
+    split: in each class round(n * validation_split) files (half up, at least one left in train),
+    chosen with `seed`, go to validation, and "test" is None. validation_split 0: no validation.
+    A test/ or val/ folder without train/ is refused: it had become a class of its own.
     """
     if not 0.0 <= validation_split < 1.0:
         raise MeshfitError(f"validation_split must be in [0, 1), got {validation_split}")
     root = os.path.abspath(os.fspath(path))
     splits = {key: next((os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))), None)
               for key, names in SPLIT_NAMES.items()}
-    if splits["train"] and (splits["validation"] or splits["test"]):
+    if not splits["train"] and (splits["validation"] or splits["test"]):
+        found = splits["validation"] or splits["test"]
+        raise MeshfitError(f"{root} has {os.path.basename(found)}/ but no train/ folder, so "
+                           f"{os.path.basename(found)} would be a class; put the training images in "
+                           f"{os.path.join(root, 'train')}/<class name>/ (or rename that folder if it is a class)")
+    if splits["train"]:
         train = scan(splits["train"])
         test = scan(splits["test"], train.class_names) if splits["test"] else None
         if splits["validation"]:
