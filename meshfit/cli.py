@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the process's own command line (not a caller's): its exit made quick,
         goodput.quick_exit()  # and Keras loaded without the optional imports no command uses
         engine.skip_keras_extras()
-    return ctrl_c.run(lambda: _main(argv), lambda code: _exit_failed(code, stopped=False))
+    return ctrl_c.run(lambda: _main(argv), lambda code: _exit_failed(code, stopped=False),
+                      process_end=argv is None)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -141,6 +141,27 @@ def test_a_ctrl_c_in_a_gc_callback_stops_meshfit_train_as_it_writes_its_results(
             assert "test_accuracy" in json.load(f)
 
 
+# `python -c SIGINT_AT_EXIT ARGS...`: `meshfit ARGS...` as `python -m meshfit` runs it (the process's
+# own command line), sending itself SIGINT from the last of the atexit handlers (after JAX's).
+SIGINT_AT_EXIT = """
+import atexit, os, signal, sys
+from meshfit import cli
+
+atexit.register(lambda: (print("sent", file=sys.stderr, flush=True), os.kill(os.getpid(), signal.SIGINT)))
+sys.argv = ["meshfit", *sys.argv[1:]]
+sys.exit(cli.main())
+"""
+
+
+def test_a_ctrl_c_after_the_command_as_the_process_ends_is_one_line(tmp_path):
+    """Python's own handler was back once the command returned: a Ctrl-C in an atexit handler
+    (JAX's shutdown) printed a KeyboardInterrupt traceback and the process ended with exit 0."""
+    out = subprocess.run([sys.executable, "-c", TERMINAL_SIGINT + SIGINT_AT_EXIT, "info", "--json"],
+                         capture_output=True, text=True, timeout=300, env=environment(cli_env(tmp_path)))
+    assert json.loads(out.stdout.strip().splitlines()[-1])  # the command's whole output came first
+    assert out.stderr.split() == ["sent", "meshfit:", "interrupted"] and out.returncode == 130, out.stderr
+
+
 def test_a_ctrl_c_while_jaxlib_initialises_stops_meshfit_once_it_is_imported(tmp_path):
     """jaxlib._jax imports jaxlib._hlo from its C initialisation: a KeyboardInterrupt there cut it
     half-way ("ImportError: Encountered an error while initializing the extension", at other

@@ -8,6 +8,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import importlib.machinery
+import os
 import signal
 import sys
 import time
@@ -16,11 +17,13 @@ from typing import Callable, Iterator
 import meshfit
 
 
-def run(command: Callable[[], int], ended: Callable[[int], None]) -> int:
+def run(command: Callable[[], int], ended: Callable[[int], None], process_end: bool = False) -> int:
     """`command()`'s exit code; after a Ctrl-C (at any moment) the line "meshfit: interrupted",
-    `ended(130)` (the command's leftovers freed) and 130."""
+    `ended(130)` (the command's leftovers freed) and 130. process_end: the command is the
+    process's own, which ends after it: a Ctrl-C from then on (the atexit handlers, JAX's
+    shutdown) ends it at once, with that line and 130 (see _exit_at_once)."""
     global _ending
-    with stops() as handled:
+    with stops(process_end) as handled:
         try:
             code = command()
             if _interrupted and not code:  # its KeyboardInterrupt was swallowed (a library's
@@ -102,8 +105,17 @@ def _redeliver_after_extension_init(main_thread: int) -> None:
     _thread.interrupt_main(signal.SIGINT)
 
 
+def _exit_at_once(signum, frame) -> None:
+    """Ctrl-C once the process's command has returned: its results are written, and Python's own
+    handler printed a KeyboardInterrupt traceback from the atexit handler it landed in and ended
+    with exit code 0, or (a moment later) was not run at all."""
+    print("meshfit: interrupted", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
+
+
 @contextlib.contextmanager
-def stops() -> Iterator[bool]:
+def stops(process_end: bool = False) -> Iterator[bool]:
     """Inside, every SIGINT ends the command (see run): none is lost in a callback.
 
     Python raises a signal's KeyboardInterrupt in whatever Python code the main thread runs next;
@@ -114,7 +126,9 @@ def stops() -> Iterator[bool]:
     Training has its own handler (checkpoints.stop_on_signals: save, then stop) and restores this
     one after. A SIGINT ignored when meshfit started (a background job of a shell) stays ignored.
     Yields whether meshfit handles SIGINT (not outside the main thread, nor where it was ignored);
-    once a command has ended on one, SIGINT stays ignored (the process is ending).
+    once a command has ended on one, SIGINT stays ignored (the process is ending). process_end:
+    after the command, SIGINT ends the process at once (_exit_at_once), rather than the handler
+    before it coming back.
     """
     global _interrupted, _ending
     _interrupted = _ending = False
@@ -144,5 +158,5 @@ def stops() -> Iterator[bool]:
         yield True
     finally:
         if signal.getsignal(signal.SIGINT) is _on_sigint:  # else ignored after an interrupt (run)
-            signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGINT, _exit_at_once if process_end else previous)
         sys.unraisablehook = hook
