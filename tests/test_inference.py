@@ -7,7 +7,7 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import run_meshfit
+from helpers import BRIGHT_OR_DARK_DATASET, run_meshfit
 from PIL import Image
 
 from meshfit import MeshfitError
@@ -326,6 +326,75 @@ def test_regression_recipe_trains_and_predict_prints_its_values(strategy, tmp_pa
         assert "is no classifier" in capsys.readouterr().err
     finally:
         connect_eight_devices()
+
+
+BINARY_RECIPE = '''"""Bright or dark 8x8 images: one output for two classes (a sigmoid, or its logit)."""
+import numpy as np
+
+import meshfit
+
+
+''' + BRIGHT_OR_DARK_DATASET + '''
+
+def build_model(input_shape, num_classes):
+    import keras
+
+    return keras.Sequential([keras.Input(input_shape), keras.layers.Rescaling(1 / 127.5, offset=-1),
+                             keras.layers.Flatten(), keras.layers.Dense(1, activation=ACTIVATION)])
+
+
+def loss():
+    import keras
+
+    return keras.losses.BinaryCrossentropy(from_logits=ACTIVATION is None)
+
+
+RECIPE = meshfit.Recipe(name="binary", dataset=dataset, build_model=build_model, loss=loss,
+                        optimizer=lambda steps, epochs: __import__("keras").optimizers.Adam(0.02),
+                        epochs=3, global_batch=16)
+'''
+
+
+@pytest.mark.parametrize("activation, outputs", [("'sigmoid'", "sigmoid"), ("None", "sigmoid-logits")])
+def test_a_binary_classifier_with_one_output_has_accuracy_and_class_probabilities(
+        strategy, tmp_path, capsys, monkeypatch, activation, outputs):
+    """Dense(1) with a sigmoid (or its logit, BinaryCrossentropy(from_logits=True), as keras.io's
+    "Image classification from scratch") was taken for a regression: a mean absolute error for
+    its accuracy, and predict printed its raw value. Now: accuracy, and each class's probability."""
+    from meshfit import cli
+    from helpers import connect_eight_devices
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # predict sets it; restored after the test
+    recipe, run = tmp_path / "binary.py", str(tmp_path / "run")
+    recipe.write_text(BINARY_RECIPE.replace("ACTIVATION", activation))
+    Image.fromarray(np.full((8, 8), 230, np.uint8)).save(tmp_path / "bright.png")
+    devices = ["--simulate-devices", "8", "--engine", "jax"]
+    try:
+        assert cli.main(["train", str(recipe), "--out", run, "--no-tensorboard", *devices]) == 0
+        config = json.load(open(f"{run}/{rundir.CONFIG}"))
+        assert config["class_names"] == ["0", "1"] and config["outputs"] == outputs
+        metrics = json.load(open(f"{run}/{rundir.METRICS}"))
+        assert metrics["test_accuracy"] >= 0.9 and "test_mae" not in metrics, metrics
+        capsys.readouterr()
+        assert cli.main(["eval", run, "--json", *devices]) == 0
+        scored = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert scored["test_accuracy"] == pytest.approx(metrics["test_accuracy"])
+        for backend in ("keras", "onnx"):
+            assert cli.main(["predict", run, str(tmp_path / "bright.png"), "--json", "--backend", backend]) == 0
+            row = json.loads(capsys.readouterr().out)["predictions"][0]
+            assert row["label"] == "1" and sum(row["probabilities"]) == pytest.approx(1, abs=1e-5), row
+            assert row["probability"] > 0.5
+    finally:
+        connect_eight_devices()
+
+
+def test_class_probabilities_from_each_kind_of_output():
+    logits = np.array([[2.0, 0.0, -1.0]], np.float32)
+    np.testing.assert_allclose(inference.probabilities(logits, "logits"),
+                               np.exp(logits) / np.exp(logits).sum(), rtol=1e-6)
+    np.testing.assert_allclose(inference.probabilities(np.array([[0.25]]), "sigmoid"), [[0.75, 0.25]])
+    np.testing.assert_allclose(inference.probabilities(np.array([[0.0]]), "sigmoid-logits"), [[0.5, 0.5]])
+    assert inference.probabilities(logits, "probabilities") is logits
 
 
 def test_float_targets_are_kept_with_no_classes():

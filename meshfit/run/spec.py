@@ -47,6 +47,9 @@ class RunSpec:
     replicas: int
     platform: str
     device_kind: str
+    # a classifier's outputs, which inference turns into probabilities: probabilities, logits,
+    # sigmoid or sigmoid-logits (one output for two classes); values: no classifier
+    outputs: str = "probabilities"
     simulate_devices: int | None = None  # JAX CPU devices per process standing in for cores
     data_dir: str | None = None
     validation_split: float = 0.0  # share of the training data held out for val_* (0: none)

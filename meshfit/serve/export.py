@@ -178,6 +178,7 @@ def _export_onnx_here(files: rundir.ModelFiles, out: str) -> None:
     names = files.config.get("class_names")  # [] for a model that is no classifier
     metadata = {
         "class_names": [str(n) for n in (range(classes) if names is None else names)],
+        "outputs": files.config.get("outputs") or "probabilities",  # see inference.probabilities
         "input_shape": list(shape),
         "source": os.path.basename(files.keras_path),
         "source_sha256": rundir.file_sha256(files.keras_path),

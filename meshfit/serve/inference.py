@@ -101,6 +101,7 @@ class Predictor:
     input_shape: tuple[int, int, int]
     run: Callable[[np.ndarray], np.ndarray] = field(repr=False)
     model_file: str | None = None
+    outputs: str = "probabilities"  # what the model outputs (config.json's "outputs"): see probabilities
 
     def engine(self) -> str:
         """Who answers, for people: 'ONNX Runtime' or 'Keras on <backend>'."""
@@ -124,7 +125,8 @@ class Predictor:
         if x.shape[1:] != self.input_shape:
             raise MeshfitError(f"images of shape {tuple(x.shape[1:])} given, but the model takes "
                                f"{self.input_shape} (height, width, channels)")
-        return np.asarray(self.run(x), dtype=np.float32)
+        raw = np.asarray(self.run(x), dtype=np.float32)
+        return probabilities(raw, self.outputs) if self.classifier else raw
 
     def predict_files(self, paths: Sequence[str]) -> np.ndarray:
         """The outputs (N, outputs) for image files, read with `load_images`."""
@@ -227,6 +229,26 @@ def onnx_metadata(session) -> dict:
         return {}
 
 
+def probabilities(outputs: np.ndarray, kind: str) -> np.ndarray:
+    """A classifier's outputs (N, classes) as class probabilities: `kind` (config.json's
+    "outputs", meshfit.run.keras_side.scores.outputs_of) "logits" get a softmax, "sigmoid" (one
+    output, the second class's probability; "sigmoid-logits": its logit) become two columns;
+    "probabilities" stay."""
+    if kind == "logits":
+        shifted = np.exp(outputs - outputs.max(axis=-1, keepdims=True))
+        return shifted / shifted.sum(axis=-1, keepdims=True)
+    if kind.startswith("sigmoid"):
+        second = 1 / (1 + np.exp(-outputs[:, :1])) if kind == "sigmoid-logits" else outputs[:, :1]
+        return np.concatenate([1 - second, second], axis=-1)
+    return outputs
+
+
+def _outputs(files: ModelFiles, stored: str | None = None) -> str:
+    """What the model outputs: config.json's "outputs", else `stored` (an ONNX copy's), else
+    probabilities (runs from before it was recorded)."""
+    return files.config.get("outputs") or stored or "probabilities"
+
+
 def _onnx_predictor(files: ModelFiles, session) -> Predictor:
     meta = onnx_metadata(session)
     shape = (files.config.get("input_shape") or meta.get("input_shape")
@@ -235,14 +257,15 @@ def _onnx_predictor(files: ModelFiles, session) -> Predictor:
         raise MeshfitError(f"{files.onnx_path} takes inputs of shape {shape}, not images "
                            "(height, width, channels)")
     classes = session.get_outputs()[0].shape[-1]
-    names = _class_names(files, meta.get("class_names"), classes)
+    outputs = _outputs(files, meta.get("outputs"))
+    names = _class_names(files, meta.get("class_names"), classes, outputs)
     input_name = session.get_inputs()[0].name
 
     def run(x: np.ndarray) -> np.ndarray:
         return session.run(None, {input_name: x})[0]
 
     return Predictor(files.source, "onnxruntime", names, tuple(int(d) for d in shape), run,
-                     files.onnx_path)
+                     files.onnx_path, outputs)
 
 
 def _keras_predictor(files: ModelFiles) -> Predictor:
@@ -253,7 +276,8 @@ def _keras_predictor(files: ModelFiles) -> Predictor:
     model = export_lib.load_float32(files)
     shape = files.config.get("input_shape") or model.input_shape[1:]
     classes = model.output_shape[-1] if hasattr(model, "output_shape") else None  # subclassed: none
-    names = _class_names(files, None, classes)
+    outputs = _outputs(files)
+    names = _class_names(files, None, classes, outputs)
 
     def run(x: np.ndarray) -> np.ndarray:
         with models.on_cpu(keras):
@@ -261,16 +285,19 @@ def _keras_predictor(files: ModelFiles) -> Predictor:
                                    for i in range(0, len(x), KERAS_BATCH)])
 
     return Predictor(files.source, "keras", names, tuple(int(d) for d in shape), run,
-                     files.keras_path)
+                     files.keras_path, outputs)
 
 
-def _class_names(files: ModelFiles, stored: list | None, classes: Any) -> tuple[str, ...]:
+def _class_names(files: ModelFiles, stored: list | None, classes: Any,
+                 outputs: str = "probabilities") -> tuple[str, ...]:
     """The class names of a model with `classes` outputs (None: unknown), from config.json, else
     `stored` (an ONNX copy's), else the indices; () for a model that is no classifier: recorded
-    so ([]), or with one output, which no softmax over classes has (a regression's, also from runs
-    that recorded their labels' classes for it)."""
+    so ([]), or with one output and no sigmoid `outputs` (a regression's, also from runs that
+    recorded their labels' classes for it)."""
     names = files.config.get("class_names")
     names = stored if names is None else names
+    if classes == 1 and outputs.startswith("sigmoid") and names and len(names) == 2:
+        return tuple(str(n) for n in names)  # a binary classifier: the second class's probability
     if classes == 1 or names == []:
         return ()
     if names is None:

@@ -30,7 +30,7 @@ from meshfit.parallel import cluster, planning, stall
 from meshfit.run import checkpoint_format, local_copies, models, rundir, spec
 from meshfit.run.keras_side import checkpoint_restore
 from meshfit.run.keras_side.fit_and_score import fit_run, score_and_write
-from meshfit.run.keras_side.scores import is_classifier
+from meshfit.run.keras_side.scores import accuracy_metric, is_classifier, outputs_of
 from meshfit.run.spec import RunSpec
 from meshfit.watch import goodput
 
@@ -200,8 +200,9 @@ def build(recipe: recipes.Recipe, dataset, steps_per_epoch: int, epochs: int, st
     optimizer = recipe.optimizer(steps_per_epoch, epochs)
     if recipe.compile is None:
         # a model that is no classifier (a regression) has no accuracy: argmax would make one up
-        metric = "accuracy" if is_classifier(model, dataset.class_names) else "mae"
-        model.compile(optimizer=optimizer, loss=recipe.make_loss(), metrics=[metric],
+        loss = recipe.make_loss()
+        metric = accuracy_metric(outputs_of(model, dataset.class_names, loss))
+        model.compile(optimizer=optimizer, loss=loss, metrics=[metric],
                       steps_per_execution=steps_per_dispatch)
     else:  # the model's own compile signature (a subclassed model's)
         recipe.compile(model, optimizer)
@@ -255,7 +256,7 @@ def build_run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, 
                                                      whole_if_unsliceable=asked.saved is not None)
     if stream is not None and strategy.engine == "tensorflow":  # every batch needs a row per slice
         micro_batches = stream.micro_batches = min(micro_batches, stream.smallest_batch or micro_batches)
-    run_spec = make_spec(asked, strategy, dataset, steps_per_epoch=steps, global_batch=global_batch,
+    run_spec = make_spec(asked, strategy, dataset, model, steps_per_epoch=steps, global_batch=global_batch,
                          steps_per_dispatch=batch_plan.steps_per_dispatch,
                          micro_batches=micro_batches, command=command,
                          class_names=class_names_of(model, dataset))
@@ -270,7 +271,7 @@ def class_names_of(model, dataset) -> tuple[str, ...]:
     return names if is_classifier(model, names) else ()
 
 
-def make_spec(asked, strategy, dataset, *, steps_per_epoch: int, global_batch: int,
+def make_spec(asked, strategy, dataset, model, *, steps_per_epoch: int, global_batch: int,
               steps_per_dispatch: int, micro_batches: int, command: str,
               class_names: tuple[str, ...]) -> RunSpec:
     """The run specification of this run on these devices (class_names: see class_names_of)."""
@@ -278,6 +279,7 @@ def make_spec(asked, strategy, dataset, *, steps_per_epoch: int, global_batch: i
     per_epoch = dataset.per_epoch
     return RunSpec(
         recipe=r.name, dataset=dataset.source, class_names=class_names,
+        outputs=outputs_of(model, class_names, r.make_loss()) if class_names else "values",
         input_shape=tuple(r.input_shape or dataset.input_shape), num_classes=dataset.num_classes,
         epochs=o.epochs, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
         steps_per_dispatch=steps_per_dispatch, micro_batches=micro_batches, seed=o.seed,

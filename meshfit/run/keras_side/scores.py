@@ -24,11 +24,40 @@ def _loss_value(loss, labels: np.ndarray, outputs: np.ndarray) -> float:
 
 def is_classifier(model, class_names) -> bool:
     """Whether `model` outputs one value per class of `class_names` (a classifier, or a subclassed
-    model that does not say its output shape); a model with another output width, or data with
-    no classes (a regression's float targets), is no classifier: it has no accuracy to measure."""
+    model that does not say its output shape), or one value for two classes (a binary
+    classifier: a sigmoid's, or its logit); a model with another output width, or data with no
+    classes (a regression's float targets), is no classifier: it has no accuracy to measure."""
     shape = model.output_shape if hasattr(model, "output_shape") else None
     width = shape[-1] if isinstance(shape, tuple) and shape else None
-    return bool(class_names) and (width is None or width == len(class_names))
+    return bool(class_names) and (width is None or width == len(class_names)
+                                  or (width == 1 and len(class_names) == 2))
+
+
+def outputs_of(model, class_names, loss) -> str:
+    """What a classifier's outputs are, as config.json records them ("outputs") for inference,
+    which turns them into probabilities (meshfit.serve.inference.probabilities): "probabilities"
+    (a softmax's), "logits" (loss from_logits=True), "sigmoid" (one output for two classes: the
+    second class's probability) or "sigmoid-logits" (its logit). The loss says, as it is what
+    the outputs were trained for; a model that is no classifier: "values"."""
+    if not is_classifier(model, class_names):
+        return "values"
+    shape = model.output_shape if hasattr(model, "output_shape") else None
+    if isinstance(shape, tuple) and shape and shape[-1] == 1:
+        return "sigmoid-logits" if from_logits(loss) else "sigmoid"
+    return "logits" if from_logits(loss) else "probabilities"
+
+
+def from_logits(loss) -> bool:
+    """Whether a Keras loss (a name or object) takes logits (from_logits=True); names never do."""
+    return bool(getattr(loss, "from_logits", False))
+
+
+def accuracy_metric(outputs: str):
+    """The metric compile() gets for a model's `outputs` (see outputs_of), named "accuracy" for
+    every classifier (a binary one's threshold at its probability 0.5: 0 for a logit)."""
+    if outputs.startswith("sigmoid"):
+        return keras.metrics.BinaryAccuracy(name="accuracy", threshold=0.0 if outputs.endswith("logits") else 0.5)
+    return "mae" if outputs == "values" else "accuracy"
 
 
 def evaluate_model(model, batches, labels: np.ndarray, loss, tta_flip: bool = False,
@@ -44,6 +73,10 @@ def evaluate_model(model, batches, labels: np.ndarray, loss, tta_flip: bool = Fa
         targets = labels.reshape(shape).astype(np.float32)
         return {"mae": float(np.mean(np.abs(outputs - targets))),
                 "loss": _loss_value(loss, targets, outputs)}
+    if outputs.shape[-1] == 1:  # a binary classifier's sigmoid (or logit): class 1 past 0.5 (0)
+        chosen = (outputs[..., 0] > (0.0 if from_logits(loss) else 0.5)).astype(np.int64)
+        accuracy = float(np.mean(chosen == labels.reshape(chosen.shape)))
+        return {"accuracy": accuracy, "loss": _loss_value(loss, labels.reshape(outputs.shape), outputs)}
     if labels.size == np.prod(outputs.shape[:-1]):  # a label per position (a language model's
         labels = labels.reshape(outputs.shape[:-1])  # next tokens), flattened with the data
     accuracy = float(np.mean(np.argmax(outputs, axis=-1) == labels.reshape(outputs.shape[:-1])))
