@@ -213,6 +213,25 @@ def test_layout_uses_train_test_and_val_folders_as_given(tmp_path):
         folder_scan.layout(tmp_path, 0.2, seed=0)
 
 
+def test_the_start_line_calls_only_a_split_of_train_held_out(tmp_path):
+    """A val/ folder (or a streamed "validation" source) is the dataset's own validation data:
+    the start line called it "a held-out validation split"."""
+    from meshfit.data.splits import RunData
+    from meshfit.run.keras_side.fitting import evaluation_note
+
+    write_folder(tmp_path / "train", {"a": 5, "b": 5})
+    run = types.SimpleNamespace(evaluated_on="validation", recipe_file=None)
+    for given in (False, True):
+        if given:
+            write_folder(tmp_path / "val", {"a": 1, "b": 1}, seed=2)
+        split = folder_scan.layout(tmp_path, 0.2, seed=0)
+        data = RunData(str(tmp_path), ("a", "b"), (8, 8, 3), split["train"], split["validation"], None)
+        assert data.validation_given is given
+        note = evaluation_note(run, has_test=False, validation_given=data.validation_given)
+        assert note == ("val_* on the dataset's validation data (no test set, so none is scored); " if given
+                        else "val_* on a held-out validation split (no test set, so none is scored); ")
+
+
 def test_layout_takes_train_alone_and_refuses_val_without_train(tmp_path):
     """train/ alone is split as a folder of classes would be (it was the one class "train"); val/
     next to class folders had become a class of its own, silently."""

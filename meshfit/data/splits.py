@@ -59,6 +59,14 @@ class RunData:
         return isinstance(self.train, streams.Source)
 
     @property
+    def validation_given(self) -> bool:
+        """True when the validation data is the dataset's own (a val/ folder, a streamed
+        "validation" source), not held out of the training data."""
+        if isinstance(self.validation, streams.EvalSource):
+            return True
+        return getattr(self.validation, "root", None) not in (None, getattr(self.train, "root", None))
+
+    @property
     def per_epoch(self) -> tuple[str, Split] | None:
         """("validation" or "test", the split) evaluated at every epoch end, or None."""
         if self.validation is not None:

@@ -71,7 +71,8 @@ def run(asked, strategy, dataset, stream, batch_plan: planning.BatchPlan, comman
                     os.remove(os.path.join(asked.run, rundir.DIVERGED))
                 if asked.options.verbose:
                     announce(asked.run, run_spec, asked.saved, resume_state,
-                             has_test=dataset.test is not None)
+                             has_test=dataset.test is not None,
+                             validation_given=dataset.validation_given)
             try:
                 history, report = fit_run(asked, strategy, model, batches, dataset, run_spec,
                                           resume_state, local.folder if local.writer else None)
@@ -419,20 +420,25 @@ EVALUATION_NOTES = {  # what announce says about the per-epoch val_* metrics
     "test": "val_* on the test set each epoch, as the tutorials did; ",
     "validation": "val_* on a held-out validation split, the test set scored at the end; ",
     "validation-only": "val_* on a held-out validation split (no test set, so none is scored); ",
+    "validation-given": "val_* on the dataset's validation data, the test set scored at the end; ",
+    "validation-given-only": "val_* on the dataset's validation data (no test set, so none is scored); ",
     "none": "no validation data (set validation_split); ",
     "test-own": "val_* on the test set each epoch (no validation split or source given); "}
 
 
-def evaluation_note(run_spec: RunSpec, has_test: bool = True) -> str:
+def evaluation_note(run_spec: RunSpec, has_test: bool = True, validation_given: bool = False) -> str:
     """What the start line says about val_*: built-in recipes follow the tutorials, recipe files
-    do not; a run without a test set (a folder without test/) says none is scored."""
+    do not; a run without a test set (a folder without test/) says none is scored; validation
+    data of the dataset's own (a val/ folder, a streamed source) is not called held out."""
     own = run_spec.evaluated_on == "test" and run_spec.recipe_file
     key = "test-own" if own else run_spec.evaluated_on
-    return EVALUATION_NOTES.get("validation-only" if key == "validation" and not has_test else key, "")
+    if key == "validation":
+        key += ("-given" if validation_given else "") + ("" if has_test else "-only")
+    return EVALUATION_NOTES.get(key, "")
 
 
 def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state,
-             has_test: bool = True) -> None:
+             has_test: bool = True, validation_given: bool = False) -> None:
     """Print where training starts (resumed from which checkpoint) and what it will do."""
     if resume_state:
         note = ""
@@ -452,4 +458,4 @@ def announce(run: str, run_spec: RunSpec, saved: RunSpec | None, resume_state,
         per_dispatch += f", gradients summed over {run_spec.micro_batches}{sized} micro-batches"
     print(f"training {run_spec.recipe}: {run_spec.epochs} epoch(s) x {run_spec.steps_per_epoch} steps "
           f"of {run_spec.global_batch} {run_spec.sample_name} (global batch){per_dispatch}, seed {run_spec.seed}; "
-          f"{evaluation_note(run_spec, has_test)}run directory {run}", flush=True)
+          f"{evaluation_note(run_spec, has_test, validation_given)}run directory {run}", flush=True)
