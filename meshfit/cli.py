@@ -185,7 +185,7 @@ def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_predict(args: argparse.Namespace) -> int:
     """Classify image files on the CPU (or print the values of a model that is no classifier)."""
-    os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras fallback on JAX stays on the CPU
+    _serving_on_the_cpu()
     from meshfit.serve import inference  # start-up: predict's cold start loads only what it uses
 
     if args.top_k is not None and args.top_k < 1:
@@ -238,13 +238,20 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """Write a float32 model for CPU serving."""
-    os.environ["JAX_PLATFORMS"] = "cpu"  # a Keras on JAX stays on the CPU
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    _serving_on_the_cpu()
     from meshfit.serve import export  # start-up: only this command loads it
 
     write = export.export_onnx if args.format == "onnx" else export.export_keras
     print(f"wrote {write(args.model, args.out)}")
     return 0
+
+
+def _serving_on_the_cpu() -> None:
+    """For predict and export: a Keras on JAX stays on the CPU, and TensorFlow (the ONNX export
+    runs in it, also predict's first, in this process) writes none of its C++ log lines
+    ("cpu_feature_guard.cc ... rebuild TensorFlow", "Starting new session") to stderr."""
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 
 # -------------------------------------------------------------------------------------- bench
