@@ -206,8 +206,9 @@ x = rng.random((203, 6)).astype("float32")
 y = (x[:, 0] + x[:, 1] > 1).astype("int32")
 keras.utils.set_random_seed(1)
 with strategy.scope():
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(2)])
+    features = keras.Input((6,), name="features")
+    hidden = keras.layers.Dense(16, activation="relu")(features)
+    model = keras.Model(features, keras.layers.Dense(2)(hidden))
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"], steps_per_execution=3)
 history = model.fit(x, y, batch_size=40, epochs=2, verbose=0, shuffle=False,
@@ -216,8 +217,9 @@ scores = model.evaluate(x, y, batch_size=16, verbose=0)
 i = int(sys.argv[1]) if sys.argv[1:] else jax.process_index()
 outputs = model.predict(x[i * 5:i * 5 + 9], batch_size=4, verbose=0)
 # meshfit's own fit: every process passes the global arrays (whole batches: several hosts cut
-# a last one that does not split), which it cuts to the process's rows
-more = strategy.fit(model, x[:200], y[:200], batch_size=40, epochs=1, verbose=0, shuffle=False, report=False)
+# a last one that does not split; inputs by name), which it cuts to the process's rows
+more = strategy.fit(model, {"features": x[:200]}, y[:200], batch_size=40, epochs=1, verbose=0,
+                    shuffle=False, report=False)
 print(json.dumps({"process": i, "history": history.history, "scores": scores,
                   "outputs": outputs.tolist(), "strategy_fit": more.history["loss"]}), flush=True)
 """

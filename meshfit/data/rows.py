@@ -30,3 +30,12 @@ def first_rows(data: Any, rows: int) -> Any:
     import keras
 
     return keras.tree.map_structure(lambda t: None if t is None else t[:rows], data)
+
+
+def take_rows(data: Any, indices) -> Any:
+    """`data` with every array cut to the rows `indices` (a numpy index array; None entries stay
+    None), as numpy: dict and list inputs (a model with several inputs) as arrays."""
+    import keras
+    import numpy as np
+
+    return keras.tree.map_structure(lambda t: None if t is None else np.asarray(t)[indices], data)

@@ -29,6 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshfit.data import rows
 from meshfit.errors import MeshfitError
 from meshfit.fit import keras_internals
 from meshfit.fit.sources import SplitBatches
@@ -227,12 +228,12 @@ def fit_arguments(strategy, x, y, global_batch: int | None, kwargs: dict[str, An
 
 
 def share(arrays: Sequence[Any], global_batch: int, devices: Sequence[Any], process_index: int):
-    """(this process's rows of each array, per-process batch size); None entries stay None."""
-    samples = len(next(a for a in arrays if a is not None))
-    rows = cluster.local_rows(samples, global_batch, devices, process_index)
-    mine = sum(d.process_index == process_index for d in devices)
-    per_process = global_batch // len(devices) * mine
-    return [None if a is None else np.asarray(a)[rows] for a in arrays], per_process
+    """(this process's rows of each entry, per-process batch size): each an array, a dict or list
+    of arrays (a model of several inputs), or None."""
+    samples = rows.leading_rows([a for a in arrays if a is not None])
+    mine = cluster.local_rows(samples, global_batch, devices, process_index)
+    per_process = global_batch // len(devices) * sum(d.process_index == process_index for d in devices)
+    return [rows.take_rows(a, mine) for a in arrays], per_process
 
 
 def predict_across_hosts(model, batches: Iterable[Any]):
@@ -265,17 +266,17 @@ def predict_across_hosts(model, batches: Iterable[Any]):
     return jax.tree.map(lambda *parts: np.concatenate(parts), *outputs)
 
 
-def _addressable_rows(array: jax.Array, rows: np.ndarray) -> np.ndarray:
-    """Rows `rows` (global indices, each held by a device of this process) of a cross-host array,
+def _addressable_rows(array: jax.Array, indices: np.ndarray) -> np.ndarray:
+    """The rows `indices` (global, each held by a device of this process) of a cross-host array,
     as numpy, read from this process's shards (gathered first where it is split on other axes)."""
     if any(axis is not None for axis in tuple(array.sharding.spec)[1:]):
-        return np.asarray(multihost_utils.process_allgather(array, tiled=True))[rows]
+        return np.asarray(multihost_utils.process_allgather(array, tiled=True))[indices]
     blocks = {}  # first row -> the block of rows a shard holds (shards of one block are copies)
     for shard in array.addressable_shards:
         blocks.setdefault(shard.index[0].start or 0, shard)
     held = np.concatenate([np.asarray(blocks[start].data) for start in sorted(blocks)])
     positions = np.concatenate([np.arange(len(array))[blocks[start].index[0]] for start in sorted(blocks)])
-    return held[np.searchsorted(positions, rows)]
+    return held[np.searchsorted(positions, indices)]
 
 
 # ------------------------------------------- plain Keras fit, evaluate and predict on several hosts
