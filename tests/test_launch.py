@@ -204,7 +204,11 @@ import keras, jax
 rng = np.random.default_rng(0)
 x = rng.random((203, 6)).astype("float32")
 y = (x[:, 0] + x[:, 1] > 1).astype("int32")
-keras.utils.set_random_seed(1)
+# data parallel, another seed on each process of the job (process 0's as the one-process
+# reference's): fit trains from process 0's weights on every process. (Kernels split over a model
+# axis across the processes are drawn in parts, each by the process holding it: one array still.)
+replicated = os.environ["MODEL_PARALLEL"] == "1"
+keras.utils.set_random_seed(1 + (0 if sys.argv[1:] or not replicated else jax.process_index()))
 with strategy.scope():
     features = keras.Input((6,), name="features")
     hidden = keras.layers.Dense(16, activation="relu")(features)
@@ -239,6 +243,7 @@ def test_plain_keras_fit_evaluate_predict_on_two_processes_as_on_one(tmp_path, m
     out = run_meshfit(*launch_args(sys.executable, str(script), devices=2), env=env,
                       timeout=SAFETY_SECONDS)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert ("of the model's weights differed across the 2 processes" in out.stderr) is (model_parallel == 1)
     found = {d["process"]: d for d in (json.loads(line.split(" ", 1)[1])
                                        for line in out.stdout.splitlines() if " {" in line)}
     for i in (0, 1):

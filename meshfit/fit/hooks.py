@@ -163,6 +163,8 @@ def _guarded(method: Callable) -> Callable:
             # coordination service every step; the stall guard ends theirs.
             hosts.meet_every_process(f"calls {name}, which runs on the devices of all "
                                      f"{jax.process_count()} processes")
+            if name == "fit":
+                hosts.agree_on_weights(self)
         with stall.watching(), out_of_memory.noted(), goodput.ledger().part("eval") if (
                 name == "evaluate") else hosts.one_batch_per_dispatch(
                     self, name == "predict" and _active.hosts > 1):

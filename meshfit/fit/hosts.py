@@ -80,6 +80,49 @@ def meet_every_process(doing: str) -> None:
                            f"{EVERY_PROCESS}", see="a-job-hangs")
 
 
+def agree_on_weights(model) -> None:
+    """At a model's first fit on several processes: where its weights differ across the processes
+    (each process built it from its own random seed: `keras.utils.set_random_seed(base +
+    jax.process_index())` before the build), every process takes process 0's, with one warning.
+
+    Each process places its own copy of a replicated weight (sources.agreed_placement skips
+    JAX's check that the copies agree, 1.9 s of a job's start): copies that differ were one array
+    holding other values on each process's devices, and the processes trained other models, for
+    good, with nothing said. The check costs one compiled reduction of every weight and one
+    all-gather of a number per weight."""
+    if getattr(model, "_meshfit_weights_agreed", False):
+        return
+    variables = [v for v in model.variables
+                 if isinstance(v.value, jax.Array) and not v.value.is_fully_addressable]
+    if variables:
+        # A replicated input is reduced on each device alone: each process reads its copy's sum.
+        sums = jax.jit(lambda values: jnp.stack([jnp.sum(x.astype(jnp.float32)) for x in values]))(
+            [v.value for v in variables])
+        everyone = np.asarray(multihost_utils.process_allgather(np.asarray(sums.addressable_data(0))))
+        differ = [v for v, column in zip(variables, everyone.T) if not np.all(column == column[0])]
+        if differ:
+            _take_process_0s(differ)
+    model._meshfit_weights_agreed = True
+
+
+def _take_process_0s(variables: list) -> None:
+    """Every process's `variables` (replicated ones) set to process 0's values, with one warning."""
+    if not all(v.value.sharding.is_fully_replicated for v in variables):
+        raise MeshfitError(f"the model's weights differ across the {jax.process_count()} processes "
+                           f"({variables[0].path}, ...): build it from the same random seed on "
+                           "every process (meshfit.connect() seeds them alike)")
+    values = multihost_utils.broadcast_one_to_all([np.asarray(v.value.addressable_data(0))
+                                                   for v in variables])
+    for variable, value in zip(variables, values):
+        value = np.asarray(value)
+        variable.assign(jax.make_array_from_callback(value.shape, variable.value.sharding,
+                                                     value.__getitem__))
+    if jax.process_index() == 0:
+        print(f"meshfit: warning: {len(variables)} of the model's weights differed across the "
+              f"{jax.process_count()} processes (built from another random seed on each?); every "
+              "process now trains from process 0's", file=sys.stderr, flush=True)
+
+
 def wait_until_computed(value: jax.Array, doing: str) -> None:
     """Wait until `value`, an array on the devices of several processes, is computed; `doing` says
     what this process does ('reads a value computed on ...'). Its computation ends only when every
