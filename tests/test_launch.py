@@ -260,6 +260,34 @@ def test_plain_keras_fit_evaluate_predict_on_two_processes_as_on_one(tmp_path, m
                                        rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+FEWER_ROWS = """
+import numpy as np, meshfit
+strategy = meshfit.connect(verbose=False)
+import keras, jax
+rows = 64 - 16 * jax.process_index()  # process 1 passes a batch fewer
+with strategy.scope():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+model.fit(np.ones((rows, 6)), np.ones((rows, 2)), batch_size=16, verbose=0)
+"""
+
+
+def test_a_process_passing_fewer_batches_is_named_not_a_hung_one(tmp_path):
+    """Process 1's fit ended a step early and the others waited in the step it never ran, until
+    the stall guard blamed it as hung; it now says what it did and the rule, before the guard."""
+    script = tmp_path / "fewer_rows.py"
+    script.write_text(FEWER_ROWS)
+    out = run_meshfit(*launch_args(sys.executable, str(script), devices=2),
+                      env={"MESHFIT_STALL_TIMEOUT": "40"}, timeout=SAFETY_SECONDS)
+    assert out.returncode != 0
+    # whichever comes first: its own line, or the launcher's (no progress for 40 s since step 3)
+    assert ("MeshfitError: process 1 finished fit after 3 training step(s) and the others did "
+            "not come to it within 36 s: each process passes its own rows to fit" in out.stderr
+            or "meshfit: error: process 1 of 2 ran out of batches after starting 3 training steps (the "
+               "others started 4), and waits for them: each process passes its own rows" in out.stderr), out.stderr
+    assert " hung " not in out.stderr
+
+
 def test_unreachable_coordinator_is_a_bounded_one_line_error():
     start = time.monotonic()
     out = run_meshfit("info", env={"MESHFIT_COORDINATOR": "127.0.0.1:9", "MESHFIT_NUM_PROCESSES": "2",
@@ -532,6 +560,13 @@ def test_watch_names_the_process_furthest_behind_once_none_progresses(tmp_path):
     assert watch.poll(1072.0) is None
     assert watch.poll(1103.0).startswith("process 1 of 3 hung after starting 13 training steps (the "
                                          "others as many, but got further)")
+    # one whose fit ended a step early waits for the others at the call after it: no hung one
+    (tmp_path / "progress-1").write_text("12 40 12 meeting\n")
+    (tmp_path / "progress-0").write_text("13 43 13 device\n")
+    assert watch.poll(1104.0) is None
+    assert watch.poll(1135.0).startswith("process 1 of 3 ran out of batches after starting 12 training "
+                                         "steps (the others started 13), and waits for them: each process "
+                                         "passes its own rows to fit, evaluate and predict")
 
 
 def test_watch_names_processes_that_never_joined(tmp_path):

@@ -157,7 +157,9 @@ def _guarded(method: Callable) -> Callable:
         if _active is None:
             return method(self, *args, **kwargs)
         name = method.__name__
-        if cluster.multi_process() and name in ("fit", "evaluate", "predict"):
+        several = cluster.multi_process() and name in ("fit", "evaluate", "predict")
+        steps = heartbeat.counts()[0]
+        if several:
             # Made on one process alone it would wait in a collective. Not each *_on_batch: one
             # barrier a step (a custom loop's) would cost the job a round trip to the
             # coordination service every step; the stall guard ends theirs.
@@ -171,7 +173,9 @@ def _guarded(method: Callable) -> Callable:
             result = method(self, *args, **kwargs)
             if name == "fit":
                 jax.block_until_ready([v.value for v in self.variables])
-            return result
+        if several:
+            hosts.meet_after(name, heartbeat.counts()[0] - steps if name == "fit" else None)
+        return result
 
     return guarded
 

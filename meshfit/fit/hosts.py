@@ -63,9 +63,11 @@ def meet_waits() -> tuple[float, float]:
     return min(MEET_WARN_SECONDS, limit / 2), limit
 
 
-def meet_every_process(doing: str) -> None:
+def meet_every_process(doing: str, why: str = EVERY_PROCESS,
+                       late: str = "a call that only this process makes never ends") -> None:
     """Wait until every process of the job comes to this call (see MEET_WARN_SECONDS); `doing`
-    says what this process does, for the warning and the error ('calls predict')."""
+    says what this process does, for the warning and the error ('calls predict'), `late` the
+    likely reason the others do not come, and `why` the rule and its fix."""
     barrier, (warn, limit) = f"meshfit-meet-{next(_meetings)}", meet_waits()
     begun = time.monotonic()
     if jax_internals.every_process_reaches(barrier, warn):
@@ -73,11 +75,27 @@ def meet_every_process(doing: str) -> None:
     waited = time.monotonic() - begun
     where = f"process {jax.process_index()} {doing}"
     if waited >= 0.9 * warn:  # this process waited the first stage through: others are late
-        _still_waiting(where, waited, "for the others to come to it too (a call that only this "
-                       "process makes never ends)", limit)
+        _still_waiting(where, waited, f"for the others to come to it too ({late})", limit, why)
     if not jax_internals.every_process_reaches(barrier + "-late", max(1.0, limit - waited)):
         raise MeshfitError(f"{where} and the others did not come to it within {limit:g} s: "
-                           f"{EVERY_PROCESS}", see="a-job-hangs")
+                           f"{why}", see="a-job-hangs")
+
+
+# After each fit, evaluate and predict the processes meet again: one whose data ran out first
+# (its own rows were fewer) went on, or exited, while the others waited in the step it never ran,
+# and the stall guard ended them with a line blaming a hung process.
+AS_MANY_BATCHES = ("each process passes its own rows to fit, evaluate and predict, so as many "
+                   "batches on every process, each of as many rows (np.array_split of a count "
+                   "the processes do not divide, or a generator with a batch fewer on one, leaves "
+                   "a process short); give every process as many samples")
+
+
+def meet_after(name: str, steps: int | None) -> None:
+    """After this process's fit (`steps` training steps), evaluate or predict: wait for the
+    others to finish theirs (meet_every_process)."""
+    after = f" after {steps} training step(s)" if steps is not None else ""
+    meet_every_process(f"finished {name}{after}", AS_MANY_BATCHES,
+                       "another still runs a step with rows this process did not pass?")
 
 
 def agree_on_weights(model) -> None:
@@ -148,9 +166,9 @@ def wait_until_computed(value: jax.Array, doing: str) -> None:
         pause = min(0.05, 2 * pause)  # a value that is nearly ready is read at once
 
 
-def _still_waiting(where: str, waited: float, what: str, limit: float) -> None:
+def _still_waiting(where: str, waited: float, what: str, limit: float, why: str = EVERY_PROCESS) -> None:
     """The warning of meet_every_process and wait_until_computed, once their first stage is over."""
-    print(f"meshfit: warning: {where} and has waited {waited:.0f} s {what}: {EVERY_PROCESS}. "
+    print(f"meshfit: warning: {where} and has waited {waited:.0f} s {what}: {why}. "
           f"Waiting up to {limit:g} s", file=sys.stderr, flush=True)
 
 

@@ -23,7 +23,8 @@ HEARTBEAT_TIMEOUT_SECONDS = 60  # meshfit.parallel.cluster's default of MESHFIT_
 FROZEN_SECONDS = 0.5
 WHERE = {"device": "in a device computation", "input": "waiting for input", "checkpoint":
          "on a checkpoint", "compiling": "compiling", "thread": "waiting for another thread",
-         "callback": "in a Keras callback", "python": "in Python"}  # heartbeat.where()'s kinds
+         "callback": "in a Keras callback", "python": "in Python",
+         "meeting": "waiting for the others at a call every process makes"}  # heartbeat.where()'s kinds
 
 
 def never_joined(missing: Sequence[int], processes: int, init_timeout: float) -> str:
@@ -150,6 +151,12 @@ class Watch:
                     "is not known")
         most = max(c[0] for i, c in counts.items() if i != behind[0])
         others = f"the others started {most}" if most > lowest[0] else "the others as many, but got further"
+        if most > lowest[0] and heartbeat.progress(self.directory).get(behind[0], ("",) * 4)[3] == "meeting":
+            # it finished its fit (evaluate, predict) and waits for the others: fewer batches
+            return (f"process {behind[0]} of {self.processes} ran out of batches after starting "
+                    f"{lowest[0]} training steps ({others}), and waits for them: each process passes "
+                    f"its own rows to fit, evaluate and predict, so as many batches on every "
+                    f"process, each of as many rows; give every process as many samples: {still}")
         return (f"process {behind[0]} of {self.processes} hung after starting {lowest[0]} training "
                 f"steps ({others}): {still}")
 

@@ -114,6 +114,9 @@ _KINDS = (
     ("callback", ("/keras/src/callbacks/",)),
 )
 _THREAD_WAITS = ("/threading.py", "/queue.py", "/concurrent/futures/")
+# Waiting for the other processes at a call every process makes (before and after fit, evaluate,
+# predict): the one that came (e.g. its data ran out a batch early) is no hung one.
+_MEETING = ("/meshfit/fit/hosts.py", "meet_every_process")
 DOING = {
     "compiling": "compiles a program",
     "checkpoint": "writes or reads a checkpoint",
@@ -121,6 +124,7 @@ DOING = {
     "device": "waits in a device computation (its collectives) or a transfer",
     "thread": "waits for another thread",
     "callback": "runs a Keras callback's own code",
+    "meeting": "waits for the other processes to come to a call every process makes",
     "python": "runs Python code",
 }
 
@@ -146,12 +150,16 @@ def _doing(frame) -> tuple[str, str]:
     if frame is None:
         return "python", "?"
     innermost = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
-    files = []  # innermost first
+    files, functions = [], []  # innermost first
     while frame is not None:
         files.append(frame.f_code.co_filename.replace(os.sep, "/"))
+        functions.append(frame.f_code.co_name)
         frame = frame.f_back
     if any(part in name for name in files for part in _COMPILING):
         return "compiling", innermost
+    if any(name.endswith(_MEETING[0]) and function == _MEETING[1]
+           for name, function in zip(files, functions)):
+        return "meeting", innermost
     for name in files:
         for kind, parts in _KINDS:
             if any(part in name for part in parts):
