@@ -120,7 +120,8 @@ USER_PROGRAM = textwrap.dedent("""
         saving_lib.H5IOStore.close = slow_close
     model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0,
               callbacks=[keras.callbacks.BackupAndRestore(folder + "/backup"),
-                         keras.callbacks.ModelCheckpoint(folder + "/last.keras")])
+                         keras.callbacks.ModelCheckpoint(folder + "/last.keras"),
+                         keras.callbacks.CSVLogger(folder + "/log.csv", append=True)])
     model.save(folder + "/model.keras")
     model.save_weights(folder + "/model.weights.h5")
     np.savez(f"{folder}/got-{jax.process_index()}.npz", *model.get_weights())
@@ -154,8 +155,10 @@ def test_a_job_of_two_processes_saves_an_fsdp_model_with_keras_own_calls(strateg
     import keras
 
     folder = _launched(tmp_path, USER_PROGRAM, devices=2)
-    assert sorted(os.listdir(folder)) == ["got-0.npz", "got-1.npz", "last.keras", "model.keras",
-                                          "model.weights.h5"]
+    assert sorted(os.listdir(folder)) == ["got-0.npz", "got-1.npz", "last.keras", "log.csv",
+                                          "model.keras", "model.weights.h5"]
+    # CSVLogger(append=True): each epoch's line once (every process wrote each)
+    assert [line.split(",")[0] for line in (folder / "log.csv").read_text().splitlines()] == ["epoch", "0", "1", "2"]
     expected, _ = fit(strategy, *samples(), epochs=3)
     saved = keras.saving.load_model(folder / "model.keras")
     weights_only = keras.models.clone_model(saved)  # the architecture, its own weights

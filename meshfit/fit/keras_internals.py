@@ -415,6 +415,9 @@ PATCHES = (
           "jax", ("self", "logs"),
           "on several processes, each meets the others before the backup folder is removed",
           "a process that finished first removed it while another still wrote its last backup"),
+    Patch("CSVLogger.on_train_begin", lambda: keras.callbacks.CSVLogger, "on_train_begin", "jax",
+          ("self", "logs"), "on several processes, only process 0 writes the CSV file",
+          "every process wrote the same file: each line as many times with append=True"),
     Patch("file_utils.rmtree", _file_utils, "rmtree", "jax", ("path",),
           "on several processes, a folder another process removes at the same time is removed to "
           "the end, not an error", "BackupAndRestore removes its folder from every process at the end of fit"),

@@ -34,7 +34,9 @@ import os
 import shutil
 from typing import Any, Callable
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from meshfit.files import atomic_path
 from meshfit.fit import hosts
@@ -50,9 +52,6 @@ def whole(value: Any) -> np.ndarray | None:
     MeshfitError (hosts.meet_every_process, hosts.wait_until_computed), not a hang."""
     if getattr(value, "is_fully_addressable", True):
         return None
-    import jax
-    from jax.experimental import multihost_utils
-
     if value.is_fully_replicated:  # read here, once its computation (of every process) is done
         hosts.wait_until_computed(value, f"reads a value computed on the devices of all "
                                          f"{jax.process_count()} processes")
@@ -174,6 +173,24 @@ def met_before_removal(on_train_end: Callable) -> Callable:
         return on_train_end(self, logs)
 
     return meet_first
+
+
+def first_process_writes(on_train_begin: Callable) -> Callable:
+    """The wrapper of Keras' `CSVLogger.on_train_begin`, which opens its file: in a job of several
+    processes every process logs the same epochs (their metrics are the job's), so the others
+    write theirs to os.devnull (with append=True each line was in the file as many times)."""
+
+    @functools.wraps(on_train_begin)
+    def begin(self, logs=None):
+        if not cluster.multi_process() or jax.process_index() == 0:
+            return on_train_begin(self, logs)
+        filename, self.filename = self.filename, os.devnull
+        try:
+            return on_train_begin(self, logs)
+        finally:
+            self.filename = filename
+
+    return begin
 
 
 def shared_removals(keras_rmtree: Callable) -> Callable:
