@@ -87,7 +87,8 @@ def meet_every_process(doing: str, why: str = EVERY_PROCESS,
 AS_MANY_BATCHES = ("each process passes its own rows to fit, evaluate and predict, so as many "
                    "batches on every process, each of as many rows (np.array_split of a count "
                    "the processes do not divide, or a generator with a batch fewer on one, leaves "
-                   "a process short); give every process as many samples")
+                   "a process short), and a callback that stops training (model.stop_training = "
+                   "True) stops it on every process; give every process as many samples")
 
 
 def meet_after(name: str, steps: int | None) -> None:
@@ -95,7 +96,8 @@ def meet_after(name: str, steps: int | None) -> None:
     others to finish theirs (meet_every_process)."""
     after = f" after {steps} training step(s)" if steps is not None else ""
     meet_every_process(f"finished {name}{after}", AS_MANY_BATCHES,
-                       "another still runs a step with rows this process did not pass?")
+                       "another still runs a step with rows this process did not pass, or was not "
+                       "stopped?")
 
 
 def agree_on_weights(model) -> None:
