@@ -119,7 +119,8 @@ def agree_on_weights(model) -> None:
         sums = jax.jit(lambda values: jnp.stack([jnp.sum(x.astype(jnp.float32)) for x in values]))(
             [v.value for v in variables])
         everyone = np.asarray(multihost_utils.process_allgather(np.asarray(sums.addressable_data(0))))
-        differ = [v for v, column in zip(variables, everyone.T) if not np.all(column == column[0])]
+        differ = [v for v, column in zip(variables, everyone.T)
+                  if not np.array_equal(column, np.full_like(column, column[0]), equal_nan=True)]
         if differ:
             _take_process_0s(differ)
     model._meshfit_weights_agreed = True
