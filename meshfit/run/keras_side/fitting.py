@@ -280,7 +280,7 @@ def make_spec(asked, strategy, dataset, model, *, steps_per_epoch: int, global_b
     per_epoch = dataset.per_epoch
     return RunSpec(
         recipe=r.name, dataset=dataset.source, class_names=class_names,
-        outputs=outputs_of(model, class_names, r.make_loss()) if class_names else "values",
+        outputs=outputs_of(model, class_names, r.make_loss()),
         input_shape=tuple(r.input_shape or dataset.input_shape), num_classes=dataset.num_classes,
         epochs=o.epochs, steps_per_epoch=steps_per_epoch, global_batch=global_batch,
         steps_per_dispatch=steps_per_dispatch, micro_batches=micro_batches, seed=o.seed,
