@@ -124,6 +124,7 @@ USER_PROGRAM = textwrap.dedent("""
                          keras.callbacks.CSVLogger(folder + "/log.csv", append=True)])
     model.save(folder + "/model.keras")
     model.save_weights(folder + "/model.weights.h5")
+    model.export(folder + "/saved_model", verbose=False)
     np.savez(f"{folder}/got-{jax.process_index()}.npz", *model.get_weights())
 """)
 
@@ -145,7 +146,7 @@ def _launched(tmp_path, text: str, devices: int):
 def test_a_job_of_two_processes_saves_an_fsdp_model_with_keras_own_calls(strategy, tmp_path):
     """Every process runs the same program: BackupAndRestore and ModelCheckpoint each epoch, then
     model.save, save_weights and get_weights, on variables split across the 2 processes' 4
-    devices, into one folder they share. It failed at the first save (JAX: "Fetching value for
+    devices, into one folder they share (and model.export). It failed at the first save (JAX: "Fetching value for
     `jax.Array` that spans non-addressable ... devices"); with the variables replicated, the two
     writers of one .weights.h5 failed in h5py ("name already exists") and BackupAndRestore's
     removal of its folder raced (FileNotFoundError), also when process 1 removed the folder while
@@ -156,7 +157,7 @@ def test_a_job_of_two_processes_saves_an_fsdp_model_with_keras_own_calls(strateg
 
     folder = _launched(tmp_path, USER_PROGRAM, devices=2)
     assert sorted(os.listdir(folder)) == ["got-0.npz", "got-1.npz", "last.keras", "log.csv",
-                                          "model.keras", "model.weights.h5"]
+                                          "model.keras", "model.weights.h5", "saved_model"]
     # CSVLogger(append=True): each epoch's line once (every process wrote each)
     assert [line.split(",")[0] for line in (folder / "log.csv").read_text().splitlines()] == ["epoch", "0", "1", "2"]
     expected, _ = fit(strategy, *samples(), epochs=3)
@@ -168,6 +169,11 @@ def test_a_job_of_two_processes_saves_an_fsdp_model_with_keras_own_calls(strateg
                                               for i in (0, 1))):
         for value, want in zip(got, expected, strict=True):
             np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-6)
+    # model.export (a SavedModel, written by process 0) answers as the trained model
+    import tensorflow as tf
+
+    x, reloaded = samples()[0][:5], tf.saved_model.load(str(folder / "saved_model"))
+    np.testing.assert_allclose(reloaded.serve(x).numpy(), saved.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
 def test_a_slow_last_backup_is_not_removed_under_it(tmp_path):

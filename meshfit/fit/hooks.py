@@ -125,6 +125,7 @@ def _install() -> None:
         "H5IOStore.__init__": saving.renamed_h5_stores,
         "H5IOStore.close": saving.renamed_h5_closes,
         "BackupAndRestore.on_train_end": saving.met_before_removal,
+        "Model.export": saving.exported_whole,
         "CSVLogger.on_train_begin": saving.first_process_writes,
         "file_utils.rmtree": saving.shared_removals,
         **dict.fromkeys(("keras.backend.clear_session", "keras.utils.clear_session"), _settings_kept),

@@ -415,6 +415,10 @@ PATCHES = (
           "jax", ("self", "logs"),
           "on several processes, each meets the others before the backup folder is removed",
           "a process that finished first removed it while another still wrote its last backup"),
+    Patch("Model.export", lambda: keras.Model, "export", "jax", ("self", "filepath"),
+          "on several processes, the variables split across them are gathered and process 0 "
+          "alone writes the SavedModel", "Keras' export reads each variable with tf.Variable, "
+          "which JAX refuses for an array other processes hold part of"),
     Patch("CSVLogger.on_train_begin", lambda: keras.callbacks.CSVLogger, "on_train_begin", "jax",
           ("self", "logs"), "on several processes, only process 0 writes the CSV file",
           "every process wrote the same file: each line as many times with append=True"),

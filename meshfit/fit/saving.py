@@ -160,6 +160,33 @@ def renamed_h5_stores(store_init: Callable) -> Callable:
     return __init__
 
 
+def exported_whole(export: Callable) -> Callable:
+    """The wrapper of Keras' `Model.export`: in a job of several processes every process gathers
+    the variables split across processes (TensorFlow's SavedModel reads each with tf.Variable,
+    which JAX refuses for an array other processes hold part of), process 0 alone writes the
+    files (each process wrote the same folder), and the processes meet once it is written. The
+    variables hold their own arrays again after."""
+
+    @functools.wraps(export)
+    def export_whole(self, filepath, *args, **kwargs):
+        if not cluster.multi_process():
+            return export(self, filepath, *args, **kwargs)
+        held = [(v, v.value) for v in self.variables]
+        try:
+            for variable, value in held:
+                gathered = whole(value)
+                if gathered is not None:
+                    variable._value = gathered  # not assign: that would lay it out over the devices
+            result = export(self, filepath, *args, **kwargs) if jax.process_index() == 0 else None
+        finally:
+            for variable, value in held:
+                variable._value = value
+        hosts.meet_every_process(f"exports the model to {filepath}")
+        return result
+
+    return export_whole
+
+
 def met_before_removal(on_train_end: Callable) -> Callable:
     """The wrapper of Keras' `BackupAndRestore.on_train_end`, which removes the backup folder: in
     a job of several processes each first meets the others there (every process calls it), so
