@@ -171,7 +171,7 @@ def exported_whole(export: Callable) -> Callable:
     def export_whole(self, filepath, *args, **kwargs):
         if not cluster.multi_process():
             return export(self, filepath, *args, **kwargs)
-        held = [(v, v.value) for v in self.variables]
+        held = [(v, v._value) for v in self.variables]  # restored exactly after
         try:
             for variable, value in held:
                 gathered = whole(value)
