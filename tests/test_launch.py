@@ -260,16 +260,30 @@ def test_plain_keras_fit_evaluate_predict_on_two_processes_as_on_one(tmp_path, m
                                        rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+# Process 1 passes a batch fewer (`python FEWER_ROWS 16 16`), or batches of another size (16 8).
 FEWER_ROWS = """
+import sys
 import numpy as np, meshfit
 strategy = meshfit.connect(verbose=False)
 import keras, jax
-rows = 64 - 16 * jax.process_index()  # process 1 passes a batch fewer
+batch = int(sys.argv[1 + jax.process_index()])
+rows = 64 - 16 * jax.process_index() if batch == 16 else 4 * batch
 with strategy.scope():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
     model.compile("sgd", "mse")
-model.fit(np.ones((rows, 6)), np.ones((rows, 2)), batch_size=16, verbose=0)
+model.fit(np.ones((rows, 6)), np.ones((rows, 2)), batch_size=batch, verbose=0)
 """
+
+
+def test_a_process_passing_batches_of_another_size_is_one_line(tmp_path):
+    """Each process took its own rows for its share of a batch of its own size: other losses on
+    each process, silently."""
+    script = tmp_path / "smaller_batches.py"
+    script.write_text(FEWER_ROWS)
+    out = run_meshfit(*launch_args(sys.executable, str(script), "16", "8", devices=2), timeout=SAFETY_SECONDS)
+    assert out.returncode != 0
+    assert "MeshfitError: the processes pass batches of other sizes (process 0: 16, process 1: 8 " \
+           "rows): each process passes its own rows" in out.stderr, out.stderr
 
 
 def test_a_process_passing_fewer_batches_is_named_not_a_hung_one(tmp_path):
@@ -277,7 +291,7 @@ def test_a_process_passing_fewer_batches_is_named_not_a_hung_one(tmp_path):
     the stall guard blamed it as hung; it now says what it did and the rule, before the guard."""
     script = tmp_path / "fewer_rows.py"
     script.write_text(FEWER_ROWS)
-    out = run_meshfit(*launch_args(sys.executable, str(script), devices=2),
+    out = run_meshfit(*launch_args(sys.executable, str(script), "16", "16", devices=2),
                       env={"MESHFIT_STALL_TIMEOUT": "40"}, timeout=SAFETY_SECONDS)
     assert out.returncode != 0
     # whichever comes first: its own line, or the launcher's (no progress for 40 s since step 3)

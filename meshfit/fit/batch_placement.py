@@ -49,6 +49,8 @@ def hook(place: Callable, active: Callable[[], Any]) -> Callable:
         axis = 1 if tuple(sharding.spec)[:1] == (None,) and len(shape) > 1 else 0
         entry = tuple(sharding.spec)[axis] if axis < len(sharding.spec) else None
         parts = axis_parts(entry, dict(sharding.mesh.shape))
+        if jax.process_count() > 1:
+            hosts.check_rows(shape[axis])
         rows = shape[axis] * jax.process_count()  # each process passes as many rows
         splits = rows % parts == 0 and rows > 0
         note_batch(rows, splits, parts)

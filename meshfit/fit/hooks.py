@@ -169,12 +169,16 @@ def _guarded(method: Callable) -> Callable:
                                      f"{jax.process_count()} processes")
             if name == "fit":
                 hosts.agree_on_weights(self)
-        with stall.watching(), out_of_memory.noted(), goodput.ledger().part("eval") if (
-                name == "evaluate") else hosts.one_batch_per_dispatch(
-                    self, name == "predict" and _active.hosts > 1):
-            result = method(self, *args, **kwargs)
-            if name == "fit":
-                jax.block_until_ready([v.value for v in self.variables])
+        token = hosts.first_batch.set({} if several else None)
+        try:
+            with stall.watching(), out_of_memory.noted(), goodput.ledger().part("eval") if (
+                    name == "evaluate") else hosts.one_batch_per_dispatch(
+                        self, name == "predict" and _active.hosts > 1):
+                result = method(self, *args, **kwargs)
+                if name == "fit":
+                    jax.block_until_ready([v.value for v in self.variables])
+        finally:
+            hosts.first_batch.reset(token)
         if several:
             hosts.meet_after(name, heartbeat.counts()[0] - steps if name == "fit" else None)
         return result

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import functools
 import itertools
 import sys
@@ -89,6 +90,27 @@ AS_MANY_BATCHES = ("each process passes its own rows to fit, evaluate and predic
                    "the processes do not divide, or a generator with a batch fewer on one, leaves "
                    "a process short), and a callback that stops training (model.stop_training = "
                    "True) stops it on every process; give every process as many samples")
+
+
+_tellings = itertools.count()  # the keys of check_rows: every process makes the same calls in order
+first_batch = contextvars.ContextVar("meshfit_first_batch", default=None)  # {} until checked
+
+
+def check_rows(rows: int) -> None:
+    """At the first batch of a fit, evaluate or predict (first_batch set by meshfit.fit.hooks):
+    a one-line MeshfitError, on every process, where the processes pass batches of other sizes
+    (another batch_size on one: each took its own rows for its share of a batch of its own size,
+    and they trained other numbers, silently). One round trip to the coordinator per call."""
+    state = first_batch.get()
+    if state is None or state.get("checked"):
+        return
+    state["checked"] = True
+    told = jax_internals.every_process_tells(f"meshfit-rows-{next(_tellings)}", str(rows),
+                                             jax.process_count(), jax.process_index(), meet_waits()[1])
+    if told is not None and len(set(told)) > 1:
+        sizes = ", ".join(f"process {i}: {r}" for i, r in enumerate(told))
+        raise MeshfitError(f"the processes pass batches of other sizes ({sizes} rows): "
+                           f"{AS_MANY_BATCHES}")
 
 
 def meet_after(name: str, steps: int | None) -> None:

@@ -122,6 +122,31 @@ def every_process_reaches(barrier: str, seconds: float) -> bool:
     return True
 
 
+def every_process_tells(key: str, value: str, processes: int, index: int,
+                        seconds: float) -> list[str] | None:
+    """Every process's `value` under `key` (a name each process uses once, in the same order),
+    in process order; None where one did not tell within `seconds`, or where this JAX lacks the
+    store (the caller then checks nothing).
+
+    Private: the key-value store of JAX's coordination service
+    (`jax._src.distributed.global_state.client.key_value_set`, `blocking_key_value_get`; checked
+    on JAX 0.10.2 and 0.12.0.1): one round trip to the coordinator, no device collective (which
+    would wait for the devices' queued steps, or for ever for a process that never comes)."""
+    try:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        client.key_value_set(f"{key}/{index}", value)
+        return [client.blocking_key_value_get(f"{key}/{i}", max(1, int(seconds * 1000)))
+                for i in range(processes)]
+    except (ImportError, AttributeError):
+        return None
+    except Exception as e:  # jax.errors.JaxRuntimeError; the service's status is in its text
+        if "DEADLINE_EXCEEDED" in str(e):
+            return None
+        raise
+
+
 def gloo_on_loopback() -> None:
     """Make gloo's collectives listen on 127.0.0.1 rather than on this host name's address.
 
