@@ -260,14 +260,17 @@ def test_plain_keras_fit_evaluate_predict_on_two_processes_as_on_one(tmp_path, m
                                        rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-# Process 1 passes a batch fewer (`python FEWER_ROWS 16 16`), or batches of another size (16 8).
+# Process 1 passes a batch fewer (`python FEWER_ROWS 16 16`), batches of another size (16 8), or
+# np.array_split's share of 67 rows (0 0: 34 and 33, last batches of 2 and 1).
 FEWER_ROWS = """
 import sys
 import numpy as np, meshfit
 strategy = meshfit.connect(verbose=False)
 import keras, jax
 batch = int(sys.argv[1 + jax.process_index()])
-rows = 64 - 16 * jax.process_index() if batch == 16 else 4 * batch
+rows = (64 - 16 * jax.process_index() if batch == 16 else 4 * batch if batch else
+        len(np.array_split(np.arange(67), 2)[jax.process_index()]))
+batch = batch or 16
 with strategy.scope():
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
     model.compile("sgd", "mse")
@@ -275,15 +278,17 @@ model.fit(np.ones((rows, 6)), np.ones((rows, 2)), batch_size=batch, verbose=0)
 """
 
 
-def test_a_process_passing_batches_of_another_size_is_one_line(tmp_path):
+@pytest.mark.parametrize("batches, sizes", [(("16", "8"), "process 0: 16, process 1: 8"),
+                                            (("0", "0"), "process 0: 2, process 1: 1")])
+def test_a_process_passing_batches_of_another_size_is_one_line(tmp_path, batches, sizes):
     """Each process took its own rows for its share of a batch of its own size: other losses on
-    each process, silently."""
+    each process, silently (another batch_size), or a wait (the last batches of np.array_split)."""
     script = tmp_path / "smaller_batches.py"
     script.write_text(FEWER_ROWS)
-    out = run_meshfit(*launch_args(sys.executable, str(script), "16", "8", devices=2), timeout=SAFETY_SECONDS)
+    out = run_meshfit(*launch_args(sys.executable, str(script), *batches, devices=2), timeout=SAFETY_SECONDS)
     assert out.returncode != 0
-    assert "MeshfitError: the processes pass batches of other sizes (process 0: 16, process 1: 8 " \
-           "rows): each process passes its own rows" in out.stderr, out.stderr
+    assert f"MeshfitError: the processes pass batches of other sizes ({sizes} rows): each process " \
+           "passes its own rows" in out.stderr, out.stderr
 
 
 def test_a_process_passing_fewer_batches_is_named_not_a_hung_one(tmp_path):

@@ -93,18 +93,20 @@ AS_MANY_BATCHES = ("each process passes its own rows to fit, evaluate and predic
 
 
 _tellings = itertools.count()  # the keys of check_rows: every process makes the same calls in order
-first_batch = contextvars.ContextVar("meshfit_first_batch", default=None)  # {} until checked
+first_batch = contextvars.ContextVar("meshfit_first_batch", default=None)  # {"rows": last checked}
 
 
 def check_rows(rows: int) -> None:
-    """At the first batch of a fit, evaluate or predict (first_batch set by meshfit.fit.hooks):
-    a one-line MeshfitError, on every process, where the processes pass batches of other sizes
-    (another batch_size on one: each took its own rows for its share of a batch of its own size,
-    and they trained other numbers, silently). One round trip to the coordinator per call."""
+    """At the first batch of a fit, evaluate or predict (first_batch set by meshfit.fit.hooks),
+    and at each batch of another size than the one before (an epoch's last): a one-line
+    MeshfitError, on every process, where the processes pass batches of other sizes (another
+    batch_size on one, or np.array_split's last batches: each took its own rows for its share of
+    a batch of its own size, and they trained other numbers, silently). One round trip to the
+    coordinator per call, and per change of size."""
     state = first_batch.get()
-    if state is None or state.get("checked"):
+    if state is None or state.get("rows") == rows:
         return
-    state["checked"] = True
+    state["rows"] = rows
     told = jax_internals.every_process_tells(f"meshfit-rows-{next(_tellings)}", str(rows),
                                              jax.process_count(), jax.process_index(), meet_waits()[1])
     if told is not None and len(set(told)) > 1:
