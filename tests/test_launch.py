@@ -307,6 +307,17 @@ def test_a_process_passing_fewer_batches_is_named_not_a_hung_one(tmp_path):
     assert " hung " not in out.stderr
 
 
+def test_another_model_on_one_process_is_one_line(tmp_path):
+    """A model chosen by process index: their steps' collectives did not match, and gloo ended
+    the processes with SIGABRT."""
+    script = tmp_path / "other_model.py"
+    script.write_text(FEWER_ROWS.replace("keras.layers.Dense(2)]", "keras.layers.Dense(2 + 2 * jax.process_index())]"))
+    out = run_meshfit(*launch_args(sys.executable, str(script), "16", "16", devices=2), timeout=SAFETY_SECONDS)
+    assert out.returncode != 0 and "SIGABRT" not in out.stderr
+    assert "MeshfitError: process(es) 1 fit another model than process 0 (other variables, shapes or " \
+           "dtypes; this one has 2 variables)" in out.stderr, out.stderr
+
+
 def test_unreachable_coordinator_is_a_bounded_one_line_error():
     start = time.monotonic()
     out = run_meshfit("info", env={"MESHFIT_COORDINATOR": "127.0.0.1:9", "MESHFIT_NUM_PROCESSES": "2",

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+import hashlib
 import itertools
 import sys
 import time
@@ -92,7 +93,7 @@ AS_MANY_BATCHES = ("each process passes its own rows to fit, evaluate and predic
                    "True) stops it on every process; give every process as many samples")
 
 
-_tellings = itertools.count()  # the keys of check_rows: every process makes the same calls in order
+_tellings = itertools.count()  # keys of every_process_tells: every process makes the same calls in order
 first_batch = contextvars.ContextVar("meshfit_first_batch", default=None)  # {"rows": last checked}
 
 
@@ -136,6 +137,7 @@ def agree_on_weights(model) -> None:
     all-gather of a number per weight."""
     if getattr(model, "_meshfit_weights_agreed", False):
         return
+    _check_same_model(model)
     variables = [v for v in model.variables
                  if isinstance(v.value, jax.Array) and not v.value.is_fully_addressable]
     if variables:
@@ -148,6 +150,22 @@ def agree_on_weights(model) -> None:
         if differ:
             _take_process_0s(differ)
     model._meshfit_weights_agreed = True
+
+
+def _check_same_model(model) -> None:
+    """A one-line MeshfitError, on every process, where the processes fit other models (other
+    variables, shapes or dtypes: a model chosen by process index): their steps' collectives did
+    not match, and gloo ended the processes with SIGABRT. One round trip to the coordinator."""
+    layout = "\n".join(f"{v.path} {tuple(v.shape)} {v.dtype}" for v in model.variables)
+    told = jax_internals.every_process_tells(
+        f"meshfit-model-{next(_tellings)}", hashlib.sha256(layout.encode()).hexdigest(),
+        jax.process_count(), jax.process_index(), meet_waits()[1])
+    if told is not None and len(set(told)) > 1:
+        others = [i for i, digest in enumerate(told) if digest != told[0]]
+        raise MeshfitError(f"process(es) {', '.join(map(str, others))} fit another model than "
+                           f"process 0 (other variables, shapes or dtypes; this one has "
+                           f"{len(model.variables)} variables): in a job of several processes every "
+                           "process builds and fits the same model")
 
 
 def _take_process_0s(variables: list) -> None:
