@@ -202,7 +202,8 @@ def layout(path: str | os.PathLike, validation_split: float, seed: int) -> dict[
         found = splits["validation"] or splits["test"]
         raise MeshfitError(f"{root} has {os.path.basename(found)}/ but no train/ folder, so "
                            f"{os.path.basename(found)} would be a class; put the training images in "
-                           f"{os.path.join(root, 'train')}/<class name>/ (or rename that folder if it is a class)")
+                           f"{os.path.join(root, 'train')}/<class name>/ (or rename that folder if "
+                           "it is a class)")
     if splits["train"]:
         train = scan(splits["train"])
         test = scan(splits["test"], train.class_names) if splits["test"] else None

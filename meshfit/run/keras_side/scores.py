@@ -56,7 +56,8 @@ def accuracy_metric(outputs: str):
     """The metric compile() gets for a model's `outputs` (see outputs_of), named "accuracy" for
     every classifier (a binary one's threshold at its probability 0.5: 0 for a logit)."""
     if outputs.startswith("sigmoid"):
-        return keras.metrics.BinaryAccuracy(name="accuracy", threshold=0.0 if outputs.endswith("logits") else 0.5)
+        threshold = 0.0 if outputs.endswith("logits") else 0.5
+        return keras.metrics.BinaryAccuracy(name="accuracy", threshold=threshold)
     return "mae" if outputs == "values" else "accuracy"
 
 
