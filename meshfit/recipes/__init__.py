@@ -69,7 +69,8 @@ class Recipe:
     `((x_train, y_train), (x_test, y_test))` uint8 image arrays (N, H, W, C) and integer labels
     (N,) (whole-number floats too, under a sparse categorical loss; other floats are a
     regression's targets), as keras.datasets' load_data() does, a
-    meshfit.data.datasets.Dataset, or a dict of streamed sources {"train": ..., "validation": ... or None, "test": ... or None, "class_names": [...]}
+    meshfit.data.datasets.Dataset, or a dict of streamed sources {"train": ..., "validation":
+    ... or None, "test": ... or None, "class_names": [...]}
     (a PyDataset, tf.data.Dataset, Grain dataset or generator function each; see meshfit.data.streams).
     image_size: (height, width) pixels that folder images are resized to; channels: 1 (grey) or 3.
     validation_split: the share of the training data held out for the per-epoch val_* metrics
