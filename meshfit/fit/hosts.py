@@ -83,16 +83,6 @@ def meet_every_process(doing: str, why: str = EVERY_PROCESS,
                            f"{why}", see="a-job-hangs")
 
 
-# After each fit, evaluate and predict the processes meet again: one whose data ran out first
-# (its own rows were fewer) went on, or exited, while the others waited in the step it never ran,
-# and the stall guard ended them with a line blaming a hung process.
-AS_MANY_BATCHES = ("each process passes its own rows to fit, evaluate and predict, so as many "
-                   "batches on every process, each of as many rows (np.array_split of a count "
-                   "the processes do not divide, or a generator with a batch fewer on one, leaves "
-                   "a process short), and a callback that stops training (model.stop_training = "
-                   "True) stops it on every process; give every process as many samples")
-
-
 _tellings = itertools.count()  # keys of every_process_tells: every process makes the same calls in order
 first_batch = contextvars.ContextVar("meshfit_first_batch", default=None)  # {"rows": last checked}
 
@@ -113,14 +103,17 @@ def check_rows(rows: int) -> None:
     if told is not None and len(set(told)) > 1:
         sizes = ", ".join(f"process {i}: {r}" for i, r in enumerate(told))
         raise MeshfitError(f"the processes pass batches of other sizes ({sizes} rows): "
-                           f"{AS_MANY_BATCHES}")
+                           f"{cluster.AS_MANY_BATCHES}")
 
 
+# After each fit, evaluate and predict the processes meet again: one whose data ran out first
+# (its own rows were fewer) went on, or exited, while the others waited in the step it never ran,
+# and the stall guard ended them with a line blaming a hung process.
 def meet_after(name: str, steps: int | None) -> None:
     """After this process's fit (`steps` training steps), evaluate or predict: wait for the
     others to finish theirs (meet_every_process)."""
     after = f" after {steps} training step(s)" if steps is not None else ""
-    meet_every_process(f"finished {name}{after}", AS_MANY_BATCHES,
+    meet_every_process(f"finished {name}{after}", cluster.AS_MANY_BATCHES,
                        "another still runs a step with rows this process did not pass, or was not "
                        "stopped?")
 

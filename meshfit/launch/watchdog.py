@@ -10,7 +10,7 @@ from typing import Sequence
 
 from meshfit import env
 from meshfit.errors import troubleshooting
-from meshfit.parallel import heartbeat, stall
+from meshfit.parallel import cluster, heartbeat, stall
 
 GRACE_SECONDS = 10.0  # between SIGTERM and SIGKILL when stopping the other processes
 INIT_TIMEOUT_SECONDS = 120  # local processes start together, so joining should be quick
@@ -154,9 +154,8 @@ class Watch:
         if most > lowest[0] and heartbeat.progress(self.directory).get(behind[0], ("",) * 4)[3] == "meeting":
             # it finished its fit (evaluate, predict) and waits for the others: fewer batches
             return (f"process {behind[0]} of {self.processes} ran out of batches after starting "
-                    f"{lowest[0]} training steps ({others}), and waits for them: each process passes "
-                    f"its own rows to fit, evaluate and predict, so as many batches on every "
-                    f"process, each of as many rows; give every process as many samples: {still}")
+                    f"{lowest[0]} training steps ({others}), and waits for them: "
+                    f"{cluster.AS_MANY_BATCHES}: {still}")
         return (f"process {behind[0]} of {self.processes} hung after starting {lowest[0]} training "
                 f"steps ({others}): {still}")
 

@@ -44,6 +44,13 @@ from meshfit import env
 from meshfit.parallel import heartbeat, jax_internals
 from meshfit.errors import MeshfitError
 
+# The rule of a user's own fit, evaluate and predict on several processes, for the lines that
+# name its breach (meshfit.fit.hosts in the job, meshfit.launch.watchdog from outside).
+AS_MANY_BATCHES = ("each process passes its own rows to fit, evaluate and predict, so as many "
+                   "batches on every process, each of as many rows (np.array_split of a count "
+                   "the processes do not divide, or a generator with a batch fewer on one, leaves "
+                   "a process short), and a callback that stops training (model.stop_training = "
+                   "True) stops it on every process; give every process as many samples")
 SHUTDOWN_TIMEOUT_SECONDS = 300  # how long finished processes wait at exit for the slowest one
 REACH_POLL_SECONDS = 0.05  # how often a process asks whether the coordinator listens yet
 
